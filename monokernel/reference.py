@@ -1,0 +1,118 @@
+"""NumPy forward pass: the golden model every backend is compared against.
+
+Same numerics as the kernel: weights are the bf16 values (upcast once to float32), activations
+and the residual stream float32, K and V rounded to bf16 when written to the cache, all math in
+float32. Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import ModelConfig
+from .model_loader import BF16
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> nearest bf16 (ties to even) -> float32, as the kernel stores K/V."""
+    return np.asarray(x, np.float32).astype(BF16).astype(np.float32)
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    var = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+    return (x / np.sqrt(var + np.float32(eps))) * w
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1) + np.exp(-x))
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE (HF layout). x [n, heads, d]; cos/sin [n, d/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+class ReferenceModel:
+    """Prefill and decode with a KV cache. ``forward(tokens, start_pos)`` returns float32 logits
+    [len(tokens), vocab]; the cache then holds positions [0, start_pos + len(tokens))."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
+                 max_seq_len: int | None = None):
+        self.cfg = c = config
+        self.max_seq_len = max_seq_len or min(c.max_position_embeddings, 4096)
+        f32 = lambda name: np.asarray(weights[name], dtype=np.float32)  # noqa: E731
+        self.embed = f32("model.embed_tokens.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else f32("lm_head.weight")
+        self.final_norm = f32("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            L = {
+                "in_norm": f32(p + "input_layernorm.weight"),
+                "post_norm": f32(p + "post_attention_layernorm.weight"),
+                "wqkv": np.concatenate([f32(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
+                "wo": f32(p + "self_attn.o_proj.weight"),
+                "wg": f32(p + "mlp.gate_proj.weight"),
+                "wu": f32(p + "mlp.up_proj.weight"),
+                "wd": f32(p + "mlp.down_proj.weight"),
+            }
+            if c.attention_bias:
+                L["bqkv"] = np.concatenate([f32(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            if c.qk_norm:
+                L["q_norm"] = f32(p + "self_attn.q_norm.weight")
+                L["k_norm"] = f32(p + "self_attn.k_norm.weight")
+            self.layers.append(L)
+        self.cos, self.sin = c.rope_table(self.max_seq_len)
+        shape = (c.num_layers, self.max_seq_len, c.num_kv_heads, c.head_dim)
+        self.k_cache = np.zeros(shape, np.float32)
+        self.v_cache = np.zeros(shape, np.float32)
+
+    def reset(self) -> None:
+        self.k_cache[:] = 0
+        self.v_cache[:] = 0
+
+    def forward(self, tokens, start_pos: int) -> np.ndarray:
+        c = self.cfg
+        tokens = np.asarray(tokens, dtype=np.int64)
+        n = len(tokens)
+        end = start_pos + n
+        if end > self.max_seq_len:
+            raise ValueError(f"positions up to {end} exceed the cache of {self.max_seq_len}")
+        x = self.embed[tokens]  # [n, H]
+        cos, sin = self.cos[start_pos:end], self.sin[start_pos:end]
+        scale = np.float32(1.0 / np.sqrt(c.head_dim))
+        # causal mask over [n queries, end keys]
+        qpos = np.arange(start_pos, end)[:, None]
+        kpos = np.arange(end)[None, :]
+        mask = np.where(kpos <= qpos, np.float32(0), np.float32(-np.inf))
+        for li, L in enumerate(self.layers):
+            h = rms_norm(x, L["in_norm"], c.rms_norm_eps)
+            qkv = h @ L["wqkv"].T
+            if c.attention_bias:
+                qkv = qkv + L["bqkv"]
+            q = qkv[:, :c.q_dim].reshape(n, c.num_heads, c.head_dim)
+            k = qkv[:, c.q_dim:c.q_dim + c.kv_dim].reshape(n, c.num_kv_heads, c.head_dim)
+            v = qkv[:, c.q_dim + c.kv_dim:].reshape(n, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q = rms_norm(q, L["q_norm"], c.rms_norm_eps)
+                k = rms_norm(k, L["k_norm"], c.rms_norm_eps)
+            q = rope(q, cos, sin)
+            k = rope(k, cos, sin)
+            self.k_cache[li, start_pos:end] = bf16_round(k)
+            self.v_cache[li, start_pos:end] = bf16_round(v)
+            K = self.k_cache[li, :end]  # [end, kvh, d]
+            V = self.v_cache[li, :end]
+            qg = q.reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
+            scores = np.einsum("nkgd,tkd->nkgt", qg, K) * scale + mask[:, None, None, :]
+            scores = scores - scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p = p / p.sum(axis=-1, keepdims=True)
+            attn = np.einsum("nkgt,tkd->nkgd", p, V).reshape(n, c.q_dim)
+            x = x + attn @ L["wo"].T
+            h = rms_norm(x, L["post_norm"], c.rms_norm_eps)
+            x = x + (silu(h @ L["wg"].T) * (h @ L["wu"].T)) @ L["wd"].T
+        h = rms_norm(x, self.final_norm, c.rms_norm_eps)
+        return (h @ self.lm_head.T).astype(np.float32)
