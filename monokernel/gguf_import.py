@@ -82,7 +82,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, unpermute: bool 
     """Convert ``gguf_path`` into a Hugging Face folder at ``out_dir`` and return its path.
 
     ``unpermute=False`` skips undoing llama.cpp's Q/K row order; it exists for the negative-control
-    test only (the model then talks nonsense after a few tokens).
+    test only (for SmolLM2 the first 4 greedy tokens still agree, then the text goes elsewhere).
     """
     src = Path(gguf_path)
     out = Path(out_dir)
@@ -93,12 +93,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, unpermute: bool 
     tmp = out.parent / f".tmp-{out.name}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        cfg, tok_meta = read_config(reader, src)
+        cfg = read_config(reader, src)
         tokenizer = build_tokenizer(reader, src)
         _write_weights(reader, src, cfg, tmp / "model.safetensors", unpermute, progress)
         _write_json(tmp / "config.json", cfg.to_hf_dict())
         tokenizer.save(str(tmp / "tokenizer.json"))
-        _write_json(tmp / "tokenizer_config.json", _tokenizer_config(reader, cfg, tok_meta))
+        _write_json(tmp / "tokenizer_config.json", _tokenizer_config(reader, cfg))
         _write_json(tmp / "generation_config.json", _generation_config(reader, cfg))
         # Last, so a folder with a marker is a folder that was finished.
         _write_json(tmp / "monokernel.json", source_marker(src))
@@ -203,8 +203,8 @@ def _f32(x: Any) -> float:
     return float(str(np.float32(x)))
 
 
-def read_config(reader, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
-    """ModelConfig from GGUF metadata, and the tokenizer facts (tokens, ids) read on the way."""
+def read_config(reader, path: Path) -> ModelConfig:
+    """ModelConfig from the metadata of an open ``gguf.GGUFReader`` of file ``path``."""
     arch_name = _field(reader, "general.architecture", path=path)
     if arch_name not in _ARCHS:
         raise GGUFError(f"{path}: architecture {arch_name!r} is not supported "
@@ -243,8 +243,7 @@ def read_config(reader, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
         attention_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=None if bos is None else int(bos), eos_token_ids=_eos_ids(reader, tokens),
         name=str(_field(reader, "general.name", path.stem)))
-    cfg = cfg.replace(rope_scaling=_rope_scaling(reader, path, cfg, names))
-    return cfg, {"tokens": tokens}
+    return cfg.replace(rope_scaling=_rope_scaling(reader, path, cfg, names))
 
 
 def _rope_scaling(reader, path: Path, cfg: ModelConfig, tensors: dict) -> RopeScaling | None:
@@ -393,8 +392,8 @@ def _token(tokens: list[str], reader, key: str) -> str | None:
     return None if i is None else tokens[int(i)]
 
 
-def _tokenizer_config(reader, cfg: ModelConfig, meta: dict[str, Any]) -> dict[str, Any]:
-    tokens = meta["tokens"]
+def _tokenizer_config(reader, cfg: ModelConfig) -> dict[str, Any]:
+    tokens = _field(reader, "tokenizer.ggml.tokens")
     d: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": _token(tokens, reader, "bos_token_id"),
@@ -460,5 +459,7 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
         if old is not None:
             os.replace(old, out)
         raise
-    if old is not None:
+    if old is not None and old.is_dir():
         shutil.rmtree(old, ignore_errors=True)
+    elif old is not None:
+        old.unlink()

@@ -1,0 +1,194 @@
+"""The instruction set: the single source of truth for opcodes, the instruction word layout,
+the state/error words and the kernel's argument struct.
+
+``render_header(cfg)`` writes all of it as C for megakernel.cu (NVRTC and g++ both include it);
+nothing here is written a second time by hand on the CUDA side.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from .config import ModelConfig
+
+
+class Op(IntEnum):
+    """One decode step, in order (ARCHITECTURE section 2)."""
+
+    NOOP = 0
+    EMBED = 1  # residual = embed[token]
+    RMS_QKV_ROPE = 2  # q, k, v = rmsnorm(residual) @ Wqkv (+bias); q/k-norm; RoPE; K/V -> cache
+    ATTENTION = 3  # flash-decoding partials per (KV head, position split)
+    O_PROJ_RESIDUAL = 4  # merge partials; residual += attn @ Wo
+    RMS_GATE_UP = 5  # h = silu(rmsnorm(residual) @ Wg) * (rmsnorm(residual) @ Wu)
+    DOWN_RESIDUAL = 6  # residual += h @ Wd
+    RMS_LM_HEAD = 7  # logits tile + per-tile (max, argmax) partial
+    SAMPLE = 8  # reduce partials -> next token; advance position and step
+
+
+class Word(IntEnum):
+    """Meaning of each int32 word of an instruction."""
+
+    OP = 0
+    LAYER = 1
+    TILE_BEGIN = 2  # first tile (row, row pair, or attention unit) of this instruction
+    TILE_END = 3  # one past the last tile
+    WAIT_COUNTER = 4  # counter to wait on, -1 for none
+    WAIT_COUNT = 5  # signals per step to wait for: target = count * (step + 1)
+    SIGNAL_COUNTER = 6  # counter to increment once when done, -1 for none
+    ARG0 = 7  # ATTENTION / O_PROJ_RESIDUAL: position splits; RMS_LM_HEAD: partial slot;
+    #           SAMPLE: number of partials
+    ARG1 = 8
+    ARG2 = 9
+
+
+WIDTH = len(Word)
+
+
+class State(IntEnum):
+    """int32 words of the state buffer: what a step reads from device memory, so that one
+    launch (or one captured graph) serves every step."""
+
+    TOKEN = 0  # the token this step embeds; SAMPLE overwrites it with the next token
+    POS = 1  # its position; SAMPLE advances it
+    STEP = 2  # steps run since the counters were zeroed; SAMPLE advances it
+    TEMPERATURE = 3  # float32 bits; 0 = greedy
+    SEED = 4  # Gumbel-max RNG seed
+    WATCHDOG_MS = 5  # spin deadline in milliseconds
+    PROGRAM_LEN = 6  # instructions per block queue (max_len)
+
+
+STATE_WORDS = 8
+
+
+class Err(IntEnum):
+    """int32 words of the error record; the first block to fail writes it."""
+
+    CODE = 0
+    BLOCK = 1
+    INSTR = 2
+    OP = 3
+    COUNTER = 4
+    EXPECTED = 5
+    SEEN = 6
+
+
+ERROR_WORDS = 8
+
+
+class ErrCode(IntEnum):
+    OK = 0
+    WATCHDOG = 1  # a wait passed its deadline
+    BAD_OPCODE = 2  # an unknown opcode reached the VM loop
+
+
+class TraceWord(IntEnum):
+    """uint64 words recorded per instruction when built with MK_TRACE."""
+
+    START = 0  # ns, before the wait
+    READY = 1  # ns, the wait satisfied
+    END = 2  # ns, after the signal
+
+
+TRACE_WORDS = 4
+
+# The kernel's argument struct, in order: (name, C type, shape comment). The Python side packs
+# the same list (kernel_executor.py); every buffer carries its shape.
+PARAMS: list[tuple[str, str, str]] = [
+    ("program", "const int*", "[blocks, max_len, WIDTH] instruction words"),
+    ("counters", "int*", "[num_counters] monotonic, zeroed once per generation"),
+    ("state", "int*", "[STATE_WORDS]"),
+    ("error", "int*", "[ERROR_WORDS]"),
+    ("trace", "unsigned long long*", "[blocks, max_len, TRACE_WORDS] (MK_TRACE builds)"),
+    ("residual", "float*", "[H] the residual stream"),
+    ("q", "float*", "[Q_DIM] roped (and normed) queries"),
+    ("attn_o", "float*", "[KV_HEADS, max_splits, GROUP, HEAD_DIM] unnormalised partial outputs"),
+    ("attn_ml", "float*", "[KV_HEADS, max_splits, GROUP, 2] partial (max, sum of exp)"),
+    ("ffn_h", "float*", "[FFN] silu(gate) * up"),
+    ("logits", "float*", "[VOCAB]"),
+    ("lm_part", "float*", "[max_partials, 2] (best score, its token id as float bits)"),
+    ("out_tokens", "int*", "[MAX_SEQ] token sampled at each step"),
+    ("k_cache", "unsigned short*", "[LAYERS, MAX_SEQ, KV_HEADS, HEAD_DIM] bf16"),
+    ("v_cache", "unsigned short*", "[LAYERS, MAX_SEQ, KV_HEADS, HEAD_DIM] bf16"),
+    ("rope_cos", "const float*", "[MAX_SEQ, HEAD_DIM/2]"),
+    ("rope_sin", "const float*", "[MAX_SEQ, HEAD_DIM/2]"),
+    ("embed", "const unsigned short*", "[VOCAB, H] bf16"),
+    ("lm_head", "const unsigned short*", "[VOCAB, H] bf16 (== embed when tied)"),
+    ("final_norm", "const unsigned short*", "[H] bf16"),
+    ("in_norm", "const unsigned short*", "[LAYERS, H] bf16"),
+    ("post_norm", "const unsigned short*", "[LAYERS, H] bf16"),
+    ("wqkv", "const unsigned short*", "[LAYERS, QKV_DIM, H] bf16, rows q | k | v"),
+    ("bqkv", "const unsigned short*", "[LAYERS, QKV_DIM] bf16 (HAS_BIAS)"),
+    ("q_norm", "const unsigned short*", "[LAYERS, HEAD_DIM] bf16 (QK_NORM)"),
+    ("k_norm", "const unsigned short*", "[LAYERS, HEAD_DIM] bf16 (QK_NORM)"),
+    ("wo", "const unsigned short*", "[LAYERS, H, Q_DIM] bf16"),
+    ("wg", "const unsigned short*", "[LAYERS, FFN, H] bf16"),
+    ("wu", "const unsigned short*", "[LAYERS, FFN, H] bf16"),
+    ("wd", "const unsigned short*", "[LAYERS, H, FFN] bf16"),
+]
+
+# Threads per block of the persistent kernel (8 warps).
+NUM_THREADS = 256
+
+
+def _float_literal(x: float) -> str:
+    return f"{float(x)!r}f".replace("inf", "INFINITY")
+
+
+def model_constants(cfg: ModelConfig, max_seq_len: int) -> dict[str, int | str]:
+    return {
+        "MK_THREADS": NUM_THREADS,
+        "MK_HIDDEN": cfg.hidden_size,
+        "MK_FFN": cfg.intermediate_size,
+        "MK_LAYERS": cfg.num_layers,
+        "MK_HEADS": cfg.num_heads,
+        "MK_KV_HEADS": cfg.num_kv_heads,
+        "MK_HEAD_DIM": cfg.head_dim,
+        "MK_GROUP": cfg.group_size,
+        "MK_Q_DIM": cfg.q_dim,
+        "MK_KV_DIM": cfg.kv_dim,
+        "MK_QKV_DIM": cfg.qkv_dim,
+        "MK_VOCAB": cfg.vocab_size,
+        "MK_MAX_SEQ": max_seq_len,
+        "MK_HAS_BIAS": int(cfg.attention_bias),
+        "MK_QK_NORM": int(cfg.qk_norm),
+        "MK_RMS_EPS": _float_literal(cfg.rms_norm_eps),
+    }
+
+
+def render_header(cfg: ModelConfig, max_seq_len: int) -> str:
+    """The C header prepended to megakernel.cu."""
+    out = ["// Generated by monokernel/isa.py from the Op enum and the model's config.",
+           "// Do not edit: change isa.py or config.py instead.", ""]
+
+    def enum(name: str, members, prefix: str) -> None:
+        out.append(f"enum {name} {{")
+        out.extend(f"  {prefix}{m.name} = {int(m)}," for m in members)
+        out.append("};")
+
+    enum("Op", Op, "OP_")
+    enum("Word", Word, "W_")
+    enum("StateWord", State, "S_")
+    enum("ErrWord", Err, "E_")
+    enum("ErrCode", ErrCode, "ERR_")
+    enum("TraceWord", TraceWord, "T_")
+    out.append(f"#define MK_NUM_OPS {len(Op)}")
+    out.append(f"#define MK_WIDTH {WIDTH}")
+    out.append(f"#define MK_STATE_WORDS {STATE_WORDS}")
+    out.append(f"#define MK_ERROR_WORDS {ERROR_WORDS}")
+    out.append(f"#define MK_TRACE_WORDS {TRACE_WORDS}")
+    out.append("")
+    out.append(f"// model: {cfg.name} ({cfg.arch})")
+    for k, v in model_constants(cfg, max_seq_len).items():
+        out.append(f"#define {k} {v}")
+    out.append("")
+    out.append("// Op names, for error messages and traces.")
+    names = ", ".join(f'"{m.name}"' for m in Op)
+    out.append(f"#define MK_OP_NAMES {{ {names} }}")
+    out.append("")
+    out.append("struct Params {")
+    width = max(len(f"{t} {n};") for n, t, _ in PARAMS)
+    for n, t, shape in PARAMS:
+        out.append(f"  {(t + ' ' + n + ';').ljust(width)}  // {shape}")
+    out.append("};")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,442 @@
+"""ModelConfig + grid size -> Program: per-block instruction queues, counters and buffers.
+
+Every op of the decode step is split into tiles so that every block works in every op, balanced
+by bytes (rows of one matrix all cost the same, so an even split of rows is an even split of
+bytes). Queues are aligned: instruction slot i holds the same (op, layer) in every block, padded
+with NOOP where a block has nothing (only SAMPLE), so the multi-kernel baseline can launch one
+slot range per op. Each instruction declares the buffer regions it reads and writes;
+``Program.verify()`` proves from those declarations that the waits and signals order every
+conflicting pair of accesses, and that no wait can hang.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ProgramError
+from .isa import STATE_WORDS, WIDTH, Op, Word
+
+# A region of a buffer, in elements: (buffer name, lo, hi).
+Region = tuple[str, int, int]
+
+
+@dataclass
+class Instruction:
+    op: Op
+    layer: int = 0
+    tile: tuple[int, int] = (0, 0)
+    wait: tuple[int, int] | None = None  # (counter, signals per step)
+    signal: int | None = None
+    args: tuple[int, ...] = ()
+    reads: list[Region] = field(default_factory=list)
+    writes: list[Region] = field(default_factory=list)
+    weight_bytes: int = 0  # bytes of weights this instruction streams
+
+    def serialize(self) -> np.ndarray:
+        w = np.zeros(WIDTH, np.int32)
+        w[Word.OP] = int(self.op)
+        w[Word.LAYER] = self.layer
+        w[Word.TILE_BEGIN], w[Word.TILE_END] = self.tile
+        w[Word.WAIT_COUNTER], w[Word.WAIT_COUNT] = self.wait if self.wait else (-1, 0)
+        w[Word.SIGNAL_COUNTER] = -1 if self.signal is None else self.signal
+        for k, a in enumerate(self.args):
+            w[Word.ARG0 + k] = a
+        return w
+
+    def label(self, block: int, index: int) -> str:
+        return f"block {block} #{index} {self.op.name}(layer {self.layer}, tiles {self.tile[0]}:{self.tile[1]})"
+
+    @property
+    def empty(self) -> bool:
+        return self.tile[0] >= self.tile[1]
+
+
+NOOP = Instruction(Op.NOOP)
+
+
+def split_even(n: int, parts: int) -> list[tuple[int, int]]:
+    """[0, n) cut into ``parts`` contiguous ranges whose sizes differ by at most one."""
+    return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+
+
+@dataclass
+class Program:
+    config: ModelConfig
+    num_blocks: int
+    max_seq_len: int
+    queues: list[list[Instruction]]
+    counter_names: list[str]
+    attn_splits: int
+    lm_partials: int
+
+    @property
+    def max_len(self) -> int:
+        return max(len(q) for q in self.queues)
+
+    @property
+    def num_counters(self) -> int:
+        return len(self.counter_names)
+
+    def words(self) -> np.ndarray:
+        """int32 [blocks, max_len, WIDTH], padded with NOOP."""
+        out = np.zeros((self.num_blocks, self.max_len, WIDTH), np.int32)
+        for b, q in enumerate(self.queues):
+            for i, ins in enumerate(q):
+                out[b, i] = ins.serialize()
+        return out
+
+    def slots(self) -> list[tuple[Op, int, int, int]]:
+        """Aligned slot ranges: (op, layer, begin, end) in queue order, for the baseline."""
+        out: list[tuple[Op, int, int, int]] = []
+        for i in range(self.max_len):
+            ops = {(q[i].op, q[i].layer) for q in self.queues if i < len(q) and q[i].op != Op.NOOP}
+            if len(ops) != 1:
+                raise ProgramError(f"slot {i} is not aligned across blocks: {sorted(ops)}")
+            op, layer = ops.pop()
+            if out and out[-1][0] == op and out[-1][1] == layer and out[-1][3] == i:
+                out[-1] = (op, layer, out[-1][2], i + 1)
+            else:
+                out.append((op, layer, i, i + 1))
+        return out
+
+    def buffer_sizes(self) -> dict[str, int]:
+        """Elements of each activation buffer the program touches."""
+        c = self.config
+        return {
+            "residual": c.hidden_size, "q": c.q_dim,
+            "attn_o": c.num_kv_heads * self.attn_splits * c.group_size * c.head_dim,
+            "attn_ml": c.num_kv_heads * self.attn_splits * c.group_size * 2,
+            "ffn_h": c.intermediate_size, "logits": c.vocab_size,
+            "lm_part": self.lm_partials * 2, "out_tokens": self.max_seq_len,
+        }
+
+    # ---- verification ---------------------------------------------------------------------
+    def verify(self) -> None:
+        """Reject the program, naming instructions, if a wait can never be met, the queues
+        deadlock, or two conflicting accesses are not ordered by program order + counters."""
+        nodes = [(b, i) for b, q in enumerate(self.queues) for i in range(len(q))]
+        index = {n: k for k, n in enumerate(nodes)}
+        ins_of = lambda n: self.queues[n[0]][n[1]]  # noqa: E731
+        label = lambda n: ins_of(n).label(*n)  # noqa: E731
+        signalers: dict[int, list[int]] = defaultdict(list)
+        for n in nodes:
+            s = ins_of(n).signal
+            if s is not None:
+                if not 0 <= s < self.num_counters:
+                    raise ProgramError(f"{label(n)} signals counter {s}, which does not exist")
+                signalers[s].append(index[n])
+        # edges: program order, and signal -> wait when the wait needs every signaler
+        preds: list[list[int]] = [[] for _ in nodes]
+        waits_on: dict[int, int] = {}
+        for n in nodes:
+            k = index[n]
+            if n[1] > 0:
+                preds[k].append(index[(n[0], n[1] - 1)])
+            w = ins_of(n).wait
+            if w is None:
+                continue
+            counter, count = w
+            have = len(signalers.get(counter, []))
+            if not 0 <= counter < self.num_counters or count > have or count <= 0:
+                raise ProgramError(
+                    f"{label(n)} waits for {count} signals of counter {counter} "
+                    f"({self._counter_name(counter)}) but only {have} instruction(s) signal "
+                    "it per step: the wait can never be met")
+            if count == have:
+                waits_on[k] = counter
+        order = self._topological(nodes, preds, waits_on, signalers, label)
+        anc = self._ancestors(order, len(nodes), preds, waits_on, signalers)
+        self._check_hazards(nodes, index, anc, ins_of, label)
+
+    def _counter_name(self, c: int) -> str:
+        return self.counter_names[c] if 0 <= c < len(self.counter_names) else "?"
+
+    @staticmethod
+    def _topological(nodes, preds, waits_on, signalers, label) -> list[int]:
+        n = len(nodes)
+        succ: list[list[int]] = [[] for _ in range(n)]
+        indeg = [0] * n
+        for k in range(n):
+            ps = list(preds[k]) + (signalers[waits_on[k]] if k in waits_on else [])
+            for p in ps:
+                succ[p].append(k)
+            indeg[k] = len(ps)
+        order = [k for k in range(n) if indeg[k] == 0]
+        for k in order:
+            for s in succ[k]:
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    order.append(s)
+        if len(order) < n:
+            stuck = [label(nodes[k]) for k in range(n) if indeg[k] > 0]
+            raise ProgramError("the queues deadlock: a cycle of waits runs through "
+                               + "; ".join(stuck[:8]) + (" ..." if len(stuck) > 8 else ""))
+        return order
+
+    @staticmethod
+    def _ancestors(order, n, preds, waits_on, signalers) -> np.ndarray:
+        """Bit matrix anc[k] = every instruction ordered before k (packed uint8)."""
+        nbytes = (n + 7) // 8
+        anc = np.zeros((n, nbytes), np.uint8)
+        group_done: dict[int, np.ndarray] = {}
+        pos_in_order = np.empty(n, np.int64)
+        pos_in_order[order] = np.arange(n)
+        for k in order:
+            row = anc[k]
+            for p in preds[k]:
+                row |= anc[p]
+                row[p >> 3] |= np.uint8(1 << (p & 7))
+            if k in waits_on:
+                c = waits_on[k]
+                g = group_done.get(c)
+                if g is None:  # all signalers precede k in topological order
+                    members = signalers[c]
+                    g = np.bitwise_or.reduce(anc[members], axis=0)
+                    for m in members:
+                        g[m >> 3] |= np.uint8(1 << (m & 7))
+                    group_done[c] = g
+                row |= g
+        return anc
+
+    def _check_hazards(self, nodes, index, anc, ins_of, label) -> None:
+        by_buffer: dict[str, list[tuple[int, int, int, bool]]] = defaultdict(list)
+        for n in nodes:
+            ins = ins_of(n)
+            for buf, lo, hi in ins.reads:
+                by_buffer[buf].append((index[n], lo, hi, False))
+            for buf, lo, hi in ins.writes:
+                by_buffer[buf].append((index[n], lo, hi, True))
+        block_of = np.array([n[0] for n in nodes], np.int64)
+        slot_of = np.array([n[1] for n in nodes], np.int64)
+
+        for buf, acc in by_buffer.items():
+            arr = np.array(acc, np.int64)
+            ids, los, his, isw = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3].astype(bool)
+            for k, lo, hi, w in acc:
+                if not w:
+                    continue
+                sel = (los < hi) & (his > lo) & (block_of[ids] != block_of[k])
+                others = ids[sel]
+                if not len(others):
+                    continue
+                # ordered(a, b): bit a set in anc[b]
+                k_before = (anc[others, k >> 3] >> (k & 7)) & 1
+                k_after = (anc[k, others >> 3] >> (others & 7)) & 1
+                bad = np.flatnonzero((k_before | k_after) == 0)
+                if not len(bad):
+                    continue
+                other = int(others[bad[0]])
+                other_w = bool(isw[sel][bad[0]])
+                if other_w:
+                    kind = "WAW"
+                elif slot_of[k] <= slot_of[other]:
+                    kind = "RAW"
+                else:
+                    kind = "WAR"
+                first, second = (k, other) if slot_of[k] <= slot_of[other] else (other, k)
+                raise ProgramError(
+                    f"{kind} hazard on {buf}[{lo}:{hi}]: {label(nodes[second])} is not "
+                    f"ordered after {label(nodes[first])} (add a wait)")
+
+    # ---- figures for `monokernel plan` ------------------------------------------------------
+    def critical_path_hops(self) -> int:
+        """Counter waits on the longest dependency chain of one token."""
+        nodes = [(b, i) for b, q in enumerate(self.queues) for i in range(len(q))]
+        index = {n: k for k, n in enumerate(nodes)}
+        sig: dict[int, list[int]] = defaultdict(list)
+        for n in nodes:
+            if self.queues[n[0]][n[1]].signal is not None:
+                sig[self.queues[n[0]][n[1]].signal].append(index[n])
+        depth = [0] * len(nodes)
+        for i in range(self.max_len):  # slots are aligned: slot order is a topological order
+            for b, q in enumerate(self.queues):
+                if i >= len(q):
+                    continue
+                k = index[(b, i)]
+                d = depth[index[(b, i - 1)]] if i else 0
+                w = q[i].wait
+                if w is not None:
+                    d = max([d] + [depth[s] + 1 for s in sig[w[0]]])
+                depth[k] = d
+        return max(depth)
+
+    def op_table(self, context: int) -> list[dict]:
+        """Per op: instructions, weight bytes, KV bytes at ``context`` positions."""
+        c = self.config
+        rows: dict[Op, dict] = {}
+        for q in self.queues:
+            for ins in q:
+                if ins.op == Op.NOOP:
+                    continue
+                r = rows.setdefault(ins.op, {"op": ins.op.name, "instructions": 0, "bytes": 0})
+                r["instructions"] += 1
+                r["bytes"] += ins.weight_bytes
+        if Op.ATTENTION in rows:  # K and V, bf16, every layer, every KV head
+            rows[Op.ATTENTION]["bytes"] += 2 * 2 * c.num_layers * context * c.kv_dim
+        return [rows[o] for o in Op if o in rows]
+
+
+def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
+             attn_splits: int | None = None) -> Program:
+    """Build and verify the decode-step program for ``num_blocks`` persistent blocks."""
+    if num_blocks < 1:
+        raise ProgramError(f"num_blocks must be >= 1, got {num_blocks}")
+    c = cfg
+    B = num_blocks
+    H, F, D, half = c.hidden_size, c.intermediate_size, c.head_dim, c.head_dim // 2
+    S = attn_splits or max(1, B // c.num_kv_heads)
+    queues: list[list[Instruction]] = [[] for _ in range(B)]
+    counters: list[str] = []
+
+    def counter(name: str) -> int:
+        counters.append(name)
+        return len(counters) - 1
+
+    def emit(make, wait: int | None, sig: int, only_block: int | None = None) -> None:
+        for b in range(B):
+            if only_block is not None and b != only_block:
+                queues[b].append(NOOP)
+                continue
+            ins = make(b)
+            # every op but SAMPLE runs in all B blocks, so a wait needs B signals
+            ins.wait = (wait, B) if wait is not None else None
+            ins.signal = sig
+            queues[b].append(ins)
+
+    # EMBED: residual[b:e] = embed[token]
+    cnt = counter("EMBED")
+    tiles = split_even(H, B)
+
+    def embed(b):
+        lo, hi = tiles[b]
+        return Instruction(Op.EMBED, 0, (lo, hi), reads=[("state", 0, STATE_WORDS)],
+                           writes=[("residual", lo, hi)] if hi > lo else [],
+                           weight_bytes=2 * (hi - lo))
+    emit(embed, None, cnt)
+    prev = cnt
+    n_heads_total = c.num_heads + 2 * c.num_kv_heads
+    for layer in range(c.num_layers):
+        # RMS_QKV_ROPE: tiles are row pairs; whole heads when q/k-norm needs the head's norm
+        cnt = counter(f"L{layer}.RMS_QKV_ROPE")
+        if c.qk_norm:
+            qkv_tiles = [(a * half, b_ * half) for a, b_ in split_even(n_heads_total, B)]
+        else:
+            qkv_tiles = split_even(n_heads_total * half, B)
+
+        def qkv(b, layer=layer, qkv_tiles=qkv_tiles):
+            lo, hi = qkv_tiles[b]
+            writes: list[Region] = []
+            for head in range(lo // half, (hi - 1) // half + 1 if hi > lo else 0):
+                j0, j1 = max(lo, head * half) - head * half, min(hi, (head + 1) * half) - head * half
+                if head < c.num_heads:
+                    buf, base = "q", head * D
+                elif head < c.num_heads + c.num_kv_heads:
+                    buf, base = "k_cache", layer * c.kv_dim + (head - c.num_heads) * D
+                else:
+                    buf, base = "v_cache", layer * c.kv_dim + (head - c.num_heads - c.num_kv_heads) * D
+                writes += [(buf, base + j0, base + j1), (buf, base + half + j0, base + half + j1)]
+            rows = 2 * (hi - lo)
+            return Instruction(Op.RMS_QKV_ROPE, layer, (lo, hi),
+                               reads=[("residual", 0, H)] if hi > lo else [], writes=writes,
+                               weight_bytes=2 * rows * H + (2 * H if hi > lo else 0))
+        emit(qkv, prev, cnt)
+        prev = cnt
+
+        # ATTENTION: units (KV head, split)
+        cnt = counter(f"L{layer}.ATTENTION")
+        units = split_even(c.num_kv_heads * S, B)
+        gd = c.group_size * D
+
+        def attn(b, layer=layer, units=units):
+            lo, hi = units[b]
+            reads: list[Region] = []
+            writes: list[Region] = []
+            for u in range(lo, hi):
+                g = u // S
+                reads += [("q", g * gd, (g + 1) * gd),
+                          ("k_cache", layer * c.kv_dim + g * D, layer * c.kv_dim + (g + 1) * D),
+                          ("v_cache", layer * c.kv_dim + g * D, layer * c.kv_dim + (g + 1) * D)]
+                writes += [("attn_o", u * gd, (u + 1) * gd),
+                           ("attn_ml", u * c.group_size * 2, (u + 1) * c.group_size * 2)]
+            return Instruction(Op.ATTENTION, layer, (lo, hi), args=(S,), reads=reads,
+                               writes=writes)
+        emit(attn, prev, cnt)
+        prev = cnt
+
+        # O_PROJ_RESIDUAL: every block merges all splits, then its rows of Wo
+        cnt = counter(f"L{layer}.O_PROJ_RESIDUAL")
+        rows = split_even(H, B)
+
+        def oproj(b, layer=layer, rows=rows):
+            lo, hi = rows[b]
+            if hi <= lo:
+                return Instruction(Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=(S,))
+            return Instruction(
+                Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=(S,),
+                reads=[("attn_o", 0, c.num_kv_heads * S * gd),
+                       ("attn_ml", 0, c.num_kv_heads * S * c.group_size * 2),
+                       ("residual", lo, hi)],
+                writes=[("residual", lo, hi)], weight_bytes=2 * (hi - lo) * c.q_dim)
+        emit(oproj, prev, cnt)
+        prev = cnt
+
+        # RMS_GATE_UP: rows of Wg and Wu
+        cnt = counter(f"L{layer}.RMS_GATE_UP")
+        frows = split_even(F, B)
+
+        def gate_up(b, layer=layer, frows=frows):
+            lo, hi = frows[b]
+            if hi <= lo:
+                return Instruction(Op.RMS_GATE_UP, layer, (lo, hi))
+            return Instruction(Op.RMS_GATE_UP, layer, (lo, hi), reads=[("residual", 0, H)],
+                               writes=[("ffn_h", lo, hi)],
+                               weight_bytes=2 * 2 * (hi - lo) * H + 2 * H)
+        emit(gate_up, prev, cnt)
+        prev = cnt
+
+        # DOWN_RESIDUAL: rows of Wd
+        cnt = counter(f"L{layer}.DOWN_RESIDUAL")
+
+        def down(b, layer=layer, rows=rows):
+            lo, hi = rows[b]
+            if hi <= lo:
+                return Instruction(Op.DOWN_RESIDUAL, layer, (lo, hi))
+            return Instruction(Op.DOWN_RESIDUAL, layer, (lo, hi),
+                               reads=[("ffn_h", 0, F), ("residual", lo, hi)],
+                               writes=[("residual", lo, hi)], weight_bytes=2 * (hi - lo) * F)
+        emit(down, prev, cnt)
+        prev = cnt
+
+    # RMS_LM_HEAD: rows of the vocabulary; partial slot = block
+    cnt = counter("RMS_LM_HEAD")
+    vrows = split_even(c.vocab_size, B)
+
+    def lm_head(b):
+        lo, hi = vrows[b]
+        return Instruction(Op.RMS_LM_HEAD, 0, (lo, hi), args=(b,),
+                           reads=[("residual", 0, H)] if hi > lo else [],
+                           writes=([("logits", lo, hi)] if hi > lo else []) + [("lm_part", 2 * b, 2 * b + 2)],
+                           weight_bytes=2 * (hi - lo) * H + (2 * H if hi > lo else 0))
+    emit(lm_head, prev, cnt)
+    prev = cnt
+
+    # SAMPLE: one instruction reduces the partials and advances the state
+    cnt = counter("SAMPLE")
+    emit(lambda b: Instruction(Op.SAMPLE, 0, (0, 1), args=(B,),
+                               reads=[("lm_part", 0, 2 * B), ("state", 0, STATE_WORDS)],
+                               writes=[("state", 0, STATE_WORDS), ("out_tokens", 0, max_seq_len)]),
+         prev, cnt, only_block=0)
+
+    # Each block reads the state words at launch start, before its first instruction.
+    for q in queues:
+        first = next(ins for ins in q if ins.op != Op.NOOP)
+        if ("state", 0, STATE_WORDS) not in first.reads:
+            first.reads = first.reads + [("state", 0, STATE_WORDS)]
+    prog = Program(config=cfg, num_blocks=B, max_seq_len=max_seq_len, queues=queues,
+                   counter_names=counters, attn_splits=S, lm_partials=B)
+    prog.verify()
+    return prog

@@ -1,0 +1,79 @@
+"""Shared fixtures: one throw-away monokernel cache for the whole session, synthetic checkpoints
+written once per shape, and the bundled SmolLM2-135M-Instruct converted once and loaded once.
+
+The cache variable is set in ``pytest_configure``, before any test module imports monokernel, so
+no test can read or write the user's ~/.cache/monokernel. Set MONOKERNEL_TEST_CACHE to a folder to
+keep the converted bundled model between runs (it is then not deleted).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_SESSION_CACHE: dict[str, str] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    keep = os.environ.get("MONOKERNEL_TEST_CACHE")
+    if keep:
+        path, owned = keep, False
+    else:
+        path, owned = tempfile.mkdtemp(prefix="monokernel-test-cache-"), True
+    _SESSION_CACHE.update(path=path, owned="1" if owned else "", previous=os.environ.get(
+        "MONOKERNEL_CACHE", ""))
+    os.environ["MONOKERNEL_CACHE"] = path
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not _SESSION_CACHE:
+        return
+    if _SESSION_CACHE["previous"]:
+        os.environ["MONOKERNEL_CACHE"] = _SESSION_CACHE["previous"]
+    else:
+        os.environ.pop("MONOKERNEL_CACHE", None)
+    if _SESSION_CACHE["owned"]:
+        shutil.rmtree(_SESSION_CACHE["path"], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def session_cache() -> Path:
+    """The MONOKERNEL_CACHE every test of this session uses (subprocesses get it too)."""
+    return Path(_SESSION_CACHE["path"])
+
+
+@pytest.fixture(scope="session")
+def synth_dir(tmp_path_factory):
+    """``synth_dir("qwen3-tiny")`` -> folder of that seeded synthetic checkpoint (seed 0),
+    written once per session. Tests must not modify it: copy it first."""
+    from monokernel.synth import write_synthetic
+
+    root = tmp_path_factory.mktemp("synth")
+    made: dict[str, Path] = {}
+
+    def get(shape: str) -> Path:
+        if shape not in made:
+            made[shape] = write_synthetic(shape, root / shape, seed=0)
+        return made[shape]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def bundled_dir(session_cache) -> Path:
+    """The bundled SmolLM2-135M-Instruct as an HF folder in the session cache (~10 s once)."""
+    from monokernel.gguf_import import bundled_model_dir
+
+    return bundled_model_dir(progress=False)
+
+
+@pytest.fixture(scope="session")
+def bundled_llm(bundled_dir):
+    """``LLM(backend="numpy")`` on the bundled model, loaded once per session."""
+    from monokernel import LLM
+
+    return LLM(backend="numpy", progress=False)

@@ -1,0 +1,173 @@
+"""The tokenizer built from GGUF metadata, checked against transformers' own GGUF tokenizer
+(``AutoTokenizer.from_pretrained(dir, gguf_file=...)``), which is built by independent code."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from monokernel import gguf_import
+from monokernel.gguf_import import LLAMA3_SPLIT, QWEN2_SPLIT, bundled_gguf_path, convert_gguf
+from test_gguf import bundled_dir, tiny_gguf  # noqa: F401  (the lead moves these to conftest.py)
+
+STRINGS = {
+    "unicode": "naïve café, Ünïcödé, 日本語, Привет",
+    "emoji": "👍🏽 🇫🇷 👨‍👩‍👧",
+    "code": "def f(x):\n\treturn x**2  # ok",
+    "whitespace": "a    b\n\n\n  c\t\t",
+    "digits": "12345 3.14159 2024-11-30",
+    "special": "<|im_start|>user\nhi<|im_end|>",
+    "edges": " leading space, trailing space ",
+    "contractions": "I'm sure they'll say it's DON'T",
+}
+
+
+def hf_gguf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def ours(bundled_dir):  # noqa: F811
+    return Tokenizer.from_file(str(bundled_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def theirs():
+    return hf_gguf_tokenizer(bundled_gguf_path())
+
+
+# ==== the bundled SmolLM2 tokenizer ================================================================
+
+@pytest.mark.parametrize("text", STRINGS.values(), ids=STRINGS.keys())
+def test_bundled_matches_transformers(ours, theirs, text):
+    ids = ours.encode(text).ids
+    assert ids == theirs.encode(text)
+    assert ours.decode(ids, skip_special_tokens=False) == text
+    assert theirs.decode(ids) == text
+
+
+def test_bundled_digits_one_per_token(ours):
+    enc = ours.encode(STRINGS["digits"])
+    digit_tokens = [t for t in enc.tokens if any(c.isdigit() for c in t)]
+    assert len(digit_tokens) == sum(c.isdigit() for c in STRINGS["digits"])
+    assert all(sum(c.isdigit() for c in t) == 1 for t in digit_tokens)
+    pieces = [p for p, _ in ours.pre_tokenizer.pre_tokenize_str("x2024 y")]
+    assert pieces == ["x", "2", "0", "2", "4", "Ġy"]
+
+
+def test_bundled_special_tokens_are_single_ids(ours):
+    assert ours.encode("<|im_start|>").ids == [1]
+    assert ours.encode("<|im_end|>").ids == [2]
+    assert ours.encode("<|endoftext|>").ids == [0]
+    assert ours.encode("hi").ids == ours.encode("hi", add_special_tokens=True).ids  # no BOS added
+
+
+def test_bundled_tokenizer_config(bundled_dir):  # noqa: F811
+    import gguf
+
+    tc = json.loads((bundled_dir / "tokenizer_config.json").read_text())
+    assert (tc["bos_token"], tc["eos_token"], tc["pad_token"]) == \
+        ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    assert tc["add_bos_token"] is False
+    reader = gguf.GGUFReader(bundled_gguf_path())
+    assert tc["chat_template"] == reader.fields["tokenizer.chat_template"].contents()
+
+
+def test_bundled_chat_template(bundled_dir, ours, theirs):  # noqa: F811
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    tc = json.loads((bundled_dir / "tokenizer_config.json").read_text())
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    messages = [{"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "4."}]
+    text = env.from_string(tc["chat_template"]).render(
+        messages=messages, add_generation_prompt=True, bos_token=tc["bos_token"],
+        eos_token=tc["eos_token"])
+    assert text == theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    ids = ours.encode(text).ids
+    assert ids[0] == 1 and ids[1] != 1  # the template's <|im_start|>, no BOS added in front
+    assert ids.count(1) == text.count("<|im_start|>") == 4
+    assert ours.decode(ids, skip_special_tokens=False) == text
+
+
+# ==== tiny files: each pre-tokenizer ===============================================================
+
+TINY_STRINGS = ["the in thea 12 x123", "Hello  world\n\n 42!", "ünï 日本 👍", "<think>a</think>",
+                "<|im_start|>the<|im_end|>"]
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt2"])
+def test_tiny_matches_transformers(tmp_path, pre):
+    src = tmp_path / f"{pre}.gguf"
+    tiny_gguf(src, pre=pre)
+    out = convert_gguf(src, tmp_path / "hf", progress=False)
+    ours = Tokenizer.from_file(str(out / "tokenizer.json"))
+    theirs = hf_gguf_tokenizer(src)
+    for s in TINY_STRINGS:
+        ids = ours.encode(s).ids
+        assert ids == theirs.encode(s), (pre, s)
+        assert ours.decode(ids, skip_special_tokens=False) == s
+
+
+def test_tiny_smollm_splits_digits_where_gpt2_merges(tmp_path):
+    """The tiny vocabulary has the merge "1 2": the gpt2 pre-tokenizer uses it, smollm may not."""
+    got = {}
+    for pre in ("gpt2", "smollm"):
+        src = tmp_path / f"{pre}.gguf"
+        tiny_gguf(src, pre=pre)
+        tok = Tokenizer.from_file(str(convert_gguf(src, tmp_path / pre, progress=False)
+                                      / "tokenizer.json"))
+        got[pre] = tok.encode("x12").tokens
+    assert got == {"gpt2": ["x", "12"], "smollm": ["x", "1", "2"]}
+
+
+def test_tiny_added_tokens(tmp_path):
+    """Control tokens (type 3) are special; user-defined ones (type 4) are whole but not special."""
+    src = tmp_path / "t.gguf"
+    tiny_gguf(src)
+    tok = Tokenizer.from_file(str(convert_gguf(src, tmp_path / "hf", progress=False)
+                                  / "tokenizer.json"))
+    ids = tok.encode("<|im_start|><think>the").ids
+    assert ids[:2] == [1, 3]
+    assert tok.decode(ids, skip_special_tokens=True) == "<think>the"
+    assert tok.get_vocab_size(with_added_tokens=True) == tok.get_vocab_size(False)
+
+
+def test_tiny_add_bos(tmp_path):
+    src = tmp_path / "bos.gguf"
+    tiny_gguf(src, add_bos=True)
+    out = convert_gguf(src, tmp_path / "hf", progress=False)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok.encode("the").ids[0] == 1 and tok.encode("the").ids.count(1) == 1
+    assert tok.encode("the", add_special_tokens=False).ids[0] != 1
+    assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is True
+
+
+def test_split_patterns_match_transformers():
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    assert GGUF_PRE_TOKENIZER_SPLITS["qwen2"] == QWEN2_SPLIT
+    assert GGUF_PRE_TOKENIZER_SPLITS["llama-bpe"] == LLAMA3_SPLIT
+
+
+def test_unsupported_tokenizer_model(tmp_path, monkeypatch):
+    src = tmp_path / "t.gguf"
+    tiny_gguf(src)
+    real = gguf_import._field
+
+    def fake(reader, key, *a, **k):
+        return "llama" if key == "tokenizer.ggml.model" else real(reader, key, *a, **k)
+
+    monkeypatch.setattr(gguf_import, "_field", fake)
+    with pytest.raises(gguf_import.TokenizerError, match="'llama'"):
+        convert_gguf(src, tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists()
