@@ -143,8 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_kernel_commands(sub) -> None:
     """plan / bench / trace live with the kernel code; absent until it is built."""
-    try:
-        from . import kernel_cli
+    import importlib
+
+    try:  # ``from . import kernel_cli`` would raise a plain ImportError without e.name
+        kernel_cli = importlib.import_module("monokernel.kernel_cli")
     except ModuleNotFoundError as e:
         if e.name != "monokernel.kernel_cli":
             raise

@@ -225,8 +225,9 @@ def _read_rope(d: dict[str, Any], name: str) -> tuple[float, RopeScaling | None]
     """RoPE theta and scaling from ``rope_parameters`` (transformers v5) or
     ``rope_scaling`` + ``rope_theta`` (v4). A missing theta is an error, not a default."""
     params = d.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta = params["rope_theta"]
+    if isinstance(params, dict) and ({"rope_theta", "rope_type", "type"} & params.keys()):
+        # the scaling lives in rope_parameters even when theta is left at the top level
+        theta = params.get("rope_theta", d.get("rope_theta"))
         scaling = params
     else:
         theta = d.get("rope_theta")

@@ -125,10 +125,20 @@ PARAMS: list[tuple[str, str, str]] = [
     ("wg", "const unsigned short*", "[LAYERS, FFN, H] bf16"),
     ("wu", "const unsigned short*", "[LAYERS, FFN, H] bf16"),
     ("wd", "const unsigned short*", "[LAYERS, H, FFN] bf16"),
+    ("begin", "int", "first instruction slot this launch runs"),
+    ("end", "int", "one past the last slot"),
 ]
 
 # Threads per block of the persistent kernel (8 warps).
 NUM_THREADS = 256
+
+
+def params_dtype():
+    """numpy mirror of struct Params (C layout: align=True), to pack a launch's argument."""
+    import numpy as np
+
+    return np.dtype([(n, np.uint64 if t.endswith("*") else np.int32) for n, t, _ in PARAMS],
+                    align=True)
 
 
 def _float_literal(x: float) -> str:

@@ -566,16 +566,16 @@ __device__ void run_instructions(const Params& P, int begin, int end) {
 // ================================================================================================
 // The persistent megakernel: one cooperative launch runs a whole decode step.
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
-megakernel(const Params P, int begin, int end) {
-  run_instructions<OP_NOOP>(P, begin, end);
+megakernel(const Params P) {
+  run_instructions<OP_NOOP>(P, P.begin, P.end);
 }
 
 // The multi-kernel baseline: one thin kernel per op; the host launches instruction slots
-// [begin, end) of one op at a time, in order.
+// [P.begin, P.end) of one op at a time, in order.
 #define MK_OP_ENTRY(NAME)                                                    \
   extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)                \
-  op_##NAME(const Params P, int begin, int end) {                            \
-    run_instructions<OP_##NAME>(P, begin, end);                              \
+  op_##NAME(const Params P) {                                                \
+    run_instructions<OP_##NAME>(P, P.begin, P.end);                          \
   }
 MK_OP_ENTRY(EMBED)
 MK_OP_ENTRY(RMS_QKV_ROPE)

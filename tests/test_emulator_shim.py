@@ -188,6 +188,20 @@ extern "C" __global__ void assert_kernel(const FlagParams* p) {
 
 extern "C" __global__ void empty_kernel(const FlagParams* p) {}
 
+// Values another thread stores during a barrier must be seen after it: g++ may not keep `s`
+// in a register across __syncthreads.
+extern "C" __global__ void shared_reload(const FlagParams* p) {
+  __shared__ int s;
+  if (threadIdx.x == 0) s = 1;
+  __syncthreads();
+  const int a = s;
+  __syncthreads();
+  if (threadIdx.x == blockDim.x - 1) s = 2;
+  __syncthreads();
+  const int b = s;
+  p->out[blockIdx.x * blockDim.x + threadIdx.x] = a * 10 + b;
+}
+
 struct AtomicParams {
   const float* x;             // (n,)
   float* fsum;                // (1,)
@@ -222,6 +236,22 @@ extern "C" __global__ void atomics(const AtomicParams* p) {
   if (threadIdx.x < 16) p->hist[blockIdx.x * 16 + threadIdx.x] = hist[threadIdx.x];
 }
 
+// Dynamic shared memory through one accessor, as megakernel.cu does it past 48 KB.
+__device__ __forceinline__ int* dynamic_smem_ints(size_t bytes) {
+#ifdef __CUDA_ARCH__
+  extern __shared__ int dyn_smem[];
+  return dyn_smem;
+#else
+  return static_cast<int*>(emu::dynamic_shared(bytes));
+#endif
+}
+extern "C" __global__ void dynamic_shared_rotate(const FlagParams* p) {
+  int* buf = dynamic_smem_ints(blockDim.x * sizeof(int));
+  buf[threadIdx.x] = 1000 * blockIdx.x + threadIdx.x;
+  __syncthreads();
+  p->out[blockIdx.x * blockDim.x + threadIdx.x] = buf[(threadIdx.x + 1) % blockDim.x];
+}
+
 // A float sum whose value depends on the order the block's threads add: fixed in the emulator.
 struct OrderParams {
   const float* x;  // (n,)
@@ -244,7 +274,8 @@ extern "C" __global__ void order_sensitive_sum(const OrderParams* p) {
 KERNEL_NAMES = [
     "block_reduce", "shuffles", "half_warp", "votes", "producer_consumer", "spin_forever",
     "divergent_barrier", "shuffle_missing_lane", "shuffle_vs_barrier", "trap_kernel", "assert_kernel",
-    "empty_kernel", "atomics", "order_sensitive_sum",
+    "empty_kernel", "atomics", "order_sensitive_sum", "shared_reload",
+    "dynamic_shared_rotate",
 ]
 
 
@@ -373,12 +404,13 @@ def test_blocks_spin_on_a_producers_counter(mod, grid):
     assert counter[0] == rounds
 
 
-def test_atomics(mod):
+@pytest.mark.parametrize("block", [96, 100])
+def test_atomics(mod, block):
     class Params(ctypes.Structure):
         _fields_ = [(name, ctypes.c_void_p) for name in ("x", "fsum", "isum", "umax", "imin", "count", "cas", "hist")]
         _fields_ += [("n", ctypes.c_int)]
 
-    grid, block, n = 3, 96, 1000
+    grid, n = 3, 1000
     x = (np.random.default_rng(3).integers(-8, 9, n) / 8).astype(np.float32)  # exact in float32
     fsum, isum = np.full(1, 0.5, np.float32), np.full(1, 11, np.int32)
     umax, imin = np.zeros(1, np.uint32), np.full(1, 10**6, np.int32)
@@ -397,6 +429,21 @@ def test_atomics(mod):
     for i in range(n):
         want_hist[(i % stride) // block, i % 16] += 1
     np.testing.assert_array_equal(hist, want_hist)
+
+
+def test_shared_memory_is_reread_after_a_barrier(mod):
+    grid, block = 3, 100
+    _, out, params = flag_params(grid * block)
+    launch(mod, "shared_reload", grid, block, params)
+    np.testing.assert_array_equal(out, 12)
+
+
+def test_dynamic_shared_memory_is_per_block(mod):
+    grid, block = 4, 160
+    _, out, params = flag_params(grid * block)
+    launch(mod, "dynamic_shared_rotate", grid, block, params)
+    t = np.arange(block)
+    np.testing.assert_array_equal(out.reshape(grid, block), 1000 * np.arange(grid)[:, None] + (t + 1) % block)
 
 
 def test_runs_are_bitwise_deterministic(mod):

@@ -61,16 +61,20 @@ def compiler_version() -> str:
 def asan_preload_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a subprocess that loads a .so built with sanitize="address".
 
-    Python is not built with ASan, so libasan must come first in the process (LD_PRELOAD); leak
-    checking is off (Python keeps its memory at exit) and pymalloc is off so that ASan sees every
-    Python-side buffer with its own redzones.
+    Python is not built with ASan, so libasan must come first in the process (LD_PRELOAD), and
+    libstdc++ right after it: ASan binds its __cxa_throw interceptor when it starts, and the
+    emulator unwinds aborted fibers with exceptions. Leak checking is off (Python keeps its memory
+    at exit) and pymalloc is off so that ASan sees every Python-side buffer with its own redzones.
     """
-    libasan = subprocess.run([CXX, "-print-file-name=libasan.so"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-    if not os.path.isabs(libasan):
-        raise EmulatorBuildError(f"{CXX} does not know where libasan.so is (it answered {libasan!r})")
+    libs = []
+    for name in ("libasan.so", "libstdc++.so"):
+        path = subprocess.run([CXX, f"-print-file-name={name}"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        if not os.path.isabs(path):
+            raise EmulatorBuildError(f"{CXX} does not know where {name} is (it answered {path!r})")
+        libs.append(os.path.realpath(path))
     env = dict(os.environ if base is None else base)
-    env["LD_PRELOAD"] = libasan
+    env["LD_PRELOAD"] = ":".join(libs)
     env["ASAN_OPTIONS"] = "detect_leaks=0"
     env["PYTHONMALLOC"] = "malloc"
     return env

@@ -131,7 +131,6 @@ inline float __sinf(float x) { return sinf(x); }
 inline float __cosf(float x) { return cosf(x); }
 inline float __tanf(float x) { return tanf(x); }
 inline void __sincosf(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
-inline void sincosf_emu(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
@@ -232,6 +231,7 @@ struct Fiber {
   void* stack = nullptr;         // lowest usable byte of the pooled stack (a guard page sits below)
   ::uint3 tid{0, 0, 0};
   Wait wait = Wait::Runnable;
+  Wait resumed_from = Wait::Runnable;  // what it waited for when last resumed (idle detection)
   unsigned int wait_token = 0;   // barrier generation or warp collective sequence it waits on
   unsigned int wait_mask = 0;    // mask of the warp collective it waits at
   const char* where = "";        // what it waits at, for error messages
@@ -241,14 +241,22 @@ struct Fiber {
 #endif
 };
 
+// The exchange buffer of one warp. One collective is open at a time; the lane that completes it
+// computes every lane's result, so the buffer is free again at once.
 struct Warp {
   unsigned int exists = 0;       // lanes that exist (a partial last warp has fewer)
   unsigned int exited = 0;       // lanes whose fiber returned
-  bool open = false;             // a collective is collecting or being read
-  unsigned int mask = 0, arrived = 0, read = 0, seq = 0;
+  bool open = false;             // a collective is collecting deposits
+  unsigned int mask = 0, arrived = 0;
+  unsigned int seq = 0;          // collectives completed so far
   const char* op = "";
-  std::uint64_t vals[32];
+  std::uint64_t vals[32];        // deposits of the open collective
+  int args[32];                  // each lane's source lane / delta / lane mask
+  int widths[32];
+  std::uint64_t results[32];     // lane l's result stays valid until l enters another collective
 };
+
+using WarpCompute = std::uint64_t (*)(const Warp&, unsigned int lane);
 
 struct Launch {
   void (*kernel)(const void*) = nullptr;
@@ -289,6 +297,8 @@ struct Block {
   int bar_count[2] = {0, 0}, bar_or[2] = {0, 0}, bar_and[2] = {1, 1};
   int bar_result_count[2] = {0, 0}, bar_result_or[2] = {0, 0}, bar_result_and[2] = {1, 1};
   void* sched_sp = nullptr;
+  bool pass_aborting = false;        // the current scheduling pass resumes every fiber to unwind
+  int resumed = 0, progressed = 0;   // fibers resumed in this pass / resumed for a reason not a spin
   std::size_t dyn_smem_handed = 0;  // bytes of dynamic shared memory handed out in this launch
 #if !defined(__x86_64__)
   ucontext_t sched_uc;
@@ -302,6 +312,15 @@ struct Block {
 inline thread_local Block* tl_block = nullptr;
 inline thread_local Fiber* tl_fiber = nullptr;
 inline thread_local std::string tl_last_error;
+
+// build.py compiles with TLS descriptors (-mtls-dialect=gnu2) so that g++ hoists the address of
+// a __shared__ (thread_local) array out of loops. g++ assumes a descriptor call preserves every
+// register, but glibc before 2.40 clobbers xmm registers on the slow path, taken on a thread's
+// first access to the module's TLS (glibc BZ #31372). So every thread that runs emulator code
+// calls this first, from a real call with nothing live; later accesses take the fast path.
+__attribute__((noipa)) inline void warm_up_tls() {
+  asm volatile("" : : "r"(&tl_fiber), "r"(&tl_block), "r"(&tl_last_error) : "memory");
+}
 
 inline std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
 inline std::string fmt(const char* f, ...) {
@@ -349,11 +368,25 @@ inline std::string describe_wait(const Fiber& f) {
   return "?";
 }
 
+inline bool fiber_ready(const Block* b, const Fiber& f) {
+  switch (f.wait) {
+    case Wait::Runnable:
+    case Wait::Spin: return true;
+    case Wait::Barrier: return b->bar_gen != f.wait_token;
+    case Wait::WarpFull:
+    case Wait::WarpFree: return b->warps[f.tid.x >> 5].seq != f.wait_token;
+    case Wait::Done: return false;
+  }
+  return false;
+}
+
 // ============================================================================ context switching
 #if defined(__x86_64__)
 // Saves the callee-saved registers and rsp of the running context into *save_sp and resumes the
 // context whose stack pointer is load_sp. Kernels must not change the FP control words.
-__attribute__((naked, noinline)) static void ctx_switch(void** /*save_sp*/, void* /*load_sp*/) {
+// noipa (here and on resume/suspend): g++ must treat a switch as an opaque call that may read and
+// write any memory, or it keeps shared-memory values and loop state in registers across it.
+__attribute__((naked, noipa)) static void ctx_switch(void** /*save_sp*/, void* /*load_sp*/) {
   asm("pushq %rbp\n\t"
       "pushq %rbx\n\t"
       "pushq %r12\n\t"
@@ -400,19 +433,23 @@ inline void prepare_fiber(Fiber* f) {
 #endif
 }
 
-// Scheduler -> fiber. The "memory" clobbers keep the compiler from caching shared or global
-// memory across a switch: other fibers write it meanwhile.
-__attribute__((noinline)) inline void resume_fiber(Block* b, Fiber* f) {
-  *b->current = f;
+// Saves the running context (fiber `from`, or the scheduler when null) and resumes `to` (a fiber,
+// or the scheduler when null). Other fibers write shared and global memory meanwhile: the switch
+// must be a compiler barrier (noipa + "memory" clobbers). A dying fiber never comes back.
+__attribute__((noipa)) inline void switch_fibers(Block* b, Fiber* from, Fiber* to, bool dying) {
+  *b->current = to;
   asm volatile("" ::: "memory");
 #ifdef EMU_ASAN
   void* fake = nullptr;
-  __sanitizer_start_switch_fiber(&fake, f->stack, kStackBytes);
+  __sanitizer_start_switch_fiber(dying ? nullptr : &fake, to ? to->stack : b->sched_stack_bottom,
+                                 to ? kStackBytes : b->sched_stack_size);
+#else
+  (void)dying;
 #endif
 #if defined(__x86_64__)
-  ctx_switch(&b->sched_sp, f->sp);
+  ctx_switch(from ? &from->sp : &b->sched_sp, to ? to->sp : b->sched_sp);
 #else
-  swapcontext(&b->sched_uc, &f->uc);
+  swapcontext(from ? &from->uc : &b->sched_uc, to ? &to->uc : &b->sched_uc);
 #endif
 #ifdef EMU_ASAN
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
@@ -420,25 +457,26 @@ __attribute__((noinline)) inline void resume_fiber(Block* b, Fiber* f) {
   asm volatile("" ::: "memory");
 }
 
-// Fiber -> scheduler. A dying fiber never comes back; its stack returns to the pool.
-__attribute__((noinline)) inline void suspend_fiber(Fiber* f, bool dying) {
+inline void mark_resumed(Block* b, Fiber* g) {
+  g->resumed_from = g->wait;
+  g->wait = Wait::Runnable;
+  ++b->resumed;
+}
+
+// A fiber stops running (it waits, spins or returned): resume the next ready fiber of this pass
+// in threadIdx order directly, or the scheduler once the pass reaches the last thread. Switching
+// fiber to fiber halves the switches of a pass through the scheduler, in the same order.
+inline void yield_fiber(Fiber* f, bool dying) {
   Block* b = f->block;
-  asm volatile("" ::: "memory");
-#ifdef EMU_ASAN
-  void* fake = nullptr;
-  __sanitizer_start_switch_fiber(dying ? nullptr : &fake, b->sched_stack_bottom, b->sched_stack_size);
-#else
-  (void)dying;
-#endif
-#if defined(__x86_64__)
-  ctx_switch(&f->sp, b->sched_sp);
-#else
-  swapcontext(&f->uc, &b->sched_uc);
-#endif
-#ifdef EMU_ASAN
-  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
-#endif
-  asm volatile("" ::: "memory");
+  b->progressed += dying || f->resumed_from != Wait::Spin || f->wait != Wait::Spin;
+  for (int t = static_cast<int>(f->tid.x) + 1; t < b->nthreads; ++t) {
+    Fiber* g = &b->fibers[t];
+    if (g->wait == Wait::Done || (!b->pass_aborting && !fiber_ready(b, *g))) continue;
+    mark_resumed(b, g);
+    switch_fibers(b, f, g, dying);
+    return;
+  }
+  switch_fibers(b, f, nullptr, dying);
 }
 
 // ============================================================================== stack pool
@@ -499,7 +537,7 @@ inline void block_on(Fiber* f, Wait w, unsigned int token, const char* where, un
   f->wait_token = token;
   f->where = where;
   f->wait_mask = mask;
-  suspend_fiber(f, false);
+  yield_fiber(f, false);
   check_abort(f->block);
 }
 
@@ -553,11 +591,11 @@ inline std::string missing_lane_message(const Block* b, int warp, const Warp& w,
              states.c_str());
 }
 
-// One warp collective: every lane named in `mask` deposits `val`, waits until all have, then
-// reads its result through `compute(warp, lane)`. One collective per warp is open at a time; a
-// lane that wants another one waits until every lane has read the current one.
-template <class Compute>
-inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uint64_t val, Compute compute) {
+// One warp collective: every lane named in `mask` deposits `val` (and its shuffle argument and
+// width), waits until all have, and gets `compute(warp, lane)`, evaluated for all lanes by the
+// lane that arrives last.
+inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uint64_t val, int arg, int width,
+                                     WarpCompute compute) {
   Fiber* f = current_fiber();
   Block* b = f->block;
   check_abort(b);
@@ -573,34 +611,40 @@ inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uin
     if (!w.open) {
       if (need & w.exited) {
         w.mask = need;
+        w.op = op;
         fail_here(kWarpError, missing_lane_message(b, warp, w, need & w.exited, op));
       }
       w.open = true;
       w.mask = need;
       w.arrived = 0;
-      w.read = 0;
       w.op = op;
       break;
     }
     if (w.mask == need && !(w.arrived & bit)) {
-      if (std::strcmp(w.op, op) != 0)
+      if (w.op != op && std::strcmp(w.op, op) != 0)
         fail_here(kWarpError, fmt("warp %d of block %u: lane %u reached %s while lanes %s wait at %s (mask 0x%08x)",
                                   warp, b->idx.x, lane, op, lane_list(w.arrived).c_str(), w.op, w.mask));
       break;
     }
-    block_on(f, Wait::WarpFree, w.seq, op, mask);
+    block_on(f, Wait::WarpFree, w.seq, op, mask);  // another collective (other mask) is open
   }
   w.vals[lane] = val;
+  w.args[lane] = arg;
+  w.widths[lane] = width;
   w.arrived |= bit;
-  const unsigned int seq = w.seq;
-  while (w.arrived != w.mask) block_on(f, Wait::WarpFull, seq, op, mask);
-  std::uint64_t r = compute(w, lane);
-  w.read |= bit;
-  if (w.read == w.mask) {
+  if (w.arrived == w.mask) {
+    for (unsigned int m = w.mask; m != 0; m &= m - 1) {
+      const unsigned int l = static_cast<unsigned int>(__builtin_ctz(m));
+      w.results[l] = compute(w, l);
+    }
     w.open = false;
     ++w.seq;
+  } else {
+    const unsigned int seq = w.seq;
+    do block_on(f, Wait::WarpFull, seq, op, mask);
+    while (w.seq == seq);
   }
-  return r;
+  return w.results[lane];
 }
 
 // Reading a lane outside the collective's mask is undefined on a GPU: return a loud pattern.
@@ -648,7 +692,11 @@ inline void on_fiber_exit(Fiber* f) {
   Fiber* f = tl_fiber;
   Block* b = f->block;
 #ifdef EMU_ASAN
-  __sanitizer_finish_switch_fiber(nullptr, &b->sched_stack_bottom, &b->sched_stack_size);
+  // The first fiber to start is always entered from the scheduler: learn its stack bounds then.
+  if (b->sched_stack_bottom == nullptr)
+    __sanitizer_finish_switch_fiber(nullptr, &b->sched_stack_bottom, &b->sched_stack_size);
+  else
+    __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
 #endif
   try {
     b->launch->kernel(b->launch->params);
@@ -659,24 +707,10 @@ inline void on_fiber_exit(Fiber* f) {
     b->launch->fail(kException, fmt("block %u thread %u: uncaught C++ exception", b->idx.x, f->tid.x));
   }
   on_fiber_exit(f);
-  suspend_fiber(f, true);
+  yield_fiber(f, true);
   __builtin_unreachable();
 }
 
-inline bool fiber_ready(const Block* b, const Fiber& f) {
-  switch (f.wait) {
-    case Wait::Runnable:
-    case Wait::Spin: return true;
-    case Wait::Barrier: return b->bar_gen != f.wait_token;
-    case Wait::WarpFull: {
-      const Warp& w = b->warps[f.tid.x >> 5];
-      return w.arrived == w.mask;
-    }
-    case Wait::WarpFree: return b->warps[f.tid.x >> 5].seq != f.wait_token;
-    case Wait::Done: return false;
-  }
-  return false;
-}
 
 inline std::string deadlock_message(const Block* b) {
   // A warp collective with absent lanes explains most deadlocks; name it first.
@@ -696,27 +730,25 @@ inline std::string deadlock_message(const Block* b) {
   return fmt("deadlock in block %u: %s", b->idx.x, states.c_str());
 }
 
-// Round-robin over the block's fibers in threadIdx order until all have returned.
+// Round-robin passes over the block's fibers in threadIdx order until all have returned. A pass
+// starts here with the first ready fiber; the fibers hand over to each other (yield_fiber).
 inline void schedule(Block* b) {
   int idle_passes = 0;
   while (b->live > 0) {
-    const bool aborting = b->launch->abort.load(std::memory_order_relaxed);
-    int resumed = 0, progressed = 0;
+    b->pass_aborting = b->abort->load(std::memory_order_relaxed);
+    b->resumed = b->progressed = 0;
     for (int t = 0; t < b->nthreads; ++t) {
-      Fiber& f = b->fibers[t];
-      if (f.wait == Wait::Done) continue;
-      if (!aborting && !fiber_ready(b, f)) continue;
-      const Wait before = f.wait;
-      f.wait = Wait::Runnable;
-      resume_fiber(b, &f);
-      ++resumed;
-      progressed += before != Wait::Spin || f.wait != Wait::Spin;
+      Fiber* g = &b->fibers[t];
+      if (g->wait == Wait::Done || (!b->pass_aborting && !fiber_ready(b, *g))) continue;
+      mark_resumed(b, g);
+      switch_fibers(b, nullptr, g, false);
+      break;
     }
-    if (resumed == 0) {
-      if (!aborting) b->launch->fail(kDeadlock, deadlock_message(b));
+    if (b->resumed == 0) {
+      if (!b->pass_aborting) b->launch->fail(kDeadlock, deadlock_message(b));
       continue;  // the next pass resumes every fiber, which then unwinds
     }
-    if (progressed > 0) {
+    if (b->progressed > 0) {
       idle_passes = 0;
     } else if (++idle_passes < 256) {
       sched_yield();  // every fiber spins on another block: let that block's OS thread run
@@ -820,6 +852,7 @@ inline const char* last_error() { return detail::tl_last_error.c_str(); }
 // Runs kernel(params) on grid x block CUDA threads. Returns 0, or a Code with last_error() set.
 inline int launch(void (*kernel)(const void*), int grid, int block, const void* params, double timeout_s) {
   using namespace detail;
+  warm_up_tls();
   tl_last_error.clear();
   if (grid < 1 || block < 1 || block > 1024) {
     tl_last_error = fmt("bad launch configuration: grid %d, block %d (need grid >= 1, 1 <= block <= 1024)", grid, block);
@@ -837,6 +870,7 @@ inline int launch(void (*kernel)(const void*), int grid, int block, const void* 
   try {
     for (int b = 0; b < grid; ++b)
       threads.emplace_back([L, b] {
+        warm_up_tls();
         run_block(L.get(), b);
         std::lock_guard<std::mutex> lk(L->mu);
         ++L->blocks_done;
@@ -938,77 +972,78 @@ inline void __nanosleep(unsigned int /*ns*/) {
 
 inline long long clock64() { return static_cast<long long>(emu::global_timer_ns()); }
 
-// ---- warp collectives
+// ---- warp collectives (PTX shfl.sync semantics: a lane reads var of lane j, or its own value
+// when j falls outside the allowed range; reading a lane outside the mask gives kPoison)
+namespace emu::detail {
+inline std::uint64_t shfl_idx(const Warp& w, unsigned int lane) {
+  const int width = w.widths[lane];
+  const int j = static_cast<int>(lane & ~static_cast<unsigned int>(width - 1)) | (w.args[lane] & (width - 1));
+  return lane_value(w, j);
+}
+inline std::uint64_t shfl_up(const Warp& w, unsigned int lane) {
+  const int seg_start = static_cast<int>(lane & ~static_cast<unsigned int>(w.widths[lane] - 1));
+  const long j = static_cast<long>(lane) - static_cast<unsigned int>(w.args[lane]);
+  return j < seg_start ? w.vals[lane] : lane_value(w, static_cast<int>(j));
+}
+inline std::uint64_t shfl_down(const Warp& w, unsigned int lane) {
+  const int seg_end = static_cast<int>(lane | static_cast<unsigned int>(w.widths[lane] - 1));
+  const long j = static_cast<long>(lane) + static_cast<unsigned int>(w.args[lane]);
+  return j > seg_end ? w.vals[lane] : lane_value(w, static_cast<int>(j));
+}
+inline std::uint64_t shfl_bfly(const Warp& w, unsigned int lane) {
+  // A lane may read earlier segments, never later ones.
+  const int seg_end = static_cast<int>(lane | static_cast<unsigned int>(w.widths[lane] - 1));
+  const int j = static_cast<int>(lane) ^ (w.args[lane] & 31);
+  return j > seg_end ? w.vals[lane] : lane_value(w, j);
+}
+inline std::uint64_t vote_ballot(const Warp& w, unsigned int) {
+  std::uint64_t bits = 0;
+  for (int l = 0; l < 32; ++l)
+    if ((w.mask >> l & 1u) && w.vals[l]) bits |= 1ull << l;
+  return bits;
+}
+inline std::uint64_t vote_any(const Warp& w, unsigned int lane) { return vote_ballot(w, lane) != 0; }
+inline std::uint64_t vote_all(const Warp& w, unsigned int lane) { return vote_ballot(w, lane) == w.mask; }
+inline std::uint64_t no_result(const Warp&, unsigned int) { return 0; }
+}  // namespace emu::detail
+
 template <class T>
 inline T __shfl_sync(unsigned int mask, T var, int src_lane, int width = warpSize) {
   using namespace emu::detail;
   check_width(width, "__shfl_sync");
-  return from_bits<T>(warp_collective("__shfl_sync", mask, to_bits(var), [&](const Warp& w, unsigned int lane) {
-    const int j = static_cast<int>(lane & ~static_cast<unsigned int>(width - 1)) | (src_lane & (width - 1));
-    return lane_value(w, j);
-  }));
+  return from_bits<T>(warp_collective("__shfl_sync", mask, to_bits(var), src_lane, width, shfl_idx));
 }
 template <class T>
 inline T __shfl_up_sync(unsigned int mask, T var, unsigned int delta, int width = warpSize) {
   using namespace emu::detail;
   check_width(width, "__shfl_up_sync");
-  return from_bits<T>(warp_collective("__shfl_up_sync", mask, to_bits(var), [&](const Warp& w, unsigned int lane) {
-    const int seg_start = static_cast<int>(lane & ~static_cast<unsigned int>(width - 1));
-    const int j = static_cast<int>(lane) - static_cast<int>(delta);
-    return j < seg_start ? w.vals[lane] : lane_value(w, j);
-  }));
+  return from_bits<T>(warp_collective("__shfl_up_sync", mask, to_bits(var), static_cast<int>(delta), width, shfl_up));
 }
 template <class T>
 inline T __shfl_down_sync(unsigned int mask, T var, unsigned int delta, int width = warpSize) {
   using namespace emu::detail;
   check_width(width, "__shfl_down_sync");
-  return from_bits<T>(warp_collective("__shfl_down_sync", mask, to_bits(var), [&](const Warp& w, unsigned int lane) {
-    const int seg_end = static_cast<int>(lane | static_cast<unsigned int>(width - 1));
-    const long j = static_cast<long>(lane) + static_cast<long>(delta);
-    return j > seg_end ? w.vals[lane] : lane_value(w, static_cast<int>(j));
-  }));
+  return from_bits<T>(warp_collective("__shfl_down_sync", mask, to_bits(var), static_cast<int>(delta), width, shfl_down));
 }
 template <class T>
 inline T __shfl_xor_sync(unsigned int mask, T var, int lane_mask, int width = warpSize) {
   using namespace emu::detail;
   check_width(width, "__shfl_xor_sync");
-  return from_bits<T>(warp_collective("__shfl_xor_sync", mask, to_bits(var), [&](const Warp& w, unsigned int lane) {
-    // PTX shfl.bfly: a lane may read earlier segments, never later ones.
-    const int seg_end = static_cast<int>(lane | static_cast<unsigned int>(width - 1));
-    const int j = static_cast<int>(lane) ^ (lane_mask & 31);
-    return j > seg_end ? w.vals[lane] : lane_value(w, j);
-  }));
+  return from_bits<T>(warp_collective("__shfl_xor_sync", mask, to_bits(var), lane_mask, width, shfl_bfly));
 }
 
 inline unsigned int __ballot_sync(unsigned int mask, int pred) {
-  using namespace emu::detail;
-  return static_cast<unsigned int>(warp_collective("__ballot_sync", mask, pred != 0, [](const Warp& w, unsigned int) {
-    std::uint64_t bits = 0;
-    for (int l = 0; l < 32; ++l)
-      if ((w.mask >> l & 1u) && w.vals[l]) bits |= 1ull << l;
-    return bits;
-  }));
+  return static_cast<unsigned int>(emu::detail::warp_collective("__ballot_sync", mask, pred != 0, 0, 32,
+                                                                emu::detail::vote_ballot));
 }
 inline int __any_sync(unsigned int mask, int pred) {
-  using namespace emu::detail;
-  return static_cast<int>(warp_collective("__any_sync", mask, pred != 0, [](const Warp& w, unsigned int) {
-    for (int l = 0; l < 32; ++l)
-      if ((w.mask >> l & 1u) && w.vals[l]) return std::uint64_t{1};
-    return std::uint64_t{0};
-  }));
+  return static_cast<int>(emu::detail::warp_collective("__any_sync", mask, pred != 0, 0, 32, emu::detail::vote_any));
 }
 inline int __all_sync(unsigned int mask, int pred) {
-  using namespace emu::detail;
-  return static_cast<int>(warp_collective("__all_sync", mask, pred != 0, [](const Warp& w, unsigned int) {
-    for (int l = 0; l < 32; ++l)
-      if ((w.mask >> l & 1u) && !w.vals[l]) return std::uint64_t{0};
-    return std::uint64_t{1};
-  }));
+  return static_cast<int>(emu::detail::warp_collective("__all_sync", mask, pred != 0, 0, 32, emu::detail::vote_all));
 }
 inline void __syncwarp(unsigned int mask = 0xffffffffu) {
-  emu::detail::warp_collective("__syncwarp", mask, 0, [](const emu::detail::Warp&, unsigned int) {
-    return std::uint64_t{0};
-  });
+  emu::detail::warp_collective("__syncwarp", mask, 0, 0, 32, emu::detail::no_result);
 }
 // The emulator cannot tell which lanes a GPU would have converged: it reports the live ones.
 inline unsigned int __activemask() {
@@ -1021,7 +1056,7 @@ inline unsigned int __activemask() {
 #define EMU_WARP_REDUCE(NAME, T, INIT, OP)                                                          \
   inline T NAME(unsigned int mask, T value) {                                                      \
     using namespace emu::detail;                                                                   \
-    return from_bits<T>(warp_collective(#NAME, mask, to_bits(value), [](const Warp& w, unsigned int) { \
+    return from_bits<T>(warp_collective(#NAME, mask, to_bits(value), 0, 32, [](const Warp& w, unsigned int) { \
       T acc = INIT;                                                                                \
       for (int l = 0; l < 32; ++l)                                                                 \
         if (w.mask >> l & 1u) {                                                                    \
@@ -1111,6 +1146,6 @@ extern "C" __attribute__((visibility("hidden"), noreturn)) void __assert_fail(
                                            f->block->idx.x, f->tid.x, expr, file, line, func));
   // Cannot throw out of a noexcept function: abandon this fiber's stack without unwinding.
   on_fiber_exit(f);
-  suspend_fiber(f, true);
+  yield_fiber(f, true);
   __builtin_unreachable();
 }

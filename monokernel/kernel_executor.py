@@ -1,0 +1,298 @@
+"""Kernel executors: one program, one set of buffers, several ways to launch.
+
+``KernelExecutor`` owns the Program, the weights laid out for the kernel, the activation
+buffers and the step loop. A ``Device`` only allocates, copies, compiles and launches: the CPU
+emulator here, CuPy in cuda_backend.py. ``multi=True`` runs the same program as one launch per op
+(the multi-kernel baseline) instead of one persistent launch per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import KernelError, NumericalError
+from .isa import (ERROR_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, TRACE_WORDS, Err, ErrCode, Op,
+                  State, params_dtype, render_header)
+from .model_loader import LoadedModel
+from .runtime import DeviceSample, Executor, StepResult, register_executor
+from .scheduler import Program, schedule
+
+SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
+KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
+# Buffers the kernel writes during a step; poisoned with NaN by tests.
+ACTIVATIONS = ("residual", "q", "attn_o", "attn_ml", "ffn_h", "logits", "lm_part")
+
+
+def kernel_source(cfg: ModelConfig, max_seq_len: int) -> str:
+    """Generated header + megakernel.cu, with #line so compiler errors point at real lines."""
+    return (render_header(cfg, max_seq_len) + '#line 1 "megakernel.cu"\n'
+            + SOURCE_PATH.read_text())
+
+
+def kernel_weights(model: LoadedModel) -> dict[str, np.ndarray]:
+    """The checkpoint as the kernel reads it: bf16 bits (uint16), per-layer tensors stacked."""
+    c = model.config
+    w = model.weights
+    bits = lambda a: np.ascontiguousarray(a).view(np.uint16)  # noqa: E731
+    layer = lambda name: np.stack([bits(w[f"model.layers.{i}.{name}"])  # noqa: E731
+                                   for i in range(c.num_layers)])
+    out = {
+        "embed": bits(w["model.embed_tokens.weight"]),
+        "final_norm": bits(w["model.norm.weight"]),
+        "in_norm": layer("input_layernorm.weight"),
+        "post_norm": layer("post_attention_layernorm.weight"),
+        "wqkv": np.stack([np.concatenate([bits(w[f"model.layers.{i}.self_attn.{x}_proj.weight"])
+                                          for x in "qkv"]) for i in range(c.num_layers)]),
+        "wo": layer("self_attn.o_proj.weight"),
+        "wg": layer("mlp.gate_proj.weight"),
+        "wu": layer("mlp.up_proj.weight"),
+        "wd": layer("mlp.down_proj.weight"),
+    }
+    out["lm_head"] = out["embed"] if c.tie_word_embeddings else bits(w["lm_head.weight"])
+    if c.attention_bias:
+        out["bqkv"] = np.stack([np.concatenate([bits(w[f"model.layers.{i}.self_attn.{x}_proj.bias"])
+                                                for x in "qkv"]) for i in range(c.num_layers)])
+    if c.qk_norm:
+        out["q_norm"] = layer("self_attn.q_norm.weight")
+        out["k_norm"] = layer("self_attn.k_norm.weight")
+    return out
+
+
+# ================================================================================================
+# Devices: allocate, copy, compile, launch
+# ================================================================================================
+class EmulatorDevice:
+    """'Device memory' is host memory; kernels run in the CPU emulator (one OS thread per block,
+    fibers for threads)."""
+
+    name = "emulator"
+
+    def __init__(self, sanitize: str | None = None, timeout_s: float = 600.0):
+        self.sanitize = sanitize
+        self.timeout_s = timeout_s
+
+    def compile(self, source: str, names: list[str], defines: dict[str, str]):
+        from .emulator import build
+
+        flags = [f"-D{k}={v}" for k, v in defines.items()]
+        return build(source, names, filename="megakernel.cu", sanitize=self.sanitize,
+                     extra_flags=flags)
+
+    def alloc(self, shape, dtype) -> np.ndarray:
+        return np.zeros(shape, dtype)
+
+    def upload(self, arr: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(arr).copy()
+
+    def ptr(self, buf: np.ndarray) -> int:
+        return buf.ctypes.data
+
+    def write(self, buf: np.ndarray, arr: np.ndarray) -> None:
+        buf[...] = arr
+
+    def read(self, buf: np.ndarray) -> np.ndarray:
+        return buf.copy()
+
+    def fill(self, buf: np.ndarray, value) -> None:
+        buf[...] = value
+
+    def launch(self, module, name: str, grid: int, params: np.ndarray, cooperative: bool) -> None:
+        module.launch(name, grid, NUM_THREADS, params.ctypes.data, self.timeout_s)
+
+    def synchronize(self) -> None:
+        pass
+
+    def resources(self, module) -> dict:
+        return {}
+
+
+@dataclass
+class KernelErrorRecord:
+    code: int
+    block: int
+    instr: int
+    op: int
+    counter: int
+    expected: int
+    seen: int
+
+
+# ================================================================================================
+# The executor
+# ================================================================================================
+class KernelExecutor(Executor):
+    device_sampling = True
+
+    def __init__(self, model: LoadedModel, max_seq_len: int, *, device=None, blocks: int = 4,
+                 multi: bool = False, attn_splits: int | None = None, watchdog_ms: int = 20000,
+                 trace: bool = False, program: Program | None = None, name: str | None = None):
+        super().__init__(model, max_seq_len)
+        self.device = device or EmulatorDevice()
+        self.multi = multi
+        self.name = name or (self.device.name + ("-multi" if multi else ""))
+        self.watchdog_ms = watchdog_ms
+        self.trace_enabled = trace
+        c = self.config
+        self.program = program or schedule(c, blocks, max_seq_len, attn_splits)
+        self.blocks = self.program.num_blocks
+        defines = {"MK_TRACE": "1"} if trace else {}
+        self.module = self.device.compile(kernel_source(c, max_seq_len), KERNEL_NAMES, defines)
+        self._alloc_buffers(model)
+        self._broken: str | None = None
+        self._state_on_device: tuple | None = None
+        self.reset()
+
+    # ---- buffers --------------------------------------------------------------------------
+    def _alloc_buffers(self, model: LoadedModel) -> None:
+        c, p, dev = self.config, self.program, self.device
+        b: dict = {}
+        for name, arr in kernel_weights(model).items():
+            b[name] = dev.upload(arr)
+        cos, sin = c.rope_table(self.max_seq_len)
+        b["rope_cos"], b["rope_sin"] = dev.upload(cos), dev.upload(sin)
+        b["program"] = dev.upload(p.words())
+        b["counters"] = dev.alloc((max(p.num_counters, 1),), np.int32)
+        # state and error record share one buffer, so a step reads back both in one copy
+        b["control"] = dev.alloc((STATE_WORDS + ERROR_WORDS,), np.int32)
+        b["trace"] = dev.alloc((p.num_blocks, p.max_len, TRACE_WORDS), np.uint64)
+        for name, n in p.buffer_sizes().items():
+            b[name] = dev.alloc((n,), np.int32 if name == "out_tokens" else np.float32)
+        kv = (c.num_layers, self.max_seq_len, c.num_kv_heads, c.head_dim)
+        b["k_cache"] = dev.alloc(kv, np.uint16)
+        b["v_cache"] = dev.alloc(kv, np.uint16)
+        self.buffers = b
+        ptrs = {name: dev.ptr(buf) for name, buf in b.items()}
+        ptrs["state"] = ptrs["control"]
+        ptrs["error"] = ptrs["control"] + 4 * STATE_WORDS
+        dt = params_dtype()
+        self.params = np.zeros(1, dt)
+        for name, ctype, _ in PARAMS:
+            if ctype.endswith("*"):
+                self.params[name] = ptrs.get(name, 0)  # absent optional weights stay null
+        self.params["begin"], self.params["end"] = 0, p.max_len
+        self._op_params = []  # multi-kernel baseline: one argument struct per slot range
+        for op, layer, begin, end in p.slots():
+            pp = self.params.copy()
+            pp["begin"], pp["end"] = begin, end
+            self._op_params.append((f"op_{op.name}", pp))
+
+    def poison(self) -> None:
+        """Fill every activation buffer with NaN (tests: unwritten elements must show)."""
+        for name in ACTIVATIONS:
+            self.device.fill(self.buffers[name], np.nan)
+
+    # ---- steps ----------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._check_usable()
+        self.device.fill(self.buffers["counters"], 0)
+        self.device.fill(self.buffers["control"], 0)
+        self._steps = 0
+        self._state_on_device = None
+
+    def _check_usable(self) -> None:
+        if getattr(self, "_broken", None):
+            raise KernelError(f"{self.name}: the executor is unusable after an earlier kernel "
+                              f"error ({self._broken}); create a new LLM")
+
+    def _state_words(self, token: int, pos: int, sample: DeviceSample | None) -> np.ndarray:
+        st = np.zeros(STATE_WORDS + ERROR_WORDS, np.int32)
+        st[State.TOKEN], st[State.POS], st[State.STEP] = token, pos, self._steps
+        temp = sample.temperature if sample else 0.0
+        st[State.TEMPERATURE] = np.float32(temp).view(np.int32)
+        st[State.SEED] = (sample.seed if sample else 0) & 0x7FFFFFFF
+        st[State.WATCHDOG_MS] = self.watchdog_ms
+        st[State.PROGRAM_LEN] = self.program.max_len
+        return st
+
+    def launch_step(self, token: int, pos: int, sample: DeviceSample | None) -> np.ndarray:
+        """Run one decode step; return the control words (state + error record) after it."""
+        self._check_usable()
+        if not 0 <= pos < self.max_seq_len:
+            raise KernelError(f"position {pos} is outside the KV cache [0, {self.max_seq_len})")
+        key = (token, pos, self._steps, sample.temperature if sample else 0.0,
+               sample.seed if sample else 0)
+        if self._state_on_device != key:  # the kernel advanced the state itself otherwise
+            self.device.write(self.buffers["control"], self._state_words(token, pos, sample))
+        try:
+            if self.multi:
+                for name, pp in self._op_params:
+                    self.device.launch(self.module, name, self.blocks, pp, cooperative=False)
+            else:
+                self.device.launch(self.module, "megakernel", self.blocks, self.params,
+                                   cooperative=True)
+            control = self.device.read(self.buffers["control"])
+        except KernelError as e:
+            self._broken = str(e).splitlines()[0]
+            raise
+        self._check_error(control)
+        self._steps += 1
+        nxt = int(control[State.TOKEN])
+        self._state_on_device = (nxt, pos + 1, self._steps, key[3], key[4])
+        return control
+
+    def _check_error(self, control: np.ndarray) -> None:
+        e = control[STATE_WORDS:]
+        if e[Err.CODE] == ErrCode.OK:
+            return
+        rec = KernelErrorRecord(*(int(e[w]) for w in (Err.CODE, Err.BLOCK, Err.INSTR, Err.OP,
+                                                      Err.COUNTER, Err.EXPECTED, Err.SEEN)))
+        self._broken = f"kernel error code {rec.code}"
+        raise KernelError(self.describe_error(rec))
+
+    def describe_error(self, r: KernelErrorRecord) -> str:
+        p = self.program
+        try:
+            ins = p.queues[r.block][r.instr]
+            where = ins.label(r.block, r.instr)
+        except IndexError:
+            where = f"block {r.block} instruction #{r.instr}"
+        if r.code == ErrCode.WATCHDOG:
+            cname = p.counter_names[r.counter] if 0 <= r.counter < p.num_counters else "?"
+            return (f"{self.name}: watchdog: {where} waited {self.watchdog_ms} ms for counter "
+                    f"{r.counter} ({cname}) to reach {r.expected}, saw {r.seen}; "
+                    "every block stopped")
+        if r.code == ErrCode.BAD_OPCODE:
+            return f"{self.name}: bad opcode {r.seen} at {where}; every block stopped"
+        return f"{self.name}: kernel error code {r.code} at {where}"
+
+    def step(self, token: int, pos: int, sample: DeviceSample | None = None) -> StepResult:
+        control = self.launch_step(token, pos, sample)
+        if sample is not None:
+            nxt = int(control[State.TOKEN])
+            if nxt < 0:
+                raise NumericalError(f"{self.name}: NaN in the logits at position {pos}")
+            return StepResult(token=nxt, logits=None)
+        return StepResult(token=None, logits=self.logits())
+
+    def prefill(self, tokens: list[int], start_pos: int = 0) -> np.ndarray:
+        for i, t in enumerate(tokens):
+            self.launch_step(t, start_pos + i, None)
+        return self.logits()
+
+    def logits(self) -> np.ndarray:
+        return self.device.read(self.buffers["logits"])
+
+    def read_buffer(self, name: str) -> np.ndarray:
+        return self.device.read(self.buffers[name])
+
+    def trace_records(self) -> np.ndarray:
+        """uint64 [blocks, max_len, TRACE_WORDS] of the last step (MK_TRACE builds)."""
+        return self.device.read(self.buffers["trace"])
+
+
+def _emulator(model, max_seq_len, **kw):
+    return KernelExecutor(model, max_seq_len, device=EmulatorDevice(kw.pop("sanitize", None)), **kw)
+
+
+def _emulator_multi(model, max_seq_len, **kw):
+    return KernelExecutor(model, max_seq_len, device=EmulatorDevice(kw.pop("sanitize", None)),
+                          multi=True, **kw)
+
+
+register_executor("emulator", _emulator)
+register_executor("emulator-multi", _emulator_multi)
