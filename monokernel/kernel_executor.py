@@ -8,7 +8,6 @@ emulator here, CuPy in cuda_backend.py. ``multi=True`` runs the same program as 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,7 +106,27 @@ class EmulatorDevice:
     def synchronize(self) -> None:
         pass
 
+    def capture(self, fn):
+        """Record the launches ``fn`` makes so that ``replay`` repeats them (a CUDA graph on
+        the GPU); the emulator simply calls ``fn`` again."""
+        return fn
+
+    def replay(self, graph) -> None:
+        graph()
+
+    def time(self, fn, repeat: int = 1) -> list[float]:
+        """Seconds taken by each of ``repeat`` calls of ``fn`` (CUDA events on the GPU)."""
+        import time
+
+        out = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return out
+
     def resources(self, module) -> dict:
+        """Registers, shared and local (spill) bytes per kernel; the emulator has none."""
         return {}
 
 
@@ -129,12 +148,15 @@ class KernelExecutor(Executor):
     device_sampling = True
 
     def __init__(self, model: LoadedModel, max_seq_len: int, *, device=None, blocks: int = 4,
-                 multi: bool = False, attn_splits: int | None = None, watchdog_ms: int = 20000,
+                 multi: bool = False, graph: bool = False, attn_splits: int | None = None, watchdog_ms: int = 20000,
                  trace: bool = False, program: Program | None = None, name: str | None = None):
         super().__init__(model, max_seq_len)
         self.device = device or EmulatorDevice()
         self.multi = multi
-        self.name = name or (self.device.name + ("-multi" if multi else ""))
+        self.graph = graph and multi
+        self._graph = None
+        self.name = name or (self.device.name + ("-multi" if multi else "")
+                             + ("-graph" if self.graph else ""))
         self.watchdog_ms = watchdog_ms
         self.trace_enabled = trace
         c = self.config
@@ -219,12 +241,7 @@ class KernelExecutor(Executor):
         if self._state_on_device != key:  # the kernel advanced the state itself otherwise
             self.device.write(self.buffers["control"], self._state_words(token, pos, sample))
         try:
-            if self.multi:
-                for name, pp in self._op_params:
-                    self.device.launch(self.module, name, self.blocks, pp, cooperative=False)
-            else:
-                self.device.launch(self.module, "megakernel", self.blocks, self.params,
-                                   cooperative=True)
+            self.run_launches()
             control = self.device.read(self.buffers["control"])
         except KernelError as e:
             self._broken = str(e).splitlines()[0]
@@ -234,6 +251,24 @@ class KernelExecutor(Executor):
         nxt = int(control[State.TOKEN])
         self._state_on_device = (nxt, pos + 1, self._steps, key[3], key[4])
         return control
+
+    def run_launches(self) -> None:
+        """The device work of one step: one cooperative launch of the megakernel, or one launch
+        per op (replayed from a captured graph when ``graph``). Reads everything it needs
+        (token, position, step) from device memory, so it can be repeated as it is."""
+        if not self.multi:
+            self.device.launch(self.module, "megakernel", self.blocks, self.params,
+                               cooperative=True)
+        elif self.graph:
+            if self._graph is None:
+                self._graph = self.device.capture(self._launch_ops)
+            self.device.replay(self._graph)
+        else:
+            self._launch_ops()
+
+    def _launch_ops(self) -> None:
+        for name, pp in self._op_params:
+            self.device.launch(self.module, name, self.blocks, pp, cooperative=False)
 
     def _check_error(self, control: np.ndarray) -> None:
         e = control[STATE_WORDS:]

@@ -159,13 +159,7 @@ def leftovers(folder: Path) -> list[str]:
 
 # ==== fixtures =====================================================================================
 
-@pytest.fixture(scope="session")
-def bundled_dir(tmp_path_factory):
-    """The bundled model converted once per session into a session cache."""
-    cache = tmp_path_factory.getbasetemp() / "monokernel-cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MONOKERNEL_CACHE", str(cache))
-        yield gguf_import.bundled_model_dir(progress=False)
+# bundled_dir (the bundled model converted once per session) comes from conftest.py.
 
 
 # ==== dequantization ===============================================================================

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from monokernel import gguf_import
 from monokernel.gguf_import import LLAMA3_SPLIT, QWEN2_SPLIT, bundled_gguf_path, convert_gguf
-from test_gguf import bundled_dir, tiny_gguf  # noqa: F401  (the lead moves these to conftest.py)
+from test_gguf import tiny_gguf
 
 STRINGS = {
     "unicode": "naïve café, Ünïcödé, 日本語, Привет",
