@@ -133,3 +133,22 @@ class Sampler:
         probs = np.exp(x - x.max())
         probs /= probs.sum()
         return int(self.rng.choice(len(probs), p=probs))
+
+
+def _mix32(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def gumbel_noise(seed: int, pos: int, vocab: int) -> np.ndarray:
+    """Bit-for-bit mirror of the kernel's counter-based Gumbel noise (megakernel.cu ``gumbel``):
+    float32 [vocab] for the token sampled after position ``pos``."""
+    with np.errstate(over="ignore"):
+        s = _mix32(np.array([seed & 0xFFFFFFFF], np.uint32) ^ np.uint32(0x9E3779B9))
+        s = _mix32(s ^ np.uint32(pos & 0xFFFFFFFF))
+        h = _mix32(s ^ np.arange(vocab, dtype=np.uint32))
+    u = ((h >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    return -np.log(-np.log(u))
