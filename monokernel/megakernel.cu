@@ -152,7 +152,9 @@ __device__ __forceinline__ unsigned mix32(unsigned h) {
 }
 __device__ __forceinline__ float gumbel(unsigned seed, unsigned pos, unsigned token) {
   const unsigned h = mix32(mix32(mix32(seed ^ 0x9e3779b9u) ^ pos) ^ token);
-  const float u = ((float)(h >> 8) + 0.5f) * (1.0f / 16777216.0f);
+  // 23 bits + 0.5 is exact in float32, so u lies in [2^-24, 1 - 2^-24]. (With 24 bits, h >> 8 =
+  // 2^24 - 1 rounded (2^24 - 0.5) up to 2^24: u == 1, infinite noise, that token always sampled.)
+  const float u = ((float)(h >> 9) + 0.5f) * (1.0f / 8388608.0f);
   return -logf(-logf(u));
 }
 

@@ -23,7 +23,12 @@ from ..errors import KernelError, MonokernelError
 
 SHIM_PATH = Path(__file__).with_name("cuda_cpu.h")
 CXX = "g++"
-BASE_FLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-shared", "-pthread")
+BASE_FLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-shared", "-pthread",
+              # Every kernel .so defines the same names (`__shared__ OpShared s` is a static local
+              # of a template, hence an STB_GNU_UNIQUE symbol by default), and ld.so binds a
+              # unique symbol to its FIRST definition process-wide, even under RTLD_LOCAL: a second
+              # model shape would then use the first one's (smaller) shared memory.
+              "-fno-gnu-unique")
 # __shared__ is thread_local. In a dlopen'd .so the default TLS dialect calls __tls_get_addr on
 # every access inside loops (5x slower mat-vec); TLS descriptors let g++ hoist the address.
 if platform.machine() in ("x86_64", "AMD64"):

@@ -1,0 +1,524 @@
+"""Decode latency of every backend on the same weights, against the memory-bandwidth floor.
+
+Method (ARCHITECTURE section 8):
+
+- Every backend runs in this one process on the same checkpoint (a real model folder, or a
+  seeded synthetic one of a named shape), with the same prompt tokens.
+- For each (shape, backend, context): reset, prefill positions 0..context-1 (kernel executors
+  run one decode step per position, as they do in generation; numpy and Hugging Face run a
+  batched prefill), then time ``warmup + steps`` single-token decode steps at positions context,
+  context+1, ... and keep the last ``steps``. A kernel step is ``executor.run_launches()``:
+  the whole step including embedding and the on-device sample, which advances the position in
+  device memory, so nothing is copied between steps. Each step is timed by ``device.time``:
+  CUDA events around the launch(es) on the GPU, ``time.perf_counter`` on the CPU. After timing,
+  the position in device memory is checked, so a step that did not run cannot pass as fast.
+- Reported per row: median us/token, the p10-p90 spread, tokens/s, GB/s = weight bytes per token
+  (ModelConfig.weight_bytes_per_token()) / median time, and x-floor.
+- The floor is measured in the same run: weight bytes per token / device-to-device copy bandwidth
+  (bytes read + written by a large copy: 1 GiB with CuPy on the GPU; 256 MiB with NumPy for the
+  CPU backends, labelled as host memory). GPU and CPU backends each get their own floor.
+- hf: transformers on torch (CUDA if present, else CPU), eager, bf16, DynamicCache, one decode
+  forward + argmax per step. hf-compile: StaticCache + torch.compile(mode="reduce-overhead");
+  a failure is recorded in the results and the run continues.
+
+The results (raw per-step times included), the date, device, commit and command, and the
+kernels' register/shared/local-memory report are written as JSON, with a PNG bar chart beside it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import BackendUnavailableError, KernelError
+from .isa import State
+from .model_loader import LoadedModel
+
+KERNEL_BACKENDS = ("cuda", "cuda-multi", "cuda-multi-graph", "emulator", "emulator-multi")
+BACKENDS = KERNEL_BACKENDS + ("numpy", "hf", "hf-compile")
+GPU_COPY_BYTES = 1 << 30
+CPU_COPY_BYTES = 256 << 20
+
+
+@dataclass
+class Result:
+    backend: str
+    shape: str
+    context: int
+    device: str  # "gpu" or "cpu": which floor applies
+    times_us: list[float] = field(default_factory=list)
+    blocks: int | None = None
+    error: str | None = None
+
+    @property
+    def median_us(self) -> float:
+        return float(np.median(self.times_us)) if self.times_us else float("nan")
+
+    def percentile_us(self, q: float) -> float:
+        return float(np.percentile(self.times_us, q)) if self.times_us else float("nan")
+
+
+# ================================================================================================
+# The floor: measured copy bandwidth
+# ================================================================================================
+def gpu_copy_bandwidth(nbytes: int = GPU_COPY_BYTES, repeat: int = 10) -> float:
+    """Bytes/s moved (read + written) by a device-to-device copy timed with CUDA events, median
+    of ``repeat``; CuPy when installed, else torch (hf-only runs)."""
+    if cuda_unavailable_reason() is None:
+        import cupy as xp
+
+        src, dst = xp.ones(nbytes, xp.uint8), xp.empty(nbytes, xp.uint8)
+        events = lambda: (xp.cuda.Event(), xp.cuda.Event())  # noqa: E731
+        copy = lambda: xp.copyto(dst, src)  # noqa: E731
+        elapsed_ms = xp.cuda.get_elapsed_time
+    else:
+        import torch
+
+        src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        events = lambda: (torch.cuda.Event(enable_timing=True),  # noqa: E731
+                          torch.cuda.Event(enable_timing=True))
+        copy = lambda: dst.copy_(src)  # noqa: E731
+        elapsed_ms = lambda a, b: a.elapsed_time(b)  # noqa: E731
+    times = []
+    for k in range(repeat + 2):  # two warm-up copies
+        start, stop = events()
+        start.record()
+        copy()
+        stop.record()
+        stop.synchronize()
+        if k >= 2:
+            times.append(elapsed_ms(start, stop) / 1e3)
+    return 2 * nbytes / float(np.median(times))
+
+
+def cpu_copy_bandwidth(nbytes: int = CPU_COPY_BYTES, repeat: int = 5) -> float:
+    """Bytes/s moved (read + written) by a NumPy copy in host memory, median of ``repeat``."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for k in range(repeat + 1):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        if k:
+            times.append(time.perf_counter() - t0)
+    return 2 * nbytes / float(np.median(times))
+
+
+FLOOR_METHODS = {
+    "gpu": (gpu_copy_bandwidth, f"CuPy (else torch) device-to-device copy of "
+                                f"{GPU_COPY_BYTES >> 20} MiB (read + write), CUDA events, "
+                                "median of 10"),
+    "cpu": (cpu_copy_bandwidth, f"NumPy host-memory copy of {CPU_COPY_BYTES >> 20} MiB "
+                                "(read + write), perf_counter, median of 5; the CPU backends' "
+                                "memory"),
+}
+
+
+# ================================================================================================
+# Backends
+# ================================================================================================
+def check_backends(backends: list[str]) -> None:
+    """Fail before any work: unknown names, or a CUDA backend without a CUDA device."""
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise BackendUnavailableError(f"unknown backend(s) {', '.join(unknown)} "
+                                      f"(known: {', '.join(BACKENDS)})")
+    cuda = [b for b in backends if b.startswith("cuda")]
+    if cuda:
+        reason = cuda_unavailable_reason()
+        if reason:
+            raise BackendUnavailableError(f"no CUDA device: backend {', '.join(cuda)} needs an "
+                                          f"NVIDIA GPU with CuPy ({reason})")
+
+
+def cuda_unavailable_reason() -> str | None:
+    try:
+        import cupy
+    except ImportError as e:
+        return f"CuPy is not installed: {e}"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError without a driver
+        return f"{type(e).__name__}: {e}"
+    return None if n > 0 else "cupy sees 0 devices"
+
+
+def device_class(backend: str) -> str:
+    if backend.startswith("cuda"):
+        return "gpu"
+    if backend.startswith("hf"):
+        return "gpu" if _torch_cuda() else "cpu"
+    return "cpu"
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def make_kernel_executor(backend: str, model: LoadedModel, max_seq_len: int,
+                         blocks: int | None, **options):
+    """The backend's own default grid unless ``blocks`` is given (one block per SM on a GPU)."""
+    from .runtime import make_executor
+
+    if blocks is not None:
+        options["blocks"] = blocks
+    return make_executor(backend, model, max_seq_len, **options)
+
+
+def prompt_tokens(vocab_size: int, n: int) -> list[int]:
+    """Seeded token ids, the same for every backend (ids 0..2 are special tokens in synthetic
+    vocabularies, so they are left out)."""
+    rng = np.random.default_rng(0)
+    return [int(t) for t in rng.integers(3, vocab_size, size=n)]
+
+
+def time_kernel(ex, context: int, warmup: int, steps: int) -> list[float]:
+    ex.reset()
+    for pos, tok in enumerate(prompt_tokens(ex.config.vocab_size, context)):
+        ex.launch_step(tok, pos, None)
+    if warmup > 0:
+        ex.device.time(ex.run_launches, warmup)
+    times = ex.device.time(ex.run_launches, steps)
+    control = ex.read_buffer("control")
+    ex._check_error(control)
+    want = context + warmup + steps
+    if int(control[State.POS]) != want:
+        raise KernelError(f"{ex.name}: after the timed steps the position is "
+                          f"{int(control[State.POS])}, expected {want}: steps did not run")
+    return list(times)
+
+
+def _perf_time(fn, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def time_numpy(ex, context: int, warmup: int, steps: int) -> list[float]:
+    ex.reset()
+    ids = prompt_tokens(ex.config.vocab_size, context)
+    state = {"tok": int(np.argmax(ex.prefill(ids, 0))), "pos": len(ids)}
+
+    def step():
+        logits = ex.step(state["tok"], state["pos"]).logits
+        state["tok"], state["pos"] = int(np.argmax(logits)), state["pos"] + 1
+
+    _perf_time(step, warmup)
+    return _perf_time(step, steps)
+
+
+class HFRunner:
+    """transformers on torch, on the same checkpoint folder; bf16 weights as stored. Works with
+    transformers 4.45+ (``past_key_values``, ``cache_position``) and 5.x (``cache``)."""
+
+    def __init__(self, model_dir: Path, max_cache_len: int):
+        import inspect
+
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.dev = "cuda" if torch.cuda.is_available() else "cpu"
+        # no dtype argument (its name changed in 4.56); the stored weights are bf16, so the
+        # cast is exact whatever dtype this version loads them in
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+        self.model = self.model.to(device=self.dev, dtype=torch.bfloat16).eval()
+        self.info = {"device": self.dev, "dtype": "bfloat16",
+                     "attn_implementation": getattr(self.model.config, "_attn_implementation",
+                                                    None)}
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.pass_cache_position = "cache_position" in params
+        self.max_cache_len = max_cache_len
+        self._static = None  # (StaticCache, compiled forward), built once: one compilation
+
+    def _timer(self, fn, n: int) -> list[float]:
+        torch = self.torch
+        if self.dev != "cuda":
+            return _perf_time(fn, n)
+        out = []
+        for _ in range(n):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        return out
+
+    def _kwargs(self, cache, positions):
+        kw = {self.cache_kw: cache, "use_cache": True, "position_ids": positions[None]}
+        if self.pass_cache_position:
+            kw["cache_position"] = positions
+        return kw
+
+    def time(self, context: int, warmup: int, steps: int, compile: bool) -> list[float]:
+        torch = self.torch
+        from transformers import DynamicCache, StaticCache
+
+        ids = torch.tensor([prompt_tokens(self.model.config.vocab_size, context)],
+                           device=self.dev)
+        n = ids.shape[1]
+        with torch.inference_mode():
+            if compile:
+                if self._static is None:
+                    cache = StaticCache(config=self.model.config, max_cache_len=self.max_cache_len,
+                                        max_batch_size=1, device=self.dev, dtype=torch.bfloat16)
+                    self._static = (cache, torch.compile(self.model.forward,
+                                                         mode="reduce-overhead", fullgraph=True))
+                    warmup += 3  # compilation and CUDA-graph recording happen in the first calls
+                cache, forward = self._static
+                cache.reset()
+            else:
+                cache, forward = DynamicCache(), self.model.forward
+            out = self.model(input_ids=ids, **self._kwargs(cache, torch.arange(n, device=self.dev)))
+            state = {"tok": out.logits[:, -1].argmax(-1, keepdim=True), "pos": n}
+
+            def step():
+                pos = torch.tensor([state["pos"]], device=self.dev)
+                o = forward(input_ids=state["tok"], **self._kwargs(cache, pos))
+                state["tok"] = o.logits[:, -1].argmax(-1, keepdim=True).clone()
+                state["pos"] += 1
+
+            self._timer(step, warmup)
+            return self._timer(step, steps)
+
+
+# ================================================================================================
+# The run
+# ================================================================================================
+def run_bench(models: list[tuple[str, LoadedModel]], backends: list[str], contexts: list[int],
+              steps: int, warmup: int, blocks: int | None = None, log=print) -> dict:
+    """Measure every (model, backend, context); return the results document (see module doc)."""
+    check_backends(backends)
+    if steps < 1 or warmup < 0 or not contexts or min(contexts) < 1:
+        raise ValueError("need steps >= 1, warmup >= 0 and contexts >= 1 (the prompt the "
+                         "timed steps follow)")
+    max_seq_len = max(contexts) + warmup + steps + 1
+    results: list[Result] = []
+    resources: dict[str, dict] = {}
+    setups: dict[str, dict] = {}
+    for shape, model in models:
+        hf = None
+        for backend in backends:
+            where = device_class(backend)
+            try:
+                if backend in KERNEL_BACKENDS:
+                    ex = make_kernel_executor(backend, model, max_seq_len, blocks)
+                    resources.setdefault(ex.device.name, ex.device.resources(ex.module))
+                    p = ex.program
+                    setups[f"{shape}/{backend}"] = {
+                        "blocks": p.num_blocks, "slots_per_block": p.max_len,
+                        "counters": p.num_counters, "critical_path_hops": p.critical_path_hops()}
+                    run = lambda c, ex=ex: time_kernel(ex, c, warmup, steps)  # noqa: E731
+                elif backend == "numpy":
+                    from .runtime import make_executor
+
+                    ex = make_executor("numpy", model, max_seq_len)
+                    run = lambda c, ex=ex: time_numpy(ex, c, warmup, steps)  # noqa: E731
+                else:
+                    hf = hf or HFRunner(model.path, max_seq_len)
+                    setups[f"{shape}/{backend}"] = hf.info
+                    run = lambda c, hf=hf, comp=backend == "hf-compile": hf.time(  # noqa: E731
+                        c, warmup, steps, comp)
+                nb = getattr(ex, "blocks", None) if backend in KERNEL_BACKENDS else None
+            except Exception as e:  # record and go on: one broken backend must not lose the run
+                for c in contexts:
+                    results.append(Result(backend, shape, c, where, error=_err(e)))
+                log(f"{shape} {backend}: ERROR {_err(e)}")
+                continue
+            for c in contexts:
+                r = Result(backend, shape, c, where, blocks=nb)
+                try:
+                    r.times_us = [t * 1e6 for t in run(c)]
+                    log(f"{shape} {backend} context {c}: {r.median_us:.1f} us/token")
+                except Exception as e:
+                    r.error = _err(e)
+                    log(f"{shape} {backend} context {c}: ERROR {r.error}")
+                results.append(r)
+    floors = {}
+    for where in sorted({r.device for r in results if not r.error}):
+        fn, method = FLOOR_METHODS[where]
+        try:
+            floors[where] = {"copy_bandwidth_GBps": fn() / 1e9, "method": method}
+        except Exception as e:
+            log(f"floor ({where}): ERROR {_err(e)}")
+            floors[where] = {"copy_bandwidth_GBps": None, "method": method, "error": _err(e)}
+    weight_bytes = {shape: m.config.weight_bytes_per_token() for shape, m in models}
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": device_name(),
+        "commit": git_commit(),
+        "host": {"python": platform.python_version(), "platform": platform.platform(terse=True),
+                 **_versions()},
+        "method": {"warmup": warmup, "steps": steps, "contexts": contexts,
+                   "timer": "CUDA events (GPU) / time.perf_counter (CPU), one per step",
+                   "floor": "weight bytes per token / measured copy bandwidth"},
+        "floors": floors,
+        "weight_bytes_per_token": weight_bytes,
+        "backends": setups,
+        "resources": resources,
+        "results": [_row(r, weight_bytes[r.shape], floors.get(r.device)) for r in results],
+    }
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+
+
+def _row(r: Result, weight_bytes: int, floor: dict | None) -> dict:
+    d = asdict(r)
+    if r.error or not r.times_us:
+        return d
+    med = r.median_us
+    bw = floor and floor["copy_bandwidth_GBps"]
+    floor_us = weight_bytes / (bw * 1e9) * 1e6 if bw else None
+    d.update(n=len(r.times_us), median_us=med, p10_us=r.percentile_us(10),
+             p90_us=r.percentile_us(90), tokens_per_s=1e6 / med,
+             GBps=weight_bytes / (med * 1e-6) / 1e9, floor_us=floor_us,
+             x_floor=med / floor_us if floor_us else None)
+    return d
+
+
+def _versions() -> dict:
+    out = {"numpy": np.__version__}
+    for mod in ("cupy", "torch", "transformers"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            out[mod] = getattr(m, "__version__", "?")
+    return out
+
+
+def device_name() -> str:
+    """The GPU's name when CuPy or torch sees one, else the CPU's model name."""
+    if cuda_unavailable_reason() is None:
+        import cupy
+
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    if _torch_cuda():
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return "CPU " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU " + (platform.processor() or platform.machine())
+
+
+def git_commit() -> str:
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                           text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else "unknown"
+
+
+# ================================================================================================
+# Output: table, JSON, chart
+# ================================================================================================
+def format_table(doc: dict) -> str:
+    head = (f"{'backend':<17} {'shape':<14} {'context':>7} {'us/token':>10} {'p10-p90 us':>21} "
+            f"{'tokens/s':>9} {'GB/s':>8} {'x-floor':>8}")
+    lines = [head, "-" * len(head)]
+    for r in doc["results"]:
+        pre = f"{r['backend']:<17} {r['shape']:<14} {r['context']:>7} "
+        if r.get("error"):
+            lines.append(pre + f"ERROR {r['error']}")
+            continue
+        spread = f"{r['p10_us']:.1f}-{r['p90_us']:.1f}"
+        xf = f"{r['x_floor']:.2f}" if r["x_floor"] is not None else "?"
+        lines.append(pre + f"{r['median_us']:>10.1f} {spread:>21} {r['tokens_per_s']:>9.1f} "
+                     f"{r['GBps']:>8.2f} {xf:>8}")
+    ok = {w: f for w, f in doc["floors"].items() if f["copy_bandwidth_GBps"]}
+    for where, f in doc["floors"].items():
+        bw = f"{f['copy_bandwidth_GBps']:.1f} GB/s" if where in ok else f"ERROR {f.get('error')}"
+        lines.append(f"floor ({where}): copy bandwidth {bw} [{f['method']}]")
+    for shape, wb in doc["weight_bytes_per_token"].items():
+        floors = ", ".join(f"{where} {wb / (f['copy_bandwidth_GBps'] * 1e9) * 1e6:.1f} us"
+                           for where, f in ok.items())
+        lines.append(f"{shape}: {wb / 1e6:.1f} MB of weights per token; floor {floors or '?'}")
+    return "\n".join(lines)
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "unknown"
+
+
+def write_results(doc: dict, out_dir: str | Path) -> tuple[Path, Path | None]:
+    """bench-<date>-<device>-<commit>.json and a .png chart beside it (None without
+    matplotlib)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    date = datetime.datetime.fromisoformat(doc["date"]).strftime("%Y%m%d-%H%M%S")
+    dev = "cpu" if doc["device"].startswith("CPU ") else _slug(doc["device"])
+    stem = f"bench-{date}-{dev}-{_slug(doc['commit'])}"
+    jpath = out_dir / f"{stem}.json"
+    jpath.write_text(json.dumps(doc, indent=1, allow_nan=False))
+    try:
+        ppath = plot_results(out_dir / f"{stem}.png", doc)
+    except ImportError as e:  # the GPU machine may lack matplotlib; the JSON has everything
+        print(f"monokernel: no PNG chart: {e}", file=sys.stderr)
+        ppath = None
+    return jpath, ppath
+
+
+def plot_results(path: Path, doc: dict) -> Path:
+    """us/token per backend per context (log scale), one panel per shape; floors as lines."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    shapes = list(doc["weight_bytes_per_token"])
+    fig = Figure(figsize=(max(6.0, 4.5 * len(shapes)), 4.2))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(shapes), squeeze=False)[0]
+    for ax, shape in zip(axes, shapes):
+        rows = [r for r in doc["results"] if r["shape"] == shape and not r.get("error")]
+        backends = list(dict.fromkeys(r["backend"] for r in rows))
+        contexts = sorted({r["context"] for r in rows})
+        width = 0.8 / max(len(backends), 1)
+        for k, b in enumerate(backends):
+            xs, ys, lo, hi = [], [], [], []
+            for r in rows:
+                if r["backend"] == b:
+                    xs.append(contexts.index(r["context"]) + (k - (len(backends) - 1) / 2) * width)
+                    ys.append(r["median_us"])
+                    lo.append(r["median_us"] - r["p10_us"])
+                    hi.append(r["p90_us"] - r["median_us"])
+            ax.bar(xs, ys, width, yerr=[lo, hi], label=b, color=f"C{k}", capsize=2)
+        wb = doc["weight_bytes_per_token"][shape]
+        for where, f in doc["floors"].items():
+            if f["copy_bandwidth_GBps"] and any(r["device"] == where for r in rows):
+                us = wb / (f["copy_bandwidth_GBps"] * 1e9) * 1e6
+                ax.axhline(us, color="k", ls="--" if where == "gpu" else ":", lw=1,
+                           label=f"floor ({where} copy) {us:.1f} us")
+        ax.set_xticks(range(len(contexts)), [str(c) for c in contexts])
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("us / token (median, p10-p90)")
+        ax.set_yscale("log")
+        ax.set_title(f"{shape} on {doc['device']}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

@@ -1,0 +1,355 @@
+"""The CUDA backend: the Device interface (kernel_executor.py) on CuPy.
+
+``cuda`` runs megakernel.cu's persistent kernel as one cooperative launch per decode step;
+``cuda-multi`` runs the same program as one launch per op, and ``cuda-multi-graph`` (or
+``cuda-multi`` with ``graph=True``) replays a whole step from a captured CUDA graph. The Engine,
+the program and the buffers are the executor's; this file only compiles, allocates, copies and
+launches, so it is the only code that needs a GPU.
+
+Guarantees (ARCHITECTURE sections 4 and 5):
+- CuPy is imported lazily: importing this module registers the executors everywhere; building
+  one without CuPy or without a device raises BackendUnavailableError saying which.
+- Every copy and launch goes to one non-blocking stream owned by the device, so a step can be
+  captured into a graph and nothing races with CuPy's default stream.
+- A cooperative grid that cannot be co-resident is refused with KernelError before launch
+  (CuPy's own cooperative launch would silently shrink the grid, and a smaller grid than the
+  program's would deadlock on counters nobody signals).
+- The host never waits on the GPU without a deadline: it polls a CUDA event and raises
+  KernelError naming the launches in flight when the deadline passes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+
+from .errors import BackendUnavailableError, KernelError
+from .isa import NUM_THREADS
+from .kernel_executor import KernelExecutor
+from .runtime import register_executor
+
+CUPY_MISSING = "CuPy is not installed: pip install monokernel[cuda12] (or monokernel[cuda13])"
+# Reads up to this size are staged through pinned host memory (the per-step control words,
+# the logits); larger ones use a plain .get() after the bounded wait.
+PINNED_READ_MAX = 1 << 20
+# Extra host-side patience beyond the kernel's own watchdog before a launch counts as hung.
+HOST_GRACE_S = 5.0
+
+# Compiled modules of this process, keyed by (device, hash of source and options). CuPy also
+# caches the cubin on disk (~/.cupy/kernel_cache), so a new process skips NVRTC too.
+_MODULES: dict[tuple[int, str], "CupyModule"] = {}
+
+
+def import_cupy():
+    """CuPy, or BackendUnavailableError with the install command."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise BackendUnavailableError(f"{CUPY_MISSING} ({e})") from None
+    return cupy
+
+
+def _require_device(cp, device_id: int) -> None:
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver, driver too old, no device: CUDARuntimeError
+        raise BackendUnavailableError(f"no CUDA device ({e})") from None
+    if n == 0:
+        raise BackendUnavailableError("no CUDA device (cudaGetDeviceCount returned 0)")
+    if not 0 <= device_id < n:
+        raise BackendUnavailableError(f"no CUDA device {device_id} (this machine has {n})")
+
+
+class CupyModule:
+    """The compiled megakernel.cu: one RawModule and its kernels by name."""
+
+    def __init__(self, raw, kernels: dict, key: str):
+        self.raw = raw
+        self.kernels = kernels  # name -> cupy.RawKernel
+        self.key = key
+
+
+class CupyDevice:
+    """Device memory is CuPy arrays; kernels come from NVRTC through cupy.RawModule."""
+
+    name = "cuda"
+
+    def __init__(self, device_id: int = 0, host_timeout_s: float = 2.0 + HOST_GRACE_S):
+        cp = import_cupy()
+        _require_device(cp, device_id)
+        self.cp = cp
+        self.device_id = device_id
+        self.device = cp.cuda.Device(device_id)
+        self.device.use()
+        props = cp.cuda.runtime.getDeviceProperties(device_id)
+        raw_name = props.get("name", b"?")
+        self.gpu_name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+        self.num_sms = int(props["multiProcessorCount"])
+        self.cooperative_launch = bool(props.get("cooperativeLaunch", 1))
+        self.cc = self.device.compute_capability  # "90" on an H100/H200
+        self.host_timeout_s = host_timeout_s
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._pinned: dict[int, np.ndarray] = {}  # nbytes -> pinned uint8 staging buffer
+        self._in_flight: list[str] = []  # launches since the last completed wait
+        self._coresident_ok: set[tuple[str, str, int]] = set()
+        self._broken: str | None = None
+
+    def __repr__(self) -> str:
+        return f"CupyDevice({self.device_id}: {self.gpu_name}, sm_{self.cc}, {self.num_sms} SMs)"
+
+    # ---- compile --------------------------------------------------------------------------
+    def compile(self, source: str, names: list[str], defines: dict[str, str]) -> CupyModule:
+        """NVRTC through cupy.RawModule. CuPy adds ``-arch=sm_<cc>`` of the current device
+        itself (a second -arch would conflict) and ``-ftz=true``. ``#line`` in the source makes
+        NVRTC's log name megakernel.cu's own lines."""
+        cp = self.cp
+        options = ("-std=c++17", "--generate-line-info") + tuple(
+            f"-D{k}={v}" for k, v in sorted(defines.items()))
+        key = hashlib.sha256("\0".join((source, " ".join(options), self.cc)).encode()).hexdigest()
+        cached = _MODULES.get((self.device_id, key))
+        if cached is not None:
+            return cached
+        raw = cp.RawModule(code=source, options=options)
+        kernels = {}
+        try:
+            with self.device:
+                for n in names:
+                    kernels[n] = raw.get_function(n)  # the first one compiles and loads
+        except cp.cuda.compiler.CompileException as e:
+            raise KernelError(
+                f"cuda: NVRTC could not compile megakernel.cu for sm_{self.cc} "
+                f"(options {' '.join(options)}):\n{e.get_message()}") from None
+        except Exception as e:  # a kernel name missing from the module, a load failure
+            raise KernelError(f"cuda: loading kernel {n!r} from megakernel.cu failed: "
+                              f"{type(e).__name__}: {e}") from None
+        mod = CupyModule(raw, kernels, key)
+        _MODULES[(self.device_id, key)] = mod
+        return mod
+
+    # ---- memory ---------------------------------------------------------------------------
+    def alloc(self, shape, dtype):
+        with self.device, self.stream:
+            return self.cp.zeros(shape, dtype)
+
+    def upload(self, arr: np.ndarray):
+        arr = np.ascontiguousarray(arr)
+        with self.device, self.stream:
+            buf = self.cp.empty(arr.shape, arr.dtype)
+        buf.set(arr, stream=self.stream)
+        return buf
+
+    def ptr(self, buf) -> int:
+        return int(buf.data.ptr)
+
+    def write(self, buf, arr: np.ndarray) -> None:
+        self._check_usable()
+        host = np.ascontiguousarray(np.asarray(arr, dtype=buf.dtype).reshape(buf.shape))
+        buf.set(host, stream=self.stream)  # pageable source: staged before set() returns
+
+    def read(self, buf) -> np.ndarray:
+        """Copy a buffer back after a bounded wait for everything queued before it."""
+        what = f"reading a {buf.dtype} buffer of shape {tuple(buf.shape)}"
+        if buf.nbytes > PINNED_READ_MAX:
+            self.wait(what)  # a copy to pageable memory would block the host unbounded
+            return buf.get(stream=self.stream)
+        staging = self._pinned.get(buf.nbytes)
+        if staging is None:
+            staging = self._pinned[buf.nbytes] = self._pinned_empty(buf.nbytes)
+        self._check_usable()
+        buf.data.copy_to_host_async(staging.ctypes.data, buf.nbytes, stream=self.stream)
+        self.wait(what)  # one bounded wait covers the launches before the copy and the copy
+        return staging.view(buf.dtype).reshape(buf.shape).copy()
+
+    def _pinned_empty(self, nbytes: int) -> np.ndarray:
+        import cupyx
+
+        return cupyx.empty_pinned((nbytes,), np.uint8)
+
+    def fill(self, buf, value) -> None:
+        self._check_usable()
+        with self.device, self.stream:
+            buf.fill(value)
+
+    # ---- launch ---------------------------------------------------------------------------
+    def launch(self, module: CupyModule, name: str, grid: int, params: np.ndarray,
+               cooperative: bool) -> None:
+        """One launch of ``name`` with ``grid`` blocks of NUM_THREADS threads; ``params`` is the
+        struct Params argument (a structured numpy array of one element, params_dtype())."""
+        self._check_usable()
+        kernel = module.kernels[name]
+        func = kernel.kernel.ptr
+        arg = np.ascontiguousarray(params).reshape(-1)
+        if arg.size != 1:
+            raise KernelError(f"cuda: {name} takes one Params struct, got {arg.size}")
+        # cuLaunchKernel's kernelParams: an array of pointers, one per kernel argument; the
+        # driver copies the struct's bytes before it returns.
+        kparams = np.array([arg.ctypes.data], dtype=np.uintp)
+        drv = self.cp.cuda.driver
+        label = f"{name} (grid {grid} x {NUM_THREADS} threads)"
+        if cooperative:
+            self._check_coresident(module, name, grid)
+        try:
+            with self.device:
+                if cooperative:
+                    drv.launchCooperativeKernel(func, grid, 1, 1, NUM_THREADS, 1, 1, 0,
+                                                self.stream.ptr, kparams.ctypes.data)
+                else:
+                    drv.launchKernel(func, grid, 1, 1, NUM_THREADS, 1, 1, 0, self.stream.ptr,
+                                     kparams.ctypes.data, 0)
+        except Exception as e:
+            raise KernelError(f"cuda: launch of {label} failed: {type(e).__name__}: {e}") \
+                from None
+        self._in_flight.append(label)
+
+    def _check_coresident(self, module: CupyModule, name: str, grid: int) -> None:
+        """A persistent kernel whose blocks wait on each other needs every block resident at
+        once: refuse a grid larger than the occupancy calculator allows."""
+        key = (module.key, name, grid)
+        if key in self._coresident_ok:
+            return
+        if not self.cooperative_launch:
+            raise KernelError(f"cuda: {self.gpu_name} does not support cooperative launches, "
+                              f"which the persistent {name} needs")
+        kernel = module.kernels[name]
+        per_sm = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kernel.kernel.ptr, NUM_THREADS, 0)
+        limit = per_sm * self.num_sms
+        if grid > limit:
+            raise KernelError(
+                f"cuda: grid of {grid} blocks cannot be co-resident: {name} fits {per_sm} "
+                f"block(s) of {NUM_THREADS} threads per SM x {self.num_sms} SMs = {limit} on "
+                f"{self.gpu_name} ({kernel.num_regs} registers/thread, "
+                f"{kernel.shared_size_bytes} B static shared memory per block); "
+                f"use blocks <= {limit}")
+        self._coresident_ok.add(key)
+
+    # ---- waiting --------------------------------------------------------------------------
+    def wait(self, what: str) -> None:
+        """Wait for all work queued on the stream, for at most ``host_timeout_s``. On expiry
+        raise KernelError naming the launches in flight and refuse all further work (the GPU
+        may still be running them)."""
+        self._check_usable()
+        ev = self.cp.cuda.Event(block=False, disable_timing=True)
+        ev.record(self.stream)
+        start = time.perf_counter()
+        deadline = start + self.host_timeout_s
+        try:
+            while not ev.done:
+                now = time.perf_counter()
+                if now > deadline:
+                    self._broken = "host wait expired"
+                    raise KernelError(
+                        f"cuda: {self._in_flight_text()} did not finish within "
+                        f"{self.host_timeout_s:.1f} s ({what}); the kernel's watchdog did not "
+                        "stop it, so the GPU may still be busy; this executor refuses further "
+                        "work")
+                if now - start > 1e-3:  # spin for the first millisecond, then back off
+                    time.sleep(50e-6)
+        except KernelError:
+            raise
+        except Exception as e:  # an asynchronous CUDA error surfaces on the event query
+            self._broken = f"{type(e).__name__}"
+            raise KernelError(f"cuda: {self._in_flight_text()} failed ({what}): "
+                              f"{type(e).__name__}: {e}") from None
+        self._in_flight.clear()
+
+    def _in_flight_text(self) -> str:
+        f = self._in_flight
+        if not f:
+            return "the queued copies"
+        if len(f) == 1:
+            return f"launch of {f[0]}"
+        return f"{len(f)} launches ({f[0]} ... {f[-1]})"
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise KernelError(f"cuda: the device is unusable after an earlier error "
+                              f"({self._broken}); create a new LLM in a new process")
+
+    def synchronize(self) -> None:
+        self.wait("synchronize")
+
+    # ---- graphs and timing ----------------------------------------------------------------
+    def capture(self, fn):
+        """Record the launches ``fn`` makes on the stream into a CUDA graph (nothing runs)."""
+        self.wait("before graph capture")
+        self.stream.begin_capture()
+        try:
+            fn()
+        finally:
+            graph = self.stream.end_capture()
+            self._in_flight.clear()  # captured, not launched
+        return graph
+
+    def replay(self, graph) -> None:
+        self._check_usable()
+        try:
+            graph.launch(stream=self.stream)
+        except Exception as e:
+            raise KernelError(f"cuda: launching the captured graph failed: "
+                              f"{type(e).__name__}: {e}") from None
+        self._in_flight.append("captured graph of one step")
+
+    def time(self, fn, repeat: int = 1) -> list[float]:
+        """Seconds of GPU time between two events around each of ``repeat`` calls of ``fn``."""
+        cp = self.cp
+        out = []
+        for _ in range(repeat):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(self.stream)
+            fn()
+            end.record(self.stream)
+            self.wait("timing")
+            out.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        return out
+
+    def resources(self, module: CupyModule) -> dict[str, dict[str, int]]:
+        """Per kernel: registers per thread, static shared, local (spill) and constant bytes,
+        max threads per block, and resident blocks per SM at NUM_THREADS threads."""
+        drv = self.cp.cuda.driver
+        out = {}
+        for name, k in module.kernels.items():
+            out[name] = {
+                "registers": int(k.num_regs),
+                "shared_bytes": int(k.shared_size_bytes),
+                "local_bytes": int(k.local_size_bytes),
+                "const_bytes": int(k.const_size_bytes),
+                "max_threads_per_block": int(k.max_threads_per_block),
+                "blocks_per_sm": int(drv.occupancyMaxActiveBlocksPerMultiprocessor(
+                    k.kernel.ptr, NUM_THREADS, 0)),
+            }
+        return out
+
+
+def kernel_resources(executor: KernelExecutor) -> dict[str, dict[str, int]]:
+    """Registers, shared, local (spill) bytes etc. of each kernel the executor compiled
+    ({} on the emulator)."""
+    return executor.device.resources(executor.module)
+
+
+# ================================================================================================
+# Executors
+# ================================================================================================
+def _cuda_executor(model, max_seq_len, *, multi: bool = False, graph: bool = False,
+                   blocks: int | None = None, watchdog_ms: int = 2000, device_id: int = 0,
+                   **options) -> KernelExecutor:
+    """One block per SM by default; the host's wait allows the kernel's watchdog plus
+    HOST_GRACE_S before it gives up on a launch."""
+    device = CupyDevice(device_id, host_timeout_s=watchdog_ms / 1000 + HOST_GRACE_S)
+    return KernelExecutor(model, max_seq_len, device=device, multi=multi, graph=graph,
+                          blocks=blocks or device.num_sms, watchdog_ms=watchdog_ms, **options)
+
+
+def _cuda_multi(model, max_seq_len, **options) -> KernelExecutor:
+    return _cuda_executor(model, max_seq_len, multi=True, **options)
+
+
+def _cuda_multi_graph(model, max_seq_len, **options) -> KernelExecutor:
+    return _cuda_executor(model, max_seq_len, multi=True, graph=True, **options)
+
+
+register_executor("cuda", _cuda_executor)
+register_executor("cuda-multi", _cuda_multi)
+register_executor("cuda-multi-graph", _cuda_multi_graph)

@@ -1,0 +1,239 @@
+"""``monokernel plan | bench | trace``: the kernel's program, its speed, and its timeline.
+
+    monokernel plan  [--model DIR|FILE.gguf | --shape NAME] [--blocks 132] [--context 1024]
+    monokernel bench [--model DIR | --shape NAME[,NAME...]] [--backends LIST]
+                     [--context 16,512,2048] [--steps N] [--warmup N] [--blocks N] [--out DIR]
+    monokernel trace [--model DIR | --shape NAME] [--backend emulator|cuda] [--blocks N]
+                     [--context N] [--out DIR]
+
+--shape uses a seeded synthetic checkpoint, written once into $MONOKERNEL_CACHE/synth/<shape>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+H200_SMS = 132
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("plan", help="schedule the decode step and print its instruction program")
+    _add_model_or_shape(p)
+    p.add_argument("--blocks", type=int, default=H200_SMS,
+                   help=f"persistent blocks (default {H200_SMS}, the SMs of an H200)")
+    p.add_argument("--context", type=int, default=1024,
+                   help="context length for the KV-cache bytes (default 1024)")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("bench", help="decode latency of each backend vs the bandwidth floor")
+    _add_model_or_shape(p, several=True)
+    p.add_argument("--backends", default="cuda,cuda-multi,cuda-multi-graph,hf",
+                   help="comma list of: cuda, cuda-multi, cuda-multi-graph, hf, hf-compile, "
+                        "emulator, emulator-multi, numpy (default: %(default)s)")
+    p.add_argument("--context", default="16,512,2048",
+                   help="comma list of context lengths (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=100, help="timed decode steps per row")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps before them")
+    p.add_argument("--blocks", type=int, default=None,
+                   help="persistent blocks (default: the backend's own, the SM count on a GPU)")
+    p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("trace", help="timeline of one traced decode step (Perfetto JSON + PNG)")
+    _add_model_or_shape(p)
+    p.add_argument("--backend", default="emulator",
+                   choices=["emulator", "emulator-multi", "cuda", "cuda-multi"])
+    p.add_argument("--blocks", type=int, default=None,
+                   help="persistent blocks (default: the backend's own)")
+    p.add_argument("--context", type=int, default=16,
+                   help="positions prefilled before the traced step (default 16)")
+    p.add_argument("--out", default="benchmarks/traces", help="folder for the JSON and PNG")
+    p.set_defaults(func=cmd_trace)
+
+
+def _add_model_or_shape(p: argparse.ArgumentParser, several: bool = False) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", default=None,
+                   help="HF model folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--shape", default=None,
+                   help="a known shape with seeded synthetic weights, e.g. smollm2-135m, "
+                        "qwen3-0.6b, llama-3.2-1b, tiny" + (" (comma list)" if several else ""))
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"monokernel: error: expected a comma list of integers, got {s!r}")
+
+
+def synthetic_dir(shape: str) -> Path:
+    """$MONOKERNEL_CACHE/synth/<shape>, written once (seed 0)."""
+    from .config import ModelConfig
+    from .model_loader import cache_dir
+    from .synth import write_synthetic
+
+    name = ModelConfig.from_name(shape).name  # unknown shapes fail here, naming the known ones
+    out = cache_dir() / "synth" / name
+    if not (out / "config.json").is_file():
+        print(f"writing synthetic {name} checkpoint (seed 0) into the cache ...", file=sys.stderr)
+        write_synthetic(name, out, seed=0)
+    return out
+
+
+def _load(args, shape: str | None):
+    from .model_loader import load_model
+
+    if shape:
+        return shape, load_model(synthetic_dir(shape), progress=False)
+    model = load_model(args.model)
+    return _model_label(model), model
+
+
+def _model_label(model) -> str:
+    name = model.config.name
+    return name if name and name != "custom" else model.path.name
+
+
+def _safe_path(s: str) -> str:
+    """A path as recorded in results: never an absolute path of this machine."""
+    return Path(s).name if Path(s).is_absolute() else s
+
+
+# ================================================================================================
+# plan
+# ================================================================================================
+def cmd_plan(args) -> int:
+    from .config import ModelConfig
+    from .scheduler import schedule
+
+    if args.shape:
+        cfg = ModelConfig.from_name(args.shape)
+        label = cfg.name
+    else:
+        from .model_loader import resolve_model_dir
+
+        d = resolve_model_dir(args.model)
+        cfg = ModelConfig.from_hf(d)
+        label = cfg.name if cfg.name not in ("", "custom") else d.name
+    t0 = time.perf_counter()
+    prog = schedule(cfg, args.blocks, args.context + 1)
+    t_sched = time.perf_counter() - t0
+    print(plan_report(label, prog, args.context))
+    print(f"scheduled and verified in {t_sched:.1f} s")
+    return 0
+
+
+def plan_report(label: str, prog, context: int) -> str:
+    """The program's CPU-side speed proxies: instructions and bytes per op, bytes vs weights,
+    counters, slots, and the dependency hops on one token's critical path."""
+    c = prog.config
+    weights = {r["op"]: r["bytes"] for r in prog.op_table(0)}
+    rows = prog.op_table(context)
+    total = sum(r["bytes"] for r in rows)
+    wtotal = sum(weights.values())
+    model_bytes = c.weight_bytes_per_token()
+    lines = [f"model {label}: {c.arch}, {c.num_layers} layers, hidden {c.hidden_size}, "
+             f"{c.num_heads}/{c.num_kv_heads} heads x {c.head_dim}, FFN {c.intermediate_size}, "
+             f"vocab {c.vocab_size}",
+             f"program: {prog.num_blocks} blocks, {prog.attn_splits} attention splits per KV head, "
+             f"context {context}", "",
+             f"{'op':<16} {'instructions':>12} {'weight MB':>10} {'KV MB':>8} {'total MB':>9} "
+             f"{'share':>6}"]
+    for r in rows:
+        w = weights[r["op"]]
+        lines.append(f"{r['op']:<16} {r['instructions']:>12} {w / 1e6:>10.3f} "
+                     f"{(r['bytes'] - w) / 1e6:>8.3f} {r['bytes'] / 1e6:>9.3f} "
+                     f"{r['bytes'] / total if total else 0:>6.1%}")
+    n_ins = sum(r["instructions"] for r in rows)
+    lines.append(f"{'total':<16} {n_ins:>12} {wtotal / 1e6:>10.3f} {(total - wtotal) / 1e6:>8.3f} "
+                 f"{total / 1e6:>9.3f}")
+    lines += ["",
+              f"bytes per token:        {total / 1e6:.3f} MB at context {context} "
+              f"({wtotal / 1e6:.3f} MB weights + {(total - wtotal) / 1e6:.3f} MB KV)",
+              f"model weight bytes:     {model_bytes / 1e6:.3f} MB per token "
+              f"(ModelConfig.weight_bytes_per_token); weights read = "
+              f"{wtotal / model_bytes:.3f}x, all bytes = {total / model_bytes:.3f}x",
+              f"counters:               {prog.num_counters}",
+              f"slots per block:        {prog.max_len} (padded with NOOP)",
+              f"critical path:          {prog.critical_path_hops()} dependency hops per token"]
+    return "\n".join(lines)
+
+
+# ================================================================================================
+# bench
+# ================================================================================================
+def bench_command_line(args) -> str:
+    """The command that reproduces this run, every option spelled out."""
+    parts = ["monokernel", "bench"]
+    if args.shape:
+        parts += ["--shape", args.shape]
+    elif args.model:
+        parts += ["--model", _safe_path(args.model)]
+    parts += ["--backends", args.backends, "--context", args.context, "--steps", str(args.steps),
+              "--warmup", str(args.warmup)]
+    if args.blocks is not None:
+        parts += ["--blocks", str(args.blocks)]
+    parts += ["--out", _safe_path(args.out)]
+    return shlex.join(parts)
+
+
+def cmd_bench(args) -> int:
+    from .bench import KERNEL_BACKENDS, check_backends, format_table, run_bench, write_results
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    check_backends(backends)  # before loading anything: no CUDA device -> exit now
+    contexts = _ints(args.context)
+    if args.steps < 1 or args.warmup < 0 or not contexts or min(contexts) < 1:
+        raise SystemExit("monokernel: error: need --steps >= 1, --warmup >= 0 and every "
+                         "--context >= 1")
+    shapes = [s.strip() for s in args.shape.split(",")] if args.shape else [None]
+    models = [_load(args, s) for s in shapes]
+    doc = run_bench(models, backends, contexts, args.steps, args.warmup, args.blocks,
+                    log=lambda s: print(s, file=sys.stderr, flush=True))
+    doc["command"] = bench_command_line(args)
+    print(format_table(doc))
+    jpath, ppath = write_results(doc, args.out)
+    print(f"wrote {jpath}" + (f" and {ppath.name}" if ppath else ""))
+    failed = [r for r in doc["results"] if r.get("error") and r["backend"] in
+              KERNEL_BACKENDS + ("numpy",)]
+    return 1 if failed else 0
+
+
+# ================================================================================================
+# trace
+# ================================================================================================
+def cmd_trace(args) -> int:
+    from . import trace as tr
+    from .bench import check_backends, make_kernel_executor, prompt_tokens
+
+    check_backends([args.backend])
+    label, model = _load(args, args.shape)
+    ex = make_kernel_executor(args.backend, model, args.context + 1, args.blocks, trace=True)
+    ex.reset()
+    tokens = prompt_tokens(model.config.vocab_size, args.context + 1)
+    for pos, tok in enumerate(tokens):  # the last step is the traced one
+        ex.launch_step(tok, pos, None)
+    records = ex.trace_records()
+    step_us = tr.step_time_ns(records) / 1e3
+    stem = f"trace-{label}-{ex.name}-ctx{args.context}"
+    out = Path(args.out)
+    meta = {"model": label, "backend": ex.name, "blocks": ex.blocks, "context": args.context,
+            "step_us": step_us}
+    print(f"{label} on {ex.name}, {ex.blocks} blocks, traced step at position {args.context}")
+    print(tr.format_summary(tr.op_summary(ex, records), step_us))
+    jpath = tr.write_chrome_trace(out / f"{stem}.json", tr.trace_events(ex, records), meta)
+    print(f"wrote {jpath} (open it in ui.perfetto.dev)")
+    try:
+        ppath = tr.plot_timeline(out / f"{stem}.png", ex, records,
+                                 title=f"{label} on {ex.name}: one decode step at position "
+                                       f"{args.context}, {ex.blocks} blocks, {step_us:.1f} us")
+    except ImportError as e:  # the GPU machine may lack matplotlib; the JSON has everything
+        print(f"monokernel: no PNG timeline: {e}", file=sys.stderr)
+        return 0
+    print(f"wrote {ppath}")
+    return 0

@@ -1,0 +1,172 @@
+"""`monokernel plan | bench | trace` end to end on the CPU emulator (the same code runs the GPU
+backends), and the trace helpers against the program they trace."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from monokernel import bench
+from monokernel.cli import main
+from monokernel.config import ModelConfig
+from monokernel.isa import Op
+from monokernel.scheduler import schedule
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 1000, path
+
+
+def non_noop(prog) -> list[tuple[int, int]]:
+    return [(b, i) for b, q in enumerate(prog.queues) for i, ins in enumerate(q)
+            if ins.op != Op.NOOP]
+
+
+# ---- bench ----------------------------------------------------------------------------------
+def test_bench_emulator_and_numpy(tmp_path, capsys):
+    out = tmp_path / "results"
+    rc = main(["bench", "--shape", "tiny", "--backends", "emulator,emulator-multi,numpy",
+               "--context", "4,16", "--steps", "3", "--warmup", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    (jpath,) = out.glob("bench-*-cpu-*.json")
+    (ppath,) = out.glob("bench-*-cpu-*.png")
+    assert ppath.stem == jpath.stem
+    assert_png(ppath)
+    doc = json.loads(jpath.read_text())
+    for key in ("date", "device", "commit", "command", "method", "floors", "results",
+                "resources", "weight_bytes_per_token", "backends"):
+        assert key in doc, key
+    assert doc["command"].startswith("monokernel bench --shape tiny --backends "
+                                     "emulator,emulator-multi,numpy --context 4,16 --steps 3")
+    assert str(tmp_path) not in jpath.read_text()  # no absolute path of this machine
+    assert doc["resources"] == {"emulator": {}}
+    assert doc["floors"]["cpu"]["copy_bandwidth_GBps"] > 0
+    wb = ModelConfig.from_name("tiny").weight_bytes_per_token()
+    assert doc["weight_bytes_per_token"] == {"tiny": wb}
+    rows = {(r["backend"], r["context"]): r for r in doc["results"]}
+    assert set(rows) == {(b, c) for b in ("emulator", "emulator-multi", "numpy") for c in (4, 16)}
+    for r in rows.values():
+        assert r["error"] is None
+        assert r["n"] == 3 and len(r["times_us"]) == 3
+        assert 0 < r["p10_us"] <= r["median_us"] <= r["p90_us"]
+        assert r["tokens_per_s"] == pytest.approx(1e6 / r["median_us"])
+        assert r["GBps"] == pytest.approx(wb / r["median_us"] / 1e3)
+        assert r["x_floor"] == pytest.approx(r["median_us"] / r["floor_us"])
+    assert rows[("emulator", 4)]["blocks"] == 4
+    assert doc["backends"]["tiny/emulator"]["critical_path_hops"] > 0
+    for b in ("emulator-multi", "numpy"):
+        assert re.search(rf"^{b}\s+tiny\s+16\s+[\d.]+\s", printed, re.M), printed
+
+
+def test_bench_cuda_without_gpu_exits_nonzero(tmp_path, capsys):
+    if bench.cuda_unavailable_reason() is None:
+        pytest.skip("a CUDA device is present")
+    rc = main(["bench", "--shape", "tiny", "--backends", "cuda", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert "no CUDA device" in err
+    assert not list(tmp_path.iterdir())  # failed before writing anything
+
+
+def test_bench_unknown_backend(tmp_path, capsys):
+    assert main(["bench", "--shape", "tiny", "--backends", "emulatr", "--out",
+                 str(tmp_path)]) != 0
+    assert "unknown backend" in capsys.readouterr().err
+
+
+# ---- trace ----------------------------------------------------------------------------------
+def test_trace_cli(tmp_path, capsys):
+    rc = main(["trace", "--shape", "tiny", "--backend", "emulator", "--context", "5",
+               "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    (jpath,) = tmp_path.glob("trace-tiny-emulator-ctx5.json")
+    assert_png(tmp_path / "trace-tiny-emulator-ctx5.png")
+    doc = json.loads(jpath.read_text())
+    meta = doc["otherData"]
+    blocks, step_us = meta["blocks"], meta["step_us"]
+    events = doc["traceEvents"]
+    for e in events:
+        assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e), e
+        assert e["pid"] == 0
+    xs = [e for e in events if e["ph"] == "X"]
+    assert {e["tid"] for e in xs} == set(range(blocks))
+    prog = schedule(ModelConfig.from_name("tiny"), blocks, 6)
+    ops = [e for e in xs if e["cat"] == "op"]
+    assert sorted((e["tid"], e["args"]["slot"]) for e in ops) == sorted(non_noop(prog))
+    for e in ops:
+        ins = prog.queues[e["tid"]][e["args"]["slot"]]
+        assert e["name"] == f"{ins.op.name} L{ins.layer}"
+    for e in xs:
+        assert 0 <= e["ts"] and 0 <= e["dur"] and e["ts"] + e["dur"] <= step_us + 1e-3, e
+    assert min(e["ts"] for e in xs) == 0
+    waits = [e for e in xs if e["cat"] == "wait"]
+    assert len(waits) == sum(prog.queues[b][i].wait is not None for b, i in non_noop(prog))
+    # per-op summary: every op once, and all of them take at most the step
+    share = re.search(r"^all ops\s+\d+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%", printed,
+                      re.M)
+    assert share and float(share.group(1)) <= step_us + 0.1 and float(share.group(4)) <= 100
+    for op in Op:
+        if op != Op.NOOP:
+            assert re.search(rf"^{op.name}\s", printed, re.M), op.name
+
+
+def test_trace_helpers_against_records(synth_dir, tmp_path):
+    from monokernel import trace
+    from monokernel.model_loader import load_model
+    from monokernel.runtime import make_executor
+
+    model = load_model(synth_dir("tiny"), progress=False)
+    ex = make_executor("emulator", model, 8, blocks=3, trace=True)
+    for pos, tok in enumerate([5, 17, 999]):
+        ex.launch_step(tok, pos, None)
+    rec = ex.trace_records()
+    step_ns = trace.step_time_ns(rec)
+    assert step_ns > 0
+    rows = trace.op_summary(ex, rec)
+    assert [r["op"] for r in rows] == [op.name for op in Op if op != Op.NOOP]
+    assert sum(r["instructions"] for r in rows) == len(non_noop(ex.program))
+    total_us = sum(r["time_us"] for r in rows)
+    assert 0 < total_us <= step_ns / 1e3
+    assert sum(r["share"] for r in rows) <= 1.0 + 1e-9
+    for r in rows:
+        assert 0 <= r["wait_us"] <= r["time_us"]
+    events = trace.trace_events(ex, rec)
+    path = trace.write_chrome_trace(tmp_path / "t.json", events)
+    assert json.loads(path.read_text())["traceEvents"] == events
+    trace.plot_timeline(tmp_path / "t.png", ex, rec)
+    assert_png(tmp_path / "t.png")
+    # an untraced record set is refused with a message, not silently plotted empty
+    with pytest.raises(ValueError, match="empty"):
+        trace.op_summary(ex, np.zeros_like(rec))
+
+
+# ---- plan -----------------------------------------------------------------------------------
+def test_plan_smollm2_shape(capsys):
+    assert main(["plan", "--shape", "smollm2-135m", "--blocks", "8", "--context", "256"]) == 0
+    out = capsys.readouterr().out
+    prog = schedule(ModelConfig.from_name("smollm2-135m"), 8, 257)
+    for r in prog.op_table(256):
+        m = re.search(rf"^{r['op']}\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", out, re.M)
+        assert m, r["op"]
+        assert int(m.group(1)) == r["instructions"]
+        assert float(m.group(4)) == pytest.approx(r["bytes"] / 1e6, abs=1e-3)
+    assert re.search(r"^EMBED\s+8\s", out, re.M) and re.search(r"^SAMPLE\s+1\s", out, re.M)
+    assert re.search(r"^RMS_GATE_UP\s+240\s", out, re.M)  # 30 layers x 8 blocks
+    assert "critical path:          152 dependency hops per token" in out
+    assert "269.030 MB per token" in out  # ModelConfig.weight_bytes_per_token()
+    assert "counters:               153" in out
+
+
+def test_plan_bundled_model(bundled_dir, capsys):
+    assert main(["plan", "--blocks", "6", "--context", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "30 layers, hidden 576" in out
+    assert "152 dependency hops" in out

@@ -1,0 +1,514 @@
+"""The CUDA backend (cuda_backend.py).
+
+CPU tests always run: importing the backend needs no CuPy; without CuPy or a device, building a
+cuda executor fails at once with the reason; ``auto`` falls back to numpy and says so. CupyDevice
+itself runs here on a fake CuPy whose "device memory" is host memory and whose driver launches
+go to the CPU emulator, so its argument packing (cuLaunchKernel's array of pointers to the
+Params struct), buffers, copies, graph capture, co-residency check and bounded host wait are
+tested against the NumPy reference without a GPU.
+
+GPU tests (``-m gpu``) run the real thing on the SmolLM2-135M, Qwen3-0.6B and Llama-3.2-1B
+shapes with synthetic weights and skip with "no CUDA device" elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+
+from monokernel.errors import BackendUnavailableError, KernelError
+from monokernel.isa import params_dtype
+from monokernel.runtime import DeviceSample, cuda_device_present
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The GPU computes with expf/rsqrtf/-ftz and another summation order than NumPy: measured
+# differences are far below this; a bf16-rounding slip costs ~4e-3 (see test_kernel_emulator).
+RTOL_OF_MAX = 2e-3
+GPU_SHAPES = ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"]
+GPU_MAX_SEQ = 256
+PROMPT = [1, 999, 5, 0, 517, 998]  # spread over the vocabulary; fed one token per step
+DECODE_STEPS = 18
+
+requires_gpu = pytest.mark.skipif(not cuda_device_present(), reason="no CUDA device")
+
+
+def relative_error(kernel: np.ndarray, ref: np.ndarray) -> float:
+    """max|kernel - ref| / max|ref| (NaN anywhere -> NaN, which fails every comparison)."""
+    return float(np.max(np.abs(kernel.astype(np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def reference_run(model, prompt: list[int], n_steps: int, max_seq_len: int):
+    """Feed ``prompt`` one token per step, then the reference's own greedy token.
+    Returns (token fed at each step, logits [n_steps, vocab])."""
+    from monokernel.reference import ReferenceModel
+
+    ref = ReferenceModel(model.config, model.weights, max_seq_len)
+    fed, logits = [], []
+    tok = prompt[0]
+    for pos in range(n_steps):
+        tok = prompt[pos] if pos < len(prompt) else tok
+        fed.append(tok)
+        logits.append(ref.forward([tok], pos)[0])
+        tok = int(np.argmax(logits[-1]))
+    return fed, np.stack(logits)
+
+
+def check_against_reference(ex, fed: list[int], ref_logits: np.ndarray, what: str) -> None:
+    """Logits at every step (on NaN-poisoned buffers) within tolerance, then greedy decoding on
+    the device (its own tokens fed back) equal to the reference's greedy tokens."""
+    ex.reset()
+    for pos, tok in enumerate(fed):
+        ex.poison()
+        logits = ex.step(tok, pos).logits
+        assert np.isfinite(logits).all(), f"{what}: position {pos}: non-finite logits"
+        err = relative_error(logits, ref_logits[pos])
+        assert err <= RTOL_OF_MAX, (f"{what}: position {pos}: "
+                                    f"max|kernel - ref| = {err:.3g} * max|ref|")
+    ex.reset()
+    greedy = DeviceSample(temperature=0.0, seed=0)
+    got, tok = [], fed[0]
+    for pos in range(len(fed)):
+        tok = fed[pos] if pos < len(PROMPT) else tok
+        tok = ex.step(tok, pos, greedy).token
+        got.append(tok)
+    want = [int(np.argmax(r)) for r in ref_logits]
+    assert got[len(PROMPT) - 1:] == want[len(PROMPT) - 1:], f"{what}: greedy tokens differ"
+
+
+# ================================================================================================
+# Without CuPy or without a device (always run)
+# ================================================================================================
+def test_import_registers_executors_without_cupy():
+    """A fresh interpreter where ``import cupy`` fails: the module imports and registers."""
+    code = ("import sys; sys.modules['cupy'] = None\n"
+            "import monokernel.cuda_backend as cb\n"
+            "from monokernel.runtime import EXECUTORS\n"
+            "print(sorted(n for n in EXECUTORS if n.startswith('cuda')))\n"
+            "try:\n"
+            "    cb.CupyDevice()\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "['cuda', 'cuda-multi', 'cuda-multi-graph']"
+    assert lines[1].startswith("BackendUnavailableError CuPy is not installed: pip install")
+
+
+def test_no_device_reason(monkeypatch):
+    """CuPy present, but the runtime finds no device (or no driver)."""
+    from monokernel import cuda_backend
+
+    def no_driver():
+        raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=no_driver)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    with pytest.raises(BackendUnavailableError, match="no CUDA device .*cudaErrorNoDevice"):
+        cuda_backend.CupyDevice()
+    fake.cuda.runtime.getDeviceCount = lambda: 0
+    with pytest.raises(BackendUnavailableError, match="no CUDA device"):
+        cuda_backend.CupyDevice()
+
+
+@pytest.mark.skipif(cuda_device_present(), reason="a CUDA device is present")
+@pytest.mark.parametrize("backend", ["cuda", "cuda-multi", "cuda-multi-graph"])
+def test_make_executor_without_device_raises_with_reason(synth_dir, backend):
+    """Whatever this machine has (no CuPy, or CuPy without a GPU), the error comes at once and
+    says which; a subprocess with a timeout proves it never hangs."""
+    code = ("import sys\n"
+            "from monokernel import LLM\n"
+            "from monokernel.errors import BackendUnavailableError\n"
+            "try:\n"
+            f"    LLM({str(synth_dir('tiny'))!r}, backend={backend!r}, progress=False)\n"
+            "except BackendUnavailableError as e:\n"
+            "    print('ERR', e); sys.exit(0)\n"
+            "sys.exit('no error raised')\n")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("ERR "), out.stdout
+    assert "no CUDA device" in out.stdout or "CuPy is not installed" in out.stdout, out.stdout
+    assert time.perf_counter() - t0 < 60
+
+
+@pytest.mark.skipif(cuda_device_present(), reason="a CUDA device is present")
+def test_make_executor_in_process_and_auto(synth_dir, capsys):
+    from monokernel.model_loader import load_model
+    from monokernel.runtime import make_executor
+
+    m = load_model(synth_dir("tiny"), progress=False)
+    with pytest.raises(BackendUnavailableError, match="no CUDA device|CuPy is not installed"):
+        make_executor("cuda", m, 64)
+    ex = make_executor("auto", m, 64)
+    assert ex.name == "numpy"
+    assert "backend auto -> numpy" in capsys.readouterr().err
+
+
+def test_kernel_resources_on_the_emulator_is_empty():
+    from monokernel.cuda_backend import kernel_resources
+    from monokernel.kernel_executor import EmulatorDevice
+
+    assert kernel_resources(types.SimpleNamespace(device=EmulatorDevice(), module=None)) == {}
+
+
+# ================================================================================================
+# CupyDevice on a fake CuPy: device memory is host memory, launches run in the CPU emulator
+# ================================================================================================
+class FakeArray:
+    def __init__(self, shape, dtype):
+        self.a = np.zeros(shape, dtype)
+        self.shape, self.dtype, self.nbytes = self.a.shape, self.a.dtype, self.a.nbytes
+        self.data = types.SimpleNamespace(ptr=self.a.ctypes.data,
+                                          copy_to_host_async=self._copy_to_host_async)
+
+    def _copy_to_host_async(self, dst: int, size: int, stream=None) -> None:
+        ctypes.memmove(dst, self.a.ctypes.data, size)
+
+    def set(self, arr, stream=None):
+        self.a[...] = arr
+
+    def get(self, stream=None):
+        return self.a.copy()
+
+    def fill(self, value):
+        self.a.fill(value)
+
+
+class FakeCupy:
+    """Just the CuPy surface cuda_backend uses, recording what it is asked to do."""
+
+    def __init__(self, num_sms=4, blocks_per_sm=1, hang=False):
+        from monokernel.kernel_executor import EmulatorDevice
+
+        fake = self
+        self.emulator = EmulatorDevice()
+        self.launches: list[tuple[str, int, bool]] = []
+        self.hang = hang
+        self.streams: dict[int, object] = {}
+        self.param_size = params_dtype().itemsize
+
+        class CompileException(Exception):
+            def get_message(self):
+                return str(self)
+
+        class Device:
+            compute_capability = "90"
+
+            def __init__(self, i=0):
+                pass
+
+            def use(self):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                return False
+
+        class Stream:
+            def __init__(self, non_blocking=False):
+                self.ptr = 1000 + len(fake.streams)
+                self.captured = None
+                fake.streams[self.ptr] = self
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                return False
+
+            def begin_capture(self, mode=None):
+                self.captured = []
+
+            def end_capture(self):
+                nodes, self.captured = self.captured, None
+                return types.SimpleNamespace(launch=lambda stream=None: [n() for n in nodes])
+
+        class Event:
+            def __init__(self, block=False, disable_timing=False):
+                pass
+
+            def record(self, stream=None):
+                pass
+
+            @property
+            def done(self):
+                return not fake.hang
+
+        def launch(func, gx, gy, gz, bx, by, bz, smem, stream, kparams, extra=None,
+                   cooperative=False):
+            # kernelParams[0] points at the struct; the driver copies its bytes at the call
+            arg_ptr = ctypes.c_void_p.from_address(kparams).value
+            struct = np.frombuffer(ctypes.string_at(arg_ptr, fake.param_size), np.uint8).copy()
+            name = fake.functions[func]
+
+            def run():
+                fake.launches.append((name, gx, cooperative))
+                fake.module.launch(name, gx, bx, struct.ctypes.data, 60.0)
+
+            s = fake.streams[stream]
+            s.captured.append(run) if s.captured is not None else run()
+
+        class RawKernel:
+            def __init__(self, name):
+                self.kernel = types.SimpleNamespace(ptr=hash(name) & 0xFFFFFF)
+                fake.functions[self.kernel.ptr] = name
+                self.num_regs, self.shared_size_bytes, self.local_size_bytes = 64, 9000, 0
+                self.const_size_bytes, self.max_threads_per_block = 0, 1024
+
+        class RawModule:
+            def __init__(self, code, options):
+                defines = dict(o[2:].split("=", 1) for o in options if o.startswith("-D"))
+                from monokernel.kernel_executor import KERNEL_NAMES
+
+                fake.module = fake.emulator.compile(code, KERNEL_NAMES, defines)
+
+            def get_function(self, name):
+                return RawKernel(name)
+
+        self.functions: dict[int, str] = {}
+        self.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(
+                getDeviceCount=lambda: 1,
+                getDeviceProperties=lambda i: {"name": b"Fake H200", "multiProcessorCount": num_sms,
+                                               "cooperativeLaunch": 1}),
+            Device=Device, Stream=Stream, Event=Event,
+            driver=types.SimpleNamespace(
+                launchKernel=launch,
+                launchCooperativeKernel=lambda *a: launch(*a, cooperative=True),
+                occupancyMaxActiveBlocksPerMultiprocessor=lambda f, t, s: blocks_per_sm),
+            compiler=types.SimpleNamespace(CompileException=CompileException),
+            get_elapsed_time=lambda a, b: 0.5)
+        self.RawModule = RawModule
+        self.zeros = lambda shape, dtype: FakeArray(shape, dtype)
+        self.empty = lambda shape, dtype: FakeArray(shape, dtype)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """``fake_cupy(**kw)`` installs a FakeCupy as ``cupy`` (and cupyx.empty_pinned)."""
+    def install(**kw):
+        fake = FakeCupy(**kw)
+        monkeypatch.setitem(sys.modules, "cupy", fake)
+        monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(
+            empty_pinned=lambda shape, dtype: np.empty(shape, dtype)))
+        from monokernel import cuda_backend
+
+        monkeypatch.setattr(cuda_backend, "_MODULES", {})
+        return fake
+
+    return install
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_dir):
+    from monokernel.model_loader import load_model
+
+    m = load_model(synth_dir("tiny"), progress=False)
+    fed, logits = reference_run(m, PROMPT, len(PROMPT) + 10, 160)
+    return m, fed, logits
+
+
+@pytest.mark.parametrize("backend,launches_per_step", [
+    ("cuda", 1), ("cuda-multi", None), ("cuda-multi-graph", None)])
+def test_fake_cupy_device_matches_reference(fake_cupy, tiny, backend, launches_per_step):
+    from monokernel.runtime import make_executor
+
+    fake = fake_cupy(num_sms=3)
+    m, fed, ref_logits = tiny
+    ex = make_executor(backend, m, 160)
+    assert ex.name == backend and ex.blocks == 3  # one block per SM by default
+    check_against_reference(ex, fed, ref_logits, backend)
+    names = {n for n, _, _ in fake.launches}
+    if backend == "cuda":
+        assert names == {"megakernel"}
+        assert all(coop and grid == 3 for _, grid, coop in fake.launches)
+    else:
+        assert "megakernel" not in names and not any(coop for _, _, coop in fake.launches)
+
+
+def test_fake_cupy_grid_not_coresident_is_refused(fake_cupy, tiny):
+    from monokernel.runtime import make_executor
+
+    fake = fake_cupy(num_sms=2, blocks_per_sm=1)
+    ex = make_executor("cuda", tiny[0], 160, blocks=3)
+    with pytest.raises(KernelError, match="grid of 3 blocks cannot be co-resident: megakernel "
+                                          "fits 1 block.* x 2 SMs = 2"):
+        ex.step(1, 0)
+    assert fake.launches == []  # refused before launching
+    with pytest.raises(KernelError, match="unusable"):
+        ex.step(1, 0)
+
+
+def test_fake_cupy_host_wait_is_bounded(fake_cupy, tiny):
+    from monokernel.cuda_backend import CupyDevice
+    from monokernel.kernel_executor import KernelExecutor
+
+    fake = fake_cupy(num_sms=2)
+    dev = CupyDevice(host_timeout_s=0.3)
+    ex = KernelExecutor(tiny[0], 160, device=dev, blocks=2)
+    fake.hang = True
+    t0 = time.perf_counter()
+    with pytest.raises(KernelError, match=r"launch of megakernel \(grid 2 x 256 threads\) did "
+                                          r"not finish within 0.3 s"):
+        ex.step(1, 0)
+    assert time.perf_counter() - t0 < 3
+    fake.hang = False
+    with pytest.raises(KernelError, match="unusable"):
+        ex.step(1, 0)
+    with pytest.raises(KernelError, match="unusable"):
+        dev.launch(ex.module, "megakernel", 2, ex.params, cooperative=True)
+
+
+def test_fake_cupy_compile_options_cache_and_resources(fake_cupy):
+    from monokernel.config import ModelConfig
+    from monokernel.cuda_backend import CupyDevice
+    from monokernel.kernel_executor import KERNEL_NAMES, kernel_source
+
+    fake_cupy()
+    dev = CupyDevice()
+    src = kernel_source(ModelConfig.from_name("tiny"), 160)
+    mod = dev.compile(src, KERNEL_NAMES, {})
+    assert dev.compile(src, KERNEL_NAMES, {}) is mod  # in-process cache
+    assert dev.compile(src, KERNEL_NAMES, {"MK_TRACE": "1"}) is not mod
+    res = dev.resources(mod)
+    assert set(res) == set(KERNEL_NAMES)
+    assert res["megakernel"] == {"registers": 64, "shared_bytes": 9000, "local_bytes": 0,
+                                 "const_bytes": 0, "max_threads_per_block": 1024,
+                                 "blocks_per_sm": 1}
+    assert dev.time(lambda: None, repeat=2) == [0.0005, 0.0005]
+
+
+# ================================================================================================
+# On a GPU
+# ================================================================================================
+def synthetic_checkpoint(shape: str):
+    """$MONOKERNEL_CACHE/synth/<shape> (seed 0), where ``monokernel bench --shape`` looks too:
+    scripts/gpu_check.sh points MONOKERNEL_TEST_CACHE at one folder so both write it once."""
+    from monokernel.model_loader import cache_dir
+    from monokernel.synth import write_synthetic
+
+    path = cache_dir() / "synth" / shape
+    if not (path / "config.json").is_file():
+        write_synthetic(shape, path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpu_case():
+    """``gpu_case(shape)`` -> (model, fed tokens, reference logits), once per shape."""
+    from monokernel.model_loader import load_model
+
+    cache: dict[str, tuple] = {}
+
+    def get(shape: str):
+        if shape not in cache:
+            m = load_model(synthetic_checkpoint(shape), progress=False)
+            cache[shape] = (m, *reference_run(m, PROMPT, len(PROMPT) + DECODE_STEPS, GPU_MAX_SEQ))
+        return cache[shape]
+
+    return get
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("backend", ["cuda", "cuda-multi", "cuda-multi-graph"])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_matches_reference(gpu_case, shape, backend):
+    from monokernel.runtime import make_executor
+
+    m, fed, ref_logits = gpu_case(shape)
+    ex = make_executor(backend, m, GPU_MAX_SEQ)
+    check_against_reference(ex, fed, ref_logits, f"{backend} {shape}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_no_spills(gpu_case, shape):
+    from monokernel.cuda_backend import kernel_resources
+    from monokernel.runtime import make_executor
+
+    ex = make_executor("cuda", gpu_case(shape)[0], GPU_MAX_SEQ)
+    res = kernel_resources(ex)
+    print(shape, res)
+    spills = {n: r["local_bytes"] for n, r in res.items() if r["local_bytes"]}
+    assert not spills, f"{shape}: local (spill) bytes per kernel: {spills}"
+    assert res["megakernel"]["blocks_per_sm"] >= 1
+
+
+def stuck_program(cfg, blocks: int, max_seq_len: int):
+    """A scheduled program whose SAMPLE waits for one signal more than it will ever get; no
+    other instruction of the step waits on SAMPLE, so no other block's watchdog can fire first.
+    Returns (program, the label of that instruction)."""
+    from monokernel.scheduler import schedule
+
+    program = schedule(cfg, blocks, max_seq_len)
+    b, i = next((b, i) for b, q in enumerate(program.queues) for i, ins in enumerate(q)
+                if ins.wait is not None and ins.op.name == "SAMPLE")
+    ins = program.queues[b][i]
+    program.queues[b][i] = dataclasses.replace(ins, wait=(ins.wait[0], ins.wait[1] + 1))
+    return program, ins.label(b, i)
+
+
+def assert_watchdog_names(ex, label: str, within_s: float) -> None:
+    t0 = time.perf_counter()
+    with pytest.raises(KernelError, match="watchdog") as e:
+        ex.step(1, 0)
+    assert time.perf_counter() - t0 < within_s
+    assert label in str(e.value)
+    with pytest.raises(KernelError, match="unusable"):
+        ex.step(1, 0)
+
+
+def test_fake_cupy_watchdog_names_the_instruction(fake_cupy, tiny):
+    from monokernel.runtime import make_executor
+
+    fake_cupy(num_sms=3)
+    program, label = stuck_program(tiny[0].config, 3, 160)
+    ex = make_executor("cuda", tiny[0], 160, program=program, watchdog_ms=300)
+    assert_watchdog_names(ex, label, within_s=10)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_watchdog_names_the_instruction(gpu_case):
+    """One wait made unsatisfiable: the kernel's watchdog stops every block, the host names the
+    instruction within ~3 s, and the executor refuses further work. The wait is SAMPLE's: no
+    other instruction of the step waits on it, so no other block's watchdog can fire first."""
+    from monokernel.runtime import make_executor
+
+    m = gpu_case("smollm2-135m")[0]
+    probe = make_executor("cuda", m, GPU_MAX_SEQ)
+    program, label = stuck_program(m.config, probe.blocks, GPU_MAX_SEQ)
+    ex = make_executor("cuda", m, GPU_MAX_SEQ, program=program, watchdog_ms=500)
+    assert_watchdog_names(ex, label, within_s=3.5)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_grid_not_coresident_raises(gpu_case):
+    from monokernel.cuda_backend import kernel_resources
+    from monokernel.runtime import make_executor
+
+    m = gpu_case("smollm2-135m")[0]
+    probe = make_executor("cuda", m, GPU_MAX_SEQ)
+    too_many = probe.device.num_sms * kernel_resources(probe)["megakernel"]["blocks_per_sm"] + 1
+    ex = make_executor("cuda", m, GPU_MAX_SEQ, blocks=too_many)
+    t0 = time.perf_counter()
+    with pytest.raises(KernelError, match=f"grid of {too_many} blocks cannot be co-resident"):
+        ex.step(1, 0)
+    assert time.perf_counter() - t0 < 5

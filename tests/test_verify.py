@@ -1,0 +1,272 @@
+"""Program.verify() on hand-built programs (each hazard in isolation, with a fixed twin that must
+pass) and on mutated schedules; every schedule of the known shapes verifies, its slots are
+aligned, and its critical path has the expected number of hops.
+
+Ordering, as verify() defines it: program order within a block, plus an edge from every
+signaler of a counter to a wait that needs ALL of that counter's signals per step; transitively.
+A wait for fewer signals than there are signalers orders nothing (any subset may have arrived).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+
+from monokernel.config import ModelConfig
+from monokernel.errors import ProgramError
+from monokernel.isa import Op
+from monokernel.scheduler import Instruction, Program, schedule
+
+TINY = ModelConfig.from_name("tiny")
+
+
+# ================================================================================================
+# Reference functions
+# ================================================================================================
+def program(*queues: list[Instruction], counters: int = 4) -> Program:
+    """A hand-built program over the tiny config's buffers (verify() reads only the queues)."""
+    return Program(config=TINY, num_blocks=len(queues), max_seq_len=16,
+                   queues=[list(q) for q in queues],
+                   counter_names=[f"c{i}" for i in range(counters)], attn_splits=1,
+                   lm_partials=len(queues))
+
+
+def ins(op: Op = Op.EMBED, *, reads=(), writes=(), wait=None, signal=None, tile=(0, 1)) -> Instruction:
+    return Instruction(op, 0, tile, wait=wait, signal=signal, reads=list(reads), writes=list(writes))
+
+
+def label(block: int, index: int, op: Op) -> str:
+    """How verify() names an instruction: block, queue index and op."""
+    return f"block {block} #{index} {op.name}"
+
+
+def hazard(prog: Program) -> str:
+    with pytest.raises(ProgramError) as e:
+        prog.verify()
+    return str(e.value)
+
+
+def x(lo: int, hi: int):
+    return ("residual", lo, hi)
+
+
+# ================================================================================================
+# Hand-built programs: one defect each, and the fixed twin
+# ================================================================================================
+def test_cycle_across_two_blocks_queues():
+    # block 0 waits for block 1's signal before signalling; block 1 waits for block 0's
+    a = ins(Op.RMS_QKV_ROPE, wait=(1, 1), signal=0)
+    b = ins(Op.ATTENTION, wait=(0, 1), signal=1)
+    msg = hazard(program([ins(Op.EMBED), a], [b]))
+    assert "deadlock" in msg and "cycle" in msg
+    assert label(0, 1, Op.RMS_QKV_ROPE) in msg and label(1, 0, Op.ATTENTION) in msg
+    assert label(0, 0, Op.EMBED) not in msg  # only the instructions on the cycle are named
+    # fixed: block 0 signals first and waits afterwards
+    program([ins(Op.EMBED, signal=0), ins(Op.RMS_QKV_ROPE, wait=(1, 1))],
+            [ins(Op.ATTENTION, wait=(0, 1), signal=1)]).verify()
+
+
+@pytest.mark.parametrize("count", [3, 7])
+def test_wait_for_more_signals_than_signalers(count):
+    # two instructions signal counter 2 per step; a wait for 3 (or 7) can never be met
+    prog = program([ins(signal=2), ins(Op.O_PROJ_RESIDUAL, wait=(2, count))],
+                   [ins(signal=2)])
+    msg = hazard(prog)
+    assert label(0, 1, Op.O_PROJ_RESIDUAL) in msg
+    assert f"waits for {count} signals of counter 2 (c2)" in msg and "only 2" in msg
+    assert "never be met" in msg
+    prog.queues[0][1].wait = (2, 2)  # fixed
+    prog.verify()
+
+
+@pytest.mark.parametrize("wait", [(5, 1), (-1, 1), (0, 0)],
+                         ids=["no-such-counter", "negative-counter", "zero-count"])
+def test_malformed_waits(wait):
+    msg = hazard(program([ins(signal=0), ins(Op.ATTENTION, wait=wait)]))
+    assert label(0, 1, Op.ATTENTION) in msg and "never be met" in msg
+
+
+def test_signal_of_a_counter_that_does_not_exist():
+    msg = hazard(program([ins(Op.DOWN_RESIDUAL, signal=4)]))
+    assert label(0, 0, Op.DOWN_RESIDUAL) in msg and "counter 4" in msg
+
+
+def test_missing_dependency_is_a_raw_hazard():
+    # block 0 writes x[0:96]; block 1 reads x[90:96] without waiting
+    w = ins(Op.EMBED, writes=[x(0, 96)], signal=0)
+    r = ins(Op.RMS_QKV_ROPE, reads=[x(90, 96)])
+    msg = hazard(program([w], [ins(Op.NOOP), r]))
+    assert msg.startswith("RAW hazard on residual")
+    assert re.search(r"block 1 #1 RMS_QKV_ROPE.* is not ordered after block 0 #0 EMBED", msg)
+    # fixed: the reader waits for the writer's signal
+    program([w], [ins(Op.NOOP), ins(Op.RMS_QKV_ROPE, reads=[x(90, 96)], wait=(0, 1))]).verify()
+
+
+def test_adjacent_regions_do_not_conflict():
+    # half-open regions: [0, 48) and [48, 96) share no element
+    program([ins(writes=[x(0, 48)])], [ins(reads=[x(48, 96)])]).verify()
+    program([ins(writes=[x(0, 48)])], [ins(writes=[x(48, 96)])]).verify()
+    msg = hazard(program([ins(writes=[x(0, 49)])], [ins(reads=[x(48, 96)])]))
+    assert "hazard on residual" in msg
+
+
+def test_waiting_for_some_signals_orders_nothing():
+    # two writers signal c0; a reader that waits for ONE signal may run after either alone
+    w0 = ins(Op.EMBED, writes=[x(0, 48)], signal=0)
+    w1 = ins(Op.EMBED, writes=[x(48, 96)], signal=0)
+    r = ins(Op.RMS_QKV_ROPE, reads=[x(0, 96)], wait=(0, 1))
+    msg = hazard(program([w0], [w1], [r]))
+    assert msg.startswith("RAW") and label(2, 0, Op.RMS_QKV_ROPE) in msg
+    r.wait = (0, 2)  # fixed: all of them
+    program([w0], [w1], [r]).verify()
+
+
+def test_ordering_is_transitive_through_a_third_block():
+    # block 0 writes, block 1 waits for it and signals c1, block 2 waits only for c1 and reads
+    prog = program([ins(Op.EMBED, writes=[x(0, 96)], signal=0)],
+                   [ins(Op.RMS_QKV_ROPE, wait=(0, 1), signal=1)],
+                   [ins(Op.ATTENTION, wait=(1, 1), reads=[x(0, 96)])])
+    prog.verify()
+    prog.queues[1][0].wait = None  # the chain is broken: block 2 is no longer after block 0
+    msg = hazard(prog)
+    assert msg.startswith("RAW") and label(2, 0, Op.ATTENTION) in msg and label(0, 0, Op.EMBED) in msg
+
+
+def test_war_hazard_write_not_after_an_earlier_reader():
+    # block 0 reads x and signals; block 1 overwrites part of x without waiting for the reader
+    r = ins(Op.RMS_GATE_UP, reads=[x(0, 96)], signal=0)
+    w = ins(Op.DOWN_RESIDUAL, writes=[x(10, 20)])
+    msg = hazard(program([r], [ins(Op.NOOP), w]))
+    assert msg.startswith("WAR hazard on residual")
+    assert re.search(r"block 1 #1 DOWN_RESIDUAL.* is not ordered after block 0 #0 RMS_GATE_UP", msg)
+    program([r], [ins(Op.NOOP), ins(Op.DOWN_RESIDUAL, writes=[x(10, 20)], wait=(0, 1))]).verify()
+
+
+def test_waw_hazard_two_unordered_writers():
+    a = ins(Op.O_PROJ_RESIDUAL, writes=[x(0, 50)], signal=0)
+    b = ins(Op.DOWN_RESIDUAL, writes=[x(40, 96)])
+    msg = hazard(program([a], [b]))
+    assert msg.startswith("WAW hazard on residual")
+    assert label(0, 0, Op.O_PROJ_RESIDUAL) in msg and label(1, 0, Op.DOWN_RESIDUAL) in msg
+    b.wait = (0, 1)
+    program([a], [b]).verify()
+
+
+def test_same_block_accesses_are_ordered_by_program_order():
+    program([ins(writes=[x(0, 96)]), ins(reads=[x(0, 96)]), ins(writes=[x(0, 96)])]).verify()
+
+
+# ================================================================================================
+# Mutated schedules
+# ================================================================================================
+def find(prog: Program, block: int, op: Op, layer: int) -> int:
+    return next(i for i, s in enumerate(prog.queues[block]) if s.op == op and s.layer == layer)
+
+
+@pytest.fixture(scope="module")
+def tiny3() -> Program:
+    return schedule(TINY, 3, 64)
+
+
+def test_schedule_without_one_wait_is_a_raw_hazard(tiny3):
+    prog = copy.deepcopy(tiny3)
+    i = find(prog, 1, Op.ATTENTION, 1)
+    prog.queues[1][i].wait = None
+    msg = hazard(prog)
+    assert msg.startswith("RAW hazard on q") or msg.startswith("RAW hazard on k_cache") \
+        or msg.startswith("RAW hazard on v_cache"), msg
+    assert label(1, i, Op.ATTENTION) in msg and "RMS_QKV_ROPE(layer 1" in msg
+
+
+def test_schedule_down_without_its_wait_is_a_war_hazard(tiny3):
+    # DOWN_RESIDUAL overwrites residual rows that other blocks' RMS_GATE_UP still reads
+    prog = copy.deepcopy(tiny3)
+    i = find(prog, 1, Op.DOWN_RESIDUAL, 0)
+    prog.queues[1][i].wait = None
+    msg = hazard(prog)
+    assert msg.startswith("WAR hazard on residual"), msg
+    assert label(1, i, Op.DOWN_RESIDUAL) in msg and "RMS_GATE_UP(layer 0" in msg
+
+
+def test_schedule_with_a_wait_count_too_high(tiny3):
+    prog = copy.deepcopy(tiny3)
+    i = find(prog, 2, Op.O_PROJ_RESIDUAL, 0)
+    counter, count = prog.queues[2][i].wait
+    prog.queues[2][i].wait = (counter, count + 1)
+    msg = hazard(prog)
+    assert label(2, i, Op.O_PROJ_RESIDUAL) in msg and "L0.ATTENTION" in msg
+
+
+def test_schedule_with_a_wait_on_a_later_counter_deadlocks(tiny3):
+    # EMBED of block 0 waits for the SAMPLE counter, which follows it
+    prog = copy.deepcopy(tiny3)
+    prog.queues[0][0].wait = (prog.counter_names.index("SAMPLE"), 1)
+    msg = hazard(prog)
+    assert "deadlock" in msg and label(0, 0, Op.EMBED) in msg
+
+
+# ================================================================================================
+# Every known shape's schedule
+# ================================================================================================
+# schedule() verifies before it returns; for 132 blocks that takes several seconds per shape, so
+# each program is built (and thereby verified) once per module.
+KNOWN = [("smollm2-135m", 1), ("smollm2-135m", 7), ("smollm2-135m", 132), ("qwen3-0.6b", 132),
+         ("llama-3.2-1b", 132), ("qwen2-tiny", 5), ("qwen3-tiny", 8)]
+_PROGRAMS: dict[tuple[str, int], Program] = {}
+
+
+def known(name: str, blocks: int) -> Program:
+    if (name, blocks) not in _PROGRAMS:
+        _PROGRAMS[name, blocks] = schedule(ModelConfig.from_name(name), blocks, 2048)
+    return _PROGRAMS[name, blocks]
+
+
+def expected_slot_ops(cfg: ModelConfig) -> list[tuple[Op, int]]:
+    per_layer = [Op.RMS_QKV_ROPE, Op.ATTENTION, Op.O_PROJ_RESIDUAL, Op.RMS_GATE_UP,
+                 Op.DOWN_RESIDUAL]
+    return ([(Op.EMBED, 0)] + [(op, layer) for layer in range(cfg.num_layers) for op in per_layer]
+            + [(Op.RMS_LM_HEAD, 0), (Op.SAMPLE, 0)])
+
+
+@pytest.mark.parametrize("name,blocks", KNOWN, ids=[f"{n}-b{b}" for n, b in KNOWN])
+def test_known_schedules_verify_and_slots_align(name, blocks):
+    prog = known(name, blocks)  # schedule() has run verify()
+    assert prog.num_blocks == blocks and len(prog.queues) == blocks
+    assert {len(q) for q in prog.queues} == {prog.max_len}
+    slots = prog.slots()
+    # slot ranges tile [0, max_len) in order, one (op, layer) each, in decode-step order
+    assert [s[2] for s in slots] == [0] + [s[3] for s in slots[:-1]]
+    assert slots[-1][3] == prog.max_len
+    assert [(op, layer) for op, layer, _, _ in slots] == expected_slot_ops(prog.config)
+    for op, layer, begin, end in slots:
+        for q in prog.queues:
+            for i in range(begin, end):
+                assert q[i].op in (op, Op.NOOP) and (q[i].op == Op.NOOP or q[i].layer == layer)
+    # SAMPLE runs in block 0 only; every other op in every block
+    assert [q[-1].op for q in prog.queues] == [Op.SAMPLE] + [Op.NOOP] * (blocks - 1)
+    words = prog.words()
+    assert words.shape[:2] == (blocks, prog.max_len)
+
+
+@pytest.mark.parametrize("name,blocks", [("smollm2-135m", 1), ("smollm2-135m", 7),
+                                         ("smollm2-135m", 132), ("qwen3-0.6b", 132),
+                                         ("llama-3.2-1b", 132)])
+def test_critical_path_hops(name, blocks):
+    """One hop per counter wait on the longest chain. Every op waits for all signals of the op
+    before it, so the chain is EMBED (no wait) -> 5 waits per layer (RMS_QKV_ROPE, ATTENTION,
+    O_PROJ_RESIDUAL, RMS_GATE_UP, DOWN_RESIDUAL) -> RMS_LM_HEAD -> SAMPLE:
+    hops = 2 + 5 * layers, whatever the grid. SmolLM2 (30 layers): 152."""
+    prog = known(name, blocks)
+    assert prog.critical_path_hops() == 2 + 5 * prog.config.num_layers
+    if name == "smollm2-135m":
+        assert prog.critical_path_hops() == 152
+
+
+def test_unaligned_slots_are_rejected(tiny3):
+    prog = copy.deepcopy(tiny3)
+    q = prog.queues[1]
+    q[1], q[2] = q[2], q[1]  # block 1 runs ATTENTION in the slot where the others run QKV
+    with pytest.raises(ProgramError, match="slot 1 is not aligned"):
+        prog.slots()
