@@ -150,5 +150,5 @@ def gumbel_noise(seed: int, pos: int, vocab: int) -> np.ndarray:
         s = _mix32(np.array([seed & 0xFFFFFFFF], np.uint32) ^ np.uint32(0x9E3779B9))
         s = _mix32(s ^ np.uint32(pos & 0xFFFFFFFF))
         h = _mix32(s ^ np.arange(vocab, dtype=np.uint32))
-    u = ((h >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    u = ((h >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 8388608.0)
     return -np.log(-np.log(u))
