@@ -145,7 +145,7 @@ __device__ void rms_normalize(const float* x, const unsigned short* __restrict__
 }
 
 // Counter-based RNG for Gumbel-max sampling: a hash of (seed, position, token) -> (0, 1).
-// Mirrored bit for bit by sampling.gumbel_uniform on the host.
+// Mirrored bit for bit by sampling.gumbel_noise on the host.
 __device__ __forceinline__ unsigned mix32(unsigned h) {
   h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
   return h;

@@ -1,0 +1,253 @@
+"""megakernel.cu through nvcc (compile only, no GPU needed): every entry point of every known shape
+builds for sm_80 and sm_90 without stack frame or spills, and the PTX reads nothing but weights
+through the non-coherent path (ld.global.nc).
+
+Why the PTX check matters (ARCHITECTURE section 4): data that other blocks write during the launch
+(activations, KV cache, counters, state) read through ld.global.nc can be stale on a GPU while
+every CPU test passes. The check traces, inside each kernel's PTX, which field of the Params
+argument every ld.global.nc address is computed from, and requires it to be a `const` field
+(weights, RoPE tables, the program).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from monokernel.config import ModelConfig
+from monokernel.isa import PARAMS, params_dtype
+from monokernel.kernel_executor import KERNEL_NAMES, kernel_source
+
+NVCC = shutil.which("nvcc")
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH (CUDA toolkit needed)")
+
+SHAPES = ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b", "qwen2-tiny"]
+ARCHS = ["sm_80", "sm_90"]
+MAX_SEQ = 2048
+CONST_FIELDS = {n for n, t, _ in PARAMS if t.startswith("const")}
+POINTER_FIELDS = {n for n, t, _ in PARAMS if t.endswith("*")}
+
+
+# ================================================================================================
+# Reference functions: ptxas report and PTX data flow
+# ================================================================================================
+def nvcc(src: Path, out: Path, *args: str) -> str:
+    proc = subprocess.run([NVCC, *args, str(src), "-o", str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"nvcc {' '.join(args)} {src.name} failed:\n{proc.stderr[-4000:]}"
+    return proc.stdout + proc.stderr
+
+
+def ptxas_properties(report: str) -> dict[str, tuple[int, int, int]]:
+    """``-Xptxas -v`` output -> {function: (stack frame, spill store, spill load bytes)}."""
+    out = {}
+    for m in re.finditer(r"Function properties for (\w+)\s*\n\s*(\d+) bytes stack frame, "
+                         r"(\d+) bytes spill stores, (\d+) bytes spill loads", report):
+        out[m.group(1)] = (int(m.group(2)), int(m.group(3)), int(m.group(4)))
+    return out
+
+
+_INSTR = re.compile(r"^(?:@!?%p\d+\s+)?([a-z][\w.]*)\s*(.*?);\s*$")
+_REG = re.compile(r"%[a-z]+\d+")
+
+
+def _operands(text: str) -> list[str]:
+    """Split operands at top-level commas ({...} vectors and [...] addresses stay whole)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def nc_load_sources(ptx: str) -> dict[str, list[tuple[str, set[str]]]]:
+    """For each .entry: [(ld.global.nc instruction, Params fields its address derives from)].
+
+    Flow-insensitive taint over the PTX virtual registers, to a fixed point:
+      - ``mov.b64 %rd, <entry>_param_0`` and ``add`` of a constant make a register an address
+        inside the Params argument; ``ld.param [that + k]`` (or ``[<entry>_param_0 + k]``) loads
+        the field at byte offset k (offsets from isa.params_dtype(), the struct's C layout);
+      - every other instruction that defines registers passes the union of its source registers'
+        fields to them (cvta, add, mad, mul.wide, mov, selp ...);
+      - values loaded from memory carry no field: an index read from the state words and added
+        to a weight pointer does not make that read a state read.
+    A pointer field's address reaches a load only through arithmetic on registers, so every field
+    whose pointer feeds an ld.global.nc address is found (calls would hide it: none must exist).
+    An address traced to no field at all is reported with an empty set."""
+    dt = params_dtype()
+    field_at = {dt.fields[n][1]: n for n in dt.names}
+    result: dict[str, list[tuple[str, set[str]]]] = {}
+    entries = re.split(r"^\.visible \.entry ", ptx, flags=re.MULTILINE)[1:]
+    assert entries, "no .entry in the PTX"
+    for body in entries:
+        name = body[:body.index("(")]
+        assert "call" not in re.findall(r"^\s*(call)\b", body, flags=re.MULTILINE), \
+            f"{name}: the PTX has calls; this tracer does not follow them"
+        param = f"{name}_param_0"
+        instrs = []
+        for line in body.splitlines():
+            m = _INSTR.match(line.strip())
+            if m:
+                instrs.append((m.group(1), _operands(m.group(2)), line.strip()))
+        taint: dict[str, set[str]] = {}
+        paddr: dict[str, int] = {}
+
+        def param_offset(addr: str) -> int | None:
+            m = re.fullmatch(r"\[\s*([%\w]+)\s*(?:\+\s*(-?\d+))?\s*\]", addr)
+            if not m:
+                return None
+            base, k = m.group(1), int(m.group(2) or 0)
+            if base == param:
+                return k
+            return paddr[base] + k if base in paddr else None
+
+        changed = True
+        while changed:
+            changed = False
+            for op, ops, _ in instrs:
+                if not ops or op.startswith(("st.", "bar", "bra", "ret", "membar", "fence",
+                                             "nanosleep", "red.")):
+                    continue
+                dests = _REG.findall(ops[0])
+                if op.startswith("mov") and len(ops) == 2 and ops[1] == param:
+                    for d in dests:
+                        if paddr.get(d) != 0:
+                            paddr[d] = 0
+                            changed = True
+                    continue
+                if op.startswith("add") and len(ops) == 3 and ops[1] in paddr \
+                        and re.fullmatch(r"-?\d+", ops[2]):
+                    for d in dests:
+                        if paddr.get(d) != paddr[ops[1]] + int(ops[2]):
+                            paddr[d] = paddr[ops[1]] + int(ops[2])
+                            changed = True
+                    continue
+                if op.startswith("ld.param"):
+                    k = param_offset(ops[1])
+                    assert k is not None, f"{name}: cannot resolve the Params address of {ops}"
+                    new = {field_at[k + 4 * j] for j in range(len(dests)) if k + 4 * j in field_at}
+                elif op.startswith(("ld.", "atom.")):
+                    new = set()
+                else:
+                    new = set().union(*(taint.get(r, set()) for o in ops[1:] for r in _REG.findall(o)))
+                for d in dests:
+                    if not new <= taint.get(d, set()):
+                        taint[d] = taint.get(d, set()) | new
+                        changed = True
+        loads = []
+        for op, ops, line in instrs:
+            if op.startswith("ld.global.nc"):
+                base = _REG.findall(ops[1])
+                assert len(base) == 1, f"{name}: unexpected address in {line}"
+                loads.append((line, set(taint.get(base[0], set())) & POINTER_FIELDS))
+        result[name] = loads
+    return result
+
+
+def nc_violations(ptx: str) -> dict[str, set[str]]:
+    """Per entry: the non-const fields (or '<untraced>') whose pointers feed an ld.global.nc."""
+    out: dict[str, set[str]] = {}
+    for name, loads in nc_load_sources(ptx).items():
+        bad = set()
+        for _, fields in loads:
+            bad |= (fields - CONST_FIELDS) if fields else {"<untraced>"}
+        if bad:
+            out[name] = bad
+    return out
+
+
+# ================================================================================================
+# Fixtures: each shape compiled once per module, in parallel
+# ================================================================================================
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """{shape: {"sm_80"|"sm_90": ptxas report, "ptx": PTX text (sm_90)}}."""
+    root = tmp_path_factory.mktemp("nvcc")
+    jobs = []
+    for shape in SHAPES:
+        src = root / f"{shape}.cu"
+        src.write_text(kernel_source(ModelConfig.from_name(shape), MAX_SEQ))
+        for arch in ARCHS:
+            jobs.append((shape, arch, src, root / f"{shape}-{arch}.cubin",
+                         ("-cubin", f"-arch={arch}", "-Xptxas", "-v")))
+        jobs.append((shape, "ptx", src, root / f"{shape}.ptx", ("-ptx", "-arch=sm_90")))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        reports = list(pool.map(lambda j: nvcc(j[2], j[3], *j[4]), jobs))
+    out: dict[str, dict[str, str]] = {s: {} for s in SHAPES}
+    for (shape, kind, _, path, _), report in zip(jobs, reports):
+        out[shape][kind] = path.read_text() if kind == "ptx" else report
+    return out
+
+
+# ================================================================================================
+# Tests
+# ================================================================================================
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_no_stack_frame_and_no_spills(built, shape, arch):
+    props = ptxas_properties(built[shape][arch])
+    assert set(KERNEL_NAMES) <= set(props), f"ptxas reported no properties for " \
+        f"{sorted(set(KERNEL_NAMES) - set(props))}"
+    bad = {f: p for f, p in props.items() if p != (0, 0, 0)}
+    assert not bad, f"{shape} {arch}: (stack frame, spill stores, spill loads) bytes: {bad}"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_only_weights_are_read_through_the_non_coherent_path(built, shape):
+    ptx = built[shape]["ptx"]
+    sources = nc_load_sources(ptx)
+    assert set(sources) == set(KERNEL_NAMES)
+    assert not nc_violations(ptx), nc_violations(ptx)
+    # the tracer sees the weight reads it should: mat-vec weights, the program words, embeddings
+    seen = set().union(*(f for loads in sources.values() for _, f in loads))
+    assert {"program", "wqkv", "wo", "wg", "wu", "wd", "embed", "lm_head", "in_norm",
+            "rope_cos"} <= seen, seen
+
+
+# Mutants of the source that read data written during the launch through the read-only path:
+# the check must flag exactly the mutated buffer. (Negative controls for the tracer.)
+MUTANTS = {
+    "ffn_h": ("for (int i = threadIdx.x; i < MK_FFN; i += MK_THREADS) s.vec[i] = P.ffn_h[i];",
+              "for (int i = threadIdx.x; i < MK_FFN; i += MK_THREADS) s.vec[i] = __ldg(P.ffn_h + i);"),
+    "k_cache": ("kreg[c] = bf16_to_f32(kr[lane + 32 * c]);",
+                "kreg[c] = bf16_to_f32(__ldg(kr + lane + 32 * c));"),
+    "state": ("if (threadIdx.x < MK_STATE_WORDS) st[threadIdx.x] = P.state[threadIdx.x];",
+              "if (threadIdx.x < MK_STATE_WORDS) st[threadIdx.x] = __ldg(P.state + threadIdx.x);"),
+}
+
+
+def test_the_check_flags_an_activation_read_through_ldg(tmp_path):
+    text = kernel_source(ModelConfig.from_name("qwen2-tiny"), 64)
+    jobs = []
+    for field, (old, new) in MUTANTS.items():
+        assert text.count(old) == 1, f"mutant {field}: the source line changed: {old}"
+        src = tmp_path / f"{field}.cu"
+        src.write_text(text.replace(old, new))
+        jobs.append((field, src))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(lambda j: nvcc(j[1], j[1].with_suffix(".ptx"), "-ptx", "-arch=sm_90"), jobs))
+    for field, src in jobs:
+        bad = nc_violations(src.with_suffix(".ptx").read_text())
+        assert bad, f"mutant {field}: not flagged"
+        assert set().union(*bad.values()) == {field}, bad
+
+
+def test_object_file_builds(tmp_path):
+    """`nvcc -c` compiles the host pass too: the emulator-only branches must stay out of it."""
+    src = tmp_path / "qwen2-tiny.cu"
+    src.write_text(kernel_source(ModelConfig.from_name("qwen2-tiny"), 64))
+    nvcc(src, tmp_path / "qwen2-tiny.o", "-c", "-arch=sm_90")
