@@ -43,7 +43,8 @@ from .errors import BackendUnavailableError, KernelError
 from .isa import State
 from .model_loader import LoadedModel
 
-KERNEL_BACKENDS = ("cuda", "cuda-multi", "cuda-multi-graph", "emulator", "emulator-multi")
+KERNEL_BACKENDS = ("cuda", "cuda-noprefetch", "cuda-multi", "cuda-multi-graph", "emulator",
+                   "emulator-multi")
 BACKENDS = KERNEL_BACKENDS + ("numpy", "hf", "hf-compile")
 GPU_COPY_BYTES = 1 << 30
 CPU_COPY_BYTES = 256 << 20

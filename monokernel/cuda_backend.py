@@ -350,6 +350,12 @@ def _cuda_multi_graph(model, max_seq_len, **options) -> KernelExecutor:
     return _cuda_executor(model, max_seq_len, multi=True, graph=True, **options)
 
 
+def _cuda_noprefetch(model, max_seq_len, **options) -> KernelExecutor:
+    """The megakernel without its L2 weight prefetch: the A/B twin for benchmarks/NOTES.md."""
+    return _cuda_executor(model, max_seq_len, prefetch=False, name="cuda-noprefetch", **options)
+
+
 register_executor("cuda", _cuda_executor)
+register_executor("cuda-noprefetch", _cuda_noprefetch)
 register_executor("cuda-multi", _cuda_multi)
 register_executor("cuda-multi-graph", _cuda_multi_graph)

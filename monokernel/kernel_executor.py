@@ -148,7 +148,8 @@ class KernelExecutor(Executor):
     device_sampling = True
 
     def __init__(self, model: LoadedModel, max_seq_len: int, *, device=None, blocks: int = 4,
-                 multi: bool = False, graph: bool = False, attn_splits: int | None = None, watchdog_ms: int = 20000,
+                 multi: bool = False, graph: bool = False, prefetch: bool = True,
+                 attn_splits: int | None = None, watchdog_ms: int = 20000,
                  trace: bool = False, program: Program | None = None, name: str | None = None):
         super().__init__(model, max_seq_len)
         self.device = device or EmulatorDevice()
@@ -162,7 +163,9 @@ class KernelExecutor(Executor):
         c = self.config
         self.program = program or schedule(c, blocks, max_seq_len, attn_splits)
         self.blocks = self.program.num_blocks
-        defines = {"MK_TRACE": "1"} if trace else {}
+        defines = {"MK_PREFETCH": "1" if prefetch else "0"}
+        if trace:
+            defines["MK_TRACE"] = "1"
         self.module = self.device.compile(kernel_source(c, max_seq_len), KERNEL_NAMES, defines)
         self._alloc_buffers(model)
         self._broken: str | None = None
@@ -245,7 +248,8 @@ class KernelExecutor(Executor):
             control = self.device.read(self.buffers["control"])
         except KernelError as e:
             self._broken = str(e).splitlines()[0]
-            raise
+            raise KernelError(f"{self.name}: decode step at position {pos} (step {self._steps}) "
+                              f"failed: {e}") from None
         self._check_error(control)
         self._steps += 1
         nxt = int(control[State.TOKEN])
@@ -292,7 +296,8 @@ class KernelExecutor(Executor):
                     f"{r.counter} ({cname}) to reach {r.expected}, saw {r.seen}; "
                     "every block stopped")
         if r.code == ErrCode.BAD_OPCODE:
-            return f"{self.name}: bad opcode {r.seen} at {where}; every block stopped"
+            return (f"{self.name}: bad opcode {r.seen} in block {r.block} instruction #{r.instr} "
+                    f"(the program scheduled {where} there); every block stopped")
         return f"{self.name}: kernel error code {r.code} at {where}"
 
     def step(self, token: int, pos: int, sample: DeviceSample | None = None) -> StepResult:

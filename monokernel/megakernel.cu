@@ -26,6 +26,14 @@
 // -infinity without <math.h> (NVRTC has no INFINITY macro).
 #define NEG_INF __int_as_float(0xff800000u)
 
+// L2 prefetch of the weights an instruction will stream, issued before its wait (weights never
+// depend on counters), so the wait hides their HBM latency. -DMK_PREFETCH=0 turns it off (A/B).
+#ifndef MK_PREFETCH
+#define MK_PREFETCH 1
+#endif
+// Per prefetched range at most this many bytes (the LM head's rows would not fit in L2 anyway).
+#define PREFETCH_MAX_BYTES (64 * 1024)
+
 // Positions of one attention unit processed per pass (scores live in shared memory).
 #define T_TILE 128
 
@@ -156,6 +164,20 @@ __device__ __forceinline__ float gumbel(unsigned seed, unsigned pos, unsigned to
   // 2^24 - 1 rounded (2^24 - 0.5) up to 2^24: u == 1, infinite noise, that token always sampled.)
   const float u = ((float)(h >> 9) + 0.5f) * (1.0f / 8388608.0f);
   return -logf(-logf(u));
+}
+
+// Issue L2 prefetches for [p, p + bytes), one 128-byte line per thread per pass. The emulator
+// reads one byte per line instead, so AddressSanitizer checks every prefetched address.
+__device__ __forceinline__ void prefetch_l2(const unsigned short* p, size_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  if (bytes > PREFETCH_MAX_BYTES) bytes = PREFETCH_MAX_BYTES;
+  for (size_t off = (size_t)threadIdx.x * 128; off < bytes; off += (size_t)MK_THREADS * 128) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
+#elif !defined(__CUDACC__)
+    (void)*reinterpret_cast<const volatile char*>(c + off);
+#endif
+  }
 }
 
 // ================================================================================================
@@ -509,6 +531,41 @@ __device__ void op_sample(const Params& P, const int* ins, const int* st) {
 }
 
 // ================================================================================================
+// Prefetch: the weight rows of one instruction (same tiling as the op sections above)
+// ================================================================================================
+__device__ void prefetch_weights(const Params& P, const int* w) {
+  const int layer = w[W_LAYER], b = w[W_TILE_BEGIN], e = w[W_TILE_END];
+  if (b >= e) return;
+  switch (w[W_OP]) {
+    case OP_RMS_QKV_ROPE: {
+      const unsigned short* W = P.wqkv + (size_t)layer * MK_QKV_DIM * H;
+      for (int p = b; p < e;) {  // rows j0..j1 and j0+HALF..j1+HALF of each head in the tile
+        const int head = p / HALF, j0 = p % HALF, j1 = min(HALF, j0 + (e - p));
+        prefetch_l2(W + (size_t)(head * D + j0) * H, (size_t)(j1 - j0) * H * 2);
+        prefetch_l2(W + (size_t)(head * D + HALF + j0) * H, (size_t)(j1 - j0) * H * 2);
+        p += j1 - j0;
+      }
+      break;
+    }
+    case OP_O_PROJ_RESIDUAL:
+      prefetch_l2(P.wo + ((size_t)layer * H + b) * MK_Q_DIM, (size_t)(e - b) * MK_Q_DIM * 2);
+      break;
+    case OP_RMS_GATE_UP:
+      prefetch_l2(P.wg + ((size_t)layer * MK_FFN + b) * H, (size_t)(e - b) * H * 2);
+      prefetch_l2(P.wu + ((size_t)layer * MK_FFN + b) * H, (size_t)(e - b) * H * 2);
+      break;
+    case OP_DOWN_RESIDUAL:
+      prefetch_l2(P.wd + ((size_t)layer * H + b) * MK_FFN, (size_t)(e - b) * MK_FFN * 2);
+      break;
+    case OP_RMS_LM_HEAD:
+      prefetch_l2(P.lm_head + (size_t)b * H, (size_t)(e - b) * H * 2);
+      break;
+    default:
+      break;
+  }
+}
+
+// ================================================================================================
 // The VM loop: run this block's instructions [begin, end). ONLY != OP_NOOP compiles a loop that
 // knows a single op (the multi-kernel baseline's thin kernels).
 // ================================================================================================
@@ -531,6 +588,9 @@ __device__ void run_instructions(const Params& P, int begin, int end) {
 #ifdef MK_TRACE
     unsigned long long* tr = P.trace + ((size_t)blockIdx.x * len + i) * MK_TRACE_WORDS;
     if (threadIdx.x == 0) tr[T_START] = global_timer_ns();
+#endif
+#if MK_PREFETCH
+    prefetch_weights(P, w);
 #endif
     if (w[W_WAIT_COUNTER] >= 0 &&
         !wait_counter(P, w[W_WAIT_COUNTER], w[W_WAIT_COUNT] * target_scale, i, op, deadline_ns))

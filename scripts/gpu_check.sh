@@ -97,7 +97,7 @@ if [ "$MODE" = gpu ]; then
   # bench: monokernel/bench.py + kernel_cli.py (flags as documented there)
   step bench 270 "$PY" -m monokernel bench \
     --shape smollm2-135m,qwen3-0.6b,llama-3.2-1b \
-    --backends cuda,cuda-multi,cuda-multi-graph,hf \
+    --backends cuda,cuda-noprefetch,cuda-multi,cuda-multi-graph,hf \
     --context 16,512,1024 --steps 200 --out "$RESULTS"
   step trace 90 "$PY" -m monokernel trace --shape smollm2-135m --backend cuda --out "$RESULTS"
 else
