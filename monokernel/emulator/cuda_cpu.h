@@ -68,7 +68,14 @@
 #define __grid_constant__
 #define __forceinline__ inline __attribute__((always_inline))
 #define __noinline__ __attribute__((noinline))
+#ifdef EMU_STRICT
+// Strict mode gives each CUDA thread its own OS thread, so thread_local storage cannot be the
+// block's: strict.py rewrites every `__shared__ T name[dims];` into EMU_SHARED(T, name, [dims])
+// (cuda_cpu_strict.h). One left over is an error, not silently per-thread memory.
+#define __shared__ _Pragma("GCC error \"__shared__ needs strict.py's EMU_SHARED rewrite in EMU_STRICT builds\"")
+#else
 #define __shared__ static thread_local
+#endif
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 
@@ -194,6 +201,9 @@ template <class T> inline void __stcg(T* p, T v) { *p = v; }
 template <class T> inline void __stcs(T* p, T v) { *p = v; }
 template <class T> inline void __stwt(T* p, T v) { *p = v; }
 
+#ifdef EMU_STRICT
+#include "cuda_cpu_strict.h"
+#else
 // ===================================================================================== runtime
 namespace emu {
 
@@ -972,6 +982,10 @@ inline void __nanosleep(unsigned int /*ns*/) {
 
 inline long long clock64() { return static_cast<long long>(emu::global_timer_ns()); }
 
+// CUDA's atomics are relaxed; a fence before one is what orders the writes before it.
+#define EMU_RMW_ORDER std::memory_order_relaxed
+#endif  // EMU_STRICT
+
 // ---- warp collectives (PTX shfl.sync semantics: a lane reads var of lane j, or its own value
 // when j falls outside the allowed range; reading a lane outside the mask gives kPoison)
 namespace emu::detail {
@@ -1045,6 +1059,7 @@ inline int __all_sync(unsigned int mask, int pred) {
 inline void __syncwarp(unsigned int mask = 0xffffffffu) {
   emu::detail::warp_collective("__syncwarp", mask, 0, 0, 32, emu::detail::no_result);
 }
+#ifndef EMU_STRICT
 // The emulator cannot tell which lanes a GPU would have converged: it reports the live ones.
 inline unsigned int __activemask() {
   using namespace emu::detail;
@@ -1052,6 +1067,7 @@ inline unsigned int __activemask() {
   const Warp& w = f->block->warps[f->tid.x >> 5];
   return w.exists & ~w.exited;
 }
+#endif
 
 #define EMU_WARP_REDUCE(NAME, T, INIT, OP)                                                          \
   inline T NAME(unsigned int mask, T value) {                                                      \
@@ -1082,8 +1098,8 @@ template <class T>
 inline std::atomic_ref<T> emu_atomic(T* p) { return std::atomic_ref<T>(*p); }
 
 #define EMU_ATOMIC_RMW(T)                                                                          \
-  inline T atomicAdd(T* p, T v) { return emu_atomic(p).fetch_add(v, std::memory_order_relaxed); } \
-  inline T atomicExch(T* p, T v) { return emu_atomic(p).exchange(v, std::memory_order_relaxed); }
+  inline T atomicAdd(T* p, T v) { return emu_atomic(p).fetch_add(v, EMU_RMW_ORDER); }              \
+  inline T atomicExch(T* p, T v) { return emu_atomic(p).exchange(v, EMU_RMW_ORDER); }
 EMU_ATOMIC_RMW(int)
 EMU_ATOMIC_RMW(unsigned int)
 EMU_ATOMIC_RMW(unsigned long long)
@@ -1092,24 +1108,26 @@ EMU_ATOMIC_RMW(double)
 #undef EMU_ATOMIC_RMW
 
 #define EMU_ATOMIC_INT(T)                                                                            \
-  inline T atomicSub(T* p, T v) { return emu_atomic(p).fetch_sub(v, std::memory_order_relaxed); }   \
-  inline T atomicAnd(T* p, T v) { return emu_atomic(p).fetch_and(v, std::memory_order_relaxed); }   \
-  inline T atomicOr(T* p, T v) { return emu_atomic(p).fetch_or(v, std::memory_order_relaxed); }     \
-  inline T atomicXor(T* p, T v) { return emu_atomic(p).fetch_xor(v, std::memory_order_relaxed); }   \
+  inline T atomicSub(T* p, T v) { return emu_atomic(p).fetch_sub(v, EMU_RMW_ORDER); }   \
+  inline T atomicAnd(T* p, T v) { return emu_atomic(p).fetch_and(v, EMU_RMW_ORDER); }   \
+  inline T atomicOr(T* p, T v) { return emu_atomic(p).fetch_or(v, EMU_RMW_ORDER); }     \
+  inline T atomicXor(T* p, T v) { return emu_atomic(p).fetch_xor(v, EMU_RMW_ORDER); }   \
   inline T atomicCAS(T* p, T expected, T desired) {                                                  \
-    emu_atomic(p).compare_exchange_strong(expected, desired, std::memory_order_relaxed);             \
+    emu_atomic(p).compare_exchange_strong(expected, desired, EMU_RMW_ORDER, std::memory_order_relaxed);             \
     return expected;                                                                                 \
   }                                                                                                  \
   inline T atomicMax(T* p, T v) {                                                                    \
     auto a = emu_atomic(p);                                                                          \
+    const auto order = EMU_RMW_ORDER;                                                                \
     T old = a.load(std::memory_order_relaxed);                                                       \
-    while (old < v && !a.compare_exchange_weak(old, v, std::memory_order_relaxed)) {}                \
+    while (old < v && !a.compare_exchange_weak(old, v, order, std::memory_order_relaxed)) {}         \
     return old;                                                                                      \
   }                                                                                                  \
   inline T atomicMin(T* p, T v) {                                                                    \
     auto a = emu_atomic(p);                                                                          \
+    const auto order = EMU_RMW_ORDER;                                                                \
     T old = a.load(std::memory_order_relaxed);                                                       \
-    while (old > v && !a.compare_exchange_weak(old, v, std::memory_order_relaxed)) {}                \
+    while (old > v && !a.compare_exchange_weak(old, v, order, std::memory_order_relaxed)) {}         \
     return old;                                                                                      \
   }
 EMU_ATOMIC_INT(int)
@@ -1121,17 +1139,20 @@ EMU_ATOMIC_INT(long long)
 // CUDA's wrapping increment/decrement: ((old >= limit) ? 0 : old + 1) and its mirror.
 inline unsigned int atomicInc(unsigned int* p, unsigned int limit) {
   auto a = emu_atomic(p);
+  const auto order = EMU_RMW_ORDER;
   unsigned int old = a.load(std::memory_order_relaxed);
-  while (!a.compare_exchange_weak(old, old >= limit ? 0u : old + 1u, std::memory_order_relaxed)) {}
+  while (!a.compare_exchange_weak(old, old >= limit ? 0u : old + 1u, order, std::memory_order_relaxed)) {}
   return old;
 }
 inline unsigned int atomicDec(unsigned int* p, unsigned int limit) {
   auto a = emu_atomic(p);
+  const auto order = EMU_RMW_ORDER;
   unsigned int old = a.load(std::memory_order_relaxed);
-  while (!a.compare_exchange_weak(old, (old == 0u || old > limit) ? limit : old - 1u, std::memory_order_relaxed)) {}
+  while (!a.compare_exchange_weak(old, (old == 0u || old > limit) ? limit : old - 1u, order, std::memory_order_relaxed)) {}
   return old;
 }
 
+#ifndef EMU_STRICT
 // ---- assert: glibc's assert() calls __assert_fail. This hidden definition binds inside the
 // emulator's .so and turns a failed device assert into a launch error instead of abort().
 extern "C" __attribute__((visibility("hidden"), noreturn)) void __assert_fail(
@@ -1149,3 +1170,4 @@ extern "C" __attribute__((visibility("hidden"), noreturn)) void __assert_fail(
   yield_fiber(f, true);
   __builtin_unreachable();
 }
+#endif  // EMU_STRICT

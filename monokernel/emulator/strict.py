@@ -1,0 +1,254 @@
+"""Strict-memory mode: the megakernel with one OS thread per CUDA thread, under ThreadSanitizer.
+
+The default emulator cannot see a missing ``__threadfence`` (fibers on one OS thread, and x86's
+strong ordering). The strict build (``-DEMU_STRICT``, see cuda_cpu_strict.h) spells every
+synchronisation the kernel relies on in C++ memory-model terms, and TSan reports the data race
+a missing fence or acquire leaves. TSan cannot be loaded into Python, so ``run_strict`` writes an
+executor's buffers, Params and per-step control words into one blob, runs strict_driver.cpp
+(compiled together with the generated kernel source and cached like build.py's modules) in a
+subprocess, and reads the logits and buffers back.
+
+``__shared__`` cannot be ``static thread_local`` when every CUDA thread has its own OS thread,
+so the strict build rewrites each ``__shared__ T name[dims];`` declaration into
+``EMU_SHARED(T, name, [dims])``: a static array with one ``T[dims]`` per block index and a local
+reference ``name`` to this block's element. Only that declaration form is supported (no
+``extern __shared__``, no attributes); anything else stays ``__shared__``, which a strict build
+rejects with a compile error naming the line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import struct
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import KernelError
+from ..isa import ERROR_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, State
+from .build import (CXX, SHIM_PATH, STUB_HEADERS, EmulatorBuildError, _c_string, compiler_version,
+                    default_cache_dir)
+
+STRICT_SHIM_PATH = SHIM_PATH.with_name("cuda_cpu_strict.h")
+DRIVER_PATH = SHIM_PATH.with_name("strict_driver.cpp")
+STRICT_FLAGS = ("-std=c++20", "-O1", "-g", "-pthread", "-DEMU_STRICT")
+TSAN_FLAGS = ("-fsanitize=thread",)
+# exitcode: a run with a report fails even if the kernel finished; the text decides, not the code.
+TSAN_OPTIONS = "halt_on_error=0 exitcode=66 report_signal_unsafe=0 second_deadlock_stack=1"
+TSAN_EXIT = 66
+BLOB_MAGIC, OUT_MAGIC, VERSION = b"MKSTRICT", b"MKSTROUT", 1
+# struct BlobHeader of strict_driver.cpp (no padding: 8 + 6 * 4 + 10 * 8 + 8 bytes).
+BLOB_HEADER = struct.Struct("<8s6I10Qd")
+OUT_HEADER = struct.Struct("<8s2I")
+ALIGN = 64
+_SHARED_DECL = re.compile(
+    r"\b__shared__\s+(?P<type>[A-Za-z_][\w:]*(?:\s+[A-Za-z_][\w:]*)*?)\s+(?P<name>[A-Za-z_]\w*)"
+    r"\s*(?P<dims>(?:\[[^\[\];]*\]\s*)*);")
+_TSAN_WARNING = re.compile(r"^WARNING: ThreadSanitizer: (?P<kind>.+?) \(pid=\d+\)", re.MULTILINE)
+_TSAN_SUMMARY = re.compile(r"^SUMMARY: ThreadSanitizer: .*$", re.MULTILINE)
+
+
+class DataRaceError(KernelError):
+    """ThreadSanitizer reported a data race (or another thread error) in a strict-mode run;
+    ``report`` holds TSan's text."""
+
+    def __init__(self, message: str, report: str):
+        super().__init__(message)
+        self.report = report
+
+
+def rewrite_shared(source: str) -> str:
+    """``__shared__ T name[dims];`` -> ``EMU_SHARED(T, name, [dims]);`` (line numbers kept)."""
+    def one(m: re.Match) -> str:
+        dims = re.sub(r"\s+", "", m["dims"])
+        return f"EMU_SHARED({m['type']}, {m['name']}, {dims});" + "\n" * m.group(0).count("\n")
+    return _SHARED_DECL.sub(one, source)
+
+
+def tsan_available() -> str | None:
+    """None if g++ can build and run a -fsanitize=thread program here, else the reason."""
+    with tempfile.TemporaryDirectory(prefix="monokernel-tsan-probe-") as tmp:
+        src, exe = Path(tmp) / "probe.cpp", Path(tmp) / "probe"
+        src.write_text("#include <thread>\nint main() { std::thread t([] {}); t.join(); }\n")
+        try:
+            proc = subprocess.run([CXX, *TSAN_FLAGS, "-pthread", str(src), "-o", str(exe)],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                return f"{CXX} -fsanitize=thread cannot link here: {proc.stderr.strip()[-500:]}"
+            run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"cannot build or run a ThreadSanitizer probe: {e}"
+        if run.returncode != 0:
+            return f"a ThreadSanitizer program does not run here: {run.stderr.strip()[-500:]}"
+    return None
+
+
+def build_strict_driver(source: str, *, tsan: bool = True, extra_flags=(),
+                        cache_dir: str | os.PathLike | None = None) -> Path:
+    """Compiles the generated kernel source + strict_driver.cpp into an executable (cached by a
+    sha256 of everything that goes into it) and returns its path."""
+    flags = [*STRICT_FLAGS, *(TSAN_FLAGS if tsan else ()), *extra_flags]
+    unit = (f'#line 1 "megakernel.cu"\n{rewrite_shared(source)}\n'
+            f'#line 1 "{_c_string(str(DRIVER_PATH))}"\n{DRIVER_PATH.read_text()}')
+    key = hashlib.sha256()
+    for part in (SHIM_PATH.read_text(), STRICT_SHIM_PATH.read_text(), unit, "\0".join(flags),
+                 compiler_version()):
+        key.update(part.encode())
+        key.update(b"\0\1\0")
+    out_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exe = out_dir / f"strict_driver-{key.hexdigest()[:24]}{'-tsan' if tsan else ''}"
+    if exe.is_file():
+        return exe
+    with tempfile.TemporaryDirectory(prefix="monokernel-strict-") as tmp:
+        include = Path(tmp) / "include"
+        include.mkdir()
+        for header in STUB_HEADERS:
+            (include / header).write_text("// CPU emulator stub: cuda_cpu.h declares what kernels use\n")
+        unit_path = Path(tmp) / "unit.cpp"
+        unit_path.write_text(unit)
+        fd, tmp_exe = tempfile.mkstemp(prefix=f".{exe.name}.", suffix=".tmp", dir=out_dir)
+        os.close(fd)
+        try:
+            cmd = [CXX, *flags, "-include", str(SHIM_PATH), "-I", str(include), "-x", "c++",
+                   str(unit_path), "-o", tmp_exe]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise EmulatorBuildError(f"g++ could not build the strict-mode driver "
+                                         f"(exit {proc.returncode})", proc.stderr)
+            os.chmod(tmp_exe, 0o755)
+            os.replace(tmp_exe, exe)
+        finally:
+            if os.path.exists(tmp_exe):
+                os.unlink(tmp_exe)
+    return exe
+
+
+def _pad(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def write_blob(executor, controls: np.ndarray, timeout_s: float) -> tuple[bytes, dict[str, int], int]:
+    """The blob strict_driver.cpp reads; also each buffer's blob offset and the data offset."""
+    bufs = executor.buffers
+    params = executor.params.copy()
+    pointer_fields = [(n, params.dtype.fields[n][1]) for n, t, _ in PARAMS if t.endswith("*")]
+    controls = np.ascontiguousarray(controls, np.int32)
+    params_off = BLOB_HEADER.size
+    pointers_off = _pad(params_off + params.dtype.itemsize)
+    steps_off = _pad(pointers_off + 4 * len(pointer_fields))
+    data_off = _pad(steps_off + controls.nbytes)
+    offsets, at = {}, data_off
+    for name, arr in bufs.items():
+        offsets[name] = at
+        at = _pad(at + arr.nbytes)
+    data_end = at
+    where = dict(offsets, state=offsets["control"], error=offsets["control"] + 4 * STATE_WORDS)
+    for name, _ in pointer_fields:
+        params[name] = where[name] if int(params[name][0]) != 0 else 0
+    logits = bufs["logits"]
+    header = BLOB_HEADER.pack(
+        BLOB_MAGIC, VERSION, executor.blocks, NUM_THREADS, len(controls),
+        params.dtype.itemsize, len(pointer_fields),
+        params_off, pointers_off, steps_off,
+        offsets["control"], bufs["control"].nbytes, offsets["logits"], logits.nbytes,
+        data_off, data_end - data_off, data_end, float(timeout_s))
+    blob = bytearray(data_end)
+    blob[:len(header)] = header
+    blob[params_off:params_off + params.dtype.itemsize] = params.tobytes()
+    blob[pointers_off:pointers_off + 4 * len(pointer_fields)] = np.array(
+        [off for _, off in pointer_fields], np.uint32).tobytes()
+    blob[steps_off:steps_off + controls.nbytes] = controls.tobytes()
+    for name, arr in bufs.items():
+        blob[offsets[name]:offsets[name] + arr.nbytes] = np.ascontiguousarray(arr).tobytes()
+    return bytes(blob), offsets, data_off
+
+
+def tsan_report(stderr: str) -> str:
+    """TSan's reports in a process's stderr, from the first one on ('' when there are none)."""
+    m = _TSAN_WARNING.search(stderr)
+    if not m:
+        return ""
+    start = stderr.rfind("==================", 0, m.start())
+    return stderr[start if start >= 0 else m.start():]
+
+
+def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
+               source: str | None = None, defines: dict[str, str] | None = None):
+    """Runs decode steps [(token, pos), ...] of a persistent-kernel ``KernelExecutor`` on the
+    emulator device in strict mode (under ThreadSanitizer when ``tsan``).
+
+    ``source`` replaces the generated kernel source (tests mutate it); ``defines`` are extra -D
+    macros. Returns (control words [steps, STATE_WORDS + ERROR_WORDS], logits [steps, vocab],
+    TSan report text). The executor's buffers and step count afterwards are as if it had run the
+    steps itself. Raises DataRaceError (a KernelError) with the report when TSan reports anything,
+    KernelError when the emulator or the kernel's error record reports an error or the driver
+    runs past ``timeout_s``.
+    """
+    from ..kernel_executor import EmulatorDevice, kernel_source
+
+    if not isinstance(executor.device, EmulatorDevice) or executor.multi:
+        raise KernelError(f"{executor.name}: strict mode runs the persistent megakernel of an "
+                          "emulator executor only")
+    executor._check_usable()
+    steps = [(int(t), int(p)) for t, p in steps]
+    controls = []
+    for i, (token, pos) in enumerate(steps):
+        if not 0 <= pos < executor.max_seq_len:
+            raise KernelError(f"position {pos} is outside the KV cache [0, {executor.max_seq_len})")
+        words = executor._state_words(token, pos, None)
+        words[State.STEP] = executor._steps + i
+        controls.append(words)
+    controls = np.array(controls, np.int32).reshape(len(steps), STATE_WORDS + ERROR_WORDS)
+    flags = [f"-D{k}={v}" for k, v in (defines or {}).items()]
+    exe = build_strict_driver(source if source is not None else
+                              kernel_source(executor.config, executor.max_seq_len),
+                              tsan=tsan, extra_flags=flags)
+    blob, offsets, data_off = write_blob(executor, controls, timeout_s)
+    env = dict(os.environ, TSAN_OPTIONS=TSAN_OPTIONS)
+    with tempfile.TemporaryDirectory(prefix="monokernel-strict-run-") as tmp:
+        blob_path, out_path = Path(tmp) / "in.blob", Path(tmp) / "out.blob"
+        blob_path.write_bytes(blob)
+        try:
+            proc = subprocess.run([str(exe), str(blob_path), str(out_path)], env=env,
+                                  capture_output=True, text=True, timeout=timeout_s + 30)
+        except subprocess.TimeoutExpired as e:
+            raise KernelError(f"{executor.name}: strict-mode run of {len(steps)} step(s) still running "
+                              f"after {timeout_s + 30:.0f} s; killed") from e
+        out = out_path.read_bytes() if out_path.is_file() else b""
+    report = tsan_report(proc.stderr)
+    if report:
+        kinds = sorted(set(_TSAN_WARNING.findall(report)))
+        summaries = _TSAN_SUMMARY.findall(report)
+        raise DataRaceError(
+            f"{executor.name}: ThreadSanitizer reported {len(summaries)} problem(s) "
+            f"({', '.join(kinds)}) in the strict-mode megakernel run "
+            f"<<<{executor.blocks}, {NUM_THREADS}>>>; first: "
+            f"{summaries[0] if summaries else '?'}\n{report[:30000]}", report)
+    if proc.returncode != 0 or not out:
+        raise KernelError(f"{executor.name}: strict-mode driver failed (exit {proc.returncode}): "
+                          f"{proc.stderr.strip()[-4000:]}")
+    magic, done, _ = OUT_HEADER.unpack_from(out)
+    if magic != OUT_MAGIC or done != len(steps):
+        raise KernelError(f"{executor.name}: strict-mode driver wrote a bad result file")
+    nwords, vocab = controls.shape[1], executor.buffers["logits"].size
+    rec = np.dtype([("control", np.int32, (nwords,)), ("logits", np.float32, (vocab,))])
+    records = np.frombuffer(out, rec, count=done, offset=OUT_HEADER.size)
+    data = memoryview(out)[OUT_HEADER.size + records.nbytes:]
+    const = {n for n, t, _ in PARAMS if t.startswith("const")}
+    for name, arr in executor.buffers.items():
+        if name not in const:
+            start = offsets[name] - data_off
+            arr[...] = np.frombuffer(data[start:start + arr.nbytes], arr.dtype).reshape(arr.shape)
+    executor._state_on_device = None  # the next launch_step writes its control words
+    for i, control in enumerate(records["control"]):
+        try:
+            executor._check_error(np.array(control))
+        except KernelError as e:
+            raise KernelError(f"strict-mode step {i} (position {steps[i][1]}): {e}") from None
+        executor._steps += 1
+    return records["control"].copy(), records["logits"].copy(), report

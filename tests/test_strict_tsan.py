@@ -1,0 +1,110 @@
+"""The megakernel in strict-memory mode under ThreadSanitizer (monokernel/emulator/strict.py).
+
+Strict mode runs every CUDA thread as its own OS thread, with CUDA's relaxed atomics, so TSan sees
+the cross-block races that x86 and the fiber emulator hide. The tiny model on 2 blocks must run
+with no report and match the reference; the same kernel with the producer's __threadfence or the
+consumer's acquire removed (textual mutations of the generated source) must be reported.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import numpy as np
+import pytest
+
+from monokernel.emulator.strict import DataRaceError, rewrite_shared, run_strict, tsan_available
+from monokernel.kernel_executor import KernelExecutor, kernel_source
+from monokernel.model_loader import load_model
+from monokernel.reference import ReferenceModel
+
+MAX_SEQ = 8
+BLOCKS = 2
+# First token, the last vocabulary row, and a token read back from the first step's KV cache.
+STEPS = [(5, 0), (999, 1), (17, 2)]
+
+
+@functools.lru_cache(maxsize=1)
+def _tsan_reason() -> str | None:
+    return tsan_available()
+
+
+needs_tsan = pytest.mark.skipif("_tsan_reason() is not None",
+                                reason="g++ -fsanitize=thread cannot build and run programs here")
+
+
+def reference_logits(model, steps) -> np.ndarray:
+    ref = ReferenceModel(model.config, model.weights, MAX_SEQ)
+    return np.stack([ref.forward([tok], pos)[0] for tok, pos in steps])
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_dir):
+    return load_model(synth_dir("tiny"), progress=False)
+
+
+def executor(model) -> KernelExecutor:
+    ex = KernelExecutor(model, MAX_SEQ, blocks=BLOCKS)
+    ex.poison()
+    return ex
+
+
+def without_signal_fence(source: str) -> str:
+    """signal_counter with its __threadfence() removed: the atomicAdd no longer releases."""
+    m = re.search(r"__device__ void signal_counter\(.*?\n}\n", source, re.DOTALL)
+    assert m, "signal_counter not found in the kernel source"
+    body, n = re.subn(r"__threadfence\(\);", "", m.group(0))
+    assert n == 1, f"expected one __threadfence() in signal_counter, found {n}"
+    return source[:m.start()] + body + source[m.end():]
+
+
+def without_acquire(source: str) -> str:
+    """load_acquire as a relaxed load: the consumer no longer synchronises with the producer."""
+    old = "return emu::load_acquire(p);"
+    assert source.count(old) == 1, "load_acquire's emulator body not found in the kernel source"
+    return source.replace(old, "return __atomic_load_n(p, __ATOMIC_RELAXED);")
+
+
+def test_rewrite_shared_forms():
+    src = ("__shared__ OpShared s;\n  __shared__ float s_red[NWARPS + 1];\n"
+           "__shared__ unsigned int hist[4][ 8 ];\n__shared__ int s_ok;\n")
+    assert rewrite_shared(src) == ("EMU_SHARED(OpShared, s, );\n  EMU_SHARED(float, s_red, [NWARPS+1]);\n"
+                                   "EMU_SHARED(unsigned int, hist, [4][8]);\nEMU_SHARED(int, s_ok, );\n")
+
+
+@needs_tsan
+def test_strict_tsan_tiny_no_race_matches_reference(tiny):
+    ex = executor(tiny)
+    controls, logits, report = run_strict(ex, STEPS)
+    assert report == ""
+    want = reference_logits(tiny, STEPS)
+    for i, (tok, pos) in enumerate(STEPS):
+        err = float(np.abs(logits[i] - want[i]).max())
+        assert err <= 2e-3 * float(np.abs(want[i]).max()), (tok, pos, err)
+        assert controls[i][0:3].tolist() == [int(np.argmax(logits[i])), pos + 1, i + 1]  # token, pos, step
+    # The executor continues where the strict run left it: its KV cache holds the three steps.
+    np.testing.assert_allclose(ex.step(23, 3).logits, reference_logits(tiny, [*STEPS, (23, 3)])[3],
+                               atol=2e-3 * float(np.abs(want).max()))
+
+
+@needs_tsan
+def test_negative_control_missing_threadfence_is_reported(tiny):
+    ex = executor(tiny)
+    source = without_signal_fence(kernel_source(tiny.config, MAX_SEQ))
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, STEPS[:2], source=source)
+    report = info.value.report
+    assert "WARNING: ThreadSanitizer: data race" in report
+    assert re.search(r"\bop_\w+|rms_normalize|run_instructions", report), report[:4000]
+
+
+@needs_tsan
+def test_negative_control_missing_acquire_is_reported(tiny):
+    ex = executor(tiny)
+    source = without_acquire(kernel_source(tiny.config, MAX_SEQ))
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, STEPS[:2], source=source)
+    report = info.value.report
+    assert "WARNING: ThreadSanitizer: data race" in report
+    assert re.search(r"\bop_\w+|rms_normalize|run_instructions", report), report[:4000]
