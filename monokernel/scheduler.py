@@ -280,6 +280,18 @@ class Program:
         return [rows[o] for o in Op if o in rows]
 
 
+# Position splits per KV head at most, by default. Every O_PROJ block merges all splits itself,
+# so each split costs every block KV_HEADS * GROUP * HEAD_DIM floats of L2 reads per layer
+# (SmolLM2 at 132 blocks: 44 splits = 100 KB per block per layer); and MegaQwen measured
+# attention 33% slower when one head was split over 5 blocks. benchmarks/NOTES.md has the numbers.
+MAX_DEFAULT_SPLITS = 8
+
+
+def default_attn_splits(cfg: ModelConfig, num_blocks: int) -> int:
+    """Enough (KV head, split) units to give most blocks one, capped at MAX_DEFAULT_SPLITS."""
+    return max(1, min(num_blocks // cfg.num_kv_heads, MAX_DEFAULT_SPLITS))
+
+
 def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
              attn_splits: int | None = None) -> Program:
     """Build and verify the decode-step program for ``num_blocks`` persistent blocks."""
@@ -288,7 +300,7 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     c = cfg
     B = num_blocks
     H, F, D, half = c.hidden_size, c.intermediate_size, c.head_dim, c.head_dim // 2
-    S = attn_splits or max(1, B // c.num_kv_heads)
+    S = attn_splits or default_attn_splits(c, B)
     queues: list[list[Instruction]] = [[] for _ in range(B)]
     counters: list[str] = []
 

@@ -23,6 +23,7 @@ from monokernel.kernel_executor import ACTIVATIONS, KernelExecutor
 from monokernel.model_loader import BF16, load_model
 from monokernel.reference import ReferenceModel, bf16_round
 from monokernel.runtime import DeviceSample, Engine
+from monokernel.scheduler import default_attn_splits
 from monokernel.sampling import SamplingParams, gumbel_noise
 
 # Kernel and reference both compute in float32 from the same bf16 weights and round K/V to bf16;
@@ -170,7 +171,7 @@ def test_logits_every_step_match_reference(model, reference, arch, blocks, split
     fed, ref = reference(arch)
     ex = KernelExecutor(model(arch), MAX_SEQ, blocks=blocks, attn_splits=splits, multi=multi)
     S = ex.program.attn_splits
-    assert S == (splits or max(1, blocks // ex.config.num_kv_heads))
+    assert S == (splits or default_attn_splits(ex.config, blocks))
     # the positions must cross every split boundary: fewer positions than splits (empty
     # splits), exactly S, and chunks of several sizes, with some empty trailing splits
     n_pos = np.arange(1, len(fed) + 1)
