@@ -22,6 +22,7 @@ from typing import Sequence
 from ..errors import KernelError, MonokernelError
 
 SHIM_PATH = Path(__file__).with_name("cuda_cpu.h")
+COMMON_SHIM_PATH = SHIM_PATH.with_name("cuda_cpu_common.h")  # included by cuda_cpu.h
 CXX = "g++"
 BASE_FLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-shared", "-pthread",
               # Every kernel .so defines the same names (`__shared__ OpShared s` is a static local
@@ -188,22 +189,18 @@ def build(
     if src_dir is not None:
         flags += ["-I", str(src_dir)]
     driver = driver_source(names)
-    shim = SHIM_PATH.read_text()
     unit = f'#line 1 "{_c_string(filename)}"\n{text}\n#line 1 "<emulator driver>"\n{driver}'
 
-    key = hashlib.sha256()
-    for part in (shim, unit, "\0".join(flags), compiler_version(),
-                 *(p + "\0" + body for p, body in _local_includes(text, src_dir, set()))):
-        key.update(part.encode())
-        key.update(b"\0\1\0")
+    key = cache_key(SHIM_PATH.read_text(), COMMON_SHIM_PATH.read_text(), unit, "\0".join(flags),
+                    compiler_version(), *(p + "\0" + body for p, body in _local_includes(text, src_dir, set())))
     out_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(filename).stem) or "kernel"
-    so_path = out_dir / f"{stem}-{key.hexdigest()[:24]}{'-asan' if sanitize else ''}.so"
+    so_path = out_dir / f"{stem}-{key}{'-asan' if sanitize else ''}.so"
 
     cache_hit = so_path.is_file()
     if not cache_hit:
-        _compile(unit, flags, so_path, filename)
+        compile_unit(unit, flags, so_path, f"{filename} for the CPU emulator")
     if sanitize == "address" and "libasan" not in os.environ.get("LD_PRELOAD", ""):
         raise EmulatorBuildError(
             f"{so_path} (an AddressSanitizer build of {filename}) can only be loaded into a process started "
@@ -215,8 +212,19 @@ def _c_string(s: str) -> str:
     return s.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def _compile(unit: str, flags: list[str], so_path: Path, filename: str) -> None:
-    """g++ into a temporary name beside the target, then an atomic rename: never a partial .so."""
+def cache_key(*parts: str) -> str:
+    """24 hex digits of a sha256 over everything that goes into a build (sources, flags, g++)."""
+    key = hashlib.sha256()
+    for part in parts:
+        key.update(part.encode())
+        key.update(b"\0\1\0")
+    return key.hexdigest()[:24]
+
+
+def compile_unit(unit: str, flags: Sequence[str], out_path: Path, what: str, *, executable: bool = False) -> None:
+    """g++ -include cuda_cpu.h `unit` into a temporary name beside `out_path`, then an atomic rename:
+    never a partial output. `flags` choose a shared object or an executable (`executable=True`
+    makes it runnable); `what` names the output in the error."""
     with tempfile.TemporaryDirectory(prefix="monokernel-emu-") as tmp:
         include = Path(tmp) / "include"
         include.mkdir()
@@ -224,16 +232,17 @@ def _compile(unit: str, flags: list[str], so_path: Path, filename: str) -> None:
             (include / header).write_text("// CPU emulator stub: cuda_cpu.h declares what kernels use\n")
         unit_path = Path(tmp) / "unit.cpp"
         unit_path.write_text(unit)
-        fd, tmp_so = tempfile.mkstemp(prefix=f".{so_path.stem}.", suffix=".tmp", dir=so_path.parent)
+        fd, tmp_out = tempfile.mkstemp(prefix=f".{out_path.stem}.", suffix=".tmp", dir=out_path.parent)
         os.close(fd)
         try:
             cmd = [CXX, *flags, "-include", str(SHIM_PATH), "-I", str(include), "-x", "c++", str(unit_path),
-                   "-o", tmp_so]
+                   "-o", tmp_out]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
-                raise EmulatorBuildError(f"g++ could not build {filename} for the CPU emulator "
-                                         f"(exit {proc.returncode})", proc.stderr)
-            os.replace(tmp_so, so_path)
+                raise EmulatorBuildError(f"g++ could not build {what} (exit {proc.returncode})", proc.stderr)
+            if executable:
+                os.chmod(tmp_out, 0o755)
+            os.replace(tmp_out, out_path)
         finally:
-            if os.path.exists(tmp_so):
-                os.unlink(tmp_so)
+            if os.path.exists(tmp_out):
+                os.unlink(tmp_out)

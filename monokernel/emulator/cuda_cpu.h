@@ -121,6 +121,8 @@ struct dim3 {
 
 constexpr int warpSize = 32;
 
+#include "cuda_cpu_common.h"
+
 // ================================================================================== intrinsics
 inline unsigned int __float_as_uint(float f) { return std::bit_cast<unsigned int>(f); }
 inline float __uint_as_float(unsigned int u) { return std::bit_cast<float>(u); }
@@ -206,24 +208,6 @@ template <class T> inline void __stwt(T* p, T v) { *p = v; }
 #else
 // ===================================================================================== runtime
 namespace emu {
-
-// Thrown at a yield point once the launch is aborted; caught at the fiber's entry.
-// Deliberately not derived from std::exception so kernel code cannot swallow it by accident.
-struct LaunchAborted {};
-
-enum Code : int {
-  kOk = 0,
-  kTimeout = 1,
-  kTrap = 2,
-  kAssert = 3,
-  kDivergentBarrier = 4,
-  kWarpError = 5,
-  kDeadlock = 6,
-  kBadLaunch = 7,
-  kException = 8,
-  kStuck = 9,
-};
-
 namespace detail {
 
 #ifdef EMU_ASAN
@@ -251,48 +235,18 @@ struct Fiber {
 #endif
 };
 
-// The exchange buffer of one warp. One collective is open at a time; the lane that completes it
-// computes every lane's result, so the buffer is free again at once.
-struct Warp {
-  unsigned int exists = 0;       // lanes that exist (a partial last warp has fewer)
-  unsigned int exited = 0;       // lanes whose fiber returned
-  bool open = false;             // a collective is collecting deposits
-  unsigned int mask = 0, arrived = 0;
-  unsigned int seq = 0;          // collectives completed so far
-  const char* op = "";
-  std::uint64_t vals[32];        // deposits of the open collective
-  int args[32];                  // each lane's source lane / delta / lane mask
-  int widths[32];
-  std::uint64_t results[32];     // lane l's result stays valid until l enters another collective
-};
-
-using WarpCompute = std::uint64_t (*)(const Warp&, unsigned int lane);
-
-struct Launch {
-  void (*kernel)(const void*) = nullptr;
-  const void* params = nullptr;
-  int grid = 0, block = 0;
-  std::atomic<bool> abort{false};
-  std::mutex mu;
-  std::condition_variable cv;
-  int blocks_done = 0;
-  int code = kOk;
-  std::string error;
+// One host thread per block.
+struct Launch : LaunchRecord {
+  using LaunchRecord::LaunchRecord;
 
   // First error wins; every block unwinds at its next yield point.
   void fail(int c, const std::string& msg) {
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      if (code == kOk) {
-        code = c;
-        error = msg;
-      }
-    }
+    record_error(c, msg);
     abort.store(true, std::memory_order_release);
   }
 };
 
-struct Block {
+struct Block : BarrierState {
   Launch* launch = nullptr;
   const std::atomic<bool>* abort = nullptr;  // &launch->abort, read at every yield point
   Fiber** current = nullptr;                 // &tl_fiber of this OS thread: TLS looked up once
@@ -302,10 +256,6 @@ struct Block {
   std::unique_ptr<Warp[]> warps;
   int nthreads = 0, nwarps = 0;
   int live = 0, exited = 0;
-  int bar_arrived = 0;
-  unsigned int bar_gen = 0;
-  int bar_count[2] = {0, 0}, bar_or[2] = {0, 0}, bar_and[2] = {1, 1};
-  int bar_result_count[2] = {0, 0}, bar_result_or[2] = {0, 0}, bar_result_and[2] = {1, 1};
   void* sched_sp = nullptr;
   bool pass_aborting = false;        // the current scheduling pass resumes every fiber to unwind
   int resumed = 0, progressed = 0;   // fibers resumed in this pass / resumed for a reason not a spin
@@ -321,7 +271,6 @@ struct Block {
 
 inline thread_local Block* tl_block = nullptr;
 inline thread_local Fiber* tl_fiber = nullptr;
-inline thread_local std::string tl_last_error;
 
 // build.py compiles with TLS descriptors (-mtls-dialect=gnu2) so that g++ hoists the address of
 // a __shared__ (thread_local) array out of loops. g++ assumes a descriptor call preserves every
@@ -330,16 +279,6 @@ inline thread_local std::string tl_last_error;
 // calls this first, from a real call with nothing live; later accesses take the fast path.
 __attribute__((noipa)) inline void warm_up_tls() {
   asm volatile("" : : "r"(&tl_fiber), "r"(&tl_block), "r"(&tl_last_error) : "memory");
-}
-
-inline std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
-inline std::string fmt(const char* f, ...) {
-  char buf[1024];
-  va_list ap;
-  va_start(ap, f);
-  std::vsnprintf(buf, sizeof buf, f, ap);
-  va_end(ap);
-  return buf;
 }
 
 // "0-31, 40, 45-63": compact list of the thread ids for which pred holds.
@@ -357,13 +296,6 @@ inline std::string thread_ranges(const Block* b, Pred pred) {
     }
   }
   return out.empty() ? "none" : out;
-}
-
-inline std::string lane_list(unsigned int bits) {
-  std::string out;
-  for (int l = 0; l < 32; ++l)
-    if (bits >> l & 1u) out += (out.empty() ? "" : ", ") + std::to_string(l);
-  return out;
 }
 
 inline std::string describe_wait(const Fiber& f) {
@@ -565,27 +497,15 @@ inline void barrier(int pred, int* count, int* all, int* any) {
   check_abort(b);
   const unsigned int gen = b->bar_gen;
   const int s = gen & 1;
-  b->bar_count[s] += pred != 0;
-  b->bar_or[s] |= pred != 0;
-  b->bar_and[s] &= pred != 0;
+  b->deposit(s, pred);
   if (++b->bar_arrived == b->live) {
     if (b->exited > 0) fail_here(kDivergentBarrier, divergent_barrier_message(b, f));
-    b->bar_result_count[s] = b->bar_count[s];
-    b->bar_result_or[s] = b->bar_or[s];
-    b->bar_result_and[s] = b->bar_and[s];
-    b->bar_count[s] = 0;
-    b->bar_or[s] = 0;
-    b->bar_and[s] = 1;
-    b->bar_arrived = 0;
-    ++b->bar_gen;
+    b->complete(s);
   } else {
     do block_on(f, Wait::Barrier, gen, "__syncthreads");
     while (b->bar_gen == gen);
   }
-  // Valid until generation gen + 2 completes, which needs this fiber to arrive twice more.
-  if (count) *count = b->bar_result_count[s];
-  if (all) *all = b->bar_result_and[s];
-  if (any) *any = b->bar_result_or[s];
+  b->results(s, count, all, any);
 }
 
 inline std::string missing_lane_message(const Block* b, int warp, const Warp& w, unsigned int missing,
@@ -613,8 +533,7 @@ inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uin
   const unsigned int lane = f->tid.x & 31u, bit = 1u << lane;
   Warp& w = b->warps[warp];
   if (!(mask & bit))
-    fail_here(kWarpError, fmt("warp %d of block %u: lane %u calls %s with mask 0x%08x, which does not name it",
-                              warp, b->idx.x, lane, op, mask));
+    fail_here(kWarpError, not_in_mask_message(warp, b->idx.x, lane, op, mask));
   // Lanes past the end of a partial last warp do not exist; they are not waited for.
   const unsigned int need = mask & w.exists;
   for (;;) {
@@ -624,60 +543,22 @@ inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uin
         w.op = op;
         fail_here(kWarpError, missing_lane_message(b, warp, w, need & w.exited, op));
       }
-      w.open = true;
-      w.mask = need;
-      w.arrived = 0;
-      w.op = op;
+      w.begin(need, op);
       break;
     }
     if (w.mask == need && !(w.arrived & bit)) {
       if (w.op != op && std::strcmp(w.op, op) != 0)
-        fail_here(kWarpError, fmt("warp %d of block %u: lane %u reached %s while lanes %s wait at %s (mask 0x%08x)",
-                                  warp, b->idx.x, lane, op, lane_list(w.arrived).c_str(), w.op, w.mask));
+        fail_here(kWarpError, other_collective_message(warp, b->idx.x, lane, op, w));
       break;
     }
     block_on(f, Wait::WarpFree, w.seq, op, mask);  // another collective (other mask) is open
   }
-  w.vals[lane] = val;
-  w.args[lane] = arg;
-  w.widths[lane] = width;
-  w.arrived |= bit;
-  if (w.arrived == w.mask) {
-    for (unsigned int m = w.mask; m != 0; m &= m - 1) {
-      const unsigned int l = static_cast<unsigned int>(__builtin_ctz(m));
-      w.results[l] = compute(w, l);
-    }
-    w.open = false;
-    ++w.seq;
-  } else {
+  if (!w.deposit(lane, val, arg, width, compute)) {
     const unsigned int seq = w.seq;
     do block_on(f, Wait::WarpFull, seq, op, mask);
     while (w.seq == seq);
   }
   return w.results[lane];
-}
-
-// Reading a lane outside the collective's mask is undefined on a GPU: return a loud pattern.
-constexpr std::uint64_t kPoison = ~0ull;
-inline std::uint64_t lane_value(const Warp& w, int j) { return (w.mask >> j & 1u) ? w.vals[j] : kPoison; }
-
-template <class T>
-inline std::uint64_t to_bits(const T& v) {
-  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8, "warp shuffles move at most 8 bytes");
-  std::uint64_t u = 0;
-  std::memcpy(&u, &v, sizeof(T));
-  return u;
-}
-template <class T>
-inline T from_bits(std::uint64_t u) {
-  T v;
-  std::memcpy(&v, &u, sizeof(T));
-  return v;
-}
-
-inline void check_width(int width, const char* op) {
-  if (width < 1 || width > 32 || (width & (width - 1)) != 0)
-    fail_here(kWarpError, fmt("%s: width %d is not a power of two in 1..32", op, width));
 }
 
 // ============================================================================ fiber lifecycle
@@ -708,14 +589,7 @@ inline void on_fiber_exit(Fiber* f) {
   else
     __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
 #endif
-  try {
-    b->launch->kernel(b->launch->params);
-  } catch (const LaunchAborted&) {
-  } catch (const std::exception& e) {
-    b->launch->fail(kException, fmt("block %u thread %u: uncaught C++ exception: %s", b->idx.x, f->tid.x, e.what()));
-  } catch (...) {
-    b->launch->fail(kException, fmt("block %u thread %u: uncaught C++ exception", b->idx.x, f->tid.x));
-  }
+  run_kernel(b->launch, b->idx.x, f->tid.x);
   on_fiber_exit(f);
   yield_fiber(f, true);
   __builtin_unreachable();
@@ -809,12 +683,6 @@ inline void run_block(Launch* L, int bidx) {
   stack_pool().give(stacks);
 }
 
-inline std::string seconds_text(double s) {
-  std::string t = fmt("%g", s);
-  if (t.find_first_of(".e") == std::string::npos) t += ".0";
-  return t;
-}
-
 }  // namespace detail
 
 // ============================================================================ public device API
@@ -827,11 +695,6 @@ inline void trap() {
 inline int load_acquire(const int* p) {
   if (detail::tl_block) detail::check_abort(detail::tl_block);
   return std::atomic_ref<int>(*const_cast<int*>(p)).load(std::memory_order_acquire);
-}
-
-inline unsigned long long global_timer_ns() {
-  return static_cast<unsigned long long>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-      std::chrono::steady_clock::now().time_since_epoch()).count());
 }
 
 // Per-block buffer for what CUDA calls dynamic shared memory (extern __shared__). Every thread
@@ -857,8 +720,6 @@ inline void* dynamic_shared(std::size_t bytes) {
   return buf.p;
 }
 
-inline const char* last_error() { return detail::tl_last_error.c_str(); }
-
 // Runs kernel(params) on grid x block CUDA threads. Returns 0, or a Code with last_error() set.
 inline int launch(void (*kernel)(const void*), int grid, int block, const void* params, double timeout_s) {
   using namespace detail;
@@ -870,71 +731,17 @@ inline int launch(void (*kernel)(const void*), int grid, int block, const void* 
   }
   // Shared so that block threads which never stop (a spin without any yield point) can be
   // detached without leaving them a dangling launch record.
-  auto L = std::make_shared<Launch>();
-  L->kernel = kernel;
-  L->params = params;
-  L->grid = grid;
-  L->block = block;
-  std::vector<std::thread> threads;
-  threads.reserve(grid);
-  try {
-    for (int b = 0; b < grid; ++b)
-      threads.emplace_back([L, b] {
+  auto L = std::make_shared<Launch>(kernel, params, grid, block);
+  return run_host_threads(
+      L, grid, timeout_s, "block threads",
+      [L](int b) {
         warm_up_tls();
         run_block(L.get(), b);
-        std::lock_guard<std::mutex> lk(L->mu);
-        ++L->blocks_done;
-        L->cv.notify_all();
+      },
+      [](int stuck, int n) {
+        return fmt("; %d of %d blocks did not stop within 5 s of the abort (a spin loop without "
+                   "__nanosleep or load_acquire?); their threads were detached", stuck, n);
       });
-  } catch (const std::exception& e) {
-    L->fail(kBadLaunch, fmt("cannot start %d block threads: %s", grid, e.what()));
-    for (auto& t : threads) t.join();
-    tl_last_error = L->error;
-    return L->code;
-  }
-  auto all_done = [&] { return L->blocks_done == grid; };
-  {
-    std::unique_lock<std::mutex> lk(L->mu);
-    bool done = true;
-    if (std::isfinite(timeout_s) && timeout_s > 0) {
-      done = L->cv.wait_for(lk, std::chrono::duration<double>(timeout_s), all_done);
-    } else {
-      L->cv.wait(lk, all_done);
-    }
-    if (!done) {
-      lk.unlock();
-      L->fail(kTimeout, fmt("launch exceeded %s s host timeout", seconds_text(timeout_s).c_str()));
-      lk.lock();
-      if (!L->cv.wait_for(lk, std::chrono::seconds(5), all_done)) {
-        L->error += fmt("; %d of %d blocks did not stop within 5 s of the abort (a spin loop without "
-                        "__nanosleep or load_acquire?); their threads were detached",
-                        grid - L->blocks_done, grid);
-        L->code = kStuck;
-        lk.unlock();
-        for (auto& t : threads) t.detach();
-        tl_last_error = L->error;
-        return kStuck;
-      }
-    }
-  }
-  for (auto& t : threads) t.join();
-  tl_last_error = L->error;
-  return L->code;
-}
-
-// Adapts `extern "C" __global__ void k(const Params* p)` (or `k(Params p)`) to launch().
-template <class F> struct kernel_arg;
-template <class P> struct kernel_arg<void (*)(P)> { using type = P; };
-template <class P> struct kernel_arg<void (*)(P) noexcept> { using type = P; };
-
-template <auto K>
-void kernel_entry(const void* params) {
-  using P = typename kernel_arg<decltype(K)>::type;
-  if constexpr (std::is_pointer_v<P>) {
-    K(static_cast<P>(const_cast<void*>(params)));
-  } else {
-    K(*static_cast<const std::remove_cvref_t<P>*>(params));
-  }
 }
 
 }  // namespace emu
@@ -945,6 +752,24 @@ void kernel_entry(const void* params) {
 #define blockDim (static_cast<const ::dim3&>(::emu::detail::tl_block->dim))
 #define gridDim (static_cast<const ::dim3&>(::emu::detail::tl_block->grid))
 
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+// Yields the fiber; when every fiber of the block spins, the scheduler yields the OS thread.
+inline void __nanosleep(unsigned int /*ns*/) {
+  using namespace emu::detail;
+  Fiber* f = tl_fiber;
+  if (f == nullptr) return;
+  check_abort(f->block);
+  block_on(f, Wait::Spin, 0, "__nanosleep");
+}
+
+// CUDA's atomics are relaxed; a fence before one is what orders the writes before it.
+#define EMU_RMW_ORDER std::memory_order_relaxed
+#endif  // EMU_STRICT
+
+// ================================================================ built-ins of both runtimes
 inline void __syncthreads() { emu::detail::barrier(0, nullptr, nullptr, nullptr); }
 inline int __syncthreads_count(int pred) {
   int c;
@@ -962,19 +787,6 @@ inline int __syncthreads_or(int pred) {
   return o;
 }
 
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-
-// Yields the fiber; when every fiber of the block spins, the scheduler yields the OS thread.
-inline void __nanosleep(unsigned int /*ns*/) {
-  using namespace emu::detail;
-  Fiber* f = tl_fiber;
-  if (f == nullptr) return;
-  check_abort(f->block);
-  block_on(f, Wait::Spin, 0, "__nanosleep");
-}
-
 [[noreturn]] inline void __trap() {
   emu::trap();
   __builtin_unreachable();
@@ -982,13 +794,32 @@ inline void __nanosleep(unsigned int /*ns*/) {
 
 inline long long clock64() { return static_cast<long long>(emu::global_timer_ns()); }
 
-// CUDA's atomics are relaxed; a fence before one is what orders the writes before it.
-#define EMU_RMW_ORDER std::memory_order_relaxed
-#endif  // EMU_STRICT
-
 // ---- warp collectives (PTX shfl.sync semantics: a lane reads var of lane j, or its own value
 // when j falls outside the allowed range; reading a lane outside the mask gives kPoison)
 namespace emu::detail {
+// Reading a lane outside the collective's mask is undefined on a GPU: return a loud pattern.
+constexpr std::uint64_t kPoison = ~0ull;
+inline std::uint64_t lane_value(const Warp& w, int j) { return (w.mask >> j & 1u) ? w.vals[j] : kPoison; }
+
+template <class T>
+inline std::uint64_t to_bits(const T& v) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8, "warp shuffles move at most 8 bytes");
+  std::uint64_t u = 0;
+  std::memcpy(&u, &v, sizeof(T));
+  return u;
+}
+template <class T>
+inline T from_bits(std::uint64_t u) {
+  T v;
+  std::memcpy(&v, &u, sizeof(T));
+  return v;
+}
+
+inline void check_width(int width, const char* op) {
+  if (width < 1 || width > 32 || (width & (width - 1)) != 0)
+    fail_here(kWarpError, fmt("%s: width %d is not a power of two in 1..32", op, width));
+}
+
 inline std::uint64_t shfl_idx(const Warp& w, unsigned int lane) {
   const int width = w.widths[lane];
   const int j = static_cast<int>(lane & ~static_cast<unsigned int>(width - 1)) | (w.args[lane] & (width - 1));

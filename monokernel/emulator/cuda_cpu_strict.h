@@ -24,97 +24,36 @@
 #pragma once
 
 namespace emu {
-
-struct LaunchAborted {};
-
-enum Code : int {
-  kOk = 0,
-  kTimeout = 1,
-  kTrap = 2,
-  kAssert = 3,
-  kDivergentBarrier = 4,
-  kWarpError = 5,
-  kDeadlock = 6,
-  kBadLaunch = 7,
-  kException = 8,
-  kStuck = 9,
-};
-
 namespace detail {
 
 // Blocks per launch: EMU_SHARED keeps one static instance per block index.
 constexpr int kMaxBlocks = 64;
 
-inline std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
-inline std::string fmt(const char* f, ...) {
-  char buf[1024];
-  va_list ap;
-  va_start(ap, f);
-  std::vsnprintf(buf, sizeof buf, f, ap);
-  va_end(ap);
-  return buf;
-}
-
-inline std::string lane_list(unsigned int bits) {
-  std::string out;
-  for (int l = 0; l < 32; ++l)
-    if (bits >> l & 1u) out += (out.empty() ? "" : ", ") + std::to_string(l);
-  return out;
-}
-
-inline std::string seconds_text(double s) {
-  std::string t = fmt("%g", s);
-  if (t.find_first_of(".e") == std::string::npos) t += ".0";
-  return t;
-}
-
-// Same fields as the fiber runtime's Warp (the shuffle functions read them), plus its lock.
-struct Warp {
-  unsigned int exists = 0, exited = 0;
-  bool open = false;
-  unsigned int mask = 0, arrived = 0;
-  unsigned int seq = 0;
-  const char* op = "";
-  std::uint64_t vals[32];
-  int args[32];
-  int widths[32];
-  std::uint64_t results[32];
+// The shared Warp exchange buffer (the shuffle functions read it), plus its lock.
+struct LockedWarp : Warp {
   std::mutex mu;
   std::condition_variable cv;
 };
 
-using WarpCompute = std::uint64_t (*)(const Warp&, unsigned int lane);
-
 struct Block;
 
-struct Launch {
-  void (*kernel)(const void*) = nullptr;
-  const void* params = nullptr;
-  int grid = 0, block = 0;
-  std::atomic<bool> abort{false};
+// One host thread per CUDA thread.
+struct Launch : LaunchRecord {
+  using LaunchRecord::LaunchRecord;
   std::unique_ptr<Block[]> blocks;
-  std::mutex mu;
-  std::condition_variable cv;
-  int threads_done = 0;
-  int code = kOk;
-  std::string error;
 
   inline void fail(int c, const std::string& msg);
 };
 
-struct Block {
+struct Block : BarrierState {
   Launch* launch = nullptr;
   ::uint3 idx{0, 0, 0};
   ::dim3 dim, grid;
   int nthreads = 0, nwarps = 0;
-  std::unique_ptr<Warp[]> warps;
-  std::mutex mu;  // everything below
+  std::unique_ptr<LockedWarp[]> warps;
+  std::mutex mu;  // everything below, and the barrier state
   std::condition_variable cv;
   int live = 0, exited = 0;
-  int bar_arrived = 0;
-  unsigned int bar_gen = 0;
-  int bar_count[2] = {0, 0}, bar_or[2] = {0, 0}, bar_and[2] = {1, 1};
-  int bar_result_count[2] = {0, 0}, bar_result_or[2] = {0, 0}, bar_result_and[2] = {1, 1};
   void* dyn_smem = nullptr;
   std::size_t dyn_smem_bytes = 0;
   ~Block() { std::free(dyn_smem); }
@@ -123,13 +62,7 @@ struct Block {
 // First error wins; then every waiting thread is woken to unwind. The notifies take each lock,
 // so a waiter that just found `abort` false cannot miss its wake-up. Callers hold no lock.
 inline void Launch::fail(int c, const std::string& msg) {
-  {
-    std::lock_guard<std::mutex> lk(mu);
-    if (code == kOk) {
-      code = c;
-      error = msg;
-    }
-  }
+  record_error(c, msg);
   abort.store(true, std::memory_order_relaxed);
   for (int b = 0; b < grid; ++b) {
     Block& blk = blocks[b];
@@ -149,7 +82,6 @@ struct Thread {
 
 inline thread_local Thread* tl_thread = nullptr;
 inline thread_local bool tl_fence_pending = false;
-inline thread_local std::string tl_last_error;
 
 inline Thread* current_thread() {
   Thread* t = tl_thread;
@@ -166,12 +98,17 @@ inline void check_abort(const Block* b) {
   if (aborting(b)) throw LaunchAborted{};
 }
 
-// Releases `lk` (Launch::fail takes every block and warp lock), records the error, unwinds.
+// Records the error and unwinds. Callers hold no lock (Launch::fail takes every block and warp lock).
+[[noreturn]] inline void fail_here(int code, const std::string& msg) {
+  current_thread()->block->launch->fail(code, msg);
+  throw LaunchAborted{};
+}
+
+// The same from under a lock: releases `lk` first.
 template <class Lock>
 [[noreturn]] inline void fail_here(Lock& lk, int code, const std::string& msg) {
   if (lk.owns_lock()) lk.unlock();
-  current_thread()->block->launch->fail(code, msg);
-  throw LaunchAborted{};
+  fail_here(code, msg);
 }
 
 // The memory order of an atomic read-modify-write: release (acq_rel) right after __threadfence.
@@ -193,27 +130,16 @@ inline void barrier(int pred, int* count, int* all, int* any) {
   check_abort(b);
   const unsigned int gen = b->bar_gen;
   const int s = gen & 1;
-  b->bar_count[s] += pred != 0;
-  b->bar_or[s] |= pred != 0;
-  b->bar_and[s] &= pred != 0;
+  b->deposit(s, pred);
   if (++b->bar_arrived == b->live) {
     if (b->exited > 0) fail_here(lk, kDivergentBarrier, divergent_barrier_message(b));
-    b->bar_result_count[s] = b->bar_count[s];
-    b->bar_result_or[s] = b->bar_or[s];
-    b->bar_result_and[s] = b->bar_and[s];
-    b->bar_count[s] = 0;
-    b->bar_or[s] = 0;
-    b->bar_and[s] = 1;
-    b->bar_arrived = 0;
-    ++b->bar_gen;
+    b->complete(s);
     b->cv.notify_all();
   } else {
     b->cv.wait(lk, [&] { return b->bar_gen != gen || aborting(b); });
     check_abort(b);
   }
-  if (count) *count = b->bar_result_count[s];
-  if (all) *all = b->bar_result_and[s];
-  if (any) *any = b->bar_result_or[s];
+  b->results(s, count, all, any);
 }
 
 // One warp collective, with the fiber runtime's semantics: every lane named in `mask` deposits
@@ -224,45 +150,30 @@ inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uin
   Block* b = t->block;
   const int warp = static_cast<int>(t->tid.x) >> 5;
   const unsigned int lane = t->tid.x & 31u, bit = 1u << lane;
-  Warp& w = b->warps[warp];
+  LockedWarp& w = b->warps[warp];
   std::unique_lock<std::mutex> lk(w.mu);
   check_abort(b);
   if (!(mask & bit))
-    fail_here(lk, kWarpError, fmt("warp %d of block %u: lane %u calls %s with mask 0x%08x, which does not name it",
-                                  warp, b->idx.x, lane, op, mask));
+    fail_here(lk, kWarpError, not_in_mask_message(warp, b->idx.x, lane, op, mask));
   const unsigned int need = mask & w.exists;
   for (;;) {
     if (!w.open) {
       if (need & w.exited)
         fail_here(lk, kWarpError, fmt("warp %d of block %u: lanes %s named in mask 0x%08x exited before %s",
                                       warp, b->idx.x, lane_list(need & w.exited).c_str(), need, op));
-      w.open = true;
-      w.mask = need;
-      w.arrived = 0;
-      w.op = op;
+      w.begin(need, op);
       break;
     }
     if (w.mask == need && !(w.arrived & bit)) {
       if (w.op != op && std::strcmp(w.op, op) != 0)
-        fail_here(lk, kWarpError, fmt("warp %d of block %u: lane %u reached %s while lanes %s wait at %s (mask 0x%08x)",
-                                      warp, b->idx.x, lane, op, lane_list(w.arrived).c_str(), w.op, w.mask));
+        fail_here(lk, kWarpError, other_collective_message(warp, b->idx.x, lane, op, w));
       break;
     }
     const unsigned int seq = w.seq;  // another collective (other mask) is open: wait for it
     w.cv.wait(lk, [&] { return w.seq != seq || aborting(b); });
     check_abort(b);
   }
-  w.vals[lane] = val;
-  w.args[lane] = arg;
-  w.widths[lane] = width;
-  w.arrived |= bit;
-  if (w.arrived == w.mask) {
-    for (unsigned int m = w.mask; m != 0; m &= m - 1) {
-      const unsigned int l = static_cast<unsigned int>(__builtin_ctz(m));
-      w.results[l] = compute(w, l);
-    }
-    w.open = false;
-    ++w.seq;
+  if (w.deposit(lane, val, arg, width, compute)) {
     w.cv.notify_all();
   } else {
     const unsigned int seq = w.seq;
@@ -270,30 +181,6 @@ inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uin
     check_abort(b);
   }
   return w.results[lane];
-}
-
-constexpr std::uint64_t kPoison = ~0ull;
-inline std::uint64_t lane_value(const Warp& w, int j) { return (w.mask >> j & 1u) ? w.vals[j] : kPoison; }
-
-template <class T>
-inline std::uint64_t to_bits(const T& v) {
-  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8, "warp shuffles move at most 8 bytes");
-  std::uint64_t u = 0;
-  std::memcpy(&u, &v, sizeof(T));
-  return u;
-}
-template <class T>
-inline T from_bits(std::uint64_t u) {
-  T v;
-  std::memcpy(&v, &u, sizeof(T));
-  return v;
-}
-
-inline void check_width(int width, const char* op) {
-  if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
-    std::unique_lock<std::mutex> none;
-    fail_here(none, kWarpError, fmt("%s: width %d is not a power of two in 1..32", op, width));
-  }
 }
 
 // A thread returned (or unwound): a barrier or warp collective that only waits for it now fails.
@@ -314,7 +201,7 @@ inline void on_thread_exit(Thread* t) {
     }
     b->launch->fail(kDivergentBarrier, msg);
   }
-  Warp& w = b->warps[t->tid.x >> 5];
+  LockedWarp& w = b->warps[t->tid.x >> 5];
   const unsigned int bit = 1u << (t->tid.x & 31u);
   std::string missing;
   {
@@ -333,14 +220,7 @@ inline void run_thread(Launch* L, Block* b, unsigned int tid) {
   t.block = b;
   tl_thread = &t;
   tl_fence_pending = false;
-  try {
-    L->kernel(L->params);
-  } catch (const LaunchAborted&) {
-  } catch (const std::exception& e) {
-    L->fail(kException, fmt("block %u thread %u: uncaught C++ exception: %s", b->idx.x, tid, e.what()));
-  } catch (...) {
-    L->fail(kException, fmt("block %u thread %u: uncaught C++ exception", b->idx.x, tid));
-  }
+  run_kernel(L, b->idx.x, tid);
   on_thread_exit(&t);
   tl_thread = nullptr;
 }
@@ -359,18 +239,12 @@ struct PerBlock {
 // ============================================================================ public device API
 inline void trap() {
   detail::Thread* t = detail::current_thread();
-  std::unique_lock<std::mutex> none;
-  detail::fail_here(none, kTrap, detail::fmt("trap: block %u thread %u called __trap()", t->block->idx.x, t->tid.x));
+  detail::fail_here(kTrap, detail::fmt("trap: block %u thread %u called __trap()", t->block->idx.x, t->tid.x));
 }
 
 inline int load_acquire(const int* p) {
   if (detail::tl_thread) detail::check_abort(detail::tl_thread->block);
   return std::atomic_ref<int>(*const_cast<int*>(p)).load(std::memory_order_acquire);
-}
-
-inline unsigned long long global_timer_ns() {
-  return static_cast<unsigned long long>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-      std::chrono::steady_clock::now().time_since_epoch()).count());
 }
 
 // Per-block buffer for dynamic shared memory; the size may not grow within a launch.
@@ -389,8 +263,6 @@ inline void* dynamic_shared(std::size_t bytes) {
   return b->dyn_smem;
 }
 
-inline const char* last_error() { return detail::tl_last_error.c_str(); }
-
 // Runs kernel(params) on grid x block CUDA threads, one OS thread each, all started before any
 // is joined. Returns 0, or a Code with last_error() set. kStuck: threads that ignored the abort
 // were detached; the caller must end the process.
@@ -402,11 +274,7 @@ inline int launch(void (*kernel)(const void*), int grid, int block, const void* 
                         "1 <= block <= 1024)", grid, block, kMaxBlocks);
     return kBadLaunch;
   }
-  auto L = std::make_shared<Launch>();
-  L->kernel = kernel;
-  L->params = params;
-  L->grid = grid;
-  L->block = block;
+  auto L = std::make_shared<Launch>(kernel, params, grid, block);
   L->blocks.reset(new Block[grid]);
   for (int bi = 0; bi < grid; ++bi) {
     Block& b = L->blocks[bi];
@@ -417,70 +285,20 @@ inline int launch(void (*kernel)(const void*), int grid, int block, const void* 
     b.nthreads = block;
     b.nwarps = (block + 31) / 32;
     b.live = block;
-    b.warps.reset(new Warp[b.nwarps]);
+    b.warps.reset(new LockedWarp[b.nwarps]);
     for (int wi = 0; wi < b.nwarps; ++wi) {
       const int lanes = std::min(32, block - wi * 32);
       b.warps[wi].exists = lanes == 32 ? ~0u : (1u << lanes) - 1u;
     }
   }
-  const int total = grid * block;
-  std::vector<std::thread> threads;
-  threads.reserve(total);
-  try {
-    for (int bi = 0; bi < grid; ++bi)
-      for (int t = 0; t < block; ++t)
-        threads.emplace_back([L, bi, t] {
-          run_thread(L.get(), &L->blocks[bi], static_cast<unsigned int>(t));
-          std::lock_guard<std::mutex> lk(L->mu);
-          ++L->threads_done;
-          L->cv.notify_all();
-        });
-  } catch (const std::exception& e) {
-    L->fail(kBadLaunch, fmt("cannot start %d threads: %s", total, e.what()));
-    for (auto& t : threads) t.join();
-    tl_last_error = L->error;
-    return L->code;
-  }
-  auto all_done = [&] { return L->threads_done == total; };
-  {
-    std::unique_lock<std::mutex> lk(L->mu);
-    bool done = true;
-    if (std::isfinite(timeout_s) && timeout_s > 0)
-      done = L->cv.wait_for(lk, std::chrono::duration<double>(timeout_s), all_done);
-    else
-      L->cv.wait(lk, all_done);
-    if (!done) {
-      lk.unlock();
-      L->fail(kTimeout, fmt("launch exceeded %s s host timeout", seconds_text(timeout_s).c_str()));
-      lk.lock();
-      if (!L->cv.wait_for(lk, std::chrono::seconds(5), all_done)) {
-        L->error += fmt("; %d of %d threads did not stop within 5 s of the abort; they were detached",
-                        total - L->threads_done, total);
-        L->code = kStuck;
-        lk.unlock();
-        for (auto& t : threads) t.detach();
-        tl_last_error = L->error;
-        return kStuck;
-      }
-    }
-  }
-  for (auto& t : threads) t.join();
-  tl_last_error = L->error;
-  return L->code;
-}
-
-template <class F> struct kernel_arg;
-template <class P> struct kernel_arg<void (*)(P)> { using type = P; };
-template <class P> struct kernel_arg<void (*)(P) noexcept> { using type = P; };
-
-template <auto K>
-void kernel_entry(const void* params) {
-  using P = typename kernel_arg<decltype(K)>::type;
-  if constexpr (std::is_pointer_v<P>) {
-    K(static_cast<P>(const_cast<void*>(params)));
-  } else {
-    K(*static_cast<const std::remove_cvref_t<P>*>(params));
-  }
+  return run_host_threads(
+      L, grid * block, timeout_s, "threads",
+      [L, block](int i) {
+        run_thread(L.get(), &L->blocks[i / block], static_cast<unsigned int>(i % block));
+      },
+      [](int stuck, int n) {
+        return fmt("; %d of %d threads did not stop within 5 s of the abort; they were detached", stuck, n);
+      });
 }
 
 }  // namespace emu
@@ -496,23 +314,6 @@ void kernel_entry(const void* params) {
   static ::emu::detail::PerBlock<T DIMS> emu_shared_##NAME;  \
   T(&NAME) DIMS = emu_shared_##NAME.get()
 
-inline void __syncthreads() { emu::detail::barrier(0, nullptr, nullptr, nullptr); }
-inline int __syncthreads_count(int pred) {
-  int c;
-  emu::detail::barrier(pred, &c, nullptr, nullptr);
-  return c;
-}
-inline int __syncthreads_and(int pred) {
-  int a;
-  emu::detail::barrier(pred, nullptr, &a, nullptr);
-  return a;
-}
-inline int __syncthreads_or(int pred) {
-  int o;
-  emu::detail::barrier(pred, nullptr, nullptr, &o);
-  return o;
-}
-
 inline void __threadfence() { emu::detail::tl_fence_pending = true; }
 inline void __threadfence_block() { emu::detail::tl_fence_pending = true; }
 inline void __threadfence_system() { emu::detail::tl_fence_pending = true; }
@@ -522,19 +323,12 @@ inline void __nanosleep(unsigned int /*ns*/) {
   std::this_thread::yield();
 }
 
-[[noreturn]] inline void __trap() {
-  emu::trap();
-  __builtin_unreachable();
-}
-
-inline long long clock64() { return static_cast<long long>(emu::global_timer_ns()); }
-
 #define EMU_RMW_ORDER ::emu::detail::rmw_order()
 
 inline unsigned int __activemask() {
   using namespace emu::detail;
   Thread* t = current_thread();
-  Warp& w = t->block->warps[t->tid.x >> 5];
+  LockedWarp& w = t->block->warps[t->tid.x >> 5];
   std::lock_guard<std::mutex> lk(w.mu);
   return w.exists & ~w.exited;
 }

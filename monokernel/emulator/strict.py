@@ -18,7 +18,6 @@ rejects with a compile error naming the line.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import struct
@@ -30,7 +29,7 @@ import numpy as np
 
 from ..errors import KernelError
 from ..isa import ERROR_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, State
-from .build import (CXX, SHIM_PATH, STUB_HEADERS, EmulatorBuildError, _c_string, compiler_version,
+from .build import (COMMON_SHIM_PATH, CXX, SHIM_PATH, _c_string, cache_key, compile_unit, compiler_version,
                     default_cache_dir)
 
 STRICT_SHIM_PATH = SHIM_PATH.with_name("cuda_cpu_strict.h")
@@ -94,37 +93,13 @@ def build_strict_driver(source: str, *, tsan: bool = True, extra_flags=(),
     flags = [*STRICT_FLAGS, *(TSAN_FLAGS if tsan else ()), *extra_flags]
     unit = (f'#line 1 "megakernel.cu"\n{rewrite_shared(source)}\n'
             f'#line 1 "{_c_string(str(DRIVER_PATH))}"\n{DRIVER_PATH.read_text()}')
-    key = hashlib.sha256()
-    for part in (SHIM_PATH.read_text(), STRICT_SHIM_PATH.read_text(), unit, "\0".join(flags),
-                 compiler_version()):
-        key.update(part.encode())
-        key.update(b"\0\1\0")
+    key = cache_key(SHIM_PATH.read_text(), COMMON_SHIM_PATH.read_text(), STRICT_SHIM_PATH.read_text(), unit,
+                    "\0".join(flags), compiler_version())
     out_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    exe = out_dir / f"strict_driver-{key.hexdigest()[:24]}{'-tsan' if tsan else ''}"
-    if exe.is_file():
-        return exe
-    with tempfile.TemporaryDirectory(prefix="monokernel-strict-") as tmp:
-        include = Path(tmp) / "include"
-        include.mkdir()
-        for header in STUB_HEADERS:
-            (include / header).write_text("// CPU emulator stub: cuda_cpu.h declares what kernels use\n")
-        unit_path = Path(tmp) / "unit.cpp"
-        unit_path.write_text(unit)
-        fd, tmp_exe = tempfile.mkstemp(prefix=f".{exe.name}.", suffix=".tmp", dir=out_dir)
-        os.close(fd)
-        try:
-            cmd = [CXX, *flags, "-include", str(SHIM_PATH), "-I", str(include), "-x", "c++",
-                   str(unit_path), "-o", tmp_exe]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise EmulatorBuildError(f"g++ could not build the strict-mode driver "
-                                         f"(exit {proc.returncode})", proc.stderr)
-            os.chmod(tmp_exe, 0o755)
-            os.replace(tmp_exe, exe)
-        finally:
-            if os.path.exists(tmp_exe):
-                os.unlink(tmp_exe)
+    exe = out_dir / f"strict_driver-{key}{'-tsan' if tsan else ''}"
+    if not exe.is_file():
+        compile_unit(unit, flags, exe, "the strict-mode driver", executable=True)
     return exe
 
 

@@ -1,0 +1,254 @@
+// cuda_cpu_common.h: what the two runtimes of cuda_cpu.h share, the fiber runtime and the strict
+// one (cuda_cpu_strict.h): error codes and messages, the state of a block's barrier and of a
+// warp's exchange buffer, the host side of a launch (start, timeout, abort, detach) and the
+// adapter from a kernel's signature to launch(). Each runtime adds how its CUDA threads run and
+// wait. Included by cuda_cpu.h after the standard headers and the vector types.
+#pragma once
+
+namespace emu {
+
+// Thrown at a yield point once the launch is aborted; caught where the CUDA thread starts.
+// Deliberately not derived from std::exception so kernel code cannot swallow it by accident.
+struct LaunchAborted {};
+
+enum Code : int {
+  kOk = 0,
+  kTimeout = 1,
+  kTrap = 2,
+  kAssert = 3,
+  kDivergentBarrier = 4,
+  kWarpError = 5,
+  kDeadlock = 6,
+  kBadLaunch = 7,
+  kException = 8,
+  kStuck = 9,
+};
+
+namespace detail {
+
+inline thread_local std::string tl_last_error;
+
+inline std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
+inline std::string fmt(const char* f, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, f);
+  std::vsnprintf(buf, sizeof buf, f, ap);
+  va_end(ap);
+  return buf;
+}
+
+inline std::string lane_list(unsigned int bits) {
+  std::string out;
+  for (int l = 0; l < 32; ++l)
+    if (bits >> l & 1u) out += (out.empty() ? "" : ", ") + std::to_string(l);
+  return out;
+}
+
+inline std::string seconds_text(double s) {
+  std::string t = fmt("%g", s);
+  if (t.find_first_of(".e") == std::string::npos) t += ".0";
+  return t;
+}
+
+// What a launch's host side and its CUDA threads share. Each runtime's Launch derives from it and
+// adds fail(): record_error, then make every CUDA thread unwind.
+struct LaunchRecord {
+  LaunchRecord(void (*k)(const void*), const void* p, int g, int b) : kernel(k), params(p), grid(g), block(b) {}
+  void (*kernel)(const void*);
+  const void* params;
+  int grid, block;
+  std::atomic<bool> abort{false};
+  std::mutex mu;
+  std::condition_variable cv;
+  int threads_done = 0;  // host threads (run_host_threads) that returned
+  int code = kOk;
+  std::string error;
+
+  // First error wins.
+  void record_error(int c, const std::string& msg) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (code == kOk) {
+      code = c;
+      error = msg;
+    }
+  }
+};
+
+// The __syncthreads state of a block (each runtime's Block derives from it). Two slots alternate
+// by generation: results of generation g stay readable while generation g + 1 collects.
+struct BarrierState {
+  int bar_arrived = 0;
+  unsigned int bar_gen = 0;
+  int bar_count[2] = {0, 0}, bar_or[2] = {0, 0}, bar_and[2] = {1, 1};
+  int bar_result_count[2] = {0, 0}, bar_result_or[2] = {0, 0}, bar_result_and[2] = {1, 1};
+
+  // Adds one thread's predicate to slot s (= bar_gen & 1).
+  void deposit(int s, int pred) {
+    bar_count[s] += pred != 0;
+    bar_or[s] |= pred != 0;
+    bar_and[s] &= pred != 0;
+  }
+  // The last thread arrived: publish slot s, clear it and open the next generation.
+  void complete(int s) {
+    bar_result_count[s] = bar_count[s];
+    bar_result_or[s] = bar_or[s];
+    bar_result_and[s] = bar_and[s];
+    bar_count[s] = 0;
+    bar_or[s] = 0;
+    bar_and[s] = 1;
+    bar_arrived = 0;
+    ++bar_gen;
+  }
+  // Valid until generation gen + 2 completes, which needs the reader to arrive twice more.
+  void results(int s, int* count, int* all, int* any) const {
+    if (count) *count = bar_result_count[s];
+    if (all) *all = bar_result_and[s];
+    if (any) *any = bar_result_or[s];
+  }
+};
+
+// The exchange buffer of one warp. One collective is open at a time; the lane that completes it
+// computes every lane's result, so the buffer is free again at once.
+struct Warp;
+using WarpCompute = std::uint64_t (*)(const Warp&, unsigned int lane);
+
+struct Warp {
+  unsigned int exists = 0;       // lanes that exist (a partial last warp has fewer)
+  unsigned int exited = 0;       // lanes whose CUDA thread returned
+  bool open = false;             // a collective is collecting deposits
+  unsigned int mask = 0, arrived = 0;
+  unsigned int seq = 0;          // collectives completed so far
+  const char* op = "";
+  std::uint64_t vals[32];        // deposits of the open collective
+  int args[32];                  // each lane's source lane / delta / lane mask
+  int widths[32];
+  std::uint64_t results[32];     // lane l's result stays valid until l enters another collective
+
+  // Opens a collective of the lanes in `need`.
+  void begin(unsigned int need, const char* collective) {
+    open = true;
+    mask = need;
+    arrived = 0;
+    op = collective;
+  }
+  // Lane `lane` deposits its value, shuffle argument and width. True when it was the last lane
+  // of the mask: then every lane's result is computed and the collective is closed.
+  bool deposit(unsigned int lane, std::uint64_t val, int arg, int width, WarpCompute compute) {
+    vals[lane] = val;
+    args[lane] = arg;
+    widths[lane] = width;
+    arrived |= 1u << lane;
+    if (arrived != mask) return false;
+    for (unsigned int m = mask; m != 0; m &= m - 1) {
+      const unsigned int l = static_cast<unsigned int>(__builtin_ctz(m));
+      results[l] = compute(*this, l);
+    }
+    open = false;
+    ++seq;
+    return true;
+  }
+};
+
+// Warp collective errors that both runtimes detect alike.
+inline std::string not_in_mask_message(int warp, unsigned int block, unsigned int lane, const char* op,
+                                       unsigned int mask) {
+  return fmt("warp %d of block %u: lane %u calls %s with mask 0x%08x, which does not name it", warp, block, lane, op,
+             mask);
+}
+inline std::string other_collective_message(int warp, unsigned int block, unsigned int lane, const char* op,
+                                            const Warp& w) {
+  return fmt("warp %d of block %u: lane %u reached %s while lanes %s wait at %s (mask 0x%08x)", warp, block, lane,
+             op, lane_list(w.arrived).c_str(), w.op, w.mask);
+}
+
+// One CUDA thread's run of the kernel: an abort unwinds quietly, any other exception fails the launch.
+template <class LaunchT>
+inline void run_kernel(LaunchT* L, unsigned int block, unsigned int thread) {
+  try {
+    L->kernel(L->params);
+  } catch (const LaunchAborted&) {
+  } catch (const std::exception& e) {
+    L->fail(kException, fmt("block %u thread %u: uncaught C++ exception: %s", block, thread, e.what()));
+  } catch (...) {
+    L->fail(kException, fmt("block %u thread %u: uncaught C++ exception", block, thread));
+  }
+}
+
+// The host side of a launch: starts n OS threads running work(i), all before any is joined, and
+// waits for them, at most timeout_s seconds when that is finite and positive. Then it fails the
+// launch with kTimeout (every CUDA thread unwinds at its next yield point) and waits 5 s more;
+// threads still running are detached (kStuck; the caller must end the process), kept safe by
+// their copy of L. `noun` names the threads in the start error; stuck_message(still, n) is
+// appended to the timeout error. Returns L->code and leaves L->error in tl_last_error.
+template <class LaunchT, class Work, class StuckMessage>
+inline int run_host_threads(const std::shared_ptr<LaunchT>& L, int n, double timeout_s, const char* noun,
+                            Work work, StuckMessage stuck_message) {
+  std::vector<std::thread> threads;
+  threads.reserve(n);
+  try {
+    for (int i = 0; i < n; ++i)
+      threads.emplace_back([L, i, work] {
+        work(i);
+        std::lock_guard<std::mutex> lk(L->mu);
+        ++L->threads_done;
+        L->cv.notify_all();
+      });
+  } catch (const std::exception& e) {
+    L->fail(kBadLaunch, fmt("cannot start %d %s: %s", n, noun, e.what()));
+    for (auto& t : threads) t.join();
+    tl_last_error = L->error;
+    return L->code;
+  }
+  auto all_done = [&] { return L->threads_done == n; };
+  {
+    std::unique_lock<std::mutex> lk(L->mu);
+    bool done = true;
+    if (std::isfinite(timeout_s) && timeout_s > 0)
+      done = L->cv.wait_for(lk, std::chrono::duration<double>(timeout_s), all_done);
+    else
+      L->cv.wait(lk, all_done);
+    if (!done) {
+      lk.unlock();
+      L->fail(kTimeout, fmt("launch exceeded %s s host timeout", seconds_text(timeout_s).c_str()));
+      lk.lock();
+      if (!L->cv.wait_for(lk, std::chrono::seconds(5), all_done)) {
+        L->error += stuck_message(n - L->threads_done, n);
+        L->code = kStuck;
+        lk.unlock();
+        for (auto& t : threads) t.detach();
+        tl_last_error = L->error;
+        return kStuck;
+      }
+    }
+  }
+  for (auto& t : threads) t.join();
+  tl_last_error = L->error;
+  return L->code;
+}
+
+}  // namespace detail
+
+inline unsigned long long global_timer_ns() {
+  return static_cast<unsigned long long>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+inline const char* last_error() { return detail::tl_last_error.c_str(); }
+
+// Adapts `extern "C" __global__ void k(const Params* p)` (or `k(Params p)`) to launch().
+template <class F> struct kernel_arg;
+template <class P> struct kernel_arg<void (*)(P)> { using type = P; };
+template <class P> struct kernel_arg<void (*)(P) noexcept> { using type = P; };
+
+template <auto K>
+void kernel_entry(const void* params) {
+  using P = typename kernel_arg<decltype(K)>::type;
+  if constexpr (std::is_pointer_v<P>) {
+    K(static_cast<P>(const_cast<void*>(params)));
+  } else {
+    K(*static_cast<const std::remove_cvref_t<P>*>(params));
+  }
+}
+
+}  // namespace emu
