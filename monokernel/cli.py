@@ -15,6 +15,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto",
                    help="auto | numpy | emulator | emulator-multi | cuda | cuda-multi")
     p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--blocks", type=int, default=None,
+                   help="persistent blocks of the kernel backends (default: 4 on the emulator, "
+                        "one per SM on a GPU)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -36,15 +39,20 @@ def _params(llm, args):
     return llm.default_params.replace(**overrides)
 
 
+def _llm(args):
+    from .llm import LLM
+
+    options = {"blocks": args.blocks} if args.blocks is not None else {}
+    return LLM(args.model, backend=args.backend, max_seq_len=args.max_seq_len, **options)
+
+
 def _summary(c) -> str:
     return (f"[{len(c.token_ids)} tokens, {c.decode_tokens_per_s:.1f} tokens/s decode, "
             f"{c.elapsed_s:.2f} s total, finish={c.finish_reason}, backend={c.backend}]")
 
 
 def cmd_generate(args) -> int:
-    from .llm import LLM
-
-    llm = LLM(args.model, backend=args.backend, max_seq_len=args.max_seq_len)
+    llm = _llm(args)
     params = _params(llm, args)
     if args.chat:
         s = llm.chat([{"role": "user", "content": args.prompt}], params, stream=True)
@@ -64,9 +72,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from .llm import LLM
-
-    llm = LLM(args.model, backend=args.backend, max_seq_len=args.max_seq_len)
+    llm = _llm(args)
     params = _params(llm, args)
     messages: list[dict[str, str]] = []
     if args.system:
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except MonokernelError as e:
+    except (MonokernelError, ValueError) as e:
         print(f"monokernel: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -65,7 +65,10 @@ class Executor:
 class NumpyExecutor(Executor):
     name = "numpy"
 
-    def __init__(self, model: LoadedModel, max_seq_len: int):
+    def __init__(self, model: LoadedModel, max_seq_len: int, **options):
+        if options:
+            raise ValueError(f"the numpy backend takes no options (got {', '.join(options)}); "
+                             "blocks and the like apply to the kernel backends")
         super().__init__(model, max_seq_len)
         from .reference import ReferenceModel
 

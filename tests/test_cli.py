@@ -96,3 +96,22 @@ def test_unknown_backend_exits_2(synth_dir):
 def test_usage_error_exits_2():
     r = monokernel("generate")
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_generate_on_the_emulator_with_blocks(synth_dir):
+    """The kernel backends through the CLI: same greedy text as the reference."""
+    model = str(synth_dir("tiny"))
+    common = ("generate", "the cat", "--model", model, "--max-new-tokens", "6",
+              "--temperature", "0", "--no-stream", "--max-seq-len", "64")
+    ref = monokernel(*common, "--backend", "numpy")
+    emu = monokernel(*common, "--backend", "emulator", "--blocks", "3")
+    assert ref.returncode == 0 and emu.returncode == 0, ref.stderr + emu.stderr
+    assert emu.stdout == ref.stdout
+    assert "backend=emulator" in emu.stderr
+
+
+def test_blocks_on_the_numpy_backend_exits_2(synth_dir):
+    r = monokernel("generate", "x", "--model", str(synth_dir("tiny")), "--backend", "numpy",
+                   "--blocks", "2")
+    assert r.returncode == 2
+    assert "numpy backend takes no options" in r.stderr
