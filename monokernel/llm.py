@@ -88,7 +88,7 @@ class LLM:
             bos_token=tok_str(tc.get("bos_token")), eos_token=tok_str(tc.get("eos_token")))
 
     # ---- generation -----------------------------------------------------------------------
-    def _run(self, ids: list[int], params: SamplingParams, stream: TextStream
+    def _run(self, ids: list[int], params: SamplingParams, stream: TextStream, out_stream: Stream
              ) -> Iterator[str]:
         t0 = time.perf_counter()
         out: list[int] = []
@@ -107,7 +107,7 @@ class LLM:
         tail = stream.finish()
         if tail:
             yield tail
-        self._last = Completion(
+        out_stream.completion = Completion(
             text=stream.text, token_ids=out, finish_reason=finish, prompt_token_ids=ids,
             backend=self.backend, elapsed_s=time.perf_counter() - t0,
             decode_tokens_per_s=self.engine.stats.decode_tokens_per_s)
@@ -118,12 +118,7 @@ class LLM:
         ids = self.encode(prompt, add_special_tokens=add_special_tokens)
         self.engine.check_prompt(ids)  # fail now, not at the first next()
         s = Stream(iter(()))
-
-        def gen() -> Iterator[str]:
-            yield from self._run(ids, params, TextStream(self.tokenizer, params.stop))
-            s.completion = self._last
-
-        s._gen = gen()
+        s._gen = self._run(ids, params, TextStream(self.tokenizer, params.stop), s)
         return s
 
     def generate(self, prompt: str | Sequence[int] | list[str],

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .config import ModelConfig
-from .errors import BackendUnavailableError, PromptError
+from .errors import BackendUnavailableError, MonokernelError, PromptError
 from .model_loader import LoadedModel
 from .sampling import Sampler, SamplingParams
 
@@ -146,6 +146,7 @@ class Engine:
         self.executor = executor
         self.config = executor.config
         self.stats = GenerationStats()
+        self._active: object | None = None  # the generation that owns the KV cache
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -174,6 +175,7 @@ class Engine:
         dsample = DeviceSample(params.temperature, seed) if device else None
         history = list(ids)
         self.stats = st = GenerationStats(prompt_tokens=len(ids))
+        self._active = me = object()
         ex.reset()
         t0 = time.perf_counter()
         logits = ex.prefill(ids, 0)
@@ -191,6 +193,9 @@ class Engine:
             yield tok, False
             if i + 1 == params.max_new_tokens or pos + 1 >= ex.max_seq_len:
                 return
+            if self._active is not me:  # one sequence at a time: the KV cache is not ours now
+                raise MonokernelError("this stream was invalidated: another generation started "
+                                      "on the same LLM (one sequence at a time)")
             res = ex.step(tok, pos, dsample)
             pos += 1
             tok = res.token if res.token is not None else sampler(res.logits, history)

@@ -178,3 +178,18 @@ def test_unknown_backend(bundled_dir):
 
     with pytest.raises(BackendUnavailableError, match="nosuch"):
         LLM(backend="nosuch", progress=False)
+
+
+def test_a_new_generation_invalidates_an_unfinished_stream(synth_dir):
+    """One LLM holds one KV cache: resuming a stream after another generation started must fail
+    loudly instead of continuing from the other sequence's cache."""
+    from monokernel import LLM, MonokernelError, SamplingParams
+
+    llm = LLM(str(synth_dir("tiny")), backend="numpy", progress=False)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    first = llm.stream("the cat", params)
+    next(first)
+    second = llm.generate("a dog", SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(second.token_ids) == 3
+    with pytest.raises(MonokernelError, match="invalidated"):
+        list(first)
