@@ -114,3 +114,14 @@ def test_blocks_on_the_numpy_backend_exits_2(synth_dir):
                    "--blocks", "2")
     assert r.returncode == 2
     assert "numpy backend takes no options" in r.stderr
+
+
+def test_examples_decode_runs(bundled_dir):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, str(REPO / "examples" / "decode.py"), "--backend", "numpy",
+                        "--max-new-tokens", "8"], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "greedy  : ' Paris." in r.stdout, r.stdout
+    assert "chat    : " in r.stdout
