@@ -33,7 +33,6 @@ import platform
 import re
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,6 +41,7 @@ import numpy as np
 from .errors import BackendUnavailableError, KernelError
 from .isa import State
 from .model_loader import LoadedModel
+from .runtime import wall_times
 
 KERNEL_BACKENDS = ("cuda", "cuda-noprefetch", "cuda-multi", "cuda-multi-graph", "emulator",
                    "emulator-multi")
@@ -106,12 +106,7 @@ def cpu_copy_bandwidth(nbytes: int = CPU_COPY_BYTES, repeat: int = 5) -> float:
     """Bytes/s moved (read + written) by a NumPy copy in host memory, median of ``repeat``."""
     src = np.ones(nbytes, np.uint8)
     dst = np.empty_like(src)
-    times = []
-    for k in range(repeat + 1):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        if k:
-            times.append(time.perf_counter() - t0)
+    times = wall_times(lambda: np.copyto(dst, src), repeat + 1)[1:]  # the first one warms up
     return 2 * nbytes / float(np.median(times))
 
 
@@ -203,15 +198,6 @@ def time_kernel(ex, context: int, warmup: int, steps: int) -> list[float]:
     return list(times)
 
 
-def _perf_time(fn, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def time_numpy(ex, context: int, warmup: int, steps: int) -> list[float]:
     ex.reset()
     ids = prompt_tokens(ex.config.vocab_size, context)
@@ -221,8 +207,8 @@ def time_numpy(ex, context: int, warmup: int, steps: int) -> list[float]:
         logits = ex.step(state["tok"], state["pos"]).logits
         state["tok"], state["pos"] = int(np.argmax(logits)), state["pos"] + 1
 
-    _perf_time(step, warmup)
-    return _perf_time(step, steps)
+    wall_times(step, warmup)
+    return wall_times(step, steps)
 
 
 class HFRunner:
@@ -253,7 +239,7 @@ class HFRunner:
     def _timer(self, fn, n: int) -> list[float]:
         torch = self.torch
         if self.dev != "cuda":
-            return _perf_time(fn, n)
+            return wall_times(fn, n)
         out = []
         for _ in range(n):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -18,7 +18,7 @@ from .errors import KernelError, NumericalError
 from .isa import (ERROR_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, TRACE_WORDS, Err, ErrCode, Op,
                   State, params_dtype, render_header)
 from .model_loader import LoadedModel
-from .runtime import DeviceSample, Executor, StepResult, register_executor
+from .runtime import DeviceSample, Executor, StepResult, register_executor, wall_times
 from .scheduler import Program, schedule
 
 SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
@@ -116,14 +116,7 @@ class EmulatorDevice:
 
     def time(self, fn, repeat: int = 1) -> list[float]:
         """Seconds taken by each of ``repeat`` calls of ``fn`` (CUDA events on the GPU)."""
-        import time
-
-        out = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return out
+        return wall_times(fn, repeat)
 
     def resources(self, module) -> dict:
         """Registers, shared and local (spill) bytes per kernel; the emulator has none."""

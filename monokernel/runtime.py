@@ -84,6 +84,17 @@ class NumpyExecutor(Executor):
         return StepResult(token=None, logits=self.ref.forward([token], pos)[0])
 
 
+def wall_times(fn: Callable[[], object], repeat: int) -> list[float]:
+    """Host wall-clock seconds of each of ``repeat`` calls of ``fn`` (for CPU backends; GPU
+    work is timed with CUDA events by the device)."""
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def cuda_device_present() -> bool:
     try:
         import cupy  # noqa: F401
