@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from monokernel.bench import cuda_unavailable_reason, format_table, run_bench, write_results
-from monokernel.model_loader import load_model
+from monokernel.tools.bench import cuda_unavailable_reason, format_table, run_bench, write_results
+from monokernel.model.loader import load_model
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
     print(llm.generate("The capital of France is", SamplingParams(max_new_tokens=16)).text)
 """
 
-from .config import ModelConfig
+from .model.config import ModelConfig
 from .errors import (BackendUnavailableError, CheckpointError, ConfigError, GGUFError,
                      KernelError, MonokernelError, NumericalError, ProgramError, PromptError,
                      TensorMismatchError, TokenizerError, UnsupportedArchitectureError)

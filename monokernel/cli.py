@@ -97,7 +97,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from .gguf_import import convert_gguf
+    from .model.gguf_import import convert_gguf
 
     t0 = time.perf_counter()
     out = convert_gguf(args.gguf, args.out_dir, overwrite=args.overwrite)
@@ -106,7 +106,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    from .synth import write_synthetic
+    from .model.synth import write_synthetic
 
     out = write_synthetic(args.shape, args.out_dir, seed=args.seed)
     print(f"wrote {out}")
@@ -151,10 +151,10 @@ def _add_kernel_commands(sub) -> None:
     """plan / bench / trace live with the kernel code; absent until it is built."""
     import importlib
 
-    try:  # ``from . import kernel_cli`` would raise a plain ImportError without e.name
-        kernel_cli = importlib.import_module("monokernel.kernel_cli")
+    try:  # ``from .tools import commands`` would raise a plain ImportError without e.name
+        kernel_cli = importlib.import_module("monokernel.tools.commands")
     except ModuleNotFoundError as e:
-        if e.name != "monokernel.kernel_cli":
+        if e.name != "monokernel.tools.commands":
             raise
         return
     kernel_cli.add_commands(sub)

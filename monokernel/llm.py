@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from .errors import PromptError, TokenizerError
-from .model_loader import LoadedModel, load_model
+from .model.loader import LoadedModel, load_model
 from .runtime import Engine, make_executor
 from .sampling import SamplingParams
 from .streaming import TextStream

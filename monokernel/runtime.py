@@ -15,9 +15,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .config import ModelConfig
+from .model.config import ModelConfig
 from .errors import BackendUnavailableError, MonokernelError, PromptError
-from .model_loader import LoadedModel
+from .model.loader import LoadedModel
 from .sampling import Sampler, SamplingParams
 
 
@@ -70,7 +70,7 @@ class NumpyExecutor(Executor):
             raise ValueError(f"the numpy backend takes no options (got {', '.join(options)}); "
                              "blocks and the like apply to the kernel backends")
         super().__init__(model, max_seq_len)
-        from .reference import ReferenceModel
+        from .model.reference import ReferenceModel
 
         self.ref = ReferenceModel(model.config, model.weights, max_seq_len)
 
@@ -129,7 +129,7 @@ def _load_kernel_backends() -> None:
     """Kernel executors live in their own modules; importing them registers them."""
     import importlib
 
-    for mod in ("monokernel.kernel_executor", "monokernel.cuda_backend"):
+    for mod in ("monokernel.kernel.executor", "monokernel.kernel.cuda_backend"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -72,7 +72,7 @@ environment() {
 import importlib
 needs = {
     "numpy": "everything", "safetensors": "checkpoints", "tokenizers": "checkpoints",
-    "ml_dtypes": "monokernel.model_loader (bf16), so every step",
+    "ml_dtypes": "monokernel.model.loader (bf16), so every step",
     "regex": "monokernel.streaming, imported by monokernel/__init__, so every step",
     "jinja2": "chat templates only", "tqdm": "GGUF import only", "gguf": "GGUF import only",
     "cupy": "the cuda backends", "torch": "the hf bench rows", "transformers": "the hf bench rows",
@@ -94,7 +94,7 @@ environment 2>&1 | tee "$RESULTS/environment.log"
 
 if [ "$MODE" = gpu ]; then
   step gpu_tests 200 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests
-  # bench: monokernel/bench.py + kernel_cli.py (flags as documented there)
+  # bench: monokernel/tools/bench.py + tools/commands.py (flags as documented there)
   step bench 270 "$PY" -m monokernel bench \
     --shape smollm2-135m,qwen3-0.6b,llama-3.2-1b \
     --backends cuda,cuda-noprefetch,cuda-multi,cuda-multi-graph,hf \

@@ -56,7 +56,7 @@ def session_cache() -> Path:
 def synth_dir(tmp_path_factory):
     """``synth_dir("qwen3-tiny")`` -> folder of that seeded synthetic checkpoint (seed 0),
     written once per session. Tests must not modify it: copy it first."""
-    from monokernel.synth import write_synthetic
+    from monokernel.model.synth import write_synthetic
 
     root = tmp_path_factory.mktemp("synth")
     made: dict[str, Path] = {}
@@ -72,7 +72,7 @@ def synth_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def bundled_dir(session_cache) -> Path:
     """The bundled SmolLM2-135M-Instruct as an HF folder in the session cache (~10 s once)."""
-    from monokernel.gguf_import import bundled_model_dir
+    from monokernel.model.gguf_import import bundled_model_dir
 
     return bundled_model_dir(progress=False)
 

@@ -15,14 +15,14 @@ import sys
 
 import pytest
 
-from monokernel.emulator import asan_preload_env
+from monokernel.kernel.emulator import asan_preload_env
 
 SCRIPT = r"""
 import sys
 import numpy as np
-from monokernel.kernel_executor import EmulatorDevice, KernelExecutor
-from monokernel.model_loader import load_model
-from monokernel.reference import ReferenceModel
+from monokernel.kernel.executor import EmulatorDevice, KernelExecutor
+from monokernel.model.loader import load_model
+from monokernel.model.reference import ReferenceModel
 
 MAX_SEQ = 11
 path = sys.argv[1]
@@ -58,8 +58,8 @@ def test_kernel_under_address_sanitizer(synth_dir, shape):
 SHORT_LOGITS_SCRIPT = r"""
 import sys
 import numpy as np
-from monokernel.kernel_executor import EmulatorDevice, KernelExecutor
-from monokernel.model_loader import load_model
+from monokernel.kernel.executor import EmulatorDevice, KernelExecutor
+from monokernel.model.loader import load_model
 
 m = load_model(sys.argv[1], progress=False)
 ex = KernelExecutor(m, 11, blocks=3, device=EmulatorDevice(sanitize="address"))

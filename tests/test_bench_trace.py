@@ -9,11 +9,11 @@ import re
 import numpy as np
 import pytest
 
-from monokernel import bench
+from monokernel.tools import bench
 from monokernel.cli import main
-from monokernel.config import ModelConfig
-from monokernel.isa import Op
-from monokernel.scheduler import schedule
+from monokernel.model.config import ModelConfig
+from monokernel.kernel.isa import Op
+from monokernel.kernel.scheduler import schedule
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -119,8 +119,8 @@ def test_trace_cli(tmp_path, capsys):
 
 
 def test_trace_helpers_against_records(synth_dir, tmp_path):
-    from monokernel import trace
-    from monokernel.model_loader import load_model
+    from monokernel.tools import trace
+    from monokernel.model.loader import load_model
     from monokernel.runtime import make_executor
 
     model = load_model(synth_dir("tiny"), progress=False)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from monokernel.config import ModelConfig
-from monokernel.isa import PARAMS, params_dtype
-from monokernel.kernel_executor import KERNEL_NAMES, kernel_source
+from monokernel.model.config import ModelConfig
+from monokernel.kernel.isa import PARAMS, params_dtype
+from monokernel.kernel.executor import KERNEL_NAMES, kernel_source
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH (CUDA toolkit needed)")

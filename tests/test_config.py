@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from monokernel.config import KNOWN_SHAPES, ModelConfig, RopeScaling
+from monokernel.model.config import KNOWN_SHAPES, ModelConfig, RopeScaling
 from monokernel.errors import ConfigError, UnsupportedArchitectureError
 
 # ==== HF config dicts, as the hub ships them (trimmed to what matters) ==========================

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from monokernel.errors import BackendUnavailableError, KernelError
-from monokernel.isa import params_dtype
+from monokernel.kernel.isa import params_dtype
 from monokernel.runtime import DeviceSample, cuda_device_present
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +48,7 @@ def relative_error(kernel: np.ndarray, ref: np.ndarray) -> float:
 def reference_run(model, prompt: list[int], n_steps: int, max_seq_len: int):
     """Feed ``prompt`` one token per step, then the reference's own greedy token.
     Returns (token fed at each step, logits [n_steps, vocab])."""
-    from monokernel.reference import ReferenceModel
+    from monokernel.model.reference import ReferenceModel
 
     ref = ReferenceModel(model.config, model.weights, max_seq_len)
     fed, logits = [], []
@@ -89,7 +89,7 @@ def check_against_reference(ex, fed: list[int], ref_logits: np.ndarray, what: st
 def test_import_registers_executors_without_cupy():
     """A fresh interpreter where ``import cupy`` fails: the module imports and registers."""
     code = ("import sys; sys.modules['cupy'] = None\n"
-            "import monokernel.cuda_backend as cb\n"
+            "import monokernel.kernel.cuda_backend as cb\n"
             "from monokernel.runtime import EXECUTORS\n"
             "print(sorted(n for n in EXECUTORS if n.startswith('cuda')))\n"
             "try:\n"
@@ -106,7 +106,7 @@ def test_import_registers_executors_without_cupy():
 
 def test_no_device_reason(monkeypatch):
     """CuPy present, but the runtime finds no device (or no driver)."""
-    from monokernel import cuda_backend
+    from monokernel.kernel import cuda_backend
 
     def no_driver():
         raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
@@ -145,7 +145,7 @@ def test_make_executor_without_device_raises_with_reason(synth_dir, backend):
 
 @pytest.mark.skipif(cuda_device_present(), reason="a CUDA device is present")
 def test_make_executor_in_process_and_auto(synth_dir, capsys):
-    from monokernel.model_loader import load_model
+    from monokernel.model.loader import load_model
     from monokernel.runtime import make_executor
 
     m = load_model(synth_dir("tiny"), progress=False)
@@ -157,8 +157,8 @@ def test_make_executor_in_process_and_auto(synth_dir, capsys):
 
 
 def test_kernel_resources_on_the_emulator_is_empty():
-    from monokernel.cuda_backend import kernel_resources
-    from monokernel.kernel_executor import EmulatorDevice
+    from monokernel.kernel.cuda_backend import kernel_resources
+    from monokernel.kernel.executor import EmulatorDevice
 
     assert kernel_resources(types.SimpleNamespace(device=EmulatorDevice(), module=None)) == {}
 
@@ -190,7 +190,7 @@ class FakeCupy:
     """Just the CuPy surface cuda_backend uses, recording what it is asked to do."""
 
     def __init__(self, num_sms=4, blocks_per_sm=1, hang=False):
-        from monokernel.kernel_executor import EmulatorDevice
+        from monokernel.kernel.executor import EmulatorDevice
 
         fake = self
         self.emulator = EmulatorDevice()
@@ -272,7 +272,7 @@ class FakeCupy:
         class RawModule:
             def __init__(self, code, options):
                 defines = dict(o[2:].split("=", 1) for o in options if o.startswith("-D"))
-                from monokernel.kernel_executor import KERNEL_NAMES
+                from monokernel.kernel.executor import KERNEL_NAMES
 
                 fake.module = fake.emulator.compile(code, KERNEL_NAMES, defines)
 
@@ -305,7 +305,7 @@ def fake_cupy(monkeypatch):
         monkeypatch.setitem(sys.modules, "cupy", fake)
         monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(
             empty_pinned=lambda shape, dtype: np.empty(shape, dtype)))
-        from monokernel import cuda_backend
+        from monokernel.kernel import cuda_backend
 
         monkeypatch.setattr(cuda_backend, "_MODULES", {})
         return fake
@@ -315,7 +315,7 @@ def fake_cupy(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny(synth_dir):
-    from monokernel.model_loader import load_model
+    from monokernel.model.loader import load_model
 
     m = load_model(synth_dir("tiny"), progress=False)
     fed, logits = reference_run(m, PROMPT, len(PROMPT) + 10, 160)
@@ -354,8 +354,8 @@ def test_fake_cupy_grid_not_coresident_is_refused(fake_cupy, tiny):
 
 
 def test_fake_cupy_host_wait_is_bounded(fake_cupy, tiny):
-    from monokernel.cuda_backend import CupyDevice
-    from monokernel.kernel_executor import KernelExecutor
+    from monokernel.kernel.cuda_backend import CupyDevice
+    from monokernel.kernel.executor import KernelExecutor
 
     fake = fake_cupy(num_sms=2)
     dev = CupyDevice(host_timeout_s=0.3)
@@ -374,9 +374,9 @@ def test_fake_cupy_host_wait_is_bounded(fake_cupy, tiny):
 
 
 def test_fake_cupy_compile_options_cache_and_resources(fake_cupy):
-    from monokernel.config import ModelConfig
-    from monokernel.cuda_backend import CupyDevice
-    from monokernel.kernel_executor import KERNEL_NAMES, kernel_source
+    from monokernel.model.config import ModelConfig
+    from monokernel.kernel.cuda_backend import CupyDevice
+    from monokernel.kernel.executor import KERNEL_NAMES, kernel_source
 
     fake_cupy()
     dev = CupyDevice()
@@ -398,8 +398,8 @@ def test_fake_cupy_compile_options_cache_and_resources(fake_cupy):
 def synthetic_checkpoint(shape: str):
     """$MONOKERNEL_CACHE/synth/<shape> (seed 0), where ``monokernel bench --shape`` looks too:
     scripts/gpu_check.sh points MONOKERNEL_TEST_CACHE at one folder so both write it once."""
-    from monokernel.model_loader import cache_dir
-    from monokernel.synth import write_synthetic
+    from monokernel.model.loader import cache_dir
+    from monokernel.model.synth import write_synthetic
 
     path = cache_dir() / "synth" / shape
     if not (path / "config.json").is_file():
@@ -410,7 +410,7 @@ def synthetic_checkpoint(shape: str):
 @pytest.fixture(scope="module")
 def gpu_case():
     """``gpu_case(shape)`` -> (model, fed tokens, reference logits), once per shape."""
-    from monokernel.model_loader import load_model
+    from monokernel.model.loader import load_model
 
     cache: dict[str, tuple] = {}
 
@@ -439,7 +439,7 @@ def test_gpu_matches_reference(gpu_case, shape, backend):
 @requires_gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_no_spills(gpu_case, shape):
-    from monokernel.cuda_backend import kernel_resources
+    from monokernel.kernel.cuda_backend import kernel_resources
     from monokernel.runtime import make_executor
 
     ex = make_executor("cuda", gpu_case(shape)[0], GPU_MAX_SEQ)
@@ -454,7 +454,7 @@ def stuck_program(cfg, blocks: int, max_seq_len: int):
     """A scheduled program whose SAMPLE waits for one signal more than it will ever get; no
     other instruction of the step waits on SAMPLE, so no other block's watchdog can fire first.
     Returns (program, the label of that instruction)."""
-    from monokernel.scheduler import schedule
+    from monokernel.kernel.scheduler import schedule
 
     program = schedule(cfg, blocks, max_seq_len)
     b, i = next((b, i) for b, q in enumerate(program.queues) for i, ins in enumerate(q)
@@ -501,7 +501,7 @@ def test_gpu_watchdog_names_the_instruction(gpu_case):
 @pytest.mark.gpu
 @requires_gpu
 def test_gpu_grid_not_coresident_raises(gpu_case):
-    from monokernel.cuda_backend import kernel_resources
+    from monokernel.kernel.cuda_backend import kernel_resources
     from monokernel.runtime import make_executor
 
     m = gpu_case("smollm2-135m")[0]

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from monokernel.emulator import EmulatorBuildError, asan_preload_env, build
+from monokernel.kernel.emulator import EmulatorBuildError, asan_preload_env, build
 from monokernel.errors import KernelError, MonokernelError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -570,7 +570,7 @@ def test_build_from_a_file_path(tmp_path):
 ASAN_SCRIPT = textwrap.dedent("""
     import ctypes, sys
     import numpy as np
-    from monokernel.emulator import build
+    from monokernel.kernel.emulator import build
     SRC = '''struct P { float* x; int n; };
     extern "C" __global__ void fill(const P* p) { for (int i = threadIdx.x; i < p->n; i += blockDim.x) p->x[i] = 1; }
     extern "C" __global__ void fill_one_past(const P* p) { if (threadIdx.x == 0) p->x[p->n] = 1; }

@@ -19,8 +19,8 @@ from monokernel import LLM, SamplingParams
 from monokernel.errors import (CheckpointError, ConfigError, MonokernelError, NumericalError,
                                PromptError, TensorMismatchError, TokenizerError,
                                UnsupportedArchitectureError)
-from monokernel.model_loader import BF16, load_model
-from monokernel.synth import write_synthetic
+from monokernel.model.loader import BF16, load_model
+from monokernel.model.synth import write_synthetic
 
 GREEDY8 = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 

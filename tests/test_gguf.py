@@ -15,10 +15,10 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from safetensors.numpy import load_file
 
-from monokernel import gguf_import
-from monokernel.config import ModelConfig
+from monokernel.model import gguf_import
+from monokernel.model.config import ModelConfig
 from monokernel.errors import CheckpointError, GGUFError, TokenizerError
-from monokernel.gguf_import import bundled_gguf_path, convert_gguf, unpermute_qk
+from monokernel.model.gguf_import import bundled_gguf_path, convert_gguf, unpermute_qk
 
 # ==== reference decoders, from the block layouts in ggml-common.h ==================================
 
@@ -463,8 +463,8 @@ def test_bundled_path_found_without_import():
 
 
 def _greedy(model_dir: Path, prompt: str, n: int) -> list[int]:
-    from monokernel.model_loader import load_model
-    from monokernel.reference import ReferenceModel
+    from monokernel.model.loader import load_model
+    from monokernel.model.reference import ReferenceModel
 
     m = load_model(model_dir, progress=False)
     ref = ReferenceModel(m.config, m.weights, max_seq_len=64)

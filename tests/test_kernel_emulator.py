@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from monokernel.errors import KernelError, NumericalError
-from monokernel.isa import State
-from monokernel.kernel_executor import ACTIVATIONS, KernelExecutor
-from monokernel.model_loader import BF16, load_model
-from monokernel.reference import ReferenceModel, bf16_round
+from monokernel.kernel.isa import State
+from monokernel.kernel.executor import ACTIVATIONS, KernelExecutor
+from monokernel.model.loader import BF16, load_model
+from monokernel.model.reference import ReferenceModel, bf16_round
 from monokernel.runtime import DeviceSample, Engine
-from monokernel.scheduler import default_attn_splits
+from monokernel.kernel.scheduler import default_attn_splits
 from monokernel.sampling import SamplingParams, gumbel_noise
 
 # Kernel and reference both compute in float32 from the same bf16 weights and round K/V to bf16;
@@ -198,9 +198,9 @@ def test_attention_chunk_longer_than_a_score_tile(model, reference):
 TWO_SHAPES_SCRIPT = r"""
 import sys
 import numpy as np
-from monokernel.kernel_executor import KernelExecutor
-from monokernel.model_loader import load_model
-from monokernel.reference import ReferenceModel
+from monokernel.kernel.executor import KernelExecutor
+from monokernel.model.loader import load_model
+from monokernel.model.reference import ReferenceModel
 
 for path in sys.argv[1:]:  # smallest shared memory first
     m = load_model(path, progress=False)

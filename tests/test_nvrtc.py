@@ -7,8 +7,8 @@ or driver; it comes from the `nvidia-cuda-nvrtc` wheel through `cuda-bindings` (
 
 import pytest
 
-from monokernel.config import ModelConfig
-from monokernel.kernel_executor import kernel_source
+from monokernel.model.config import ModelConfig
+from monokernel.kernel.executor import kernel_source
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
 

@@ -31,8 +31,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     pytest.skip("transformers is not installed (pip install monokernel[hf])",
                 allow_module_level=True)
 
-import monokernel.reference as reference
-from monokernel.model_loader import load_model
+import monokernel.model.reference as reference
+from monokernel.model.loader import load_model
 
 # transformers 5.x renames past_key_values to cache; the old name still works and is what
 # transformers 4.x understands

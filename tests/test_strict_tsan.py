@@ -14,10 +14,10 @@ import re
 import numpy as np
 import pytest
 
-from monokernel.emulator.strict import DataRaceError, rewrite_shared, run_strict, tsan_available
-from monokernel.kernel_executor import KernelExecutor, kernel_source
-from monokernel.model_loader import load_model
-from monokernel.reference import ReferenceModel
+from monokernel.kernel.emulator.strict import DataRaceError, rewrite_shared, run_strict, tsan_available
+from monokernel.kernel.executor import KernelExecutor, kernel_source
+from monokernel.model.loader import load_model
+from monokernel.model.reference import ReferenceModel
 
 MAX_SEQ = 8
 BLOCKS = 2

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from monokernel import gguf_import
-from monokernel.gguf_import import LLAMA3_SPLIT, QWEN2_SPLIT, bundled_gguf_path, convert_gguf
+from monokernel.model import gguf_import
+from monokernel.model.gguf_import import LLAMA3_SPLIT, QWEN2_SPLIT, bundled_gguf_path, convert_gguf
 from test_gguf import tiny_gguf
 
 STRINGS = {

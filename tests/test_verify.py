@@ -14,10 +14,10 @@ import re
 
 import pytest
 
-from monokernel.config import ModelConfig
+from monokernel.model.config import ModelConfig
 from monokernel.errors import ProgramError
-from monokernel.isa import Op
-from monokernel.scheduler import Instruction, Program, schedule
+from monokernel.kernel.isa import Op
+from monokernel.kernel.scheduler import Instruction, Program, schedule
 
 TINY = ModelConfig.from_name("tiny")
 

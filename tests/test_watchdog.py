@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from monokernel.errors import KernelError, ProgramError
-from monokernel.isa import Op, Word
-from monokernel.kernel_executor import EmulatorDevice, KernelExecutor
-from monokernel.model_loader import load_model
-from monokernel.scheduler import schedule
+from monokernel.kernel.isa import Op, Word
+from monokernel.kernel.executor import EmulatorDevice, KernelExecutor
+from monokernel.model.loader import load_model
+from monokernel.kernel.scheduler import schedule
 
 MAX_SEQ = 160  # as in test_kernel_emulator.py: the same emulator build
 WATCHDOG_MS = 300

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig, RopeScaling
-from .errors import CheckpointError, GGUFError, TokenizerError
-from .model_loader import cache_dir
+from ..errors import CheckpointError, GGUFError, TokenizerError
+from .loader import cache_dir
 
 CONVERTER_VERSION = 1
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import ProgramError
+from ..model.config import ModelConfig
+from ..errors import ProgramError
 from .isa import STATE_WORDS, WIDTH, Op, Word
 
 # A region of a buffer, in elements: (buffer name, lo, hi).

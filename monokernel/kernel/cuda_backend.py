@@ -1,4 +1,4 @@
-"""The CUDA backend: the Device interface (kernel_executor.py) on CuPy.
+"""The CUDA backend: the Device interface (kernel/executor.py) on CuPy.
 
 ``cuda`` runs megakernel.cu's persistent kernel as one cooperative launch per decode step;
 ``cuda-multi`` runs the same program as one launch per op, and ``cuda-multi-graph`` (or
@@ -25,10 +25,10 @@ import time
 
 import numpy as np
 
-from .errors import BackendUnavailableError, KernelError
+from ..errors import BackendUnavailableError, KernelError
 from .isa import NUM_THREADS
-from .kernel_executor import KernelExecutor
-from .runtime import register_executor
+from .executor import KernelExecutor
+from ..runtime import register_executor
 
 CUPY_MISSING = "CuPy is not installed: pip install monokernel[cuda12] (or monokernel[cuda13])"
 # Reads up to this size are staged through pinned host memory (the per-step control words,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError, UnsupportedArchitectureError
+from ..errors import ConfigError, UnsupportedArchitectureError
 
 # HF architecture name -> our short name.
 ARCHITECTURES = {

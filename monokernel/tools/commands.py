@@ -73,9 +73,9 @@ def _ints(s: str) -> list[int]:
 
 def synthetic_dir(shape: str) -> Path:
     """$MONOKERNEL_CACHE/synth/<shape>, written once (seed 0)."""
-    from .config import ModelConfig
-    from .model_loader import cache_dir
-    from .synth import write_synthetic
+    from ..model.config import ModelConfig
+    from ..model.loader import cache_dir
+    from ..model.synth import write_synthetic
 
     name = ModelConfig.from_name(shape).name  # unknown shapes fail here, naming the known ones
     out = cache_dir() / "synth" / name
@@ -86,7 +86,7 @@ def synthetic_dir(shape: str) -> Path:
 
 
 def _load(args, shape: str | None):
-    from .model_loader import load_model
+    from ..model.loader import load_model
 
     if shape:
         return shape, load_model(synthetic_dir(shape), progress=False)
@@ -108,14 +108,14 @@ def _safe_path(s: str) -> str:
 # plan
 # ================================================================================================
 def cmd_plan(args) -> int:
-    from .config import ModelConfig
-    from .scheduler import schedule
+    from ..model.config import ModelConfig
+    from ..kernel.scheduler import schedule
 
     if args.shape:
         cfg = ModelConfig.from_name(args.shape)
         label = cfg.name
     else:
-        from .model_loader import resolve_model_dir
+        from ..model.loader import resolve_model_dir
 
         d = resolve_model_dir(args.model)
         cfg = ModelConfig.from_hf(d)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .isa import Op, TraceWord
+from ..kernel.isa import Op, TraceWord
 
 
 def _recorded(executor, records: np.ndarray):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import KernelError
+from ...errors import KernelError
 from ..isa import ERROR_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, State
 from .build import (COMMON_SHIM_PATH, CXX, SHIM_PATH, _c_string, cache_key, compile_unit, compiler_version,
                     default_cache_dir)
@@ -164,7 +164,7 @@ def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
     KernelError when the emulator or the kernel's error record reports an error or the driver
     runs past ``timeout_s``.
     """
-    from ..kernel_executor import EmulatorDevice, kernel_source
+    from ..executor import EmulatorDevice, kernel_source
 
     if not isinstance(executor.device, EmulatorDevice) or executor.multi:
         raise KernelError(f"{executor.name}: strict mode runs the persistent megakernel of an "

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from ..errors import KernelError, MonokernelError
+from ...errors import KernelError, MonokernelError
 
 SHIM_PATH = Path(__file__).with_name("cuda_cpu.h")
 COMMON_SHIM_PATH = SHIM_PATH.with_name("cuda_cpu_common.h")  # included by cuda_cpu.h

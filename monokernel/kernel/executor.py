@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import KernelError, NumericalError
+from ..model.config import ModelConfig
+from ..errors import KernelError, NumericalError
 from .isa import (ERROR_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, TRACE_WORDS, Err, ErrCode, Op,
                   State, params_dtype, render_header)
-from .model_loader import LoadedModel
-from .runtime import DeviceSample, Executor, StepResult, register_executor, wall_times
+from ..model.loader import LoadedModel
+from ..runtime import DeviceSample, Executor, StepResult, register_executor, wall_times
 from .scheduler import Program, schedule
 
 SOURCE_PATH = Path(__file__).with_name("megakernel.cu")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
-from .model_loader import BF16, expected_tensors
+from .loader import BF16, expected_tensors
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import BackendUnavailableError, KernelError
-from .isa import State
-from .model_loader import LoadedModel
-from .runtime import wall_times
+from ..errors import BackendUnavailableError, KernelError
+from ..kernel.isa import State
+from ..model.loader import LoadedModel
+from ..runtime import wall_times
 
 KERNEL_BACKENDS = ("cuda", "cuda-noprefetch", "cuda-multi", "cuda-multi-graph", "emulator",
                    "emulator-multi")
@@ -168,7 +168,7 @@ def _torch_cuda() -> bool:
 def make_kernel_executor(backend: str, model: LoadedModel, max_seq_len: int,
                          blocks: int | None, **options):
     """The backend's own default grid unless ``blocks`` is given (one block per SM on a GPU)."""
-    from .runtime import make_executor
+    from ..runtime import make_executor
 
     if blocks is not None:
         options["blocks"] = blocks
@@ -316,7 +316,7 @@ def run_bench(models: list[tuple[str, LoadedModel]], backends: list[str], contex
                         "counters": p.num_counters, "critical_path_hops": p.critical_path_hops()}
                     run = lambda c, ex=ex: time_kernel(ex, c, warmup, steps)  # noqa: E731
                 elif backend == "numpy":
-                    from .runtime import make_executor
+                    from ..runtime import make_executor
 
                     ex = make_executor("numpy", model, max_seq_len)
                     run = lambda c, ex=ex: time_numpy(ex, c, warmup, steps)  # noqa: E731

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import ModelConfig
-from .model_loader import BF16
+from .loader import BF16
 
 
 def bf16_round(x: np.ndarray) -> np.ndarray:

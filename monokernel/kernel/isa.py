@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from .config import ModelConfig
+from ..model.config import ModelConfig
 
 
 class Op(IntEnum):
@@ -93,7 +93,7 @@ class TraceWord(IntEnum):
 TRACE_WORDS = 4
 
 # The kernel's argument struct, in order: (name, C type, shape comment). The Python side packs
-# the same list (kernel_executor.py); every buffer carries its shape.
+# the same list (kernel/executor.py); every buffer carries its shape.
 PARAMS: list[tuple[str, str, str]] = [
     ("program", "const int*", "[blocks, max_len, WIDTH] instruction words"),
     ("counters", "int*", "[num_counters] monotonic, zeroed once per generation"),

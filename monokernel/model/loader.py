@@ -3,7 +3,7 @@
 A model is a folder with ``config.json``, ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``), ``tokenizer.json`` and optionally ``tokenizer_config.json`` and
 ``generation_config.json``. A ``.gguf`` file is converted once into such a folder in the cache
-(see :mod:`monokernel.gguf_import`); ``None`` means the bundled SmolLM2-135M-Instruct.
+(see :mod:`monokernel.model.gguf_import`); ``None`` means the bundled SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
-from .errors import CheckpointError, ConfigError, TensorMismatchError, TokenizerError
+from ..errors import CheckpointError, ConfigError, TensorMismatchError, TokenizerError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
