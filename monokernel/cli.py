@@ -148,16 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_kernel_commands(sub) -> None:
-    """plan / bench / trace live with the kernel code; absent until it is built."""
-    import importlib
+    """plan / bench / trace live in tools/ (they measure and explain the kernel)."""
+    from .tools.commands import add_commands
 
-    try:  # ``from .tools import commands`` would raise a plain ImportError without e.name
-        kernel_cli = importlib.import_module("monokernel.tools.commands")
-    except ModuleNotFoundError as e:
-        if e.name != "monokernel.tools.commands":
-            raise
-        return
-    kernel_cli.add_commands(sub)
+    add_commands(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,51 +15,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .model.config import ModelConfig
 from .errors import BackendUnavailableError, MonokernelError, PromptError
+from .kernel.base import DeviceSample, Executor, StepResult
 from .model.loader import LoadedModel
 from .sampling import Sampler, SamplingParams
-
-
-@dataclass
-class DeviceSample:
-    """What the in-kernel SAMPLE op needs: temperature 0 is greedy (argmax), otherwise
-    Gumbel-max with a counter-based RNG keyed by (seed, position)."""
-
-    temperature: float
-    seed: int
-
-
-@dataclass
-class StepResult:
-    token: int | None  # the sampled next token, when the executor sampled on the device
-    logits: np.ndarray | None  # float32 [vocab], when the host samples
-
-
-class Executor:
-    """Runs one sequence of one model. Subclasses implement ``step``; ``prefill`` defaults to
-    one step per prompt token, which is what a decode-only kernel does."""
-
-    name = "abstract"
-    device_sampling = False
-
-    def __init__(self, model: LoadedModel, max_seq_len: int):
-        self.model = model
-        self.config: ModelConfig = model.config
-        self.max_seq_len = max_seq_len
-
-    def reset(self) -> None:
-        raise NotImplementedError
-
-    def step(self, token: int, pos: int, sample: DeviceSample | None = None) -> StepResult:
-        raise NotImplementedError
-
-    def prefill(self, tokens: list[int], start_pos: int = 0) -> np.ndarray:
-        res = None
-        for i, t in enumerate(tokens):
-            res = self.step(t, start_pos + i)
-        assert res is not None and res.logits is not None
-        return res.logits
 
 
 class NumpyExecutor(Executor):
@@ -84,17 +43,6 @@ class NumpyExecutor(Executor):
         return StepResult(token=None, logits=self.ref.forward([token], pos)[0])
 
 
-def wall_times(fn: Callable[[], object], repeat: int) -> list[float]:
-    """Host wall-clock seconds of each of ``repeat`` calls of ``fn`` (for CPU backends; GPU
-    work is timed with CUDA events by the device)."""
-    out = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def cuda_device_present() -> bool:
     try:
         import cupy  # noqa: F401
@@ -115,7 +63,7 @@ def register_executor(name: str, factory: Callable[..., Executor]) -> None:
 def make_executor(backend: str, model: LoadedModel, max_seq_len: int, **options) -> Executor:
     """``auto`` picks ``cuda`` when a CUDA device is present, else ``numpy``, and says which."""
     if backend == "auto":
-        backend = "cuda" if cuda_device_present() and "cuda" in EXECUTORS else "numpy"
+        backend = "cuda" if cuda_device_present() else "numpy"
         print(f"monokernel: backend auto -> {backend}", file=sys.stderr)
     if backend not in EXECUTORS:
         _load_kernel_backends()
@@ -125,16 +73,18 @@ def make_executor(backend: str, model: LoadedModel, max_seq_len: int, **options)
     return EXECUTORS[backend](model, max_seq_len, **options)
 
 
+# Kernel executors live in kernel/; each module lists its factories in a BACKENDS dict. They are
+# imported on first use, so that plain numpy use never pays for them (and kernel/ never imports
+# this module: imports flow one way, face -> runtime -> kernel -> model).
+KERNEL_BACKEND_MODULES = ("monokernel.kernel.executor", "monokernel.kernel.cuda_backend")
+
+
 def _load_kernel_backends() -> None:
-    """Kernel executors live in their own modules; importing them registers them."""
     import importlib
 
-    for mod in ("monokernel.kernel.executor", "monokernel.kernel.cuda_backend"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+    for mod in KERNEL_BACKEND_MODULES:
+        for name, factory in importlib.import_module(mod).BACKENDS.items():
+            EXECUTORS.setdefault(name, factory)
 
 
 @dataclass

@@ -72,7 +72,7 @@ def synth_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def bundled_dir(session_cache) -> Path:
     """The bundled SmolLM2-135M-Instruct as an HF folder in the session cache (~10 s once)."""
-    from monokernel.model.gguf_import import bundled_model_dir
+    from monokernel.model.bundled import bundled_model_dir
 
     return bundled_model_dir(progress=False)
 

@@ -26,7 +26,8 @@ import pytest
 
 from monokernel.errors import BackendUnavailableError, KernelError
 from monokernel.kernel.isa import params_dtype
-from monokernel.runtime import DeviceSample, cuda_device_present
+from monokernel.kernel.base import DeviceSample
+from monokernel.runtime import cuda_device_present
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The GPU computes with expf/rsqrtf/-ftz and another summation order than NumPy: measured
@@ -90,8 +91,7 @@ def test_import_registers_executors_without_cupy():
     """A fresh interpreter where ``import cupy`` fails: the module imports and registers."""
     code = ("import sys; sys.modules['cupy'] = None\n"
             "import monokernel.kernel.cuda_backend as cb\n"
-            "from monokernel.runtime import EXECUTORS\n"
-            "print(sorted(n for n in EXECUTORS if n.startswith('cuda')))\n"
+            "print(sorted(cb.BACKENDS))\n"
             "try:\n"
             "    cb.CupyDevice()\n"
             "except Exception as e:\n"
@@ -398,7 +398,7 @@ def test_fake_cupy_compile_options_cache_and_resources(fake_cupy):
 def synthetic_checkpoint(shape: str):
     """$MONOKERNEL_CACHE/synth/<shape> (seed 0), where ``monokernel bench --shape`` looks too:
     scripts/gpu_check.sh points MONOKERNEL_TEST_CACHE at one folder so both write it once."""
-    from monokernel.model.loader import cache_dir
+    from monokernel.model.cache import cache_dir
     from monokernel.model.synth import write_synthetic
 
     path = cache_dir() / "synth" / shape

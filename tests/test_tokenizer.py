@@ -11,7 +11,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from monokernel.model import gguf_import
-from monokernel.model.gguf_import import LLAMA3_SPLIT, QWEN2_SPLIT, bundled_gguf_path, convert_gguf
+from monokernel.model.bundled import bundled_gguf_path
+from monokernel.model.gguf_import import LLAMA3_SPLIT, QWEN2_SPLIT, convert_gguf
 from test_gguf import tiny_gguf
 
 STRINGS = {

@@ -28,7 +28,6 @@ import numpy as np
 from ..errors import BackendUnavailableError, KernelError
 from .isa import NUM_THREADS
 from .executor import KernelExecutor
-from ..runtime import register_executor
 
 CUPY_MISSING = "CuPy is not installed: pip install monokernel[cuda12] (or monokernel[cuda13])"
 # Reads up to this size are staged through pinned host memory (the per-step control words,
@@ -355,7 +354,6 @@ def _cuda_noprefetch(model, max_seq_len, **options) -> KernelExecutor:
     return _cuda_executor(model, max_seq_len, prefetch=False, name="cuda-noprefetch", **options)
 
 
-register_executor("cuda", _cuda_executor)
-register_executor("cuda-noprefetch", _cuda_noprefetch)
-register_executor("cuda-multi", _cuda_multi)
-register_executor("cuda-multi-graph", _cuda_multi_graph)
+# backend name -> factory(model, max_seq_len, **options), read by runtime.make_executor
+BACKENDS = {"cuda": _cuda_executor, "cuda-noprefetch": _cuda_noprefetch,
+            "cuda-multi": _cuda_multi, "cuda-multi-graph": _cuda_multi_graph}

@@ -18,7 +18,7 @@ from ..errors import KernelError, NumericalError
 from .isa import (ERROR_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, TRACE_WORDS, Err, ErrCode, Op,
                   State, params_dtype, render_header)
 from ..model.loader import LoadedModel
-from ..runtime import DeviceSample, Executor, StepResult, register_executor, wall_times
+from .base import DeviceSample, Executor, StepResult, wall_times
 from .scheduler import Program, schedule
 
 SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
@@ -327,5 +327,5 @@ def _emulator_multi(model, max_seq_len, **kw):
                           multi=True, **kw)
 
 
-register_executor("emulator", _emulator)
-register_executor("emulator-multi", _emulator_multi)
+# backend name -> factory(model, max_seq_len, **options), read by runtime.make_executor
+BACKENDS = {"emulator": _emulator, "emulator-multi": _emulator_multi}

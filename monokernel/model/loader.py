@@ -8,9 +8,7 @@ A model is a folder with ``config.json``, ``model.safetensors`` (or shards liste
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,14 +17,10 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
+from .cache import gguf_cache_dir
 from ..errors import CheckpointError, ConfigError, TensorMismatchError, TokenizerError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def cache_dir() -> Path:
-    """Root of monokernel's on-disk cache: $MONOKERNEL_CACHE, default ~/.cache/monokernel."""
-    return Path(os.environ.get("MONOKERNEL_CACHE") or Path.home() / ".cache" / "monokernel")
 
 
 @dataclass
@@ -149,25 +143,11 @@ def load_tokenizer(model_dir: Path) -> Any:
         raise TokenizerError(f"{path}: cannot load tokenizer ({e})") from None
 
 
-def gguf_cache_dir(gguf_path: Path) -> Path:
-    """Cache folder for the HF conversion of a GGUF file, keyed by name, size and a content
-    hash of its first and last MiB (hashing 100s of MB on every start would be slow)."""
-    st = gguf_path.stat()
-    h = hashlib.sha256()
-    with open(gguf_path, "rb") as f:
-        h.update(f.read(1 << 20))
-        if st.st_size > 2 << 20:
-            f.seek(-(1 << 20), os.SEEK_END)
-            h.update(f.read(1 << 20))
-    key = f"{gguf_path.stem.lower()}-{st.st_size}-{h.hexdigest()[:12]}"
-    return cache_dir() / "models" / key
-
-
 def resolve_model_dir(model: str | Path | None, progress: bool = True) -> Path:
     """A model argument -> an HF folder: None is the bundled model, a .gguf file is converted
     into the cache once, a folder is used as it is."""
     if model is None:
-        from .gguf_import import bundled_model_dir
+        from .bundled import bundled_model_dir
 
         return bundled_model_dir(progress=progress)
     path = Path(model).expanduser()

@@ -41,7 +41,7 @@ import numpy as np
 from ..errors import BackendUnavailableError, KernelError
 from ..kernel.isa import State
 from ..model.loader import LoadedModel
-from ..runtime import wall_times
+from ..kernel.base import wall_times
 
 KERNEL_BACKENDS = ("cuda", "cuda-noprefetch", "cuda-multi", "cuda-multi-graph", "emulator",
                    "emulator-multi")

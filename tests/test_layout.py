@@ -1,0 +1,190 @@
+"""The package's shape (ARCHITECTURE section 1): three wings, imports that flow one way, no
+import cycles, and every module importable with the optional extras missing.
+
+Imports are read from the source with ``ast`` (module-level and lazy ones inside functions
+alike), so a cycle hidden behind a function-level import is found too.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "monokernel"
+REPO = PKG.parent
+
+# Optional packages: extras, or absent on the GPU machine (gguf). The core must not need them
+# to import; the functions that do need one import it lazily and say what to install.
+OPTIONAL = ("cupy", "cupyx", "torch", "transformers", "matplotlib", "gguf", "fastapi", "uvicorn",
+            "openai", "httpx", "cuda")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for f in sorted(PKG.rglob("*.py")):
+        parts = list(f.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
+    return out
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    """monokernel modules imported anywhere in ``path`` (relative imports resolved)."""
+    is_pkg = path.name == "__init__.py"
+    package = name if is_pkg else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    known = modules()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("monokernel")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith("monokernel"):
+                continue
+            found.add(mod)
+            for a in node.names:  # ``from . import trace`` imports a module
+                if f"{mod}.{a.name}" in known:
+                    found.add(f"{mod}.{a.name}")
+    found.discard(name)
+    return {m for m in found if m in known}
+
+
+def rank(mod: str) -> int:
+    """Where a module sits in the one-way flow face -> runtime -> kernel -> model -> config.
+    errors is the shared leaf; sampling and streaming are leaf helpers the runtime uses."""
+    if mod in ("monokernel.errors",):
+        return 0
+    if mod == "monokernel.model.config":
+        return 1
+    if mod.startswith("monokernel.model"):
+        return 2
+    if mod.startswith("monokernel.kernel") or mod in ("monokernel.sampling",
+                                                       "monokernel.streaming"):
+        return 3
+    if mod == "monokernel.runtime":
+        return 4
+    return 5  # the face: __init__, llm, cli, tools/, serve/
+
+
+def test_three_wings_exist():
+    mods = modules()
+    for m in ("monokernel.model.config", "monokernel.model.loader", "monokernel.model.gguf_import",
+              "monokernel.model.bundled", "monokernel.model.synth", "monokernel.model.reference",
+              "monokernel.kernel.isa", "monokernel.kernel.scheduler", "monokernel.kernel.executor",
+              "monokernel.kernel.cuda_backend", "monokernel.kernel.emulator",
+              "monokernel.tools.bench", "monokernel.tools.trace", "monokernel.tools.plan"):
+        assert m in mods, m
+    assert (PKG / "kernel" / "megakernel.cu").is_file()
+    assert "monokernel.kernel_cli" not in mods
+
+
+def test_imports_flow_one_way():
+    mods = modules()
+    # the reader sees module-level, lazy and ``from . import x`` imports
+    assert {"monokernel.kernel.isa", "monokernel.model.loader"} <= imports_of(
+        "monokernel.kernel.executor", mods["monokernel.kernel.executor"])
+    assert "monokernel.model.gguf_import" in imports_of("monokernel.model.loader",
+                                                        mods["monokernel.model.loader"])
+    assert "monokernel.tools.trace" in imports_of("monokernel.tools.commands",
+                                                  mods["monokernel.tools.commands"])
+    bad = []
+    for name, path in modules().items():
+        for dep in imports_of(name, path):
+            if name.startswith("monokernel.model") and dep.startswith("monokernel.kernel"):
+                bad.append(f"{name} -> {dep} (model/ must not import kernel/)")
+            elif rank(dep) > rank(name):
+                bad.append(f"{name} -> {dep} (upward: rank {rank(name)} imports rank {rank(dep)})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph = {n: imports_of(n, p) for n, p in modules().items()}
+    # a package's __init__ importing its own submodules is not a cycle
+    for n in graph:
+        graph[n] = {d for d in graph[n] if not (d.startswith(n + ".") or n.startswith(d + "."))}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+BLOCKER = f"""
+import importlib, importlib.abc, sys
+BLOCKED = {OPTIONAL!r}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)", name=name)
+        return None
+sys.meta_path.insert(0, Block())
+"""
+
+
+def run_blocked(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCKER + code], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+
+
+def test_every_module_imports_without_the_extras():
+    names = sorted(m for m in modules() if m != "monokernel.__main__")  # it runs the CLI
+    code = (f"for m in {names!r}:\n"
+            "    importlib.import_module(m)\n"
+            "print('imported', len(sys.modules))\n"
+            "print('leaked', sorted({k.split('.')[0] for k in sys.modules} & set(BLOCKED)))\n")
+    out = run_blocked(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "leaked []" in out.stdout
+
+
+@pytest.mark.parametrize("what, code, message", [
+    ("cuda backend", "from monokernel.kernel.cuda_backend import CupyDevice\nCupyDevice()",
+     "CuPy is not installed: pip install monokernel\\[cuda12\\]"),
+    ("gguf import", "from monokernel.model.gguf_import import convert_gguf\n"
+                    "convert_gguf('tests/does-not-matter.gguf', '/nonexistent-out', progress=False)",
+     "gguf"),
+])
+def test_optional_extras_fail_lazily_and_clearly(what, code, message):
+    """The module imports; calling what needs the extra raises a project error that names it."""
+    import re
+
+    out = run_blocked("from monokernel.errors import MonokernelError\n"
+                      "try:\n    " + code.replace("\n", "\n    ") + "\n"
+                      "except MonokernelError as e:\n"
+                      "    print('ERR', type(e).__name__, e)\n")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ERR "), out.stdout
+    assert re.search(message, out.stdout), out.stdout
