@@ -5,6 +5,10 @@ The cache variable is set in ``pytest_configure``, before any test module import
 no test can read or write the user's ~/.cache/monokernel. Set MONOKERNEL_TEST_CACHE to a folder to
 keep the converted bundled model between runs (it is then not deleted).
 
+GPU tests carry ``@pytest.mark.gpu``. Where CuPy or a CUDA device is missing they skip with the
+reason, except with MONOKERNEL_REQUIRE_GPU=1 (set by scripts/gpu_check.sh): then they fail, so a
+GPU machine on which CuPy cannot see the device never reports a green run of skipped tests.
+
 NumPy's OpenBLAS is limited to one thread (unless OPENBLAS_NUM_THREADS is already set): the suite
 runs on small shared machines, where OpenBLAS's spinning worker threads made the reference's
 decode 4x slower under load (measured 4 vs 16 tokens/s on SmolLM2 with two busy cores), while
@@ -83,3 +87,28 @@ def bundled_llm(bundled_dir):
     from monokernel import LLM
 
     return LLM(backend="numpy", progress=False)
+
+
+def _gpu_missing_reason() -> str | None:
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a broken CUDA install raising at import
+        return f"CuPy is not importable ({type(e).__name__}: {e})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return f"CuPy sees no CUDA device ({type(e).__name__}: {e})"
+    return None if n > 0 else "CuPy sees no CUDA device (device count 0)"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is None:
+        return
+    if "gpu_reason" not in _SESSION_CACHE:
+        _SESSION_CACHE["gpu_reason"] = _gpu_missing_reason() or ""
+    reason = _SESSION_CACHE["gpu_reason"]
+    if not reason:
+        return
+    if os.environ.get("MONOKERNEL_REQUIRE_GPU") == "1":
+        pytest.fail(f"MONOKERNEL_REQUIRE_GPU=1 but {reason}", pytrace=False)
+    pytest.skip(f"no CUDA device: {reason}")

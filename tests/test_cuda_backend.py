@@ -38,9 +38,6 @@ GPU_MAX_SEQ = 256
 PROMPT = [1, 999, 5, 0, 517, 998]  # spread over the vocabulary; fed one token per step
 DECODE_STEPS = 18
 
-requires_gpu = pytest.mark.skipif(not cuda_device_present(), reason="no CUDA device")
-
-
 def relative_error(kernel: np.ndarray, ref: np.ndarray) -> float:
     """max|kernel - ref| / max|ref| (NaN anywhere -> NaN, which fails every comparison)."""
     return float(np.max(np.abs(kernel.astype(np.float64) - ref)) / np.max(np.abs(ref)))
@@ -424,7 +421,6 @@ def gpu_case():
 
 
 @pytest.mark.gpu
-@requires_gpu
 @pytest.mark.parametrize("backend", ["cuda", "cuda-multi", "cuda-multi-graph"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_matches_reference(gpu_case, shape, backend):
@@ -436,7 +432,6 @@ def test_gpu_matches_reference(gpu_case, shape, backend):
 
 
 @pytest.mark.gpu
-@requires_gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_no_spills(gpu_case, shape):
     from monokernel.kernel.cuda_backend import kernel_resources
@@ -484,7 +479,6 @@ def test_fake_cupy_watchdog_names_the_instruction(fake_cupy, tiny):
 
 
 @pytest.mark.gpu
-@requires_gpu
 def test_gpu_watchdog_names_the_instruction(gpu_case):
     """One wait made unsatisfiable: the kernel's watchdog stops every block, the host names the
     instruction within ~3 s, and the executor refuses further work. The wait is SAMPLE's: no
@@ -499,7 +493,6 @@ def test_gpu_watchdog_names_the_instruction(gpu_case):
 
 
 @pytest.mark.gpu
-@requires_gpu
 def test_gpu_grid_not_coresident_raises(gpu_case):
     from monokernel.kernel.cuda_backend import kernel_resources
     from monokernel.runtime import make_executor

@@ -188,3 +188,33 @@ def test_optional_extras_fail_lazily_and_clearly(what, code, message):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ERR "), out.stdout
     assert re.search(message, out.stdout), out.stdout
+
+
+# import name -> distribution name, where they differ
+DISTRIBUTIONS = {"yaml": "pyyaml"}
+
+
+def test_every_runtime_dependency_is_declared():
+    """Third-party packages the package imports (lazily or not), less the optional extras, are in
+    pyproject's ``dependencies``: ``make run`` installs only those (regex was once missing)."""
+    import re
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0].lower().replace("-", "_") for d in deps}
+    used: dict[str, str] = {}
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                tops = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                tops = [node.module.split(".")[0]]
+            else:
+                continue
+            for t in tops:
+                if t != "monokernel" and t not in sys.stdlib_module_names and t not in OPTIONAL:
+                    used.setdefault(t, name)
+    assert "numpy" in used and "regex" in used  # the scan sees real imports
+    missing = {t: m for t, m in used.items()
+               if DISTRIBUTIONS.get(t, t).lower().replace("-", "_") not in declared}
+    assert not missing, f"imported but not in pyproject dependencies: {missing}"
