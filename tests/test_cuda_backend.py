@@ -13,6 +13,7 @@ shapes with synthetic weights and skip with "no CUDA device" elsewhere.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import dataclasses
 import os
@@ -348,6 +349,10 @@ def test_fake_cupy_grid_not_coresident_is_refused(fake_cupy, tiny):
     assert fake.launches == []  # refused before launching
     with pytest.raises(KernelError, match="unusable"):
         ex.step(1, 0)
+    cheap = make_executor("cuda", tiny[0], 160, program=launch_only_program(tiny[0].config, 5, 160))
+    with pytest.raises(KernelError, match="grid of 5 blocks cannot be co-resident"):
+        cheap.step(1, 0)
+    assert fake.launches == []
 
 
 def test_fake_cupy_host_wait_is_bounded(fake_cupy, tiny):
@@ -451,12 +456,25 @@ def stuck_program(cfg, blocks: int, max_seq_len: int):
     Returns (program, the label of that instruction)."""
     from monokernel.kernel.scheduler import schedule
 
-    program = schedule(cfg, blocks, max_seq_len)
+    program = copy.deepcopy(schedule(cfg, blocks, max_seq_len))  # schedule()'s is shared
     b, i = next((b, i) for b, q in enumerate(program.queues) for i, ins in enumerate(q)
                 if ins.wait is not None and ins.op.name == "SAMPLE")
     ins = program.queues[b][i]
     program.queues[b][i] = dataclasses.replace(ins, wait=(ins.wait[0], ins.wait[1] + 1))
     return program, ins.label(b, i)
+
+
+def launch_only_program(cfg, blocks: int, max_seq_len: int = GPU_MAX_SEQ):
+    """A cheap, valid program of ``blocks`` blocks (one empty EMBED each, no waits), for tests
+    that are about the launch, not the step."""
+    from monokernel.kernel.isa import Op
+    from monokernel.kernel.scheduler import Instruction, Program
+
+    queues = [[Instruction(Op.EMBED, 0, (0, 0), signal=0)] for _ in range(blocks)]
+    prog = Program(config=cfg, num_blocks=blocks, max_seq_len=max_seq_len, queues=queues,
+                   counter_names=["EMBED"], attn_splits=1, lm_partials=1)
+    prog.verify()
+    return prog
 
 
 def assert_watchdog_names(ex, label: str, within_s: float) -> None:
@@ -500,7 +518,8 @@ def test_gpu_grid_not_coresident_raises(gpu_case):
     m = gpu_case("smollm2-135m")[0]
     probe = make_executor("cuda", m, GPU_MAX_SEQ)
     too_many = probe.device.num_sms * kernel_resources(probe)["megakernel"]["blocks_per_sm"] + 1
-    ex = make_executor("cuda", m, GPU_MAX_SEQ, blocks=too_many)
+    # refused before any launch, so no real (seconds-long) schedule of too_many blocks is needed
+    ex = make_executor("cuda", m, GPU_MAX_SEQ, program=launch_only_program(m.config, too_many))
     t0 = time.perf_counter()
     with pytest.raises(KernelError, match=f"grid of {too_many} blocks cannot be co-resident"):
         ex.step(1, 0)

@@ -270,3 +270,12 @@ def test_unaligned_slots_are_rejected(tiny3):
     q[1], q[2] = q[2], q[1]  # block 1 runs ATTENTION in the slot where the others run QKV
     with pytest.raises(ProgramError, match="slot 1 is not aligned"):
         prog.slots()
+
+
+def test_schedule_is_memoised_and_shared():
+    """The same arguments give the same verified Program (the GPU check builds a dozen executors
+    of each shape); other arguments give another."""
+    a = schedule(TINY, 3, 64)
+    assert schedule(TINY, 3, 64) is a
+    assert schedule(TINY, 3, 64, attn_splits=a.attn_splits) is a
+    assert schedule(TINY, 2, 64) is not a and schedule(TINY, 3, 65) is not a

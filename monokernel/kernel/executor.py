@@ -8,6 +8,7 @@ emulator here, CuPy in cuda_backend.py. ``multi=True`` runs the same program as 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +34,22 @@ def kernel_source(cfg: ModelConfig, max_seq_len: int) -> str:
             + SOURCE_PATH.read_text())
 
 
+# kernel_weights() per live model: every executor of one model uploads the same stacked arrays
+# (the GPU check builds a dozen; stacking a 1B model's layers takes seconds each time).
+_STACKED: dict[int, dict[str, np.ndarray]] = {}
+
+
 def kernel_weights(model: LoadedModel) -> dict[str, np.ndarray]:
-    """The checkpoint as the kernel reads it: bf16 bits (uint16), per-layer tensors stacked."""
+    """The checkpoint as the kernel reads it: bf16 bits (uint16), per-layer tensors stacked.
+    Computed once per model object and kept while it lives; callers must not write into it."""
+    hit = _STACKED.get(id(model))
+    if hit is None:
+        hit = _STACKED[id(model)] = _stack_weights(model)
+        weakref.finalize(model, _STACKED.pop, id(model), None)
+    return hit
+
+
+def _stack_weights(model: LoadedModel) -> dict[str, np.ndarray]:
     c = model.config
     w = model.weights
     bits = lambda a: np.ascontiguousarray(a).view(np.uint16)  # noqa: E731

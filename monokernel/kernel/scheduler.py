@@ -292,15 +292,36 @@ def default_attn_splits(cfg: ModelConfig, num_blocks: int) -> int:
     return max(1, min(num_blocks // cfg.num_kv_heads, MAX_DEFAULT_SPLITS))
 
 
+# Verified programs by (config, blocks, max_seq_len, splits). verify() of a 132-block program
+# takes seconds, and the GPU check builds a dozen executors of each shape; they share one Program.
+_VERIFIED: dict[tuple, Program] = {}
+_VERIFIED_MAX = 16
+
+
 def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
              attn_splits: int | None = None) -> Program:
-    """Build and verify the decode-step program for ``num_blocks`` persistent blocks."""
+    """Build and verify the decode-step program for ``num_blocks`` persistent blocks.
+
+    Memoised: the same arguments return the same (shared) Program. Never edit a returned
+    Program in place; ``copy.deepcopy`` it first (the tests that break programs do)."""
     if num_blocks < 1:
         raise ProgramError(f"num_blocks must be >= 1, got {num_blocks}")
+    key = (cfg, num_blocks, max_seq_len, attn_splits or default_attn_splits(cfg, num_blocks))
+    prog = _VERIFIED.get(key)
+    if prog is None:
+        prog = _build(cfg, num_blocks, max_seq_len, key[3])
+        prog.verify()
+        if len(_VERIFIED) >= _VERIFIED_MAX:
+            _VERIFIED.pop(next(iter(_VERIFIED)))
+        _VERIFIED[key] = prog
+    return prog
+
+
+def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int) -> Program:
     c = cfg
     B = num_blocks
     H, F, D, half = c.hidden_size, c.intermediate_size, c.head_dim, c.head_dim // 2
-    S = attn_splits or default_attn_splits(c, B)
+    S = attn_splits
     queues: list[list[Instruction]] = [[] for _ in range(B)]
     counters: list[str] = []
 
@@ -450,5 +471,4 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
             first.reads = first.reads + [("state", 0, STATE_WORDS)]
     prog = Program(config=cfg, num_blocks=B, max_seq_len=max_seq_len, queues=queues,
                    counter_names=counters, attn_splits=S, lm_partials=B)
-    prog.verify()
     return prog
