@@ -59,10 +59,50 @@ def test_bench_emulator_and_numpy(tmp_path, capsys):
         assert r["tokens_per_s"] == pytest.approx(1e6 / r["median_us"])
         assert r["GBps"] == pytest.approx(wb / r["median_us"] / 1e3)
         assert r["x_floor"] == pytest.approx(r["median_us"] / r["floor_us"])
+        # end to end through the Engine: host work on top of the device step, same order
+        assert r["e2e_us_per_token"] > 0 and r["timing"]["timer"]
+        assert 0.3 * r["median_us"] < r["e2e_us_per_token"] < 20 * r["median_us"]
+    assert not list(out.glob("*.tmp"))  # rewritten atomically after every row
+    assert "device_time" in doc["method"] and "end_to_end" in doc["method"]
     assert rows[("emulator", 4)]["blocks"] == 4
     assert doc["backends"]["tiny/emulator"]["critical_path_hops"] > 0
     for b in ("emulator-multi", "numpy"):
         assert re.search(rf"^{b}\s+tiny\s+16\s+[\d.]+\s", printed, re.M), printed
+
+
+def test_bench_json_is_rewritten_after_every_row(tmp_path, monkeypatch):
+    """A run killed half way keeps the rows it finished: the CLI rewrites its JSON per row."""
+    seen = []
+    real = bench.write_json
+
+    def spy(doc, out_dir):
+        seen.append(len(doc["results"]))
+        return real(doc, out_dir)
+
+    monkeypatch.setattr(bench, "write_json", spy)
+    rc = main(["bench", "--shape", "tiny", "--backends", "numpy", "--context", "3,5",
+               "--steps", "2", "--warmup", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    assert seen[:2] == [1, 2]  # one write per row, then the final one
+    (jpath,) = tmp_path.glob("bench-*.json")
+    assert len(json.loads(jpath.read_text())["results"]) == 2
+
+
+def test_bench_without_arguments_on_a_cpu_runs_the_cpu_backends(tmp_path, capsys, monkeypatch):
+    if bench.cuda_unavailable_reason() is None:
+        pytest.skip("a CUDA device is present")
+    from monokernel.tools import commands
+
+    monkeypatch.setitem(commands.CPU_DEFAULTS, "steps", 2)  # keep the test short
+    monkeypatch.setitem(commands.CPU_DEFAULTS, "context", "3")
+    rc = main(["bench", "--shape", "tiny", "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    assert "no CUDA device" in cap.err and "running the CPU backends numpy,emulator" in cap.err
+    (jpath,) = tmp_path.glob("bench-*.json")
+    doc = json.loads(jpath.read_text())
+    assert {r["backend"] for r in doc["results"]} == {"numpy", "emulator"}
+    assert all(r["error"] is None for r in doc["results"])
 
 
 def test_bench_cuda_without_gpu_exits_nonzero(tmp_path, capsys):

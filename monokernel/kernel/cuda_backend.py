@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -35,6 +36,7 @@ CUPY_MISSING = "CuPy is not installed: pip install monokernel[cuda12] (or monoke
 PINNED_READ_MAX = 1 << 20
 # Extra host-side patience beyond the kernel's own watchdog before a launch counts as hung.
 HOST_GRACE_S = 5.0
+PROBES_PATH = Path(__file__).with_name("probes.cu")
 
 # Compiled modules of this process, keyed by (device, hash of source and options). CuPy also
 # caches the cubin on disk (~/.cupy/kernel_cache), so a new process skips NVRTC too.
@@ -94,6 +96,7 @@ class CupyDevice:
         self._in_flight: list[str] = []  # launches since the last completed wait
         self._coresident_ok: set[tuple[str, str, int]] = set()
         self._broken: str | None = None
+        self._probe_module: CupyModule | None = None
 
     def __repr__(self) -> str:
         return f"CupyDevice({self.device_id}: {self.gpu_name}, sm_{self.cc}, {self.num_sms} SMs)"
@@ -290,6 +293,65 @@ class CupyDevice:
             raise KernelError(f"cuda: launching the captured graph failed: "
                               f"{type(e).__name__}: {e}") from None
         self._in_flight.append("captured graph of one step")
+
+    def _probes(self) -> CupyModule:
+        """probes.cu (hold and timer kernels), compiled on first use."""
+        if self._probe_module is None:
+            src = '#line 1 "probes.cu"\n' + PROBES_PATH.read_text()
+            self._probe_module = self.compile(src, ["mk_hold", "mk_timer_tick"], {})
+        return self._probe_module
+
+    def _launch_raw(self, kernel, args: list[np.ndarray]) -> None:
+        ptrs = np.array([a.ctypes.data for a in args], dtype=np.uintp)
+        with self.device:
+            self.cp.cuda.driver.launchKernel(kernel.kernel.ptr, 1, 1, 1, 32, 1, 1, 0,
+                                             self.stream.ptr, ptrs.ctypes.data, 0)
+
+    def hold(self, ns: int) -> None:
+        """Queue a kernel that keeps the stream busy for ``ns`` nanoseconds."""
+        self._launch_raw(self._probes().kernels["mk_hold"], [np.array([ns], np.int64)])
+        self._in_flight.append(f"mk_hold({ns} ns)")
+
+    def timer_tick_ns(self, reads: int = 4096) -> tuple[int, int]:
+        """(smallest step of %globaltimer seen in ``reads`` reads, distinct values seen)."""
+        with self.device, self.stream:
+            out = self.cp.zeros(2, self.cp.uint64)
+        self._launch_raw(self._probes().kernels["mk_timer_tick"],
+                         [np.array([out.data.ptr], np.uint64), np.array([reads], np.int32)])
+        self._in_flight.append("mk_timer_tick")
+        tick, distinct = (int(v) for v in self.read(out))
+        return tick, distinct
+
+    def time_steps(self, fn, steps: int, batch: int = 10) -> tuple[list[float], dict]:
+        """GPU seconds per call of ``fn`` (which only queues work), in batches of ``batch``
+        back-to-back calls: a hold kernel keeps the stream busy while the host queues the
+        batch, so the events around it see GPU work only. Returns (seconds per call, one value
+        per batch; info). A batch whose queueing outlasted the hold is retried with a longer
+        hold; ``info["host_in_window"]`` counts batches that stayed too slow to queue."""
+        cp = self.cp
+        hold_ns, out, late = 2_000_000, [], 0
+        done = 0
+        while done < steps:
+            n = min(batch, steps - done)
+            for attempt in range(3):
+                start, end = cp.cuda.Event(), cp.cuda.Event()
+                t0 = time.perf_counter()
+                self.hold(hold_ns)
+                start.record(self.stream)
+                for _ in range(n):
+                    fn()
+                end.record(self.stream)
+                queued_ns = (time.perf_counter() - t0) * 1e9
+                self.wait("timing")
+                if queued_ns < 0.8 * hold_ns:
+                    break
+                hold_ns = int(2 * queued_ns)
+            else:
+                late += 1
+            out.append(cp.cuda.get_elapsed_time(start, end) / 1e3 / n)
+            done += n
+        return out, {"batch": batch, "hold_ns": hold_ns, "host_in_window": late,
+                     "timer": "CUDA events around a batch queued behind a hold kernel"}
 
     def time(self, fn, repeat: int = 1) -> list[float]:
         """Seconds of GPU time between two events around each of ``repeat`` calls of ``fn``."""

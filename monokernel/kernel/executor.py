@@ -133,6 +133,10 @@ class EmulatorDevice:
         """Seconds taken by each of ``repeat`` calls of ``fn`` (CUDA events on the GPU)."""
         return wall_times(fn, repeat)
 
+    def time_steps(self, fn, steps: int, batch: int = 10) -> tuple[list[float], dict]:
+        """Seconds per call of ``fn``: on the emulator the host is the device, so wall time."""
+        return wall_times(fn, steps), {"timer": "time.perf_counter per call (host = device)"}
+
     def resources(self, module) -> dict:
         """Registers, shared and local (spill) bytes per kernel; the emulator has none."""
         return {}

@@ -88,6 +88,7 @@ class TraceWord(IntEnum):
     START = 0  # ns, before the wait
     READY = 1  # ns, the wait satisfied
     END = 2  # ns, after the signal
+    SMID = 3  # the SM the block runs on (%smid; the block index in the emulator)
 
 
 TRACE_WORDS = 4

@@ -120,6 +120,17 @@ __device__ __forceinline__ unsigned long long global_timer_ns() {
 #endif
 }
 
+// The SM this block runs on (block placement check of the trace); the block index on the CPU.
+__device__ __forceinline__ unsigned sm_id() {
+#ifdef __CUDA_ARCH__
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return r;
+#else
+  return blockIdx.x;
+#endif
+}
+
 // Dot product of one bf16 weight row (16-byte loads, read-only path) with an fp32 vector in
 // shared memory; the whole warp cooperates and every lane gets the sum.
 template <int N>
@@ -587,7 +598,10 @@ __device__ void run_instructions(const Params& P, int begin, int end) {
     if (op == OP_NOOP) continue;
 #ifdef MK_TRACE
     unsigned long long* tr = P.trace + ((size_t)blockIdx.x * len + i) * MK_TRACE_WORDS;
-    if (threadIdx.x == 0) tr[T_START] = global_timer_ns();
+    if (threadIdx.x == 0) {
+      tr[T_START] = global_timer_ns();
+      tr[T_SMID] = sm_id();
+    }
 #endif
 #if MK_PREFETCH
     prefetch_weights(P, w);

@@ -56,7 +56,9 @@ class Result:
     shape: str
     context: int
     device: str  # "gpu" or "cpu": which floor applies
-    times_us: list[float] = field(default_factory=list)
+    times_us: list[float] = field(default_factory=list)  # device time per step (see module doc)
+    e2e_us_per_token: float | None = None  # what a user of LLM.generate sees, host included
+    timing: dict = field(default_factory=dict)  # how times_us was taken
     blocks: int | None = None
     error: str | None = None
 
@@ -182,23 +184,27 @@ def prompt_tokens(vocab_size: int, n: int) -> list[int]:
     return [int(t) for t in rng.integers(3, vocab_size, size=n)]
 
 
-def time_kernel(ex, context: int, warmup: int, steps: int) -> list[float]:
+def time_kernel(ex, context: int, warmup: int, steps: int) -> tuple[list[float], dict]:
+    """Device seconds per decode step: ``run_launches`` back to back (the step reads token and
+    position from device memory and advances them itself), timed by ``device.time_steps``:
+    on the GPU, CUDA events around batches queued behind a hold kernel, so the host's
+    submission is never inside the window."""
     ex.reset()
     for pos, tok in enumerate(prompt_tokens(ex.config.vocab_size, context)):
         ex.launch_step(tok, pos, None)
     if warmup > 0:
-        ex.device.time(ex.run_launches, warmup)
-    times = ex.device.time(ex.run_launches, steps)
+        ex.device.time_steps(ex.run_launches, warmup)
+    times, info = ex.device.time_steps(ex.run_launches, steps)
     control = ex.read_buffer("control")
     ex._check_error(control)
     want = context + warmup + steps
     if int(control[State.POS]) != want:
         raise KernelError(f"{ex.name}: after the timed steps the position is "
                           f"{int(control[State.POS])}, expected {want}: steps did not run")
-    return list(times)
+    return list(times), info
 
 
-def time_numpy(ex, context: int, warmup: int, steps: int) -> list[float]:
+def time_numpy(ex, context: int, warmup: int, steps: int) -> tuple[list[float], dict]:
     ex.reset()
     ids = prompt_tokens(ex.config.vocab_size, context)
     state = {"tok": int(np.argmax(ex.prefill(ids, 0))), "pos": len(ids)}
@@ -208,7 +214,22 @@ def time_numpy(ex, context: int, warmup: int, steps: int) -> list[float]:
         state["tok"], state["pos"] = int(np.argmax(logits)), state["pos"] + 1
 
     wall_times(step, warmup)
-    return wall_times(step, steps)
+    return wall_times(step, steps), {"timer": "time.perf_counter per step (host = device)"}
+
+
+def time_end_to_end(ex, context: int, steps: int) -> float:
+    """Seconds per generated token as a user of ``LLM.generate`` sees them: the Engine's greedy
+    loop (prefill of ``context`` prompt tokens, then ``steps`` decode steps, EOS ignored), host
+    work and every copy included; the prefill is not counted."""
+    from ..runtime import Engine
+    from ..sampling import SamplingParams
+
+    eng = Engine(ex)
+    params = SamplingParams(max_new_tokens=steps + 1, temperature=0, ignore_eos=True)
+    n = sum(1 for _ in eng.generate_ids(prompt_tokens(ex.config.vocab_size, context), params))
+    if n != steps + 1:
+        raise KernelError(f"{ex.name}: end-to-end run made {n} tokens, expected {steps + 1}")
+    return eng.stats.decode_s / steps
 
 
 class HFRunner:
@@ -256,7 +277,7 @@ class HFRunner:
             kw["cache_position"] = positions
         return kw
 
-    def time(self, context: int, warmup: int, steps: int, compile: bool) -> list[float]:
+    def time(self, context: int, warmup: int, steps: int, compile: bool) -> tuple[list[float], dict]:
         torch = self.torch
         from transformers import DynamicCache, StaticCache
 
@@ -285,27 +306,71 @@ class HFRunner:
                 state["pos"] += 1
 
             self._timer(step, warmup)
-            return self._timer(step, steps)
+            return self._timer(step, steps), {
+                "timer": "CUDA events around each step, Python dispatch included (HF is "
+                         "host-bound; no back-to-back form)" if self.dev == "cuda" else
+                         "time.perf_counter per step"}
 
 
 # ================================================================================================
 # The run
 # ================================================================================================
 def run_bench(models: list[tuple[str, LoadedModel]], backends: list[str], contexts: list[int],
-              steps: int, warmup: int, blocks: int | None = None, log=print) -> dict:
-    """Measure every (model, backend, context); return the results document (see module doc)."""
+              steps: int, warmup: int, blocks: int | None = None, log=print,
+              on_row=None) -> dict:
+    """Measure every (model, backend, context); return the results document (see module doc).
+    ``on_row(doc)`` is called with the document so far after every row (the CLI rewrites its
+    JSON then, so a run stopped by a timeout keeps every row it finished)."""
     check_backends(backends)
     if steps < 1 or warmup < 0 or not contexts or min(contexts) < 1:
         raise ValueError("need steps >= 1, warmup >= 0 and contexts >= 1 (the prompt the "
                          "timed steps follow)")
-    max_seq_len = max(contexts) + warmup + steps + 1
+    # the end-to-end run needs context + steps + 1 positions; the device timing context +
+    # warmup + steps
+    max_seq_len = max(contexts) + warmup + steps + 2
     results: list[Result] = []
     resources: dict[str, dict] = {}
     setups: dict[str, dict] = {}
+    floors: dict[str, dict] = {}
+    for where in sorted({device_class(b) for b in backends}):  # first: every row can cite it
+        fn, method = FLOOR_METHODS[where]
+        try:
+            floors[where] = {"copy_bandwidth_GBps": fn() / 1e9, "method": method}
+        except Exception as e:
+            log(f"floor ({where}): ERROR {_err(e)}")
+            floors[where] = {"copy_bandwidth_GBps": None, "method": method, "error": _err(e)}
+    weight_bytes = {shape: m.config.weight_bytes_per_token() for shape, m in models}
+    doc = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": device_name(),
+        "commit": git_commit(),
+        "host": {"python": platform.python_version(), "platform": platform.platform(terse=True),
+                 **_versions()},
+        "method": {"warmup": warmup, "steps": steps, "contexts": contexts,
+                   "device_time": "median_us: per decode step, GPU work only (CUDA events "
+                                  "around back-to-back launches or graph replays queued behind "
+                                  "a hold kernel; perf_counter on CPU backends)",
+                   "end_to_end": "e2e_us_per_token: wall time per generated token of the "
+                                 "Engine's greedy loop (LLM.generate), host work included",
+                   "floor": "weight bytes per token / measured copy bandwidth"},
+        "floors": floors,
+        "weight_bytes_per_token": weight_bytes,
+        "backends": setups,
+        "resources": resources,
+        "results": [],
+    }
+
+    def add(r: Result) -> None:
+        results.append(r)
+        doc["results"].append(_row(r, weight_bytes[r.shape], floors.get(r.device)))
+        if on_row is not None:
+            on_row(doc)
+
     for shape, model in models:
         hf = None
         for backend in backends:
             where = device_class(backend)
+            e2e = None
             try:
                 if backend in KERNEL_BACKENDS:
                     ex = make_kernel_executor(backend, model, max_seq_len, blocks)
@@ -315,11 +380,13 @@ def run_bench(models: list[tuple[str, LoadedModel]], backends: list[str], contex
                         "blocks": p.num_blocks, "slots_per_block": p.max_len,
                         "counters": p.num_counters, "critical_path_hops": p.critical_path_hops()}
                     run = lambda c, ex=ex: time_kernel(ex, c, warmup, steps)  # noqa: E731
+                    e2e = lambda c, ex=ex: time_end_to_end(ex, c, steps)  # noqa: E731
                 elif backend == "numpy":
                     from ..runtime import make_executor
 
                     ex = make_executor("numpy", model, max_seq_len)
                     run = lambda c, ex=ex: time_numpy(ex, c, warmup, steps)  # noqa: E731
+                    e2e = lambda c, ex=ex: time_end_to_end(ex, c, steps)  # noqa: E731
                 else:
                     hf = hf or HFRunner(model.path, max_seq_len)
                     setups[f"{shape}/{backend}"] = hf.info
@@ -328,42 +395,24 @@ def run_bench(models: list[tuple[str, LoadedModel]], backends: list[str], contex
                 nb = getattr(ex, "blocks", None) if backend in KERNEL_BACKENDS else None
             except Exception as e:  # record and go on: one broken backend must not lose the run
                 for c in contexts:
-                    results.append(Result(backend, shape, c, where, error=_err(e)))
+                    add(Result(backend, shape, c, where, error=_err(e)))
                 log(f"{shape} {backend}: ERROR {_err(e)}")
                 continue
             for c in contexts:
                 r = Result(backend, shape, c, where, blocks=nb)
                 try:
-                    r.times_us = [t * 1e6 for t in run(c)]
-                    log(f"{shape} {backend} context {c}: {r.median_us:.1f} us/token")
+                    times, r.timing = run(c)
+                    r.times_us = [t * 1e6 for t in times]
+                    if e2e is not None:
+                        r.e2e_us_per_token = e2e(c) * 1e6
+                    log(f"{shape} {backend} context {c}: {r.median_us:.1f} us/step on the device"
+                        + (f", {r.e2e_us_per_token:.1f} us/token end to end"
+                           if r.e2e_us_per_token else ""))
                 except Exception as e:
                     r.error = _err(e)
                     log(f"{shape} {backend} context {c}: ERROR {r.error}")
-                results.append(r)
-    floors = {}
-    for where in sorted({r.device for r in results if not r.error}):
-        fn, method = FLOOR_METHODS[where]
-        try:
-            floors[where] = {"copy_bandwidth_GBps": fn() / 1e9, "method": method}
-        except Exception as e:
-            log(f"floor ({where}): ERROR {_err(e)}")
-            floors[where] = {"copy_bandwidth_GBps": None, "method": method, "error": _err(e)}
-    weight_bytes = {shape: m.config.weight_bytes_per_token() for shape, m in models}
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "device": device_name(),
-        "commit": git_commit(),
-        "host": {"python": platform.python_version(), "platform": platform.platform(terse=True),
-                 **_versions()},
-        "method": {"warmup": warmup, "steps": steps, "contexts": contexts,
-                   "timer": "CUDA events (GPU) / time.perf_counter (CPU), one per step",
-                   "floor": "weight bytes per token / measured copy bandwidth"},
-        "floors": floors,
-        "weight_bytes_per_token": weight_bytes,
-        "backends": setups,
-        "resources": resources,
-        "results": [_row(r, weight_bytes[r.shape], floors.get(r.device)) for r in results],
-    }
+                add(r)
+    return doc
 
 
 def _err(e: BaseException) -> str:
@@ -426,8 +475,8 @@ def git_commit() -> str:
 # Output: table, JSON, chart
 # ================================================================================================
 def format_table(doc: dict) -> str:
-    head = (f"{'backend':<17} {'shape':<14} {'context':>7} {'us/token':>10} {'p10-p90 us':>21} "
-            f"{'tokens/s':>9} {'GB/s':>8} {'x-floor':>8}")
+    head = (f"{'backend':<17} {'shape':<14} {'context':>7} {'us/step':>10} {'p10-p90 us':>21} "
+            f"{'tokens/s':>9} {'GB/s':>8} {'x-floor':>8} {'e2e us/token':>13}")
     lines = [head, "-" * len(head)]
     for r in doc["results"]:
         pre = f"{r['backend']:<17} {r['shape']:<14} {r['context']:>7} "
@@ -436,8 +485,11 @@ def format_table(doc: dict) -> str:
             continue
         spread = f"{r['p10_us']:.1f}-{r['p90_us']:.1f}"
         xf = f"{r['x_floor']:.2f}" if r["x_floor"] is not None else "?"
+        e2e = f"{r['e2e_us_per_token']:.1f}" if r.get("e2e_us_per_token") else "-"
         lines.append(pre + f"{r['median_us']:>10.1f} {spread:>21} {r['tokens_per_s']:>9.1f} "
-                     f"{r['GBps']:>8.2f} {xf:>8}")
+                     f"{r['GBps']:>8.2f} {xf:>8} {e2e:>13}")
+    lines.append("us/step: device time per decode step (GPU work only); e2e: wall time per "
+                 "generated token through the Engine (LLM.generate), host included")
     ok = {w: f for w, f in doc["floors"].items() if f["copy_bandwidth_GBps"]}
     for where, f in doc["floors"].items():
         bw = f"{f['copy_bandwidth_GBps']:.1f} GB/s" if where in ok else f"ERROR {f.get('error')}"
@@ -453,18 +505,29 @@ def _slug(s: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "unknown"
 
 
-def write_results(doc: dict, out_dir: str | Path) -> tuple[Path, Path | None]:
-    """bench-<date>-<device>-<commit>.json and a .png chart beside it (None without
-    matplotlib)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def results_stem(doc: dict) -> str:
+    """bench-<date>-<device>-<commit>: the same for every rewrite of one run's document."""
     date = datetime.datetime.fromisoformat(doc["date"]).strftime("%Y%m%d-%H%M%S")
     dev = "cpu" if doc["device"].startswith("CPU ") else _slug(doc["device"])
-    stem = f"bench-{date}-{dev}-{_slug(doc['commit'])}"
-    jpath = out_dir / f"{stem}.json"
-    jpath.write_text(json.dumps(doc, indent=1, allow_nan=False))
+    return f"bench-{date}-{dev}-{_slug(doc['commit'])}"
+
+
+def write_json(doc: dict, out_dir: str | Path) -> Path:
+    """Write (or rewrite) the run's JSON atomically: a reader never sees half a file."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jpath = out_dir / f"{results_stem(doc)}.json"
+    tmp = jpath.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False))
+    tmp.replace(jpath)
+    return jpath
+
+
+def write_results(doc: dict, out_dir: str | Path) -> tuple[Path, Path | None]:
+    """The JSON and a .png chart beside it (None without matplotlib)."""
+    jpath = write_json(doc, out_dir)
     try:
-        ppath = plot_results(out_dir / f"{stem}.png", doc)
+        ppath = plot_results(jpath.with_suffix(".png"), doc)
     except ImportError as e:  # the GPU machine may lack matplotlib; the JSON has everything
         print(f"monokernel: no PNG chart: {e}", file=sys.stderr)
         ppath = None

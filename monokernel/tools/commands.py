@@ -19,6 +19,13 @@ from pathlib import Path
 from .plan import H200_SMS, cmd_plan
 
 
+# `monokernel bench` defaults: the GPU comparison where a GPU is, else what a CPU can run in
+# about a minute (the emulator is an instrument for correctness, ~0.5 s per SmolLM2 step).
+GPU_DEFAULTS = {"backends": "cuda,cuda-multi,cuda-multi-graph,hf", "context": "16,512,2048",
+                "steps": 100, "warmup": 10}
+CPU_DEFAULTS = {"backends": "numpy,emulator", "context": "16", "steps": 5, "warmup": 1}
+
+
 def add_commands(sub) -> None:
     p = sub.add_parser("plan", help="schedule the decode step and print its instruction program")
     _add_model_or_shape(p)
@@ -30,13 +37,19 @@ def add_commands(sub) -> None:
 
     p = sub.add_parser("bench", help="decode latency of each backend vs the bandwidth floor")
     _add_model_or_shape(p, several=True)
-    p.add_argument("--backends", default="cuda,cuda-multi,cuda-multi-graph,hf",
-                   help="comma list of: cuda, cuda-multi, cuda-multi-graph, hf, hf-compile, "
-                        "emulator, emulator-multi, numpy (default: %(default)s)")
-    p.add_argument("--context", default="16,512,2048",
-                   help="comma list of context lengths (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=100, help="timed decode steps per row")
-    p.add_argument("--warmup", type=int, default=10, help="untimed steps before them")
+    p.add_argument("--backends", default=None,
+                   help="comma list of: cuda, cuda-noprefetch, cuda-multi, cuda-multi-graph, "
+                        "hf, hf-compile, emulator, emulator-multi, numpy (default: "
+                        f"{GPU_DEFAULTS['backends']} with a GPU, else {CPU_DEFAULTS['backends']})")
+    p.add_argument("--context", default=None,
+                   help="comma list of context lengths (default: "
+                        f"{GPU_DEFAULTS['context']} with a GPU, else {CPU_DEFAULTS['context']})")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"timed decode steps per row (default {GPU_DEFAULTS['steps']} with a "
+                        f"GPU, else {CPU_DEFAULTS['steps']})")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"untimed steps before them (default {GPU_DEFAULTS['warmup']} with a "
+                        f"GPU, else {CPU_DEFAULTS['warmup']})")
     p.add_argument("--blocks", type=int, default=None,
                    help="persistent blocks (default: the backend's own, the SM count on a GPU)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
@@ -122,8 +135,20 @@ def bench_command_line(args) -> str:
 
 
 def cmd_bench(args) -> int:
-    from .bench import KERNEL_BACKENDS, check_backends, format_table, run_bench, write_results
+    from .bench import (KERNEL_BACKENDS, check_backends, format_table, run_bench, write_json,
+                        write_results)
 
+    from .bench import cuda_unavailable_reason
+
+    if any(getattr(args, k) is None for k in GPU_DEFAULTS):
+        no_gpu = cuda_unavailable_reason()
+        defaults = CPU_DEFAULTS if no_gpu else GPU_DEFAULTS
+        for k, v in defaults.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+        if no_gpu:
+            print(f"monokernel bench: no CUDA device ({no_gpu}); running the CPU backends "
+                  f"{args.backends} (pass --backends to choose)", file=sys.stderr)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     check_backends(backends)  # before loading anything: no CUDA device -> exit now
     contexts = _ints(args.context)
@@ -132,9 +157,11 @@ def cmd_bench(args) -> int:
                          "--context >= 1")
     shapes = [s.strip() for s in args.shape.split(",")] if args.shape else [None]
     models = [_load(args, s) for s in shapes]
+    command = bench_command_line(args)
     doc = run_bench(models, backends, contexts, args.steps, args.warmup, args.blocks,
-                    log=lambda s: print(s, file=sys.stderr, flush=True))
-    doc["command"] = bench_command_line(args)
+                    log=lambda s: print(s, file=sys.stderr, flush=True),
+                    on_row=lambda d: write_json(dict(d, command=command), args.out))
+    doc["command"] = command
     print(format_table(doc))
     jpath, ppath = write_results(doc, args.out)
     print(f"wrote {jpath}" + (f" and {ppath.name}" if ppath else ""))
