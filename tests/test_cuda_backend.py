@@ -14,7 +14,6 @@ shapes with synthetic weights and skip with "no CUDA device" elsewhere.
 from __future__ import annotations
 
 import copy
-import ctypes
 import dataclasses
 import os
 import subprocess
@@ -25,8 +24,9 @@ import types
 import numpy as np
 import pytest
 
+from fake_cupy import FakeCupy
+
 from monokernel.errors import BackendUnavailableError, KernelError
-from monokernel.kernel.isa import params_dtype
 from monokernel.kernel.base import DeviceSample
 from monokernel.runtime import cuda_device_present
 
@@ -164,137 +164,6 @@ def test_kernel_resources_on_the_emulator_is_empty():
 # ================================================================================================
 # CupyDevice on a fake CuPy: device memory is host memory, launches run in the CPU emulator
 # ================================================================================================
-class FakeArray:
-    def __init__(self, shape, dtype):
-        self.a = np.zeros(shape, dtype)
-        self.shape, self.dtype, self.nbytes = self.a.shape, self.a.dtype, self.a.nbytes
-        self.data = types.SimpleNamespace(ptr=self.a.ctypes.data,
-                                          copy_to_host_async=self._copy_to_host_async)
-
-    def _copy_to_host_async(self, dst: int, size: int, stream=None) -> None:
-        ctypes.memmove(dst, self.a.ctypes.data, size)
-
-    def set(self, arr, stream=None):
-        self.a[...] = arr
-
-    def get(self, stream=None):
-        return self.a.copy()
-
-    def fill(self, value):
-        self.a.fill(value)
-
-
-class FakeCupy:
-    """Just the CuPy surface cuda_backend uses, recording what it is asked to do."""
-
-    def __init__(self, num_sms=4, blocks_per_sm=1, hang=False):
-        from monokernel.kernel.executor import EmulatorDevice
-
-        fake = self
-        self.emulator = EmulatorDevice()
-        self.launches: list[tuple[str, int, bool]] = []
-        self.hang = hang
-        self.streams: dict[int, object] = {}
-        self.param_size = params_dtype().itemsize
-
-        class CompileException(Exception):
-            def get_message(self):
-                return str(self)
-
-        class Device:
-            compute_capability = "90"
-
-            def __init__(self, i=0):
-                pass
-
-            def use(self):
-                pass
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *a):
-                return False
-
-        class Stream:
-            def __init__(self, non_blocking=False):
-                self.ptr = 1000 + len(fake.streams)
-                self.captured = None
-                fake.streams[self.ptr] = self
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *a):
-                return False
-
-            def begin_capture(self, mode=None):
-                self.captured = []
-
-            def end_capture(self):
-                nodes, self.captured = self.captured, None
-                return types.SimpleNamespace(launch=lambda stream=None: [n() for n in nodes])
-
-        class Event:
-            def __init__(self, block=False, disable_timing=False):
-                pass
-
-            def record(self, stream=None):
-                pass
-
-            @property
-            def done(self):
-                return not fake.hang
-
-        def launch(func, gx, gy, gz, bx, by, bz, smem, stream, kparams, extra=None,
-                   cooperative=False):
-            # kernelParams[0] points at the struct; the driver copies its bytes at the call
-            arg_ptr = ctypes.c_void_p.from_address(kparams).value
-            struct = np.frombuffer(ctypes.string_at(arg_ptr, fake.param_size), np.uint8).copy()
-            name = fake.functions[func]
-
-            def run():
-                fake.launches.append((name, gx, cooperative))
-                fake.module.launch(name, gx, bx, struct.ctypes.data, 60.0)
-
-            s = fake.streams[stream]
-            s.captured.append(run) if s.captured is not None else run()
-
-        class RawKernel:
-            def __init__(self, name):
-                self.kernel = types.SimpleNamespace(ptr=hash(name) & 0xFFFFFF)
-                fake.functions[self.kernel.ptr] = name
-                self.num_regs, self.shared_size_bytes, self.local_size_bytes = 64, 9000, 0
-                self.const_size_bytes, self.max_threads_per_block = 0, 1024
-
-        class RawModule:
-            def __init__(self, code, options):
-                defines = dict(o[2:].split("=", 1) for o in options if o.startswith("-D"))
-                from monokernel.kernel.executor import KERNEL_NAMES
-
-                fake.module = fake.emulator.compile(code, KERNEL_NAMES, defines)
-
-            def get_function(self, name):
-                return RawKernel(name)
-
-        self.functions: dict[int, str] = {}
-        self.cuda = types.SimpleNamespace(
-            runtime=types.SimpleNamespace(
-                getDeviceCount=lambda: 1,
-                getDeviceProperties=lambda i: {"name": b"Fake H200", "multiProcessorCount": num_sms,
-                                               "cooperativeLaunch": 1}),
-            Device=Device, Stream=Stream, Event=Event,
-            driver=types.SimpleNamespace(
-                launchKernel=launch,
-                launchCooperativeKernel=lambda *a: launch(*a, cooperative=True),
-                occupancyMaxActiveBlocksPerMultiprocessor=lambda f, t, s: blocks_per_sm),
-            compiler=types.SimpleNamespace(CompileException=CompileException),
-            get_elapsed_time=lambda a, b: 0.5)
-        self.RawModule = RawModule
-        self.zeros = lambda shape, dtype: FakeArray(shape, dtype)
-        self.empty = lambda shape, dtype: FakeArray(shape, dtype)
-
-
 @pytest.fixture
 def fake_cupy(monkeypatch):
     """``fake_cupy(**kw)`` installs a FakeCupy as ``cupy`` (and cupyx.empty_pinned)."""
@@ -524,3 +393,19 @@ def test_gpu_grid_not_coresident_raises(gpu_case):
     with pytest.raises(KernelError, match=f"grid of {too_many} blocks cannot be co-resident"):
         ex.step(1, 0)
     assert time.perf_counter() - t0 < 5
+
+
+def test_fake_cupy_time_steps_holds_the_stream_before_each_batch(fake_cupy):
+    """Device time per step: each batch of back-to-back calls is queued behind the hold kernel,
+    between two events; the result is the events' time divided by the batch's calls."""
+    from monokernel.kernel.cuda_backend import CupyDevice
+
+    fake = fake_cupy()
+    dev = CupyDevice()
+    calls = []
+    per_step, info = dev.time_steps(lambda: calls.append(len(fake.launches)), 25, batch=10)
+    assert len(calls) == 25
+    assert per_step == pytest.approx([0.5e-3 / 10, 0.5e-3 / 10, 0.5e-3 / 5])  # fake events: 0.5 ms
+    assert [n for n, _, _ in fake.launches] == ["mk_hold"] * 3
+    assert calls[0] == 1 and calls[10] == 2 and calls[20] == 3  # the hold precedes each batch
+    assert info["host_in_window"] == 0 and info["hold_ns"] >= 2_000_000

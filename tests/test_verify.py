@@ -279,3 +279,17 @@ def test_schedule_is_memoised_and_shared():
     assert schedule(TINY, 3, 64) is a
     assert schedule(TINY, 3, 64, attn_splits=a.attn_splits) is a
     assert schedule(TINY, 2, 64) is not a and schedule(TINY, 3, 65) is not a
+
+
+def test_a_verified_program_is_remembered_on_disk_and_a_broken_one_is_not(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONOKERNEL_CACHE", str(tmp_path))
+    prog = copy.deepcopy(schedule(TINY, 3, 64))
+    prog.verify()
+    assert (tmp_path / "verified" / prog.fingerprint()).is_file()
+    i = find(prog, 1, Op.ATTENTION, 1)
+    prog.queues[1][i].wait = None  # a RAW hazard: new fingerprint, proven again, rejected
+    with pytest.raises(ProgramError, match="RAW"):
+        prog.verify()
+    with pytest.raises(ProgramError, match="RAW"):
+        prog.verify()  # a failure is never cached
+    assert len(list((tmp_path / "verified").iterdir())) == 1

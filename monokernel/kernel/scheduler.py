@@ -11,6 +11,8 @@ conflicting pair of accesses, and that no wait can hang.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -115,9 +117,42 @@ class Program:
         }
 
     # ---- verification ---------------------------------------------------------------------
-    def verify(self) -> None:
+    def fingerprint(self) -> str:
+        """sha256 of everything verify() reads: every instruction's words and declared regions,
+        the counters and the grid. Equal fingerprints, equal verdicts."""
+        h = hashlib.sha256()
+        h.update(repr((self.num_blocks, self.max_seq_len, self.counter_names)).encode())
+        h.update(self.words().tobytes())
+        for q in self.queues:
+            for ins in q:
+                h.update(repr((ins.wait, ins.signal, ins.reads, ins.writes)).encode())
+        return h.hexdigest()
+
+    def verify(self, *, use_cache: bool = True) -> None:
         """Reject the program, naming instructions, if a wait can never be met, the queues
-        deadlock, or two conflicting accesses are not ordered by program order + counters."""
+        deadlock, or two conflicting accesses are not ordered by program order + counters.
+
+        A pass is remembered on disk ($MONOKERNEL_CACHE/verified/<fingerprint>): verify() is a
+        pure function of the program, and a 132-block program takes seconds to prove, in every
+        process of the GPU check. A failure is never cached."""
+        marker = None
+        if use_cache:
+            from ..model.cache import cache_dir
+
+            marker = cache_dir() / "verified" / self.fingerprint()
+            if marker.is_file():
+                return
+        self._verify()
+        if marker is not None:
+            try:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                tmp = marker.with_name(f".{marker.name}.{os.getpid()}")
+                tmp.write_text("verified\n")
+                tmp.replace(marker)
+            except OSError:
+                pass  # an unwritable cache only costs the next process the proof again
+
+    def _verify(self) -> None:
         nodes = [(b, i) for b, q in enumerate(self.queues) for i in range(len(q))]
         index = {n: k for k, n in enumerate(nodes)}
         ins_of = lambda n: self.queues[n[0]][n[1]]  # noqa: E731

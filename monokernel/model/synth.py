@@ -7,6 +7,7 @@ generation_config.json.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,20 +28,30 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 def synth_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Random bf16 weights scaled so activations stay O(1) through every layer (never zeros).
-    Drawn as float32 (half the time and memory of float64: a Llama-3.2-1B shape is 1.2 G values)."""
-    rng = np.random.default_rng(seed)
+    Drawn as float32 (half the time and memory of float64: a Llama-3.2-1B shape is 1.2 G values),
+    one seeded stream per tensor (SeedSequence.spawn), so tensors are drawn on several threads
+    (NumPy's generators release the GIL) and the result does not depend on their scheduling."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shapes = list(expected_tensors(cfg).items())
+    seeds = np.random.SeedSequence(seed).spawn(len(shapes))
     f32 = np.float32
-    out: dict[str, np.ndarray] = {}
-    for name, shape in expected_tensors(cfg).items():
-        w = rng.standard_normal(shape, dtype=f32)
+
+    def draw(k: int) -> np.ndarray:
+        name, shape = shapes[k]
+        w = np.random.default_rng(seeds[k]).standard_normal(shape, dtype=f32)
         if name.endswith("norm.weight"):
             w = f32(1.0) + f32(0.2) * w
         elif name.endswith(".bias"):
             w *= f32(0.5)
         elif name != "model.embed_tokens.weight":
             w *= f32(1.0 / np.sqrt(shape[1]))
-        out[name] = w.astype(BF16)
-    return out
+        return w.astype(BF16)
+
+    workers = min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        arrays = list(pool.map(draw, range(len(shapes))))
+    return {name: a for (name, _), a in zip(shapes, arrays)}
 
 
 def synth_tokenizer_json(vocab_size: int) -> str:

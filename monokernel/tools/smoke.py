@@ -1,0 +1,187 @@
+"""The GPU check's first step (ARCHITECTURE section 9): in well under a minute, prove that the
+kernel compiles for every shape, that one step of each agrees with the NumPy reference, that it
+fits (registers, shared memory, no spills), that the watchdog names a stuck instruction, where
+the blocks run (%smid of every block) and how fine %globaltimer ticks. Nothing here is timed as
+a benchmark; it exists so that a broken build costs seconds of GPU time, not minutes.
+
+    python -m monokernel.tools.smoke --out DIR [--backend cuda|emulator] [--shapes a,b,c]
+
+Writes DIR/smoke.json (every check, pass or fail, with its numbers) and exits 1 if one failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+GPU_SHAPES = ("smollm2-135m", "qwen3-0.6b", "llama-3.2-1b")
+RTOL_OF_MAX = 2e-3  # as the GPU tests (tests/test_cuda_backend.py)
+MAX_SEQ = 64
+TOKEN = 517
+
+
+class Checks:
+    """Runs named checks, records each outcome; one failing check does not stop the others."""
+
+    def __init__(self, log=print):
+        self.rows: list[dict] = []
+        self.log = log
+
+    def run(self, name: str, fn) -> object:
+        t0 = time.perf_counter()
+        row = {"check": name}
+        try:
+            info = fn()
+            row.update(ok=True, **(info or {}))
+        except Exception as e:
+            row.update(ok=False, error=f"{type(e).__name__}: {e}",
+                       traceback=traceback.format_exc(limit=4))
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        self.rows.append(row)
+        detail = {k: v for k, v in row.items() if k not in ("check", "ok", "traceback")}
+        self.log(f"{'PASS' if row['ok'] else 'FAIL'} {name}: {detail}")
+        return row
+
+    @property
+    def ok(self) -> bool:
+        return all(r["ok"] for r in self.rows)
+
+
+def one_step(backend: str, model, blocks: int | None) -> dict:
+    """Compile, run one step at position 0, compare the logits with the reference."""
+    from ..kernel.base import DeviceSample
+    from ..model.reference import ReferenceModel
+    from ..runtime import make_executor
+
+    t0 = time.perf_counter()
+    ex = make_executor(backend, model, MAX_SEQ, **({"blocks": blocks} if blocks else {}))
+    t_build = time.perf_counter() - t0
+    ex.reset()
+    ex.poison()
+    logits = ex.step(TOKEN, 0).logits
+    ref = ReferenceModel(model.config, model.weights, MAX_SEQ).forward([TOKEN], 0)[0]
+    if not np.isfinite(logits).all():
+        raise AssertionError("non-finite logits")
+    err = float(np.max(np.abs(logits.astype(np.float64) - ref)) / np.max(np.abs(ref)))
+    if not err <= RTOL_OF_MAX:
+        raise AssertionError(f"max|kernel - ref| = {err:.3g} * max|ref| > {RTOL_OF_MAX}")
+    ex.reset()
+    tok = ex.step(TOKEN, 0, DeviceSample(0.0, 0)).token
+    if tok != int(np.argmax(ref)):
+        raise AssertionError(f"device greedy token {tok} != reference argmax {int(np.argmax(ref))}")
+    res = ex.device.resources(ex.module)
+    spills = {n: r["local_bytes"] for n, r in res.items() if r.get("local_bytes")}
+    if spills:
+        raise AssertionError(f"local (spill) bytes per kernel: {spills}")
+    mk = res.get("megakernel", {})
+    return {"blocks": ex.blocks, "build_s": round(t_build, 2), "rel_err": err,
+            "megakernel": mk, "kernels": len(res)}
+
+
+def watchdog(backend: str, model, blocks: int | None) -> dict:
+    """One wait made unsatisfiable (the LM head's, which no later instruction of the step
+    waits on): the watchdog stops every block and the error names that instruction."""
+    from ..errors import KernelError
+    from ..kernel.scheduler import schedule
+    from ..runtime import make_executor
+
+    probe = make_executor(backend, model, MAX_SEQ, **({"blocks": blocks} if blocks else {}))
+    prog = copy.deepcopy(schedule(model.config, probe.blocks, MAX_SEQ))
+    last = max((i, b) for b, q in enumerate(prog.queues) for i, ins in enumerate(q)
+               if ins.wait is not None)
+    i, b = last
+    ins = prog.queues[b][i]
+    ins.wait = (ins.wait[0], ins.wait[1] + 1)
+    label = ins.label(b, i)
+    ex = make_executor(backend, model, MAX_SEQ, program=prog, watchdog_ms=300)
+    t0 = time.perf_counter()
+    try:
+        ex.step(TOKEN, 0)
+    except KernelError as e:
+        took = time.perf_counter() - t0
+        if "watchdog" not in str(e) or label not in str(e):
+            raise AssertionError(f"the error does not name {label}: {e}") from None
+        if took > 5:
+            raise AssertionError(f"the watchdog took {took:.1f} s (deadline 0.3 s)") from None
+        return {"named": label, "seconds_to_error": round(took, 2)}
+    raise AssertionError("a stuck wait did not raise")
+
+
+def placement(backend: str, model, blocks: int | None) -> dict:
+    """%smid of every block of a traced step: one block per SM is the design."""
+    from ..kernel.isa import Op, TraceWord
+    from ..runtime import make_executor
+
+    ex = make_executor(backend, model, MAX_SEQ, trace=True,
+                       **({"blocks": blocks} if blocks else {}))
+    ex.reset()
+    ex.step(TOKEN, 0)
+    rec = ex.trace_records()
+    sms = []
+    for b, q in enumerate(ex.program.queues):
+        first = next(i for i, ins in enumerate(q) if ins.op != Op.NOOP)
+        sms.append(int(rec[b, first, TraceWord.SMID]))
+    distinct = len(set(sms))
+    if distinct != len(sms):
+        raise AssertionError(f"{len(sms)} blocks on {distinct} SMs: {sms}")
+    return {"blocks": len(sms), "distinct_sms": distinct, "smid_first": sms[:8]}
+
+
+def timer_tick(backend: str) -> dict:
+    from ..kernel.cuda_backend import CupyDevice
+
+    if backend != "cuda":
+        return {"skipped": "the emulator's timer is the host's steady clock"}
+    tick, distinct = CupyDevice().timer_tick_ns()
+    return {"tick_ns": tick, "distinct_values_in_4096_reads": distinct}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m monokernel.tools.smoke", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for smoke.json")
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "emulator"])
+    ap.add_argument("--shapes", default=None,
+                    help=f"comma list (default: {','.join(GPU_SHAPES)} on cuda, tiny on the "
+                         "emulator)")
+    ap.add_argument("--blocks", type=int, default=None,
+                    help="persistent blocks (default: one per SM on cuda, 3 on the emulator)")
+    args = ap.parse_args(argv)
+    from ..model.loader import load_model
+    from .commands import synthetic_dir
+
+    emu = args.backend == "emulator"
+    shapes = args.shapes.split(",") if args.shapes else (["tiny"] if emu else list(GPU_SHAPES))
+    blocks = args.blocks or (3 if emu else None)
+    checks = Checks(log=lambda s: print(s, flush=True))
+    models = {}
+    for shape in shapes:
+        row = checks.run(f"load {shape}", lambda s=shape: models.__setitem__(
+            s, load_model(synthetic_dir(s), progress=False)))
+        if row["ok"]:
+            checks.run(f"one step {shape}", lambda s=shape: one_step(args.backend, models[s],
+                                                                     blocks))
+    first = models.get(shapes[0])
+    if first is not None:
+        checks.run(f"watchdog {shapes[0]}", lambda: watchdog(args.backend, first, blocks))
+        checks.run(f"placement {shapes[0]}", lambda: placement(args.backend, first, blocks))
+    checks.run("timer tick", lambda: timer_tick(args.backend))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "smoke.json").write_text(json.dumps({"backend": args.backend, "shapes": shapes,
+                                                "ok": checks.ok, "checks": checks.rows},
+                                               indent=1, default=str))
+    print(f"smoke: {'all checks passed' if checks.ok else 'FAILED'} "
+          f"({sum(r['ok'] for r in checks.rows)}/{len(checks.rows)}); wrote {out / 'smoke.json'}")
+    return 0 if checks.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

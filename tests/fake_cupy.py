@@ -1,0 +1,167 @@
+"""A fake CuPy: just the surface monokernel's CUDA backend uses. "Device memory" is host memory;
+launches either run in the CPU emulator (``launch_mode="emulator"``: the backend's argument
+packing, copies, graphs and waits are tested against the reference) or do nothing
+(``"noop"``: the host-side cost of the GPU check is timed without a GPU). Tests install an
+instance as ``cupy``; tests/fakecupy/ makes it importable as the ``cupy`` package for a
+subprocess (scripts/gpu_check.sh --fake-cupy)."""
+
+from __future__ import annotations
+
+import ctypes
+import types
+
+import numpy as np
+
+from monokernel.kernel.isa import params_dtype
+
+
+class FakeArray:
+    lazy = False  # FakeCupy(launch_mode="noop") sets it
+
+    def __init__(self, shape, dtype):
+        self.a = np.zeros(shape, dtype)
+        self.shape, self.dtype, self.nbytes = self.a.shape, self.a.dtype, self.a.nbytes
+        self.data = types.SimpleNamespace(ptr=self.a.ctypes.data,
+                                          copy_to_host_async=self._copy_to_host_async)
+
+    def _copy_to_host_async(self, dst: int, size: int, stream=None) -> None:
+        ctypes.memmove(dst, self.a.ctypes.data, size)
+
+    def set(self, arr, stream=None):
+        if not self.lazy:  # "noop" launches never read device memory: skip the host copy,
+            self.a[...] = arr  # which on a GPU is the device's work, not the host's
+
+    def get(self, stream=None):
+        return self.a.copy()
+
+    def fill(self, value):
+        self.a.fill(value)
+
+
+class FakeCupy:
+    """Just the CuPy surface cuda_backend uses, recording what it is asked to do."""
+
+    def __init__(self, num_sms=4, blocks_per_sm=1, hang=False, launch_mode="emulator"):
+        from monokernel.kernel.executor import EmulatorDevice
+
+        fake = self
+        self.launch_mode = launch_mode  # "emulator": launches run there; "noop": they do nothing
+        FakeArray.lazy = launch_mode == "noop"
+        self.emulator = EmulatorDevice()
+        self.launches: list[tuple[str, int, bool]] = []
+        self.hang = hang
+        self.streams: dict[int, object] = {}
+        self.param_size = params_dtype().itemsize
+
+        class CompileException(Exception):
+            def get_message(self):
+                return str(self)
+
+        class Device:
+            compute_capability = "90"
+
+            def __init__(self, i=0):
+                pass
+
+            def use(self):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                return False
+
+        class Stream:
+            def __init__(self, non_blocking=False):
+                self.ptr = 1000 + len(fake.streams)
+                self.captured = None
+                fake.streams[self.ptr] = self
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                return False
+
+            def begin_capture(self, mode=None):
+                self.captured = []
+
+            def end_capture(self):
+                nodes, self.captured = self.captured, None
+                return types.SimpleNamespace(launch=lambda stream=None: [n() for n in nodes])
+
+        class Event:
+            def __init__(self, block=False, disable_timing=False):
+                pass
+
+            def record(self, stream=None):
+                pass
+
+            @property
+            def done(self):
+                return not fake.hang
+
+        def launch(func, gx, gy, gz, bx, by, bz, smem, stream, kparams, extra=None,
+                   cooperative=False):
+            # kernelParams[0] points at the struct; the driver copies its bytes at the call
+            arg_ptr = ctypes.c_void_p.from_address(kparams).value
+            struct = np.frombuffer(ctypes.string_at(arg_ptr, fake.param_size), np.uint8).copy()
+            name = fake.functions[func]
+
+            def run():
+                fake.launches.append((name, gx, cooperative))
+                if fake.launch_mode == "emulator" and name in fake.emulated:
+                    fake.module.launch(name, gx, bx, struct.ctypes.data, 60.0)
+
+            s = fake.streams[stream]
+            s.captured.append(run) if s.captured is not None else run()
+
+        class RawKernel:
+            def __init__(self, name):
+                self.kernel = types.SimpleNamespace(ptr=hash(name) & 0xFFFFFF)
+                fake.functions[self.kernel.ptr] = name
+                self.num_regs, self.shared_size_bytes, self.local_size_bytes = 64, 9000, 0
+                self.const_size_bytes, self.max_threads_per_block = 0, 1024
+
+        class RawModule:
+            def __init__(self, code, options):
+                defines = dict(o[2:].split("=", 1) for o in options if o.startswith("-D"))
+                from monokernel.kernel.executor import KERNEL_NAMES
+
+                # probes.cu (hold, timer) and every launch in "noop" mode do nothing here
+                if fake.launch_mode == "emulator" and "megakernel" in code:
+                    fake.module = fake.emulator.compile(code, KERNEL_NAMES, defines)
+                    fake.emulated = set(KERNEL_NAMES)
+
+            def get_function(self, name):
+                return RawKernel(name)
+
+        self.functions: dict[int, str] = {}
+        self.emulated: set[str] = set()
+        self.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(
+                getDeviceCount=lambda: 1,
+                getDeviceProperties=lambda i: {"name": b"Fake H200", "multiProcessorCount": num_sms,
+                                               "cooperativeLaunch": 1}),
+            Device=Device, Stream=Stream, Event=Event,
+            driver=types.SimpleNamespace(
+                launchKernel=launch,
+                launchCooperativeKernel=lambda *a: launch(*a, cooperative=True),
+                occupancyMaxActiveBlocksPerMultiprocessor=lambda f, t, s: blocks_per_sm),
+            compiler=types.SimpleNamespace(CompileException=CompileException),
+            get_elapsed_time=lambda a, b: 0.5)
+        self.RawModule = RawModule
+        self.zeros = lambda shape, dtype: FakeArray(shape, dtype)
+        self.empty = lambda shape, dtype: FakeArray(shape, dtype)
+        self.ones = lambda shape, dtype: _filled(FakeArray(shape, dtype), 1)
+        self.copyto = lambda dst, src: np.copyto(dst.a, src.a)
+        self.uint8, self.uint64 = np.uint8, np.uint64
+        self.__version__ = "0.0-fake"
+        self.show_config = lambda: print("fake CuPy (tests/fake_cupy.py): launches are",
+                                         launch_mode)
+
+
+def _filled(arr: FakeArray, value) -> FakeArray:
+    arr.fill(value)
+    return arr

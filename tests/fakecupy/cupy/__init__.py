@@ -1,0 +1,18 @@
+"""``import cupy`` for a subprocess: a fake_cupy.FakeCupy with no-op launches (or emulated ones
+with FAKE_CUPY_LAUNCH=emulator), FAKE_CUPY_SMS SMs (default 132, an H200's)."""
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for fake_cupy
+from fake_cupy import FakeCupy  # noqa: E402
+
+_fake = FakeCupy(num_sms=int(os.environ.get("FAKE_CUPY_SMS", "132")),
+                 launch_mode=os.environ.get("FAKE_CUPY_LAUNCH", "noop"))
+cuda = _fake.cuda
+RawModule = _fake.RawModule
+zeros, empty, ones, copyto = _fake.zeros, _fake.empty, _fake.ones, _fake.copyto
+uint8, uint64 = _fake.uint8, _fake.uint64
+show_config = _fake.show_config
+__version__ = _fake.__version__
