@@ -41,6 +41,7 @@ static_assert(MK_THREADS % 32 == 0, "whole warps only");
 static_assert(MK_HIDDEN % 8 == 0 && MK_FFN % 8 == 0 && MK_Q_DIM % 8 == 0,
               "mat-vec rows are read 8 bf16 (16 bytes) at a time");
 static_assert(MK_HEAD_DIM % 32 == 0, "attention gives each lane HEAD_DIM/32 elements");
+static_assert(MK_HEAD_DIM <= MK_THREADS, "RMS_QKV_ROPE gives each head element a thread");
 static_assert(MK_HEADS % MK_KV_HEADS == 0, "GQA groups must be whole");
 
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
@@ -131,35 +132,144 @@ __device__ __forceinline__ unsigned sm_id() {
 #endif
 }
 
-// Dot product of one bf16 weight row (16-byte loads, read-only path) with an fp32 vector in
-// shared memory; the whole warp cooperates and every lane gets the sum.
+// ---- mat-vec ------------------------------------------------------------------------------
+// Weight rows are bf16, read 16 bytes (8 values) per load through the read-only path; x is an
+// fp32 vector in shared memory. A warp computes R rows per pass: every lane issues its loads for
+// all R rows (K per row per chunk) before the first FMA, so a pass keeps R x K 16-byte loads per
+// lane in flight: >= 8 for every row length (>= 32 KB per SM with 8 warps), where v1 kept 2
+// (8 KB per SM, ~2 TB/s by Little's law; PERFORMANCE.md section 2). MK_DESIGN=1 restores v1's
+// memory parallelism (one row per pass, 2 loads in flight) for the A/B on a GPU.
+#ifndef MK_DESIGN
+#define MK_DESIGN 2
+#endif
+
 template <int N>
-__device__ __forceinline__ float warp_dot(const unsigned short* __restrict__ w, const float* x) {
-  const uint4* w4 = reinterpret_cast<const uint4*>(w);
-  const int lane = threadIdx.x & 31;
-  float acc = 0.f;
-#pragma unroll 2
-  for (int i = lane; i < N / 8; i += 32) {
-    const uint4 p = __ldg(w4 + i);
-    const float4 a = *reinterpret_cast<const float4*>(x + i * 8);
-    const float4 b = *reinterpret_cast<const float4*>(x + i * 8 + 4);
-    acc += bf_lo(p.x) * a.x + bf_hi(p.x) * a.y + bf_lo(p.y) * a.z + bf_hi(p.y) * a.w;
-    acc += bf_lo(p.z) * b.x + bf_hi(p.z) * b.y + bf_lo(p.w) * b.z + bf_hi(p.w) * b.w;
-  }
-  return warp_sum(acc);
+struct RowShape {
+  static_assert(N % 8 == 0, "rows are read 8 bf16 at a time");
+  static constexpr int V = N / 8;            // 16-byte vectors per row
+  static constexpr int L = (V + 31) / 32;    // per lane, whole row
+#if MK_DESIGN >= 2
+  static constexpr int K = L < 8 ? L : 8;    // per lane per row per chunk
+  static constexpr int R = L >= 8 ? 1 : (8 + L - 1) / L;  // rows per warp pass
+#else
+  static constexpr int K = L < 2 ? L : 2;
+  static constexpr int R = 1;
+#endif
+};
+
+__device__ __forceinline__ float dot8(uint4 p, float4 a, float4 b) {
+  return bf_lo(p.x) * a.x + bf_hi(p.x) * a.y + bf_lo(p.y) * a.z + bf_hi(p.y) * a.w +
+         bf_lo(p.z) * b.x + bf_hi(p.z) * b.y + bf_lo(p.w) * b.z + bf_hi(p.w) * b.w;
 }
 
-// s_out = rmsnorm(x) * w, x read from global memory (written by other blocks: plain loads).
-__device__ void rms_normalize(const float* x, const unsigned short* __restrict__ w, float* s_out) {
+// out[r] = row(r) . x for the rows r whose bit is set in ``valid`` (others: 0); every lane gets
+// every sum. row(r) is only dereferenced for valid rows.
+template <int N, int R, class RowPtr>
+__device__ __forceinline__ void warp_dot_rows(RowPtr row, unsigned valid, const float* x,
+                                              float (&out)[R]) {
+  using S = RowShape<N>;
+  const int lane = threadIdx.x & 31;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int c0 = 0; c0 < S::L; c0 += S::K) {
+    uint4 p[R][S::K];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const bool ok = (valid >> r) & 1u;
+      const uint4* w4 = reinterpret_cast<const uint4*>(row(r));
+#pragma unroll
+      for (int k = 0; k < S::K; ++k) {
+        const int i = lane + 32 * (c0 + k);
+        p[r][k] = ok && c0 + k < S::L && i < S::V ? __ldg(w4 + i) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < S::K; ++k) {
+      const int i = lane + 32 * (c0 + k);
+      if (c0 + k < S::L && i < S::V) {
+        const float4 a = *reinterpret_cast<const float4*>(x + i * 8);
+        const float4 b = *reinterpret_cast<const float4*>(x + i * 8 + 4);
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] += dot8(p[r][k], a, b);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
+}
+
+// Rows k in [0, n) of one instruction, RowShape<N>::R per warp pass, warps round-robin.
+// pre(k) is loaded by lane (k - k0) before the pass's weights (the same round trip: bias, the
+// block's own residual row); then emit(k, dot, pre) runs on that lane.
+template <int N, class RowPtr, class Pre, class Emit>
+__device__ __forceinline__ void block_dot_rows(int n, RowPtr row, const float* x, Pre pre,
+                                               Emit emit) {
+  constexpr int R = RowShape<N>::R;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int k0 = warp * R; k0 < n; k0 += NWARPS * R) {
+    const int m = min(R, n - k0);
+    const float before = lane < m ? pre(k0 + lane) : 0.f;
+    float out[R];
+    warp_dot_rows<N, R>([&](int r) { return row(k0 + r); }, (1u << m) - 1u, x, out);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (lane == r && r < m) emit(k0 + r, out[r], before);
+  }
+}
+
+// Row pairs (A[k], B[k]) for k in [0, n), loaded together (gate and up): emit(k, a, b).
+template <int N, class Emit>
+__device__ __forceinline__ void block_dot_row_pairs(int n, const unsigned short* A,
+                                                    const unsigned short* B, const float* x,
+                                                    Emit emit) {
+  constexpr int R = RowShape<N>::R > 1 ? RowShape<N>::R / 2 + RowShape<N>::R % 2 : 1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int k0 = warp * R; k0 < n; k0 += NWARPS * R) {
+    const int m = min(R, n - k0);
+    float out[2 * R];
+    warp_dot_rows<N, 2 * R>(
+        [&](int r) { return r < R ? A + (size_t)(k0 + r) * N : B + (size_t)(k0 + r - R) * N; },
+        ((1u << m) - 1u) | (((1u << m) - 1u) << R), x, out);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (lane == r && r < m) emit(k0 + r, out[r], out[R + r]);
+  }
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------------
+// Each thread owns elements i = threadIdx.x + MK_THREADS * c of the hidden vector.
+#define RMS_PER ((MK_HIDDEN + MK_THREADS - 1) / MK_THREADS)
+
+// The norm weights this thread will need, loaded before the instruction's wait (weights never
+// depend on counters), so that after it only the residual is a round trip.
+__device__ __forceinline__ void rms_load_weights(const unsigned short* __restrict__ w,
+                                                 float (&g)[RMS_PER]) {
+#pragma unroll
+  for (int c = 0; c < RMS_PER; ++c) {
+    const int i = threadIdx.x + MK_THREADS * c;
+    g[c] = i < H ? bf16_to_f32(__ldg(w + i)) : 0.f;
+  }
+}
+
+// s_out = rmsnorm(x) * g, x read from global memory (written by other blocks: plain loads).
+__device__ void rms_apply(const float* x, const float (&g)[RMS_PER], float* s_out) {
+  float v[RMS_PER];
   float ss = 0.f;
-  for (int i = threadIdx.x; i < H; i += MK_THREADS) {
-    const float v = x[i];
-    s_out[i] = v;
-    ss += v * v;
+#pragma unroll
+  for (int c = 0; c < RMS_PER; ++c) {
+    const int i = threadIdx.x + MK_THREADS * c;
+    v[c] = i < H ? x[i] : 0.f;
+    ss += v[c] * v[c];
   }
   ss = block_sum(ss);
   const float r = 1.0f / sqrtf(ss / (float)H + MK_RMS_EPS);
-  for (int i = threadIdx.x; i < H; i += MK_THREADS) s_out[i] = s_out[i] * r * bf16_to_f32(__ldg(w + i));
+#pragma unroll
+  for (int c = 0; c < RMS_PER; ++c) {
+    const int i = threadIdx.x + MK_THREADS * c;
+    if (i < H) s_out[i] = v[c] * r * g[c];
+  }
   __syncthreads();
 }
 
@@ -267,12 +377,15 @@ __device__ void op_embed(const Params& P, const int* ins, const int* st) {
 // ================================================================================================
 // Op: RMS_QKV_ROPE - tiles are row pairs (j, j + HEAD_DIM/2) of one head of Wqkv, so RoPE's
 // partner row is always in the same tile; with QK_NORM the scheduler aligns tiles to heads.
+// After the wait: the residual (one round trip), then per head segment of the tile its rows
+// with their bias, RoPE entries and q/k-norm weights loaded in the same round trip.
 // ================================================================================================
-__device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, const int* st) {
+__device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, const int* st,
+                                const float (&g)[RMS_PER]) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   if (b >= e) return;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  rms_normalize(P.residual, P.in_norm + (size_t)layer * H, s.vec);
+  const int t = threadIdx.x;
+  rms_apply(P.residual, g, s.vec);
   const int pos = st[S_POS];
   const unsigned short* W = P.wqkv + (size_t)layer * MK_QKV_DIM * H;
   for (int p = b; p < e;) {
@@ -280,33 +393,44 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
     const int j0 = p % HALF;
     const int j1 = min(HALF, j0 + (e - p));
     const int n = j1 - j0;
-    for (int k = warp; k < 2 * n; k += NWARPS) {
-      const int j = j0 + (k >> 1) + (k & 1) * HALF;  // row within the head
-      const int r = head * D + j;
-      float v = warp_dot<H>(W + (size_t)r * H, s.vec);
-#if MK_HAS_BIAS
-      v += bf16_to_f32(__ldg(P.bqkv + (size_t)layer * MK_QKV_DIM + r));
-#endif
-      if (lane == 0) s.row[j] = v;
-    }
-    __syncthreads();
     const bool is_q = head < MK_HEADS, is_k = !is_q && head < MK_HEADS + MK_KV_HEADS;
+    // thread t: RoPE entry j0 + t, q/k-norm weight of element t (issued with the rows below)
+    float cs = 1.f, sn = 0.f;
+    if ((is_q || is_k) && t < n) {
+      cs = __ldg(P.rope_cos + (size_t)pos * HALF + j0 + t);
+      sn = __ldg(P.rope_sin + (size_t)pos * HALF + j0 + t);
+    }
+#if MK_QK_NORM
+    const float nw = (is_q || is_k) && t < D
+        ? bf16_to_f32(__ldg((is_q ? P.q_norm : P.k_norm) + (size_t)layer * D + t)) : 0.f;
+#endif
+    // rows k < n: j0 + k; rows k >= n: their RoPE partners j0 + k - n + HALF
+    auto row_j = [&](int k) { return k < n ? j0 + k : j0 + k - n + HALF; };
+    block_dot_rows<H>(
+        2 * n, [&](int k) { return W + (size_t)(head * D + row_j(k)) * H; }, s.vec,
+        [&](int k) {
+#if MK_HAS_BIAS
+          return bf16_to_f32(__ldg(P.bqkv + (size_t)layer * MK_QKV_DIM + head * D + row_j(k)));
+#else
+          (void)k;
+          return 0.f;
+#endif
+        },
+        [&](int k, float v, float bias) { s.row[row_j(k)] = v + bias; });
+    __syncthreads();
 #if MK_QK_NORM
     if (is_q || is_k) {  // the tile holds the whole head (j0 == 0, j1 == HALF)
-      float ss = 0.f;
-      for (int d = threadIdx.x; d < D; d += MK_THREADS) ss += s.row[d] * s.row[d];
-      ss = block_sum(ss);
+      const float x = t < D ? s.row[t] : 0.f;
+      const float ss = block_sum(x * x);
       const float r = 1.0f / sqrtf(ss / (float)D + MK_RMS_EPS);
-      const unsigned short* nw = (is_q ? P.q_norm : P.k_norm) + (size_t)layer * D;
-      for (int d = threadIdx.x; d < D; d += MK_THREADS) s.row[d] = s.row[d] * r * bf16_to_f32(__ldg(nw + d));
+      if (t < D) s.row[t] = x * r * nw;
       __syncthreads();
     }
 #endif
-    for (int j = j0 + threadIdx.x; j < j1; j += MK_THREADS) {
+    if (t < n) {
+      const int j = j0 + t;
       float a = s.row[j], c = s.row[j + HALF];
       if (is_q || is_k) {  // rotate-half RoPE
-        const float cs = __ldg(P.rope_cos + (size_t)pos * HALF + j);
-        const float sn = __ldg(P.rope_sin + (size_t)pos * HALF + j);
         const float ra = a * cs - c * sn, rc = c * cs + a * sn;
         a = ra;
         c = rc;
@@ -418,7 +542,6 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[W_ARG0];
   if (b >= e) return;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int idx = threadIdx.x; idx < MK_Q_DIM; idx += MK_THREADS) {
     const int g = idx / (MK_GROUP * D), h = (idx / D) % MK_GROUP, d = idx % D;
     float M = NEG_INF;
@@ -436,50 +559,62 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
     s.vec[idx] = acc / L;
   }
   __syncthreads();
-  const unsigned short* W = P.wo + (size_t)layer * H * MK_Q_DIM;
-  for (int r = b + warp; r < e; r += NWARPS) {
-    const float v = warp_dot<MK_Q_DIM>(W + (size_t)r * MK_Q_DIM, s.vec);
-    if (lane == 0) P.residual[r] += v;
-  }
+  // the tile's residual rows are this block's own (EMBED, O_PROJ and DOWN share the row
+  // tiles), so each is read in the same round trip as its weights
+  const unsigned short* W = P.wo + ((size_t)layer * H + b) * MK_Q_DIM;
+  block_dot_rows<MK_Q_DIM>(
+      e - b, [&](int k) { return W + (size_t)k * MK_Q_DIM; }, s.vec,
+      [&](int k) { return P.residual[b + k]; },
+      [&](int k, float v, float before) { P.residual[b + k] = before + v; });
 }
 
 // ================================================================================================
-// Op: RMS_GATE_UP - h[r] = silu(Wg[r] . x) * (Wu[r] . x), x = rmsnorm(residual)
+// Op: RMS_GATE_UP - h[r] = silu(Wg[r] . x) * (Wu[r] . x), x = rmsnorm(residual); the gate and
+// up rows of a pass are loaded together
 // ================================================================================================
-__device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, const int* st) {
+__device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, const int* st,
+                               const float (&g)[RMS_PER]) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   if (b >= e) return;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  rms_normalize(P.residual, P.post_norm + (size_t)layer * H, s.vec);
-  const size_t off = (size_t)layer * MK_FFN * H;
-  for (int r = b + warp; r < e; r += NWARPS) {
-    const float g = warp_dot<H>(P.wg + off + (size_t)r * H, s.vec);
-    const float u = warp_dot<H>(P.wu + off + (size_t)r * H, s.vec);
-    if (lane == 0) P.ffn_h[r] = g / (1.0f + expf(-g)) * u;
-  }
+  rms_apply(P.residual, g, s.vec);
+  const size_t off = ((size_t)layer * MK_FFN + b) * H;
+  block_dot_row_pairs<H>(e - b, P.wg + off, P.wu + off, s.vec, [&](int k, float gv, float uv) {
+    P.ffn_h[b + k] = gv / (1.0f + expf(-gv)) * uv;
+  });
 }
 
 // ================================================================================================
-// Op: DOWN_RESIDUAL - residual[r] += Wd[r] . h
+// Op: DOWN_RESIDUAL - residual[r] += Wd[r] . h (the block's own residual rows, read with the
+// weights)
 // ================================================================================================
 __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   if (b >= e) return;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int i = threadIdx.x; i < MK_FFN; i += MK_THREADS) s.vec[i] = P.ffn_h[i];
   __syncthreads();
-  const unsigned short* W = P.wd + (size_t)layer * H * MK_FFN;
-  for (int r = b + warp; r < e; r += NWARPS) {
-    const float v = warp_dot<MK_FFN>(W + (size_t)r * MK_FFN, s.vec);
-    if (lane == 0) P.residual[r] += v;
-  }
+  const unsigned short* W = P.wd + ((size_t)layer * H + b) * MK_FFN;
+  block_dot_rows<MK_FFN>(
+      e - b, [&](int k) { return W + (size_t)k * MK_FFN; }, s.vec,
+      [&](int k) { return P.residual[b + k]; },
+      [&](int k, float v, float before) { P.residual[b + k] = before + v; });
 }
 
 // ================================================================================================
 // Op: RMS_LM_HEAD - logits[r] = lm_head[r] . rmsnorm(residual); the tile's best score
 // (logit, or logit / T + Gumbel noise when sampling) and its token go to lm_part[slot].
 // ================================================================================================
-__device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, const int* st) {
+// The better of two (score, token) candidates: a NaN score wins (it poisons the step), then the
+// higher score, then the lower token id; id -1 is "none".
+__device__ __forceinline__ void best_of(float& v, int& id, float ov, int oid) {
+  if (oid < 0) return;
+  if (id < 0 || (v == v && (ov != ov || ov > v || (ov == v && oid < id)))) {
+    v = ov;
+    id = oid;
+  }
+}
+
+__device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, const int* st,
+                               const float (&g)[RMS_PER]) {
   const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], slot = ins[W_ARG0];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float temp = __int_as_float(st[S_TEMPERATURE]);
@@ -487,16 +622,21 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
   float best = NEG_INF;
   int best_id = -1;
   if (b < e) {
-    rms_normalize(P.residual, P.final_norm, s.vec);
-    for (int r = b + warp; r < e; r += NWARPS) {
-      const float v = warp_dot<H>(P.lm_head + (size_t)r * H, s.vec);
-      if (lane == 0) {
-        P.logits[r] = v;
-        const float score = temp > 0.f ? v / temp + gumbel(seed, pos, (unsigned)r) : v;
-        if (score != score) { best = score; best_id = r; }  // NaN poisons the tile
-        else if (best == best && (score > best || best_id < 0)) { best = score; best_id = r; }
-      }
-    }
+    rms_apply(P.residual, g, s.vec);
+    block_dot_rows<H>(
+        e - b, [&](int k) { return P.lm_head + (size_t)(b + k) * H; }, s.vec,
+        [](int) { return 0.f; },
+        [&](int k, float v, float) {
+          const int r = b + k;
+          P.logits[r] = v;
+          best_of(best, best_id, temp > 0.f ? v / temp + gumbel(seed, pos, (unsigned)r) : v, r);
+        });
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {  // the warp's best: every lane ends with it
+    const float ov = __shfl_xor_sync(FULL_MASK, best, o);
+    const int oid = __shfl_xor_sync(FULL_MASK, best_id, o);
+    best_of(best, best_id, ov, oid);
   }
   if (lane == 0) {
     s.best[warp] = best;
@@ -504,13 +644,7 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 0; w < NWARPS; ++w) {  // rows of a warp rise, so ties keep the lowest id
-      const float v = s.best[w];
-      const int id = s.best_id[w];
-      if (id < 0) continue;
-      if (v != v) { best = v; best_id = id; break; }
-      if (best_id < 0 || v > best || (v == best && id < best_id)) { best = v; best_id = id; }
-    }
+    for (int w = 1; w < NWARPS; ++w) best_of(best, best_id, s.best[w], s.best_id[w]);
     P.lm_part[slot * 2] = best;
     P.lm_part[slot * 2 + 1] = __int_as_float(best_id);
   }
@@ -606,6 +740,12 @@ __device__ void run_instructions(const Params& P, int begin, int end) {
 #if MK_PREFETCH
     prefetch_weights(P, w);
 #endif
+    // norm weights never depend on counters: in registers before the wait
+    float g[RMS_PER];
+    const int lay = w[W_LAYER];
+    if (op == OP_RMS_QKV_ROPE) rms_load_weights(P.in_norm + (size_t)lay * H, g);
+    else if (op == OP_RMS_GATE_UP) rms_load_weights(P.post_norm + (size_t)lay * H, g);
+    else if (op == OP_RMS_LM_HEAD) rms_load_weights(P.final_norm, g);
     if (w[W_WAIT_COUNTER] >= 0 &&
         !wait_counter(P, w[W_WAIT_COUNTER], w[W_WAIT_COUNT] * target_scale, i, op, deadline_ns))
       return;
@@ -618,12 +758,12 @@ __device__ void run_instructions(const Params& P, int begin, int end) {
     }
     switch (ONLY == OP_NOOP ? op : ONLY) {
       case OP_EMBED: op_embed(P, w, st); break;
-      case OP_RMS_QKV_ROPE: op_rms_qkv_rope(P, s, w, st); break;
+      case OP_RMS_QKV_ROPE: op_rms_qkv_rope(P, s, w, st, g); break;
       case OP_ATTENTION: op_attention(P, s, w, st); break;
       case OP_O_PROJ_RESIDUAL: op_o_proj_residual(P, s, w, st); break;
-      case OP_RMS_GATE_UP: op_rms_gate_up(P, s, w, st); break;
+      case OP_RMS_GATE_UP: op_rms_gate_up(P, s, w, st, g); break;
       case OP_DOWN_RESIDUAL: op_down_residual(P, s, w, st); break;
-      case OP_RMS_LM_HEAD: op_rms_lm_head(P, s, w, st); break;
+      case OP_RMS_LM_HEAD: op_rms_lm_head(P, s, w, st, g); break;
       case OP_SAMPLE: op_sample(P, w, st); break;
       default:
         if (threadIdx.x == 0) record_error(P, ERR_BAD_OPCODE, i, op, -1, -1, op);

@@ -1,0 +1,86 @@
+"""Memory parallelism in the sm_90 SASS (PERFORMANCE.md section 5: bytes in flight per SM).
+
+By Little's law an SM needs ~27-45 KB of loads in flight to stream weights near the HBM rate;
+v1 kept 2 16-byte loads per lane (8 KB per SM). Here megakernel.cu is compiled for sm_90, its
+SASS is read with cuobjdump (the nvidia-cuda-cuobjdump wheel), and in the megakernel every
+run of 16-byte read-only loads (LDG.E.128.CONSTANT: weights) issued before the first FMA that
+could consume them is measured. Every mat-vec site must issue >= 8 per lane (>= 32 KB per SM at
+256 threads); the v1 design (-DMK_DESIGN=1: one row per pass, 2 loads per row in flight, as v1's
+warp_dot) is the negative control: below 8 everywhere (the compiler still overlaps a row's
+second chunk and loads gate and up rows together: up to 6).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from monokernel.kernel.isa import NUM_THREADS
+from monokernel.kernel.executor import kernel_source
+from monokernel.model.config import ModelConfig
+
+NVCC = shutil.which("nvcc")
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH (CUDA toolkit needed)")
+MAT_VEC_SITES = 5  # RMS_QKV_ROPE, O_PROJ_RESIDUAL, RMS_GATE_UP, DOWN_RESIDUAL, RMS_LM_HEAD
+
+
+def cuobjdump() -> str:
+    try:
+        import nvidia.cu13  # the nvidia-cuda-cuobjdump wheel (CUDA 13)
+
+        for base in nvidia.cu13.__path__:
+            path = Path(base) / "bin" / "cuobjdump"
+            if path.is_file():
+                return str(path)
+    except ImportError:
+        pass
+    found = shutil.which("cuobjdump")
+    if not found:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    return found
+
+
+def load_runs(sass: str) -> list[int]:
+    """Lengths of the runs of 16-byte read-only global loads between floating-point ops."""
+    runs, cur = [], 0
+    for line in sass.splitlines():
+        if re.search(r"\bLDG\.E\.128(\.CONSTANT)?\b", line):
+            cur += 1
+        elif re.search(r"\b(FFMA|FMUL|FADD)\b", line):
+            if cur:
+                runs.append(cur)
+            cur = 0
+    return runs
+
+
+def megakernel_sass(tmp_path: Path, shape: str, *defines: str) -> str:
+    src = tmp_path / f"{shape}.cu"
+    src.write_text(kernel_source(ModelConfig.from_name(shape), 1024))
+    cubin = tmp_path / f"{shape}.cubin"
+    proc = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-std=c++17", *defines, str(src), "-o",
+                           str(cubin)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = subprocess.run([cuobjdump(), "-sass", "-fun", "megakernel", str(cubin)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"])
+def test_every_mat_vec_keeps_8_loads_per_lane_in_flight(tmp_path, shape):
+    runs = load_runs(megakernel_sass(tmp_path, shape))
+    deep = [r for r in runs if r >= 8]
+    kb = [r * 16 * NUM_THREADS / 1024 for r in deep]
+    print(f"{shape}: runs of 16-byte loads {sorted(runs, reverse=True)}; "
+          f"per SM {[f'{k:.0f} KB' for k in kb]}")
+    assert len(deep) >= MAT_VEC_SITES, f"{shape}: runs {sorted(runs, reverse=True)}"
+    assert min(kb) >= 32
+
+
+def test_v1_design_is_the_negative_control(tmp_path):
+    runs = load_runs(megakernel_sass(tmp_path, "smollm2-135m", "-DMK_DESIGN=1"))
+    assert runs and max(runs) < 8, sorted(runs, reverse=True)
