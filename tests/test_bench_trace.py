@@ -198,11 +198,12 @@ def test_plan_smollm2_shape(capsys):
         assert m, r["op"]
         assert int(m.group(1)) == r["instructions"]
         assert float(m.group(4)) == pytest.approx(r["bytes"] / 1e6, abs=1e-3)
-    assert re.search(r"^EMBED\s+8\s", out, re.M) and re.search(r"^SAMPLE\s+1\s", out, re.M)
+    assert re.search(r"^EMBED\s+8\s", out, re.M) and re.search(r"^RMS_LM_HEAD\s+8\s", out, re.M)
+    assert not re.search(r"^SAMPLE\s", out, re.M)  # folded into the LM head (design 2)
     assert re.search(r"^RMS_GATE_UP\s+240\s", out, re.M)  # 30 layers x 8 blocks
-    assert "critical path:          152 dependency hops per token" in out
+    assert "critical path:          151 dependency hops per token" in out
     assert "269.030 MB per token" in out  # ModelConfig.weight_bytes_per_token()
-    assert "counters:               153" in out
+    assert "counters:               152" in out
 
 
 def test_plan_bundled_model(bundled_dir, capsys):

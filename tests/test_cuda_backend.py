@@ -98,7 +98,7 @@ def test_import_registers_executors_without_cupy():
                          timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == "['cuda', 'cuda-multi', 'cuda-multi-graph', 'cuda-noprefetch']"
+    assert lines[0] == "['cuda', 'cuda-multi', 'cuda-multi-graph', 'cuda-noprefetch', 'cuda-v1']"
     assert lines[1].startswith("BackendUnavailableError CuPy is not installed: pip install")
 
 
@@ -320,17 +320,16 @@ def test_gpu_no_spills(gpu_case, shape):
 
 
 def stuck_program(cfg, blocks: int, max_seq_len: int):
-    """A scheduled program whose SAMPLE waits for one signal more than it will ever get; no
-    other instruction of the step waits on SAMPLE, so no other block's watchdog can fire first.
-    Returns (program, the label of that instruction)."""
+    """A scheduled program whose last wait (block 0's LM head) waits for one signal more than it
+    will ever get; no other instruction of the step waits on it, so no other block's watchdog
+    can fire first. Returns (program, the label of that instruction)."""
     from monokernel.kernel.scheduler import schedule
 
     program = copy.deepcopy(schedule(cfg, blocks, max_seq_len))  # schedule()'s is shared
-    b, i = next((b, i) for b, q in enumerate(program.queues) for i, ins in enumerate(q)
-                if ins.wait is not None and ins.op.name == "SAMPLE")
-    ins = program.queues[b][i]
-    program.queues[b][i] = dataclasses.replace(ins, wait=(ins.wait[0], ins.wait[1] + 1))
-    return program, ins.label(b, i)
+    i = max(i for i, ins in enumerate(program.queues[0]) if ins.wait is not None)
+    ins = program.queues[0][i]
+    program.queues[0][i] = dataclasses.replace(ins, wait=(ins.wait[0], ins.wait[1] + 1))
+    return program, ins.label(0, i)
 
 
 def launch_only_program(cfg, blocks: int, max_seq_len: int = GPU_MAX_SEQ):
@@ -368,8 +367,8 @@ def test_fake_cupy_watchdog_names_the_instruction(fake_cupy, tiny):
 @pytest.mark.gpu
 def test_gpu_watchdog_names_the_instruction(gpu_case):
     """One wait made unsatisfiable: the kernel's watchdog stops every block, the host names the
-    instruction within ~3 s, and the executor refuses further work. The wait is SAMPLE's: no
-    other instruction of the step waits on it, so no other block's watchdog can fire first."""
+    instruction within ~3 s, and the executor refuses further work. The wait is the LM head's:
+    no other instruction of the step waits on it, so no other block's watchdog can fire first."""
     from monokernel.runtime import make_executor
 
     m = gpu_case("smollm2-135m")[0]

@@ -242,12 +242,15 @@ def test_last_cache_slot_and_one_past_it(model, multi):
     kernel = run_kernel(ex, fed)
     assert_logits_match(kernel, ref_logits, f"{ex.name} max_seq_len={max_seq}")
     # every slot of both caches, the last included, holds the reference's bf16 K/V: equal, or
-    # one bf16 rounding step apart where the float32 sums straddle a rounding boundary
+    # one bf16 rounding step apart where the float32 sums straddle a rounding boundary; where
+    # RoPE's difference of products cancels to a value far below the head's scale, the float32
+    # summation order (kernel vs NumPy) shows through: allowed up to 2^-16 of the head's max
     for name, want in (("k_cache", ref.k_cache), ("v_cache", ref.v_cache)):
         got = (ex.read_buffer(name).astype(np.uint32) << 16).view(np.float32)
         assert np.abs(want[:, -1]).min() > 0  # the reference wrote the last slot (never zeros)
         assert np.array_equal(want, bf16_round(want))
-        off = np.abs(got - want) > 2.0 ** -8 * np.abs(want)
+        head_max = np.abs(want).max(axis=-1, keepdims=True)
+        off = np.abs(got - want) > 2.0 ** -8 * np.abs(want) + 2.0 ** -16 * head_max
         assert not off.any(), f"{name}: {int(off.sum())} elements differ by more than a bf16 step"
         assert (got != want).mean() < 0.01, f"{name}: {(got != want).mean():.1%} differ"
     # position max_seq_len has no slot: a clear error, before anything runs
@@ -472,8 +475,8 @@ def test_every_activation_element_is_written(model, reference, arch, blocks, spl
         part = buf["lm_part"].reshape(B, 2)
         ids = part[:, 1].copy().view(np.int32)
         for b in range(B):
-            lm = ex.program.queues[b][-2]
-            assert lm.op.name == "RMS_LM_HEAD" and lm.args == (b,)
+            lm = ex.program.queues[b][-1]  # design 2: the LM head ends every queue
+            assert lm.op.name == "RMS_LM_HEAD" and lm.args[0] == b
             lo, hi = lm.tile
             if hi > lo:
                 assert ids[b] == lo + int(np.argmax(res.logits[lo:hi]))

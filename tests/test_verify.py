@@ -200,11 +200,48 @@ def test_schedule_with_a_wait_count_too_high(tiny3):
 
 
 def test_schedule_with_a_wait_on_a_later_counter_deadlocks(tiny3):
-    # EMBED of block 0 waits for the SAMPLE counter, which follows it
+    # EMBED of block 0 waits for the last layer's DOWN counter, which follows it
     prog = copy.deepcopy(tiny3)
-    prog.queues[0][0].wait = (prog.counter_names.index("SAMPLE"), 1)
+    prog.queues[0][0].wait = (prog.counter_names.index("L1.DOWN_RESIDUAL"), 3)
     msg = hazard(prog)
     assert "deadlock" in msg and label(0, 0, Op.EMBED) in msg
+
+
+# ---- the LM head's atomic ticket (design 2): its tail is proven like an instruction ----------
+def test_ticket_tail_is_ordered_after_every_partial(tiny3):
+    """The tail (reads every block's partial) waits for every ticket: a block that takes no
+    ticket leaves its partial unordered before the others' tails (RAW)."""
+    prog = copy.deepcopy(tiny3)
+    assert all(q[-1].ticket == (prog.counter_names.index("RMS_LM_HEAD.ticket"), 3)
+               for q in prog.queues)
+    prog.queues[2][-1].ticket = None  # block 2 no longer draws a ticket
+    for q in prog.queues[:2]:
+        q[-1].ticket = (q[-1].ticket[0], 2)
+    msg = hazard(prog)
+    assert msg.startswith("RAW hazard on lm_part[4:6]") and "[ticket tail]" in msg
+
+
+def test_ticket_tails_exclude_each_other(tiny3, monkeypatch):
+    """Every block's tail writes the state, and that is allowed only because exactly one block
+    runs its tail: without the exclusion the same program is a WAW hazard between tails."""
+    import dataclasses
+
+    prog = copy.deepcopy(tiny3)
+    prog.verify(use_cache=False)
+    real = Program.verification_queues
+
+    def without_exclusion(self):
+        return [[dataclasses.replace(i, exclusive=None) for i in q] for q in real(self)]
+
+    monkeypatch.setattr(Program, "verification_queues", without_exclusion)
+    with pytest.raises(ProgramError, match=r"(RAW|WAW) hazard on (state|out_tokens).*ticket tail"):
+        prog.verify(use_cache=False)
+
+
+def test_v1_design_keeps_sample_in_block_0():
+    prog = schedule(TINY, 3, 64, design=1)
+    assert [q[-1].op for q in prog.queues] == [Op.SAMPLE, Op.NOOP, Op.NOOP]
+    assert all(ins.ticket is None for q in prog.queues for ins in q)
 
 
 # ================================================================================================
@@ -227,7 +264,7 @@ def expected_slot_ops(cfg: ModelConfig) -> list[tuple[Op, int]]:
     per_layer = [Op.RMS_QKV_ROPE, Op.ATTENTION, Op.O_PROJ_RESIDUAL, Op.RMS_GATE_UP,
                  Op.DOWN_RESIDUAL]
     return ([(Op.EMBED, 0)] + [(op, layer) for layer in range(cfg.num_layers) for op in per_layer]
-            + [(Op.RMS_LM_HEAD, 0), (Op.SAMPLE, 0)])
+            + [(Op.RMS_LM_HEAD, 0)])
 
 
 @pytest.mark.parametrize("name,blocks", KNOWN, ids=[f"{n}-b{b}" for n, b in KNOWN])
@@ -244,8 +281,8 @@ def test_known_schedules_verify_and_slots_align(name, blocks):
         for q in prog.queues:
             for i in range(begin, end):
                 assert q[i].op in (op, Op.NOOP) and (q[i].op == Op.NOOP or q[i].layer == layer)
-    # SAMPLE runs in block 0 only; every other op in every block
-    assert [q[-1].op for q in prog.queues] == [Op.SAMPLE] + [Op.NOOP] * (blocks - 1)
+    # every op in every block; the LM head ends every queue with its ticket
+    assert all(q[-1].op == Op.RMS_LM_HEAD and q[-1].ticket for q in prog.queues)
     words = prog.words()
     assert words.shape[:2] == (blocks, prog.max_len)
 
@@ -256,12 +293,14 @@ def test_known_schedules_verify_and_slots_align(name, blocks):
 def test_critical_path_hops(name, blocks):
     """One hop per counter wait on the longest chain. Every op waits for all signals of the op
     before it, so the chain is EMBED (no wait) -> 5 waits per layer (RMS_QKV_ROPE, ATTENTION,
-    O_PROJ_RESIDUAL, RMS_GATE_UP, DOWN_RESIDUAL) -> RMS_LM_HEAD -> SAMPLE:
-    hops = 2 + 5 * layers, whatever the grid. SmolLM2 (30 layers): 152."""
+    O_PROJ_RESIDUAL, RMS_GATE_UP, DOWN_RESIDUAL) -> RMS_LM_HEAD, whose ticket is no hop (v1:
+    -> SAMPLE, one more): hops = 1 + 5 * layers, whatever the grid. SmolLM2 (30 layers): 151."""
     prog = known(name, blocks)
-    assert prog.critical_path_hops() == 2 + 5 * prog.config.num_layers
+    assert prog.critical_path_hops() == 1 + 5 * prog.config.num_layers
     if name == "smollm2-135m":
-        assert prog.critical_path_hops() == 152
+        assert prog.critical_path_hops() == 151
+        v1 = schedule(prog.config, blocks, 2048, design=1)
+        assert v1.critical_path_hops() == 152
 
 
 def test_unaligned_slots_are_rejected(tiny3):

@@ -416,6 +416,12 @@ def _cuda_noprefetch(model, max_seq_len, **options) -> KernelExecutor:
     return _cuda_executor(model, max_seq_len, prefetch=False, name="cuda-noprefetch", **options)
 
 
+def _cuda_v1(model, max_seq_len, **options) -> KernelExecutor:
+    """The v1 kernel design (SAMPLE op, v1 memory parallelism): the A/B twin of v2 until a GPU
+    has measured both (benchmarks/NOTES.md)."""
+    return _cuda_executor(model, max_seq_len, design=1, name="cuda-v1", **options)
+
+
 # backend name -> factory(model, max_seq_len, **options), read by runtime.make_executor
-BACKENDS = {"cuda": _cuda_executor, "cuda-noprefetch": _cuda_noprefetch,
+BACKENDS = {"cuda": _cuda_executor, "cuda-noprefetch": _cuda_noprefetch, "cuda-v1": _cuda_v1,
             "cuda-multi": _cuda_multi, "cuda-multi-graph": _cuda_multi_graph}

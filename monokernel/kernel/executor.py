@@ -20,7 +20,7 @@ from .isa import (ERROR_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, TRACE_WORDS, Er
                   State, params_dtype, render_header)
 from ..model.loader import LoadedModel
 from .base import DeviceSample, Executor, StepResult, wall_times
-from .scheduler import Program, schedule
+from .scheduler import DEFAULT_DESIGN, Program, schedule
 
 SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
@@ -162,7 +162,8 @@ class KernelExecutor(Executor):
     def __init__(self, model: LoadedModel, max_seq_len: int, *, device=None, blocks: int = 4,
                  multi: bool = False, graph: bool = False, prefetch: bool = True,
                  attn_splits: int | None = None, watchdog_ms: int = 20000,
-                 trace: bool = False, program: Program | None = None, name: str | None = None):
+                 trace: bool = False, program: Program | None = None, name: str | None = None,
+                 design: int = DEFAULT_DESIGN):
         super().__init__(model, max_seq_len)
         self.device = device or EmulatorDevice()
         self.multi = multi
@@ -173,9 +174,11 @@ class KernelExecutor(Executor):
         self.watchdog_ms = watchdog_ms
         self.trace_enabled = trace
         c = self.config
-        self.program = program or schedule(c, blocks, max_seq_len, attn_splits)
+        self.program = program or schedule(c, blocks, max_seq_len, attn_splits, design=design)
         self.blocks = self.program.num_blocks
-        defines = {"MK_PREFETCH": "1" if prefetch else "0"}
+        # the kernel is built for the program's design (v1 = 1: the A/B twin of v2)
+        defines = {"MK_PREFETCH": "1" if prefetch else "0",
+                   "MK_DESIGN": str(self.program.design)}
         if trace:
             defines["MK_TRACE"] = "1"
         self.module = self.device.compile(kernel_source(c, max_seq_len), KERNEL_NAMES, defines)
@@ -346,5 +349,10 @@ def _emulator_multi(model, max_seq_len, **kw):
                           multi=True, **kw)
 
 
+def _emulator_v1(model, max_seq_len, **kw):
+    """The v1 kernel design (SAMPLE op, v1 memory parallelism): the A/B twin of v2."""
+    return _emulator(model, max_seq_len, design=1, name="emulator-v1", **kw)
+
+
 # backend name -> factory(model, max_seq_len, **options), read by runtime.make_executor
-BACKENDS = {"emulator": _emulator, "emulator-multi": _emulator_multi}
+BACKENDS = {"emulator": _emulator, "emulator-multi": _emulator_multi, "emulator-v1": _emulator_v1}

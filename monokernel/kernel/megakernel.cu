@@ -613,6 +613,47 @@ __device__ __forceinline__ void best_of(float& v, int& id, float ov, int oid) {
   }
 }
 
+// The next token (-1 if a logit was NaN): recorded, and the state advanced so that the next
+// launch (or graph replay) embeds it.
+__device__ __forceinline__ void finish_step(const Params& P, const int* st, int token) {
+  const int pos = st[S_POS];
+  P.out_tokens[pos] = token;
+  P.state[S_TOKEN] = token;
+  P.state[S_POS] = pos + 1;
+  P.state[S_STEP] = st[S_STEP] + 1;
+}
+
+// Design 2: SAMPLE folded into the LM head. Every block takes a ticket after its partial is
+// written (fence, then atomicAdd: a signal); the block that draws the step's last ticket
+// acquires (as a wait would: its L1 is invalidated) and reduces all partials with one warp, in
+// one round trip, while the other blocks go on. No hop, no serial walk over the partials.
+__device__ void lm_head_ticket(const Params& P, OpShared& s, const int* st, int ticket,
+                               int tickets) {
+  __shared__ int s_last;
+  __syncthreads();  // every thread's partial stores are issued
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const int drawn = atomicAdd(&P.counters[ticket], 1);
+    const int last = drawn == tickets * (st[S_STEP] + 1) - 1;
+    if (last) (void)load_acquire(&P.counters[ticket]);  // acquire the other blocks' partials
+    s_last = last;
+  }
+  __syncthreads();
+  if (!s_last || threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  float best = NEG_INF;
+  int best_id = -1;
+  for (int i = lane; i < tickets; i += 32)
+    best_of(best, best_id, P.lm_part[i * 2], __float_as_int(P.lm_part[i * 2 + 1]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(FULL_MASK, best, o);
+    const int oid = __shfl_xor_sync(FULL_MASK, best_id, o);
+    best_of(best, best_id, ov, oid);
+  }
+  if (lane == 0) finish_step(P, st, best == best ? best_id : -1);
+}
+
 __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, const int* st,
                                const float (&g)[RMS_PER]) {
   const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], slot = ins[W_ARG0];
@@ -648,6 +689,8 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
     P.lm_part[slot * 2] = best;
     P.lm_part[slot * 2 + 1] = __int_as_float(best_id);
   }
+  const int ticket = ins[W_ARG1], tickets = ins[W_ARG2];
+  if (tickets > 0) lm_head_ticket(P, s, st, ticket, tickets);
 }
 
 // ================================================================================================
@@ -667,12 +710,7 @@ __device__ void op_sample(const Params& P, const int* ins, const int* st) {
     if (v != v) { nan = true; break; }
     if (best_id < 0 || v > best || (v == best && id < best_id)) { best = v; best_id = id; }
   }
-  const int token = nan ? -1 : best_id;
-  const int pos = st[S_POS];
-  P.out_tokens[pos] = token;
-  P.state[S_TOKEN] = token;
-  P.state[S_POS] = pos + 1;
-  P.state[S_STEP] = st[S_STEP] + 1;
+  finish_step(P, st, nan ? -1 : best_id);
 }
 
 // ================================================================================================

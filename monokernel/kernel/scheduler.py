@@ -14,13 +14,19 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..model.config import ModelConfig
 from ..errors import ProgramError
 from .isa import STATE_WORDS, WIDTH, Op, Word
+
+# Kernel designs (MK_DESIGN in megakernel.cu): 1 is v1 (SAMPLE as its own op in block 0, one
+# row per warp pass); 2 (default) folds SAMPLE into the LM head by an atomic ticket.
+DESIGNS = (1, 2)
+DEFAULT_DESIGN = 2
+
 
 # A region of a buffer, in elements: (buffer name, lo, hi).
 Region = tuple[str, int, int]
@@ -37,6 +43,18 @@ class Instruction:
     reads: list[Region] = field(default_factory=list)
     writes: list[Region] = field(default_factory=list)
     weight_bytes: int = 0  # bytes of weights this instruction streams
+    # An atomic-ticket reduction (RMS_LM_HEAD in design 2): after its own work the instruction
+    # takes a ticket on counter ticket[0]; the block that draws the last of ticket[1] tickets
+    # of the step runs the tail, which reads tail_reads and writes tail_writes. verify() sees
+    # the tail as an instruction right after this one that waits for every ticket; the tails
+    # of one ticket are mutually exclusive (exactly one block runs its tail).
+    ticket: tuple[int, int] | None = None
+    tail_reads: list[Region] = field(default_factory=list)
+    tail_writes: list[Region] = field(default_factory=list)
+    # for verify()'s expanded view: the queue index to report, the part, exclusive ticket
+    at: int | None = None
+    part: str = ""
+    exclusive: int | None = None
 
     def serialize(self) -> np.ndarray:
         w = np.zeros(WIDTH, np.int32)
@@ -50,7 +68,9 @@ class Instruction:
         return w
 
     def label(self, block: int, index: int) -> str:
-        return f"block {block} #{index} {self.op.name}(layer {self.layer}, tiles {self.tile[0]}:{self.tile[1]})"
+        index = index if self.at is None else self.at
+        return (f"block {block} #{index} {self.op.name}(layer {self.layer}, tiles "
+                f"{self.tile[0]}:{self.tile[1]}){self.part}")
 
     @property
     def empty(self) -> bool:
@@ -74,6 +94,7 @@ class Program:
     counter_names: list[str]
     attn_splits: int
     lm_partials: int
+    design: int = DEFAULT_DESIGN  # the kernel design it was built for (MK_DESIGN)
 
     @property
     def max_len(self) -> int:
@@ -125,7 +146,8 @@ class Program:
         h.update(self.words().tobytes())
         for q in self.queues:
             for ins in q:
-                h.update(repr((ins.wait, ins.signal, ins.reads, ins.writes)).encode())
+                h.update(repr((ins.wait, ins.signal, ins.reads, ins.writes, ins.ticket,
+                               ins.tail_reads, ins.tail_writes)).encode())
         return h.hexdigest()
 
     def verify(self, *, use_cache: bool = True) -> None:
@@ -152,10 +174,29 @@ class Program:
             except OSError:
                 pass  # an unwritable cache only costs the next process the proof again
 
+    def verification_queues(self) -> list[list[Instruction]]:
+        """The queues as verify() sees them: a ticket instruction becomes its main part, which
+        signals the ticket counter, and its tail, which waits for every ticket."""
+        out = []
+        for q in self.queues:
+            vq = []
+            for i, ins in enumerate(q):
+                if ins.ticket is None:
+                    vq.append(ins)
+                    continue
+                counter, count = ins.ticket
+                vq.append(replace(ins, signal=counter, ticket=None, at=i))
+                vq.append(replace(ins, wait=(counter, count), signal=None, ticket=None, at=i,
+                                  reads=list(ins.tail_reads), writes=list(ins.tail_writes),
+                                  part=" [ticket tail]", exclusive=counter))
+            out.append(vq)
+        return out
+
     def _verify(self) -> None:
-        nodes = [(b, i) for b, q in enumerate(self.queues) for i in range(len(q))]
+        queues = self.verification_queues()
+        nodes = [(b, i) for b, q in enumerate(queues) for i in range(len(q))]
         index = {n: k for k, n in enumerate(nodes)}
-        ins_of = lambda n: self.queues[n[0]][n[1]]  # noqa: E731
+        ins_of = lambda n: queues[n[0]][n[1]]  # noqa: E731
         label = lambda n: ins_of(n).label(*n)  # noqa: E731
         signalers: dict[int, list[int]] = defaultdict(list)
         for n in nodes:
@@ -247,6 +288,9 @@ class Program:
                 by_buffer[buf].append((index[n], lo, hi, True))
         block_of = np.array([n[0] for n in nodes], np.int64)
         slot_of = np.array([n[1] for n in nodes], np.int64)
+        excl = ins_of
+        excl_of = np.array([-1 if excl(n).exclusive is None else excl(n).exclusive
+                            for n in nodes], np.int64)
 
         for buf, acc in by_buffer.items():
             arr = np.array(acc, np.int64)
@@ -255,6 +299,8 @@ class Program:
                 if not w:
                     continue
                 sel = (los < hi) & (his > lo) & (block_of[ids] != block_of[k])
+                if excl_of[k] >= 0:  # the tails of one ticket never run together
+                    sel &= excl_of[ids] != excl_of[k]
                 others = ids[sel]
                 if not len(others):
                     continue
@@ -334,17 +380,20 @@ _VERIFIED_MAX = 16
 
 
 def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
-             attn_splits: int | None = None) -> Program:
+             attn_splits: int | None = None, design: int = DEFAULT_DESIGN) -> Program:
     """Build and verify the decode-step program for ``num_blocks`` persistent blocks.
 
     Memoised: the same arguments return the same (shared) Program. Never edit a returned
     Program in place; ``copy.deepcopy`` it first (the tests that break programs do)."""
     if num_blocks < 1:
         raise ProgramError(f"num_blocks must be >= 1, got {num_blocks}")
-    key = (cfg, num_blocks, max_seq_len, attn_splits or default_attn_splits(cfg, num_blocks))
+    if design not in DESIGNS:
+        raise ProgramError(f"unknown kernel design {design!r} (known: {DESIGNS})")
+    key = (cfg, num_blocks, max_seq_len, attn_splits or default_attn_splits(cfg, num_blocks),
+           design)
     prog = _VERIFIED.get(key)
     if prog is None:
-        prog = _build(cfg, num_blocks, max_seq_len, key[3])
+        prog = _build(cfg, num_blocks, max_seq_len, key[3], design)
         prog.verify()
         if len(_VERIFIED) >= _VERIFIED_MAX:
             _VERIFIED.pop(next(iter(_VERIFIED)))
@@ -352,7 +401,8 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     return prog
 
 
-def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int) -> Program:
+def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int,
+           design: int) -> Program:
     c = cfg
     B = num_blocks
     H, F, D, half = c.hidden_size, c.intermediate_size, c.head_dim, c.head_dim // 2
@@ -480,24 +530,34 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
         prev = cnt
 
     # RMS_LM_HEAD: rows of the vocabulary; partial slot = block
-    cnt = counter("RMS_LM_HEAD")
     vrows = split_even(c.vocab_size, B)
+    sample_reads = [("lm_part", 0, 2 * B), ("state", 0, STATE_WORDS)]
+    sample_writes = [("state", 0, STATE_WORDS), ("out_tokens", 0, max_seq_len)]
+    if design >= 2:  # the last block to finish its tile reduces the partials (atomic ticket)
+        cnt = None
+        ticket = counter("RMS_LM_HEAD.ticket")
+    else:
+        cnt = counter("RMS_LM_HEAD")
 
     def lm_head(b):
         lo, hi = vrows[b]
-        return Instruction(Op.RMS_LM_HEAD, 0, (lo, hi), args=(b,),
-                           reads=[("residual", 0, H)] if hi > lo else [],
-                           writes=([("logits", lo, hi)] if hi > lo else []) + [("lm_part", 2 * b, 2 * b + 2)],
-                           weight_bytes=2 * (hi - lo) * H + (2 * H if hi > lo else 0))
+        ins = Instruction(Op.RMS_LM_HEAD, 0, (lo, hi), args=(b,),
+                          reads=[("residual", 0, H)] if hi > lo else [],
+                          writes=([("logits", lo, hi)] if hi > lo else []) + [("lm_part", 2 * b, 2 * b + 2)],
+                          weight_bytes=2 * (hi - lo) * H + (2 * H if hi > lo else 0))
+        if design >= 2:
+            ins.args = (b, ticket, B)
+            ins.ticket = (ticket, B)
+            ins.tail_reads, ins.tail_writes = list(sample_reads), list(sample_writes)
+        return ins
     emit(lm_head, prev, cnt)
     prev = cnt
 
-    # SAMPLE: one instruction reduces the partials and advances the state
-    cnt = counter("SAMPLE")
-    emit(lambda b: Instruction(Op.SAMPLE, 0, (0, 1), args=(B,),
-                               reads=[("lm_part", 0, 2 * B), ("state", 0, STATE_WORDS)],
-                               writes=[("state", 0, STATE_WORDS), ("out_tokens", 0, max_seq_len)]),
-         prev, cnt, only_block=0)
+    if design < 2:  # v1: one instruction in block 0 reduces the partials, serially
+        cnt = counter("SAMPLE")
+        emit(lambda b: Instruction(Op.SAMPLE, 0, (0, 1), args=(B,), reads=list(sample_reads),
+                                   writes=list(sample_writes)),
+             prev, cnt, only_block=0)
 
     # Each block reads the state words at launch start, before its first instruction.
     for q in queues:
@@ -505,5 +565,5 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
         if ("state", 0, STATE_WORDS) not in first.reads:
             first.reads = first.reads + [("state", 0, STATE_WORDS)]
     prog = Program(config=cfg, num_blocks=B, max_seq_len=max_seq_len, queues=queues,
-                   counter_names=counters, attn_splits=S, lm_partials=B)
+                   counter_names=counters, attn_splits=S, lm_partials=B, design=design)
     return prog
