@@ -193,9 +193,11 @@ class KernelDesign:
 
 V1 = KernelDesign("v1")
 
-# The ladder of PERFORMANCE.md section 3, cumulative, as knob settings. Steps that change the
-# schedule rather than the kernel (balanced Qwen3 QKV tiles, the attention split policy) need
-# the matching Program too; these knobs alone do not balance a v1 program.
+# The ladder of PERFORMANCE.md section 3, cumulative, as knob settings: R1 (latency fixes) and
+# R2 (32 KB in flight). Steps that change the schedule rather than the kernel need the matching
+# Program too: R1's balanced Qwen3 QKV is ``with_row_pair_tiles(program)``. R3 (a loader warp
+# and a shared-memory ring) is not expressible in these knobs yet, so neither are R4-R6 of the
+# ladder; "issue8" is what issue 8 section 2 builds: R1 + R2 + many steps per launch (R6).
 _R1 = V1.replace(
     name="r1",
     trips={"EMBED": (0, 1), "RMS_QKV_ROPE": (2, 0), "ATTENTION": (1, 0),
@@ -204,10 +206,10 @@ _R1 = V1.replace(
     o_proj_merge_trips_per_split=0.0, qk_norm_whole_heads=False,
     attn_positions_per_warp=8, attn_v_in_flight=16, attn_load_bytes=16, sample_op=False)
 _R2 = _R1.replace(name="r2", loads_in_flight_per_lane=8)
-_R4 = _R2.replace(name="r4", signal_sc_fence=False, poll_loads=1)
-_R6 = _R4.replace(name="r6", steps_per_launch=16)
-LADDER: dict[str, KernelDesign] = {"v1": V1, "r1": _R1, "r2": _R2, "r4": _R4, "r6": _R6}
-DESIGNS = LADDER
+_ISSUE8 = _R2.replace(name="issue8", steps_per_launch=16)
+LADDER: dict[str, KernelDesign] = {"v1": V1, "r1": _R1, "r2": _R2, "issue8": _ISSUE8}
+# Every design a prediction can name (`monokernel plan --design`). Add V2 here.
+DESIGNS: dict[str, KernelDesign] = dict(LADDER)
 
 
 def design_for(program) -> KernelDesign:
@@ -330,26 +332,27 @@ def RMS_QKV_ROPE(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     half, H = c.head_dim // 2, c.hidden_size
     busy = (b.n > 0).astype(np.float64)
     l2, hbm = _trips(d, "RMS_QKV_ROPE", busy)
-    rounds, other, pref = b.zeros(), busy * block_sum_us(g), b.zeros()
     # the kernel walks the tile head by head: each head segment's 2n rows over the warps, then
     # RoPE (and q/k-norm) with barriers in between
+    seg_ins, seg_n, seg_normed = [], [], []
     for k, (lo, hi) in enumerate(zip(b.lo.tolist(), b.hi.tolist())):
         p = lo
         while p < hi:
             head, j0 = divmod(p, half)
             n = min(half, j0 + hi - p) - j0
-            rows = np.array([-(-2 * n // d.warps)])
-            rounds[k] += _stream_rounds(rows, H, d)[0]
-            other[k] += 2 * g.bar_sync
-            if c.qk_norm and head < c.num_heads + c.num_kv_heads:
-                if d.qk_norm_whole_heads:
-                    other[k] += block_sum_us(g) + g.bar_sync
-                    hbm[k] += 1  # q/k-norm weights
-            if c.attention_bias:
-                hbm[k] += 1
-            if d.l2_prefetch:
-                pref[k] += 2 * min(n * H * 2, d.prefetch_max_bytes)
+            seg_ins.append(k)
+            seg_n.append(n)
+            seg_normed.append(c.qk_norm and head < c.num_heads + c.num_kv_heads)
             p += n
+    idx, n = np.array(seg_ins, np.int64), np.array(seg_n, np.int64)
+    normed = np.array(seg_normed, bool) & d.qk_norm_whole_heads
+    m = len(b.lo)
+    rounds = np.bincount(idx, _stream_rounds(-(-2 * n // d.warps), H, d), m)
+    seg_other = 2 * g.bar_sync + normed * (block_sum_us(g) + g.bar_sync)
+    other = busy * block_sum_us(g) + np.bincount(idx, seg_other, m)
+    hbm = hbm + np.bincount(idx, normed + float(c.attention_bias), m)  # q/k-norm weights, bias
+    pref = np.bincount(idx, 2.0 * np.minimum(n * H * 2, d.prefetch_max_bytes), m) \
+        if d.l2_prefetch else b.zeros()
     return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)
 
 
@@ -377,23 +380,24 @@ def ATTENTION(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * T_TILE
     per_k = d.warps * d.attn_positions_per_warp
     k_rounds = full * -(-T_TILE // per_k) + -(-last // per_k)
-    passes = -(-(G * D) // d.threads)
+    elems = max(1, d.attn_load_bytes // 2)  # bf16 elements per K/V load
+    passes = -(-(G * D) // (d.threads * elems))  # V: each thread owns `elems` output dims
     v_rounds = passes * (full * -(-T_TILE // d.attn_v_in_flight) + -(-last // d.attn_v_in_flight))
-    # per position of a warp: G dot products, each ended by a warp_sum; per tile:
-    # the online softmax (one warp per head: max and sum reductions) and four barriers
-    k_compute = (full * -(-T_TILE // d.warps) + -(-last // d.warps)) * G * 5 * g.shfl
+    # per position of a warp: its K loads issued, G dot products each ended by a warp_sum; per
+    # tile: the online softmax (one warp per head: max and sum reductions) and four barriers
+    k_loads = -(-D // (32 * elems))
+    k_compute = (full * -(-T_TILE // d.warps) + -(-last // d.warps)) \
+        * (G * 5 * g.shfl + k_loads * 0.002)
     softmax = ntile * (10 * g.shfl + 4 * g.bar_sync + 0.02)
     unit_other = k_compute + softmax + 3 * g.bar_sync
-    unit_hbm = (k_rounds + v_rounds).astype(np.float64)
-    unit_bytes = cnt * 2 * D * 2.0
     n = len(b.lo)
     other = np.bincount(idx, unit_other, n)
-    hbm = np.bincount(idx, unit_hbm, n)
+    # K/V rounds go to HBM (the cache is not prefetched); the bytes bound the rate
+    rounds = np.bincount(idx, (k_rounds + v_rounds).astype(np.float64), n)
     l2 = np.bincount(idx, np.full(len(idx), float(d.trips["ATTENTION"][0])), n)
-    sbytes = np.bincount(idx, unit_bytes, n)
+    sbytes = np.bincount(idx, cnt * 2 * D * 2.0, n)
     z = b.zeros()
-    # K/V loads are latency-bound rounds (hbm trips); the bytes bound the rate only
-    return Phases(l2, hbm, other, z.copy(), sbytes, z.copy())
+    return Phases(l2, z.copy(), other, rounds, sbytes, z.copy())
 
 
 @op_model
@@ -441,8 +445,9 @@ def RMS_LM_HEAD(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     l2, hbm = _trips(d, "RMS_LM_HEAD", busy)
     # the block's best of its warps: thread 0 walks NWARPS shared-memory partials
     other = busy * block_sum_us(g) + g.bar_sync + d.warps * 0.01
-    if not d.sample_op:  # the last block (atomic ticket) reduces all partials with a warp
-        other = other + (g.l2_latency + 2 * g.l2_latency + 10 * g.shfl) / len(b.lo)
+    if not d.sample_op:  # the last block (atomic ticket, a warp's loads, warp reductions)
+        l2 = l2 + 3.0 / len(b.lo)  # reduces all partials: spread over the instructions
+        other = other + 10 * g.shfl / len(b.lo)
     rounds = _stream_rounds(-(-b.n // d.warps), c.hidden_size, d).astype(np.float64)
     pref = _prefetch(d, b.n * c.hidden_size * 2)
     return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)
@@ -472,7 +477,7 @@ class Prediction:
     ready: np.ndarray
     end: np.ndarray
     trips: np.ndarray
-    step_us: float  # first start to last end of the simulated step
+    step_us: float  # the launch's start (t = 0) to the last end of the simulated step
     launch_us: float  # launch overhead per token
     critical: list[tuple[int, int]]  # (block, slot) from the first instruction to the last
     critical_hops: int
@@ -535,8 +540,9 @@ def _batches(program, context: int) -> dict[Op, tuple[list[tuple[int, int]], OpB
     return out
 
 
-class _Static:
-    """Per-instruction phases of a program at one context, for one GPU and design."""
+class Static:
+    """Per-instruction phases of a program at one context and design, [blocks, slots]. They
+    do not depend on the constants the calibration fits (latencies, bandwidth, fence)."""
 
     def __init__(self, program, context: int, g: GPU, d: KernelDesign):
         if context < 0 or context + 1 > program.max_seq_len:
@@ -561,25 +567,54 @@ class _Static:
 
 
 def predict(program, gpu_: GPU | str = "h200", design_: KernelDesign | None = None,
-            context: int = 16, _static: _Static | None = None) -> Prediction:
+            context: int = 16, static: "Static | None" = None) -> Prediction:
     """Predicted time of one decode step at ``context`` positions already in the cache (the
-    step attends over context + 1). ``design_`` defaults to ``design_for(program)``."""
+    step attends over context + 1). ``design_`` defaults to ``design_for(program)``. Pass
+    ``static`` (a ``Static`` of the same program, context and design) to reuse the phases when
+    only the GPU's constants change."""
     g = gpu(gpu_) if isinstance(gpu_, str) else gpu_
     d = design_for(program) if design_ is None else design_
-    st = _static or _Static(program, context, g, d)
+    st = static or Static(program, context, g, d)
     return _simulate(program, g, d, context, st)
 
 
-def _simulate(program, g: GPU, d: KernelDesign, context: int, st: _Static) -> Prediction:
+def busy_constants(g: GPU, d: KernelDesign, num_blocks: int) -> tuple[float, ...]:
+    """What ``busy_us`` needs of the GPU and design: (HBM share per SM, L2 share per SM, L2
+    latency, HBM latency, signal cost, barrier)."""
+    return (g.hbm_bw / min(num_blocks, g.sms), g.l2_bw / min(num_blocks, g.sms), g.l2_latency,
+            g.hbm_latency, hop_parts(g, d)["signal"], g.bar_sync)
+
+
+def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, l2stream, lead, signals,
+            mn=min, mx=max):
+    """Ready -> end of one instruction (or of arrays of them: pass ``mn=np.minimum,
+    mx=np.maximum``): its dependent round trips and fixed work, then its weight stream at
+    min(bytes in flight / latency, the SM's HBM share), then its signal. ``k`` is
+    ``busy_constants``; ``lead``: how long its L2 prefetch has run when the wait returns. The
+    one formula the simulation and the calibration share."""
+    share, l2_share, L2, HBM, sig, bar = k
+    fixed = l2 * L2 + hbm * HBM + other
+    hits = mn(pref, share * (lead + fixed))  # the prefetch ran from the start until the stream
+    h = hits / mx(nbytes, 1.0)
+    lat = l2stream * L2 + (1 - l2stream) * (h * L2 + (1 - h) * HBM)
+    stream = mx(rounds * lat, (nbytes - hits) / share + hits / l2_share)
+    return fixed + stream + signals * sig + (1 - signals) * bar
+
+
+def _prefetch_issue_us(pref, d: KernelDesign):
+    """Issuing the prefetches: one 128-byte line per thread per pass, a few cycles each."""
+    return np.ceil(np.asarray(pref) / 128 / d.threads) * 0.004
+
+
+def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> Prediction:
     B, L = st.shape
     f = {k: v.tolist() for k, v in st.fields.items()}
-    share = g.hbm_bw / min(program.num_blocks, g.sms)  # bytes/us per busy SM
-    l2_share = g.l2_bw / min(program.num_blocks, g.sms)
+    issue = _prefetch_issue_us(st.fields["pref"], d).tolist()
     parts = hop_parts(g, d)
-    sig_cost, propagate, detect = parts["signal"], parts["propagate"], parts["detect"]
+    propagate, detect = parts["propagate"], parts["detect"]
     fetch = d.instruction_fetch_trips * g.l2_latency
     check = g.l2_latency + g.bar_sync  # the first acquire load finds the count already there
-    L2, HBM = g.l2_latency, g.hbm_latency
+    k = busy_constants(g, d, program.num_blocks)
 
     queues = program.queues
     n_sig = [0] * program.num_counters
@@ -591,15 +626,17 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: _Static) -> Pr
     visible: list[float | None] = [None] * program.num_counters
     last_sig: list[tuple[int, int] | None] = [None] * program.num_counters
     nan = float("nan")
-    start = [[nan] * L for _ in range(B)]
+    start = [[nan] * L for _ in range(B)]  # after the instruction's words are fetched (T_START)
     ready = [[nan] * L for _ in range(B)]
     end = [[nan] * L for _ in range(B)]
-    bound = [[None] * L for _ in range(B)]  # what made each instruction ready: a node or None
+    # what made each instruction ready: (its block's previous node or the counter's last
+    # signaler, whether that was a hop)
+    bound: list[list] = [[None] * L for _ in range(B)]
     t_block = [0.0] * B
     prev_node: list[tuple[int, int] | None] = [None] * B
     ptr = [0] * B
     if d.steps_per_launch > 1:  # EMBED waits for the previous step's token: one more hop
-        t_block = [sig_cost + propagate + detect] * B
+        t_block = [sum(parts.values())] * B
 
     def resolve(c: int, need: int, stuck: bool) -> bool:
         ends = sig_ends[c]
@@ -626,11 +663,8 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: _Static) -> Pr
                 if ins.op in skip:
                     ptr[b] += 1
                     continue
-                s = t_block[b]
-                t_check = s + fetch
-                pref = f["pref"][b][i]
-                if pref > 0:
-                    t_check += math.ceil(pref / 128 / d.threads) * 0.004
+                s = t_block[b] + fetch
+                t_check = s + issue[b][i]
                 if ins.wait is not None:
                     c, need = ins.wait
                     if not resolve(c, need, stuck):
@@ -642,20 +676,12 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: _Static) -> Pr
                         r, bnd = t_check + check, (prev_node[b], False)
                 else:
                     r, bnd = t_check, (prev_node[b], False)
-                # phases after the wait
-                fixed = f["l2"][b][i] * L2 + f["hbm"][b][i] * HBM + f["other"][b][i]
-                nbytes = f["bytes"][b][i]
-                rounds = f["rounds"][b][i]
-                stream = 0.0
-                if nbytes > 0:
-                    lead = r - s + fixed  # the prefetch ran from the start until the stream
-                    hits = min(pref, share * lead) if pref > 0 else 0.0
-                    h = hits / nbytes
-                    lat = L2 if f["l2stream"][b][i] else (h * L2 + (1 - h) * HBM)
-                    stream = max(rounds * lat, (nbytes - hits) / share + hits / l2_share)
-                e = r + fixed + stream + (sig_cost if ins.signal is not None else g.bar_sync)
+                sig = ins.signal is not None
+                e = r + busy_us(k, f["l2"][b][i], f["hbm"][b][i], f["other"][b][i],
+                                f["rounds"][b][i], f["bytes"][b][i], f["pref"][b][i],
+                                f["l2stream"][b][i], r - s, 1.0 if sig else 0.0)
                 start[b][i], ready[b][i], end[b][i], bound[b][i] = s, r, e, bnd
-                if ins.signal is not None:
+                if sig:
                     sig_ends[ins.signal].append((e, b, i))
                 t_block[b] = e
                 prev_node[b] = (b, i)
@@ -682,18 +708,36 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: _Static) -> Pr
     st_a = np.array(start, np.float64)
     trips = st.fields["l2"] + st.fields["hbm"] + st.fields["rounds"]
     return Prediction(program, g, d, context, st_a, np.array(ready, np.float64), end_a, trips,
-                      float(np.nanmax(end_a) - np.nanmin(st_a)),
-                      g.launch / d.steps_per_launch, chain, hops)
+                      float(np.nanmax(end_a)), g.launch / d.steps_per_launch, chain, hops)
+
+
+def with_row_pair_tiles(program):
+    """A copy of ``program`` whose RMS_QKV_ROPE instructions take even row-pair tiles over all
+    blocks (as the scheduler tiles models without q/k-norm): what a balanced Qwen3 QKV (step R1)
+    would cost, before the scheduler makes one. For predictions only: the copy's declared reads
+    and writes are the old ones, so it must never run."""
+    from .scheduler import split_even
+
+    c = program.config
+    half, H = c.head_dim // 2, c.hidden_size
+    tiles = split_even((c.num_heads + 2 * c.num_kv_heads) * half, program.num_blocks)
+    queues = []
+    for b, q in enumerate(program.queues):
+        lo, hi = tiles[b]
+        queues.append([dataclasses.replace(ins, tile=(lo, hi),
+                                           weight_bytes=2 * 2 * (hi - lo) * H + (2 * H if hi > lo else 0))
+                       if ins.op == Op.RMS_QKV_ROPE else ins for ins in q])
+    return dataclasses.replace(program, queues=queues)
 
 
 def sensitivity(program, g: GPU | str, d: KernelDesign, context: int) -> dict[str, float]:
     """Total us/token with L2 or HBM latency at the low and high end of its range."""
     base = gpu(g) if isinstance(g, str) else g
+    st = Static(program, context, base, d)
     out = {}
     for const in ("l2_latency", "hbm_latency"):
         lo, hi = constant_range(base.name, const)
         for tag, v in (("low", lo), ("high", hi)):
             gg = base.replace(**{const: v})
-            out[f"{const}_{tag}"] = predict(program, gg, d, context,
-                                            _Static(program, context, gg, d)).total_us
+            out[f"{const}_{tag}"] = predict(program, gg, d, context, st).total_us
     return out
