@@ -96,8 +96,8 @@ def test_ladder_is_cumulative_and_faster_each_step():
 # ---- invariants ----------------------------------------------------------------------------------
 def _busy(**kw):
     g, d = cm.gpu("h200"), cm.V1
-    base = dict(l2=2.0, hbm=1.0, other=0.1, rounds=4.0, nbytes=16e3, pref=8e3, l2stream=0.0,
-                lead=0.5, signals=1.0)
+    base = dict(l2=2.0, hbm=1.0, other=0.1, rounds=4.0, nbytes=16e3, pref=8e3, lead=0.5,
+                signals=1.0)
     base.update(kw)
     return cm.busy_us(cm.busy_constants(g, d, 132), **base)
 

@@ -110,13 +110,12 @@ class GPU:
 _TB_S = 1e6  # 1 TB/s = 1e12 B/s = 1e6 B/us
 
 
-def gpu(name: str, which: str = "value") -> GPU:
-    """The named GPU's constants: ``which`` = "value" (nominal), "low" or "high" for all."""
+def gpu(name: str) -> GPU:
+    """The named GPU's nominal constants (CONSTANTS' values; ``constant_range`` has the ends)."""
     key = name.lower()
     if key not in CONSTANTS["sms"][1]:
         raise CostModelError(f"unknown GPU {name!r} (known: {', '.join(CONSTANTS['sms'][1])})")
-    k = {"value": 0, "low": 1, "high": 2}[which]
-    vals = {c: row[1][key][k] for c, row in CONSTANTS.items()}
+    vals = {c: row[1][key][0] for c, row in CONSTANTS.items()}
     vals["hbm_bw"] *= _TB_S
     vals["l2_bw"] *= _TB_S
     vals["sms"] = int(vals["sms"])
@@ -165,11 +164,15 @@ class KernelDesign:
     signal_sc_fence: bool = True
     poll_loads: int = 2  # v1: error word and counter, both acquire loads
     poll_sleep: bool = True
-    # attention: positions per warp per K round, V positions in flight per thread, load width
+    # attention: positions per warp per K round, V positions in flight per thread (v1: the V
+    # loop's loads are independent; 16 in flight gives PERFORMANCE.md's ~26 serial rounds per
+    # 129-position unit; SASS check pending), K/V load width, positions per pass (T_TILE)
     attn_positions_per_warp: int = 1
     attn_v_in_flight: int = 16
     attn_load_bytes: int = 2
-    # SAMPLE as a separate serial op: thread 0 walks the partials, dependent L2 loads each
+    attn_tile: int = 128
+    # SAMPLE as a separate serial op: thread 0 walks the partials, dependent L2 loads each.
+    # False: the LM head's last block reduces them (a v1 program's SAMPLE slot is then skipped)
     sample_op: bool = True
     sample_trips_per_partial: int = 2
     # L2 prefetch of an instruction's weights before its wait, at most this much per range
@@ -276,7 +279,6 @@ class Phases:
     rounds: np.ndarray  # weight stream: rounds of dependent loads of the busiest warp
     stream_bytes: np.ndarray  # weight (or KV) bytes streamed by the block
     prefetch_bytes: np.ndarray  # of those, issued as L2 prefetches before the wait
-    stream_latency: str = "hbm"  # the stream's round latency without prefetch: "hbm" or "l2"
 
 
 @dataclass
@@ -374,7 +376,7 @@ def _unit_positions(b: OpBatch) -> tuple[np.ndarray, np.ndarray]:
 @op_model
 def ATTENTION(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     c = b.program.config
-    T_TILE, G, D = 128, c.group_size, c.head_dim
+    T_TILE, G, D = d.attn_tile, c.group_size, c.head_dim
     idx, cnt = _unit_positions(b)
     ntile = -(-cnt // T_TILE)
     full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * T_TILE
@@ -552,7 +554,7 @@ class Static:
         B, L = program.num_blocks, program.max_len
         self.shape = (B, L)
         self.fields = {k: np.zeros((B, L)) for k in
-                       ("l2", "hbm", "other", "rounds", "bytes", "pref", "l2stream")}
+                       ("l2", "hbm", "other", "rounds", "bytes", "pref")}
         for op, (where, batch) in _batches(program, context).items():
             if op not in OP_MODELS:
                 raise CostModelError(f"the cost model has no entry for op {op.name}: add one "
@@ -563,7 +565,6 @@ class Static:
             f["l2"][bi], f["hbm"][bi], f["other"][bi] = ph.l2_trips, ph.hbm_trips, ph.other_us
             f["rounds"][bi], f["bytes"][bi] = ph.rounds, ph.stream_bytes
             f["pref"][bi] = np.minimum(ph.prefetch_bytes, ph.stream_bytes)
-            f["l2stream"][bi] = 1.0 if ph.stream_latency == "l2" else 0.0
 
 
 def predict(program, gpu_: GPU | str = "h200", design_: KernelDesign | None = None,
@@ -585,7 +586,7 @@ def busy_constants(g: GPU, d: KernelDesign, num_blocks: int) -> tuple[float, ...
             g.hbm_latency, hop_parts(g, d)["signal"], g.bar_sync)
 
 
-def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, l2stream, lead, signals,
+def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, lead, signals,
             mn=min, mx=max):
     """Ready -> end of one instruction (or of arrays of them: pass ``mn=np.minimum,
     mx=np.maximum``): its dependent round trips and fixed work, then its weight stream at
@@ -596,7 +597,7 @@ def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, l2stream
     fixed = l2 * L2 + hbm * HBM + other
     hits = mn(pref, share * (lead + fixed))  # the prefetch ran from the start until the stream
     h = hits / mx(nbytes, 1.0)
-    lat = l2stream * L2 + (1 - l2stream) * (h * L2 + (1 - h) * HBM)
+    lat = h * L2 + (1 - h) * HBM  # the prefetched share of the rounds hits L2
     stream = mx(rounds * lat, (nbytes - hits) / share + hits / l2_share)
     return fixed + stream + signals * sig + (1 - signals) * bar
 
@@ -679,7 +680,7 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> P
                 sig = ins.signal is not None
                 e = r + busy_us(k, f["l2"][b][i], f["hbm"][b][i], f["other"][b][i],
                                 f["rounds"][b][i], f["bytes"][b][i], f["pref"][b][i],
-                                f["l2stream"][b][i], r - s, 1.0 if sig else 0.0)
+                                r - s, 1.0 if sig else 0.0)
                 start[b][i], ready[b][i], end[b][i], bound[b][i] = s, r, e, bnd
                 if sig:
                     sig_ends[ins.signal].append((e, b, i))

@@ -147,7 +147,7 @@ class Fit:
         a = self.arrays
         k = cm.busy_constants(g, self.d, self.program.num_blocks)
         return cm.busy_us(k, a["l2"], a["hbm"], a["other"], a["rounds"], a["bytes"], a["pref"],
-                          a["l2stream"], self.lead, self.signals, np.minimum, np.maximum)
+                          self.lead, self.signals, np.minimum, np.maximum)
 
     def predicted_gap(self, g: cm.GPU) -> float:
         p = cm.hop_parts(g, self.d)
