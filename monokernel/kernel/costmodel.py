@@ -509,8 +509,8 @@ class Prediction:
         rows = []
         for op in Op:
             sel = [(bb, i) for bb, q in enumerate(prog.queues) for i, ins in enumerate(q)
-                   if ins.op == op and op != Op.NOOP]
-            if not sel:
+                   if ins.op == op and op != Op.NOOP and not np.isnan(self.end[bb, i])]
+            if not sel:  # not in the program, or not run by this design (SAMPLE)
                 continue
             bi = tuple(np.array(sel).T)
             busy = self.end[bi] - self.ready[bi]

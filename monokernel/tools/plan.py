@@ -82,7 +82,7 @@ def predict_report(prog, gpu_name: str, design_name: str | None, context: int) -
               + " us/token",
               f"floor: {prog.config.weight_bytes_per_token() / 1e6:.1f} MB weights / "
               f"{g.hbm_bw / 1e6:.2f} TB/s = {p.floor_us:.1f} us; modelled in {t_model:.1f} s",
-              f"predicted on {g.name}: {p.total_us:.0f} us/token ({p.x_floor:.1f}x floor)"]
+              f"predicted on {g.name}: {p.total_us:.0f} us/token ({p.x_floor:.2f}x floor)"]
     return "\n".join(lines)
 
 
@@ -99,7 +99,8 @@ def critical_path_line(p) -> str:
     shown = [step(n) for n in chain] if len(chain) <= 8 else \
         [step(n) for n in chain[:4]] + [f"... {len(chain) - 7} more ..."] + \
         [step(n) for n in chain[-3:]]
-    return (f"critical path: {len(chain)} instructions, {p.critical_hops} hops: "
+    chained = " (+1 from the previous step's token)" if p.design.steps_per_launch > 1 else ""
+    return (f"critical path: {len(chain)} instructions, {p.critical_hops} hops{chained}: "
             + " -> ".join(shown))
 
 
