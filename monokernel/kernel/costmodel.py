@@ -43,14 +43,16 @@ CONSTANTS: dict[str, tuple[str, dict[str, tuple[float, float, float]], str]] = {
     "sms": ("", {"h200": (132, 132, 132), "h100": (132, 132, 132)},
             "H200: measured on the H200 we test on (PERFORMANCE.md 1); H100 SXM5: datasheet"),
     "clock_ghz": ("GHz", {"h200": (1.98, 1.98, 1.98), "h100": (1.98, 1.98, 1.98)},
-                  "H200: measured (PERFORMANCE.md 1); H100 SXM5: datasheet boost clock"),
+                  "H200: measured (PERFORMANCE.md 1); H100 SXM5: datasheet boost clock. For "
+                  "reading cycle counts; the latencies below are in us already"),
     "hbm_bw": ("TB/s", {"h200": (4.3, 4.3, 4.3), "h100": (3.0, 2.8, 3.2)},
                "device-to-device copy, read+write counted. H200: measured (PERFORMANCE.md 1); "
                "H100: assumed ~90% of the 3.35 TB/s datasheet figure, not measured"),
     "hbm_latency": ("us", {"h200": (0.53, 0.35, 0.6), "h100": (0.53, 0.35, 0.6)},
                     "one warp's coalesced load from HBM: ~0.35-0.5 us unloaded (570-700 cycle "
-                    "pointer chase on H100, public microbenchmarks); nominal 0.5 because 8 KB "
-                    "in flight per SM caps v1 near 2.0 TB/s (PERFORMANCE.md 2); high = loaded"),
+                    "pointer chase on H100, public microbenchmarks); nominal 0.53 = 8 KB x 132 "
+                    "SMs / 2.0 TB/s, the cap PERFORMANCE.md 2 gives v1's 8 KB in flight per SM; "
+                    "high = loaded"),
     "l2_latency": ("us", {"h200": (0.2, 0.13, 0.3), "h100": (0.2, 0.13, 0.3)},
                    "L2 hit round trip: 260-291 cycles pointer chase (0.13-0.15 us), up to "
                    "~0.3 us to the far L2 partition (public H100 microbenchmarks, "
