@@ -18,7 +18,6 @@ import shlex
 import sys
 from pathlib import Path
 
-from .calibrate import cmd_calibrate
 from .plan import H200_SMS, cmd_plan
 
 
@@ -119,6 +118,12 @@ def _model_label(model) -> str:
 def _safe_path(s: str) -> str:
     """A path as recorded in results: never an absolute path of this machine."""
     return Path(s).name if Path(s).is_absolute() else s
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import cmd_calibrate as run
+
+    return run(args)
 
 
 # ================================================================================================
