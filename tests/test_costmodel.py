@@ -199,6 +199,29 @@ def test_the_simulation_respects_every_wait():
         assert p.end[last] == np.nanmax(p.end) and prog.queues[first[0]][first[1]].op == Op.EMBED
 
 
+def test_a_wait_for_some_signals_starts_at_the_nth():
+    """A counter that needs fewer signals than it gets is ready at its count-th signal: here
+    O_PROJ waits for 12 of 32 ATTENTION signals (24 units on 32 blocks: 8 blocks are idle and
+    signal early)."""
+    prog = small()
+    o = max(i for i, ins in enumerate(prog.queues[0]) if ins.op == Op.O_PROJ_RESIDUAL)
+    need = 12
+    queues = [[dataclasses.replace(ins, wait=(ins.wait[0], need)) if i == o else ins
+               for i, ins in enumerate(q)] for q in prog.queues]
+    short = dataclasses.replace(prog, queues=queues)
+    g, d = cm.gpu("h200"), cm.V1
+    p = cm.predict(short, g, d, 16)
+    ends = sorted(p.end[b, o - 1] for b in range(prog.num_blocks))
+    parts = cm.hop_parts(g, d)
+    visible = ends[need - 1] + parts["propagate"] + parts["detect"]
+    assert visible < ends[-1]  # the 12th signal comes well before the last
+    pref = cm.Static(short, 16, g, d).fields["pref"]
+    for b in range(prog.num_blocks):
+        own = p.start[b, o] + float(cm._prefetch_issue_us(pref[b, o], d)) + g.l2_latency \
+            + g.bar_sync  # the count is already there when the block arrives
+        assert p.ready[b, o] == pytest.approx(max(visible, own), abs=1e-9), b
+
+
 def test_steps_per_launch_amortise_the_launch():
     prog = small()
     one = cm.predict(prog, "h200", cm.V1, 16)
