@@ -124,13 +124,15 @@ class Fit:
             for i, ins in enumerate(q):
                 if ins.signal is not None and ins.op not in skip:
                     ends.setdefault(ins.signal, []).append(end[b, i])
+        for v in ends.values():
+            v.sort()
         gaps = []
         for b, i in nodes:
             ins = queues[b][i]
             if ins.wait is None or ins.wait[0] not in ends:
                 continue
             c, need = ins.wait
-            last = sorted(ends[c])[need - 1]
+            last = ends[c][need - 1]
             if start[b, i] < last < ready[b, i]:
                 gaps.append(ready[b, i] - last)
         self.gaps = np.array(gaps)
