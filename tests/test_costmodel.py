@@ -290,6 +290,18 @@ def test_plan_predict_ends_with_the_prediction(capsys):
             assert re.search(rf"^{op.name}\s+\d+\s+[\d.]+", out, re.M), op.name
 
 
+def test_plan_weight_balance_proxy():
+    """PERFORMANCE.md 2 and 5: Qwen3's v1 QKV max/mean 4.1; row tiles are balanced."""
+    from monokernel.tools.plan import weight_balance
+
+    qwen = weight_balance(program("qwen3-0.6b"))
+    assert qwen["RMS_QKV_ROPE"] == pytest.approx(4.1, abs=0.05)
+    assert qwen["RMS_GATE_UP"] < 1.1 and "ATTENTION" not in qwen
+    assert weight_balance(cm.with_row_pair_tiles(program("qwen3-0.6b")))["RMS_QKV_ROPE"] < 1.1
+    smol = weight_balance(program("smollm2-135m"))
+    assert max(smol.values()) < 1.2  # 576 rows over 132 blocks
+
+
 def test_plan_predict_rejects_bad_names(capsys):
     assert main(["plan", "--shape", "tiny", "--predict", "a100"]) != 0
     assert "a100" in capsys.readouterr().err

@@ -733,10 +733,11 @@ def with_row_pair_tiles(program):
     return dataclasses.replace(program, queues=queues)
 
 
-def sensitivity(program, g: GPU | str, d: KernelDesign, context: int) -> dict[str, float]:
+def sensitivity(program, g: GPU | str, d: KernelDesign, context: int,
+                static: Static | None = None) -> dict[str, float]:
     """Total us/token with L2 or HBM latency at the low and high end of its range."""
     base = gpu(g) if isinstance(g, str) else g
-    st = Static(program, context, base, d)
+    st = static or Static(program, context, base, d)
     out = {}
     for const in ("l2_latency", "hbm_latency"):
         lo, hi = constant_range(base.name, const)

@@ -52,7 +52,7 @@ def predict_report(prog, gpu_name: str, design_name: str | None, context: int) -
     d = cm.design(design_name) if design_name else cm.design_for(prog)
     st = cm.Static(prog, context, g, d)
     p = cm.predict(prog, g, d, context, st)
-    sens = cm.sensitivity(prog, g, d, context)
+    sens = cm.sensitivity(prog, g, d, context, st)
     t_model = time.perf_counter() - t0
     hp = cm.hop_parts(g, d)
     lines = [f"cost model (a PREDICTION, not a measurement): {g.name}, kernel design {d.name}, "
@@ -119,12 +119,14 @@ def plan_report(label: str, prog, context: int) -> str:
              f"program: {prog.num_blocks} blocks, {prog.attn_splits} attention splits per KV head, "
              f"context {context}", "",
              f"{'op':<16} {'instructions':>12} {'weight MB':>10} {'KV MB':>8} {'total MB':>9} "
-             f"{'share':>6}"]
+             f"{'share':>6} {'max/mean':>8}"]
+    balance = weight_balance(prog)
     for r in rows:
         w = weights[r["op"]]
+        bal = f"{balance[r['op']]:>8.2f}" if r["op"] in balance else f"{'-':>8}"
         lines.append(f"{r['op']:<16} {r['instructions']:>12} {w / 1e6:>10.3f} "
                      f"{(r['bytes'] - w) / 1e6:>8.3f} {r['bytes'] / 1e6:>9.3f} "
-                     f"{r['bytes'] / total if total else 0:>6.1%}")
+                     f"{r['bytes'] / total if total else 0:>6.1%} {bal}")
     n_ins = sum(r["instructions"] for r in rows)
     lines.append(f"{'total':<16} {n_ins:>12} {wtotal / 1e6:>10.3f} {(total - wtotal) / 1e6:>8.3f} "
                  f"{total / 1e6:>9.3f}")
@@ -136,5 +138,22 @@ def plan_report(label: str, prog, context: int) -> str:
               f"{wtotal / model_bytes:.3f}x, all bytes = {total / model_bytes:.3f}x",
               f"counters:               {prog.num_counters}",
               f"slots per block:        {prog.max_len} (padded with NOOP)",
-              f"critical path:          {prog.critical_path_hops()} dependency hops per token"]
+              f"critical path:          {prog.critical_path_hops()} dependency hops per token",
+              "max/mean: per-block weight bytes of the op's worst layer, busiest block over the "
+              "mean of all blocks (1.00 = balanced)"]
     return "\n".join(lines)
+
+
+def weight_balance(prog) -> dict[str, float]:
+    """Per weight op: max over its layers of (busiest block's weight bytes / mean over all
+    blocks), the balance proxy of PERFORMANCE.md section 5 (target <= 1.1)."""
+    per: dict[tuple[str, int], list[int]] = {}
+    for q in prog.queues:
+        for ins in q:
+            if ins.weight_bytes:
+                per.setdefault((ins.op.name, ins.layer), []).append(ins.weight_bytes)
+    out: dict[str, float] = {}
+    for (op, _layer), b in per.items():
+        ratio = max(b) / (sum(b) / prog.num_blocks)
+        out[op] = max(out.get(op, 0.0), ratio)
+    return out
