@@ -210,7 +210,7 @@ _R1 = V1.replace(
            "RMS_LM_HEAD": (2, 0), "SAMPLE": (0, 0)},
     o_proj_merge_trips_per_split=0.0, qk_norm_whole_heads=False,
     attn_positions_per_warp=8, attn_v_in_flight=16, attn_load_bytes=16, sample_op=False)
-_R2 = _R1.replace(name="r2", loads_in_flight_per_lane=8)
+_R2 = _R1.replace(name="r2", loads_in_flight_per_lane=8, rows_per_warp=2)
 _ISSUE8 = _R2.replace(name="issue8", steps_per_launch=16)
 LADDER: dict[str, KernelDesign] = {"v1": V1, "r1": _R1, "r2": _R2, "issue8": _ISSUE8}
 # Every design a prediction can name (`monokernel plan --design`). Add V2 here.
