@@ -89,7 +89,8 @@ def test_ladder_lands_near_the_independent_model(step, figures, name):
 def test_ladder_is_cumulative_and_faster_each_step():
     for name in V1_FIGURES:
         prog = program(name)
-        t = [cm.predict(prog, "h200", cm.LADDER[s], 16).total_us for s in ("v1", "r1", "r2", "issue8")]
+        t = [cm.predict(prog, "h200", cm.LADDER[s], 16).total_us
+             for s in ("v1", "r1", "r2", "issue8")]
         assert t[0] > t[1] > t[2] > t[3], (name, t)
 
 
@@ -129,8 +130,8 @@ def test_more_bytes_never_faster():
 
 def test_more_bytes_in_flight_never_slower():
     for name in ("smollm2-135m", "llama-3.2-1b"):
-        t = [cm.predict(program(name), "h200", cm.V1.replace(loads_in_flight_per_lane=k), 16).total_us
-             for k in (1, 2, 4, 8, 16)]
+        t = [cm.predict(program(name), "h200", cm.V1.replace(loads_in_flight_per_lane=k),
+                        16).total_us for k in (1, 2, 4, 8, 16)]
         assert all(b <= a + 1e-9 for a, b in zip(t, t[1:])), (name, t)
         assert t[0] > t[-1]
 
@@ -269,7 +270,7 @@ def test_bad_input_names_the_bad_value():
         cm.predict(small(), "h200", cm.V1, 65)  # the program holds 65 positions
 
 
-# ---- plan --predict -------------------------------------------------------------------------------
+# ---- plan --predict --------------------------------------------------------------------------
 def test_plan_predict_ends_with_the_prediction(capsys):
     assert main(["plan", "--shape", "smollm2-135m", "--blocks", "32", "--context", "16",
                  "--predict", "h200", "--design", "v1"]) == 0

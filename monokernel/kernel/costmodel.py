@@ -28,7 +28,6 @@ Every number this module prints is a prediction, not a measurement.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -727,8 +726,8 @@ def with_row_pair_tiles(program):
     queues = []
     for b, q in enumerate(program.queues):
         lo, hi = tiles[b]
-        queues.append([dataclasses.replace(ins, tile=(lo, hi),
-                                           weight_bytes=2 * 2 * (hi - lo) * H + (2 * H if hi > lo else 0))
+        wbytes = 2 * 2 * (hi - lo) * H + (2 * H if hi > lo else 0)
+        queues.append([dataclasses.replace(ins, tile=(lo, hi), weight_bytes=wbytes)
                        if ins.op == Op.RMS_QKV_ROPE else ins for ins in q])
     return dataclasses.replace(program, queues=queues)
 

@@ -216,8 +216,8 @@ def write_synthetic_trace(pred: cm.Prediction, path: str | Path, model: str) -> 
             if np.isnan(pred.end[b, i]):
                 raise CostModelError(f"{ins.label(b, i)} did not run in this design: only "
                                      "designs that run every instruction make a trace")
-            for word, t in ((TraceWord.START, pred.start[b, i]), (TraceWord.READY, pred.ready[b, i]),
-                            (TraceWord.END, pred.end[b, i])):
+            for word, t in ((TraceWord.START, pred.start[b, i]),
+                            (TraceWord.READY, pred.ready[b, i]), (TraceWord.END, pred.end[b, i])):
                 records[b, i, word] = t0 + int(round(t * 1e3))
     ex = SimpleNamespace(program=prog, name="costmodel")
     step_us = tr.step_time_ns(records) / 1e3
@@ -276,11 +276,12 @@ def calibrate_report(program, context: int, g0: cm.GPU, d: cm.KernelDesign, star
         sel = fit.ops == op
         if not sel.any():
             continue
-        m = fit.busy[sel].mean()
+        m, f1 = fit.busy[sel].mean(), b1[sel].mean()
         lines.append(f"{op.name:<16} {int(sel.sum()):>6} {m:>12.3f} {b0[sel].mean():>10.3f} "
-                     f"{b1[sel].mean():>10.3f} {b1[sel].mean() / m if m > 0 else float('nan'):>12.2f}")
+                     f"{f1:>10.3f} {f1 / m if m > 0 else float('nan'):>12.2f}")
     lines.append("(busy time READY -> END per instruction, mean over its instructions; start: "
-                 "the table's constants; fitted: the constants above; both with the measured leads)")
+                 "the table's constants; fitted: the constants above; both with the measured "
+                 "leads)")
     p0 = cm.predict(program, g0, d, context)
     p1 = cm.predict(program, g1, d, context)
     m_step = float(np.nanmax(end) - np.nanmin(start))

@@ -1,4 +1,5 @@
-"""``monokernel plan | calibrate | bench | trace``: the kernel's program, its speed, and its timeline.
+"""``monokernel plan | calibrate | bench | trace``: the kernel's program, its predicted and
+measured speed, and its timeline.
 
     monokernel plan  [--model DIR|FILE.gguf | --shape NAME] [--blocks 132] [--context 1024]
                      [--predict h200|h100 [--design v1|r1|r2|issue8]]
@@ -42,7 +43,8 @@ def add_commands(sub) -> None:
     _add_model_or_shape(p)
     p.add_argument("--gpu", default="h200", help="GPU whose constants start the fit (h200, h100)")
     p.add_argument("--design", default=None,
-                   help="kernel design the traced kernel implements (default: costmodel.design_for)")
+                   help="kernel design the traced kernel implements "
+                        "(default: costmodel.design_for)")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("bench", help="decode latency of each backend vs the bandwidth floor")
