@@ -568,14 +568,14 @@ class Static:
             f["pref"][bi] = np.minimum(ph.prefetch_bytes, ph.stream_bytes)
 
 
-def predict(program, gpu_: GPU | str = "h200", design_: KernelDesign | None = None,
-            context: int = 16, static: "Static | None" = None) -> Prediction:
-    """Predicted time of one decode step at ``context`` positions already in the cache (the
-    step attends over context + 1). ``design_`` defaults to ``design_for(program)``. Pass
-    ``static`` (a ``Static`` of the same program, context and design) to reuse the phases when
-    only the GPU's constants change."""
-    g = gpu(gpu_) if isinstance(gpu_, str) else gpu_
-    d = design_for(program) if design_ is None else design_
+def predict(program, g: GPU | str = "h200", d: KernelDesign | None = None, context: int = 16,
+            static: "Static | None" = None) -> Prediction:
+    """Predicted time of one decode step on GPU ``g`` (a name or a ``GPU``) with kernel design
+    ``d`` (default ``design_for(program)``) at ``context`` positions already in the cache (the
+    step attends over context + 1). Pass ``static`` (a ``Static`` of the same program, context
+    and design) to reuse the phases when only the GPU's constants change."""
+    g = gpu(g) if isinstance(g, str) else g
+    d = design_for(program) if d is None else d
     st = static or Static(program, context, g, d)
     return _simulate(program, g, d, context, st)
 
