@@ -306,6 +306,10 @@ OP_MODELS: dict[Op, object] = {}
 
 
 def op_model(fn):
+    """Register ``fn`` as the phases of the op it is named after (isa.Op, megakernel.cu)."""
+    if fn.__name__ not in Op.__members__:
+        raise CostModelError(f"cost model entry {fn.__name__} names no op of isa.Op: rename or "
+                             "remove it in the commit that changes the op")
     OP_MODELS[Op[fn.__name__]] = fn
     return fn
 
