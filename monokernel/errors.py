@@ -50,3 +50,7 @@ class KernelError(MonokernelError):
 
 class BackendUnavailableError(MonokernelError):
     """The requested backend cannot run here (no CUDA device, no CuPy, no compiler)."""
+
+
+class CostModelError(MonokernelError):
+    """The cost model was asked about an unknown GPU or design, or a program it cannot run."""

@@ -1,6 +1,9 @@
-"""``monokernel plan | bench | trace``: the kernel's program, its speed, and its timeline.
+"""``monokernel plan | calibrate | bench | trace``: the kernel's program, its predicted and
+measured speed, and its timeline.
 
     monokernel plan  [--model DIR|FILE.gguf | --shape NAME] [--blocks 132] [--context 1024]
+                     [--predict h200|h100 [--design v1|r1|r2|issue8]]
+    monokernel calibrate TRACE.json [--model DIR | --shape NAME] [--gpu h200] [--design v1]
     monokernel bench [--model DIR | --shape NAME[,NAME...]] [--backends LIST]
                      [--context 16,512,2048] [--steps N] [--warmup N] [--blocks N] [--out DIR]
     monokernel trace [--model DIR | --shape NAME] [--backend emulator|cuda] [--blocks N]
@@ -33,7 +36,23 @@ def add_commands(sub) -> None:
                    help=f"persistent blocks (default {H200_SMS}, the SMs of an H200)")
     p.add_argument("--context", type=int, default=1024,
                    help="context length for the KV-cache bytes (default 1024)")
+    p.add_argument("--predict", default=None, metavar="GPU",
+                   help="also predict the step's time with the cost model on this GPU "
+                        "(h200, h100); a prediction, not a measurement")
+    p.add_argument("--design", default=None,
+                   help="kernel design for --predict: v1, r1, r2, issue8 (default: the design "
+                        "the kernel implements now, costmodel.design_for)")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("calibrate", help="fit the cost model's constants to a GPU trace "
+                                         "(from `monokernel trace`) and compare per op")
+    p.add_argument("trace", help="trace JSON written by `monokernel trace`")
+    _add_model_or_shape(p)
+    p.add_argument("--gpu", default="h200", help="GPU whose constants start the fit (h200, h100)")
+    p.add_argument("--design", default=None,
+                   help="kernel design the traced kernel implements "
+                        "(default: costmodel.design_for)")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("bench", help="decode latency of each backend vs the bandwidth floor")
     _add_model_or_shape(p, several=True)
@@ -114,6 +133,12 @@ def _model_label(model) -> str:
 def _safe_path(s: str) -> str:
     """A path as recorded in results: never an absolute path of this machine."""
     return Path(s).name if Path(s).is_absolute() else s
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import cmd_calibrate as run
+
+    return run(args)
 
 
 # ================================================================================================

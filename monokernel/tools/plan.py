@@ -1,5 +1,7 @@
 """``monokernel plan``: the instruction program of one decode step and its CPU-side speed
-proxies (instructions and bytes per op, bytes vs weights, counters, critical-path hops)."""
+proxies (instructions and bytes per op, bytes vs weights, counters, critical-path hops), and
+with ``--predict GPU`` the cost model's predicted time per op and per token
+(kernel/costmodel.py): a prediction, never a measurement."""
 
 from __future__ import annotations
 
@@ -10,8 +12,16 @@ H200_SMS = 132
 
 def cmd_plan(args) -> int:
     from ..model.config import ModelConfig
+    from ..kernel import costmodel as cm
     from ..kernel.scheduler import schedule
 
+    predict = getattr(args, "predict", None)
+    if predict:  # bad names fail now, not after scheduling
+        cm.gpu(predict)
+        if getattr(args, "design", None):
+            cm.design(args.design)
+    elif getattr(args, "design", None):
+        raise SystemExit("monokernel: error: --design needs --predict GPU")
     if args.shape:
         cfg = ModelConfig.from_name(args.shape)
         label = cfg.name
@@ -26,7 +36,72 @@ def cmd_plan(args) -> int:
     t_sched = time.perf_counter() - t0
     print(plan_report(label, prog, args.context))
     print(f"scheduled and verified in {t_sched:.1f} s")
+    if predict:
+        print()
+        print(predict_report(prog, args.predict, getattr(args, "design", None), args.context))
     return 0
+
+
+def predict_report(prog, gpu_name: str, design_name: str | None, context: int) -> str:
+    """Per-op predicted times, the critical path, the sensitivity to L2 and HBM latency, and
+    last the line ``predicted on <gpu>: <N> us/token (<X>x floor)``."""
+    from ..kernel import costmodel as cm
+
+    t0 = time.perf_counter()
+    g = cm.gpu(gpu_name)
+    d = cm.design(design_name) if design_name else cm.design_for(prog)
+    st = cm.Static(prog, context, g, d)
+    p = cm.predict(prog, g, d, context, st)
+    sens = cm.sensitivity(prog, g, d, context, st)
+    t_model = time.perf_counter() - t0
+    hp = cm.hop_parts(g, d)
+    lines = [f"cost model (a PREDICTION, not a measurement): {g.name}, kernel design {d.name}, "
+             f"context {context}, {prog.num_blocks} blocks",
+             f"constants: HBM {g.hbm_bw / 1e6:.2f} TB/s, HBM latency {g.hbm_latency:.2f} us, "
+             f"L2 latency {g.l2_latency:.2f} us; {d.bytes_in_flight_per_sm // 1024} KB in flight "
+             f"per SM; hop {sum(hp.values()):.2f} us (signal {hp['signal']:.2f} + propagate "
+             f"{hp['propagate']:.2f} + detect {hp['detect']:.2f})", "",
+             f"{'op':<16} {'instr':>6} {'busy us':>8} {'max us':>8} {'wait us':>8} "
+             f"{'trips':>6} {'path us':>8} {'share':>6}"]
+    rows = p.op_rows()
+    for r in rows:
+        lines.append(f"{r['op']:<16} {r['instructions']:>6} {r['busy_mean_us']:>8.2f} "
+                     f"{r['busy_max_us']:>8.2f} {r['wait_mean_us']:>8.2f} {r['trips']:>6.0f} "
+                     f"{r['critical_us']:>8.1f} {r['critical_us'] / p.total_us:>6.1%}")
+    lines.append(f"{'launch':<16} {'':>6} {'':>8} {'':>8} {'':>8} {'':>6} {p.launch_us:>8.1f} "
+                 f"{p.launch_us / p.total_us:>6.1%}")
+    lines.append("(busy: ready -> end per instruction, mean and max; wait: start -> ready; "
+                 "trips: dependent round trips after the wait incl. the weight stream's, median "
+                 "of the busy instructions; path: time on the critical path)")
+    lines += ["", critical_path_line(p),
+              "sensitivity: " + "; ".join(
+                  f"{what} " + ", ".join(f"{cm.constant_range(g.name, const)[k]:.2f} us -> "
+                                         f"{sens[f'{const}_{tag}']:.0f}"
+                                         for k, tag in ((0, "low"), (1, "high")))
+                  for what, const in (("L2 latency", "l2_latency"), ("HBM latency", "hbm_latency")))
+              + " us/token",
+              f"floor: {prog.config.weight_bytes_per_token() / 1e6:.1f} MB weights / "
+              f"{g.hbm_bw / 1e6:.2f} TB/s = {p.floor_us:.1f} us; modelled in {t_model:.1f} s",
+              f"predicted on {g.name}: {p.total_us:.0f} us/token ({p.x_floor:.2f}x floor)"]
+    return "\n".join(lines)
+
+
+def critical_path_line(p) -> str:
+    """The critical path: its instructions and hops, the first and last few steps."""
+    q = p.program.queues
+
+    def step(node) -> str:
+        ins = q[node[0]][node[1]]
+        layer = f" L{ins.layer}" if ins.op.name not in ("EMBED", "RMS_LM_HEAD", "SAMPLE") else ""
+        return f"{ins.op.name}{layer} (block {node[0]})"
+
+    chain = p.critical
+    shown = [step(n) for n in chain] if len(chain) <= 8 else \
+        [step(n) for n in chain[:4]] + [f"... {len(chain) - 7} more ..."] + \
+        [step(n) for n in chain[-3:]]
+    chained = " (+1 from the previous step's token)" if p.design.steps_per_launch > 1 else ""
+    return (f"critical path: {len(chain)} instructions, {p.critical_hops} hops{chained}: "
+            + " -> ".join(shown))
 
 
 def plan_report(label: str, prog, context: int) -> str:
@@ -44,12 +119,14 @@ def plan_report(label: str, prog, context: int) -> str:
              f"program: {prog.num_blocks} blocks, {prog.attn_splits} attention splits per KV head, "
              f"context {context}", "",
              f"{'op':<16} {'instructions':>12} {'weight MB':>10} {'KV MB':>8} {'total MB':>9} "
-             f"{'share':>6}"]
+             f"{'share':>6} {'max/mean':>8}"]
+    balance = weight_balance(prog)
     for r in rows:
         w = weights[r["op"]]
+        bal = f"{balance[r['op']]:>8.2f}" if r["op"] in balance else f"{'-':>8}"
         lines.append(f"{r['op']:<16} {r['instructions']:>12} {w / 1e6:>10.3f} "
                      f"{(r['bytes'] - w) / 1e6:>8.3f} {r['bytes'] / 1e6:>9.3f} "
-                     f"{r['bytes'] / total if total else 0:>6.1%}")
+                     f"{r['bytes'] / total if total else 0:>6.1%} {bal}")
     n_ins = sum(r["instructions"] for r in rows)
     lines.append(f"{'total':<16} {n_ins:>12} {wtotal / 1e6:>10.3f} {(total - wtotal) / 1e6:>8.3f} "
                  f"{total / 1e6:>9.3f}")
@@ -61,5 +138,22 @@ def plan_report(label: str, prog, context: int) -> str:
               f"{wtotal / model_bytes:.3f}x, all bytes = {total / model_bytes:.3f}x",
               f"counters:               {prog.num_counters}",
               f"slots per block:        {prog.max_len} (padded with NOOP)",
-              f"critical path:          {prog.critical_path_hops()} dependency hops per token"]
+              f"critical path:          {prog.critical_path_hops()} dependency hops per token",
+              "max/mean: per-block weight bytes of the op's worst layer, busiest block over the "
+              "mean of all blocks (1.00 = balanced)"]
     return "\n".join(lines)
+
+
+def weight_balance(prog) -> dict[str, float]:
+    """Per weight op: max over its layers of (busiest block's weight bytes / mean over all
+    blocks), the balance proxy of PERFORMANCE.md section 5 (target <= 1.1)."""
+    per: dict[tuple[str, int], list[int]] = {}
+    for q in prog.queues:
+        for ins in q:
+            if ins.weight_bytes:
+                per.setdefault((ins.op.name, ins.layer), []).append(ins.weight_bytes)
+    out: dict[str, float] = {}
+    for (op, _layer), b in per.items():
+        ratio = max(b) / (sum(b) / prog.num_blocks)
+        out[op] = max(out.get(op, 0.0), ratio)
+    return out

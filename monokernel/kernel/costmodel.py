@@ -1,0 +1,750 @@
+"""The cost model: predicted time of one decode step of a Program on a named GPU.
+
+Three parts, each in one place:
+
+- ``CONSTANTS``: the GPU's numbers (latencies, bandwidths, the parts of a hop), one table, each
+  row with its range and its source (shared/PERFORMANCE.md section 1 for the H200).
+- ``KernelDesign``: the kernel's design knobs (bytes in flight, dependent round trips per op,
+  the hop's parts, attention's loop shape, SAMPLE as a serial op, L2 prefetch, steps per
+  launch). ``V1`` is the kernel of commit 6b168f3; ``LADDER`` holds the steps of
+  PERFORMANCE.md section 3 as knob settings. ``design_for(program)`` names the design the
+  kernel in megakernel.cu implements now: change it in the commit that changes the kernel.
+- ``OP_MODELS``: one entry per op, named exactly like the op's section in megakernel.cu
+  (EMBED, RMS_QKV_ROPE, ATTENTION, O_PROJ_RESIDUAL, RMS_GATE_UP, DOWN_RESIDUAL, RMS_LM_HEAD,
+  SAMPLE). Each turns the op's instructions (vectorised over all of them) into phases: fixed
+  work after the wait (dependent round trips to L2 or HBM, reductions, barriers) and a weight
+  stream (bytes, rounds of loads of the busiest warp, bytes prefetched into L2 before the wait).
+
+``predict(program, gpu, design, context)`` runs the per-block queues as a discrete-event
+simulation: an instruction starts when its block's previous one ends, fetches its words,
+issues its L2 prefetch, and becomes ready when its counter has all its signals (the last
+signal's time + the hop latency) or, if they are already there, after one acquire load. Its
+weight stream runs at min(bytes in flight / latency, the SM's share of HBM bandwidth) (Little's
+law), where the bytes the prefetch brought into L2 during the wait are read at L2 latency.
+
+Every number this module prints is a prediction, not a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import CostModelError
+from .isa import Op
+
+# ================================================================================================
+# The GPU's constants: ONE table. name -> (unit, {gpu: (value, low, high)}, source)
+# ================================================================================================
+CONSTANTS: dict[str, tuple[str, dict[str, tuple[float, float, float]], str]] = {
+    "sms": ("", {"h200": (132, 132, 132), "h100": (132, 132, 132)},
+            "H200: measured on the H200 we test on (PERFORMANCE.md 1); H100 SXM5: datasheet"),
+    "clock_ghz": ("GHz", {"h200": (1.98, 1.98, 1.98), "h100": (1.98, 1.98, 1.98)},
+                  "H200: measured (PERFORMANCE.md 1); H100 SXM5: datasheet boost clock. For "
+                  "reading cycle counts; the latencies below are in us already"),
+    "hbm_bw": ("TB/s", {"h200": (4.3, 4.3, 4.3), "h100": (3.0, 2.8, 3.2)},
+               "device-to-device copy, read+write counted. H200: measured (PERFORMANCE.md 1); "
+               "H100: assumed ~90% of the 3.35 TB/s datasheet figure, not measured"),
+    "hbm_latency": ("us", {"h200": (0.53, 0.35, 0.6), "h100": (0.53, 0.35, 0.6)},
+                    "one warp's coalesced load from HBM: ~0.35-0.5 us unloaded (570-700 cycle "
+                    "pointer chase on H100, public microbenchmarks); nominal 0.53 = 8 KB x 132 "
+                    "SMs / 2.0 TB/s, the cap PERFORMANCE.md 2 gives v1's 8 KB in flight per SM; "
+                    "high = loaded"),
+    "l2_latency": ("us", {"h200": (0.2, 0.13, 0.3), "h100": (0.2, 0.13, 0.3)},
+                   "L2 hit round trip: 260-291 cycles pointer chase (0.13-0.15 us), up to "
+                   "~0.3 us to the far L2 partition (public H100 microbenchmarks, "
+                   "PERFORMANCE.md 1)"),
+    "l2_bw": ("TB/s", {"h200": (7.0, 5.5, 10.0), "h100": (5.5, 4.5, 7.0)},
+              "L2 hit bandwidth of the whole chip; assumed from public H100 L2 microbenchmarks "
+              "(5.5-7 TB/s), H200 taken a little higher; only bounds prefetched streams"),
+    "fence": ("us", {"h200": (0.58, 0.3, 0.8), "h100": (0.58, 0.3, 0.8)},
+              "MEMBAR.SC.GPU (waits for every outstanding store of the SM): the rest of "
+              "PERFORMANCE.md's ~1.07 us per v1 hop once the parts below are counted; fitted by "
+              "`monokernel calibrate` from a GPU trace"),
+    "release": ("us", {"h200": (0.15, 0.1, 0.3), "h100": (0.15, 0.1, 0.3)},
+                "red.release.gpu in place of MEMBAR.SC + atomic (R4); assumed ~ one L2 trip "
+                "less than the SC fence (fence + relaxed atomic ~ release atomic, mscclpp PR 505)"),
+    "cctl": ("us", {"h200": (0.02, 0.01, 0.05), "h100": (0.02, 0.01, 0.05)},
+             "CCTL.IVALL (L1 invalidate after an acquire, NVIDIA/cutlass issue 3117); assumed "
+             "~40 cycles"),
+    "bar_sync": ("us", {"h200": (0.02, 0.01, 0.04), "h100": (0.02, 0.01, 0.04)},
+                 "__syncthreads of 8 warps; assumed ~40 cycles"),
+    "shfl": ("us", {"h200": (0.015, 0.01, 0.025), "h100": (0.015, 0.01, 0.025)},
+             "one dependent SHFL + FADD step of a warp reduction; assumed ~30 cycles"),
+    "timer": ("us", {"h200": (0.01, 0.005, 0.02), "h100": (0.01, 0.005, 0.02)},
+              "read %globaltimer in the poll loop; assumed"),
+    "nanosleep": ("us", {"h200": (0.05, 0.03, 0.1), "h100": (0.05, 0.03, 0.1)},
+                  "__nanosleep(32) in the poll loop (sleeps 0-2x the request, coarse "
+                  "granularity); assumed"),
+    "launch": ("us", {"h200": (8.0, 5.0, 12.0), "h100": (8.0, 5.0, 12.0)},
+               "host submit + cooperative launch + drain per launch; assumed so that R6 (N steps "
+               "per launch) saves 7-8 us per token, as PERFORMANCE.md 3 predicts"),
+}
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU's constants, in microseconds and bytes per microsecond (see CONSTANTS)."""
+
+    name: str
+    sms: int
+    clock_ghz: float
+    hbm_bw: float  # bytes/us
+    hbm_latency: float
+    l2_latency: float
+    l2_bw: float  # bytes/us
+    fence: float
+    release: float
+    cctl: float
+    bar_sync: float
+    shfl: float
+    timer: float
+    nanosleep: float
+    launch: float
+
+    def replace(self, **changes) -> "GPU":
+        return dataclasses.replace(self, **changes)
+
+
+_TB_S = 1e6  # 1 TB/s = 1e12 B/s = 1e6 B/us
+
+
+def gpu(name: str) -> GPU:
+    """The named GPU's nominal constants (CONSTANTS' values; ``constant_range`` has the ends)."""
+    key = name.lower()
+    if key not in CONSTANTS["sms"][1]:
+        raise CostModelError(f"unknown GPU {name!r} (known: {', '.join(CONSTANTS['sms'][1])})")
+    vals = {c: row[1][key][0] for c, row in CONSTANTS.items()}
+    vals["hbm_bw"] *= _TB_S
+    vals["l2_bw"] *= _TB_S
+    vals["sms"] = int(vals["sms"])
+    return GPU(name=key, **vals)
+
+
+def constant_range(gpu_name: str, constant: str) -> tuple[float, float]:
+    _unit, per_gpu, _src = CONSTANTS[constant]
+    v = per_gpu[gpu_name.lower()]
+    return v[1], v[2]
+
+
+# ================================================================================================
+# The kernel's design knobs
+# ================================================================================================
+@dataclass(frozen=True)
+class KernelDesign:
+    """What the kernel does, as the cost model sees it. Every prediction takes one.
+
+    Add a design (e.g. ``V2``) when a kernel change lands, in the same commit, and point
+    ``design_for`` at it. Knobs not listed keep V1's value.
+    """
+
+    name: str
+    threads: int = 256
+    # mat-vecs: 16-byte weight loads outstanding per lane, and rows a warp streams together
+    # (v1: `#pragma unroll 2` in warp_dot, one row per warp: 2 x 16 B x 256 threads = 8 KB/SM)
+    loads_in_flight_per_lane: int = 2
+    rows_per_warp: int = 1
+    # dependent global round trips per op after its wait, NOT counting the weight stream's own
+    # rounds (those follow from the tiles): (to L2, to HBM). v1 (SmolLM2, with the stream):
+    # QKV 5, O_PROJ 11 (8 of them the split merge), GATE_UP 10, DOWN 6, LM head 96.
+    trips: dict[str, tuple[int, int]] = field(default_factory=lambda: {
+        "EMBED": (0, 1),  # the embedding row
+        "RMS_QKV_ROPE": (2, 1),  # residual, rope tables (L2); norm weights (HBM)
+        "ATTENTION": (1, 0),  # the group's queries, per unit
+        "O_PROJ_RESIDUAL": (1, 0),  # residual read-modify-write (+ the merge, below)
+        "RMS_GATE_UP": (1, 1),  # residual; norm weights
+        "DOWN_RESIDUAL": (3, 0),  # ffn_h into shared memory, residual read-modify-write
+        "RMS_LM_HEAD": (1, 1),  # residual; final norm weights
+        "SAMPLE": (0, 0),
+    })
+    o_proj_merge_trips_per_split: float = 1.0  # v1: every O_PROJ block merges every split
+    qk_norm_whole_heads: bool = True  # v1: Qwen3's q/k-norm needs a whole head per tile
+    # hop: signal = bar + (MEMBAR.SC + CCTL | release atomic); poll = loads + timer + sleep
+    signal_sc_fence: bool = True
+    poll_loads: int = 2  # v1: error word and counter, both acquire loads
+    poll_sleep: bool = True
+    # attention: positions per warp per K round, V positions in flight per thread (v1: the V
+    # loop's loads are independent; 16 in flight gives PERFORMANCE.md's ~26 serial rounds per
+    # 129-position unit; SASS check pending), K/V load width, positions per pass (T_TILE)
+    attn_positions_per_warp: int = 1
+    attn_v_in_flight: int = 16
+    attn_load_bytes: int = 2
+    attn_tile: int = 128
+    # SAMPLE as a separate serial op: thread 0 walks the partials, dependent L2 loads each.
+    # False: the LM head's last block reduces them (a v1 program's SAMPLE slot is then skipped)
+    sample_op: bool = True
+    sample_trips_per_partial: int = 2
+    # L2 prefetch of an instruction's weights before its wait, at most this much per range
+    l2_prefetch: bool = True
+    prefetch_max_bytes: int = 64 * 1024
+    # decode steps per launch (launch overhead amortised; chained steps add one hop each)
+    steps_per_launch: int = 1
+    instruction_fetch_trips: int = 1  # the instruction's words (L2)
+
+    @property
+    def bytes_in_flight_per_sm(self) -> int:
+        return self.loads_in_flight_per_lane * 16 * self.threads
+
+    @property
+    def warps(self) -> int:
+        return self.threads // 32
+
+    def replace(self, **changes) -> "KernelDesign":
+        return dataclasses.replace(self, **changes)
+
+
+V1 = KernelDesign("v1")
+
+# The ladder of PERFORMANCE.md section 3, cumulative, as knob settings: R1 (latency fixes) and
+# R2 (32 KB in flight). Steps that change the schedule rather than the kernel need the matching
+# Program too: R1's balanced Qwen3 QKV is ``with_row_pair_tiles(program)``. R3 (a loader warp
+# and a shared-memory ring) is not expressible in these knobs yet, so neither are R4-R6 of the
+# ladder; "issue8" is what issue 8 section 2 builds: R1 + R2 + many steps per launch (R6).
+_R1 = V1.replace(
+    name="r1",
+    trips={"EMBED": (0, 1), "RMS_QKV_ROPE": (2, 0), "ATTENTION": (1, 0),
+           "O_PROJ_RESIDUAL": (2, 0), "RMS_GATE_UP": (2, 0), "DOWN_RESIDUAL": (2, 0),
+           "RMS_LM_HEAD": (2, 0), "SAMPLE": (0, 0)},
+    o_proj_merge_trips_per_split=0.0, qk_norm_whole_heads=False,
+    attn_positions_per_warp=8, attn_v_in_flight=16, attn_load_bytes=16, sample_op=False)
+_R2 = _R1.replace(name="r2", loads_in_flight_per_lane=8, rows_per_warp=2)
+_ISSUE8 = _R2.replace(name="issue8", steps_per_launch=16)
+LADDER: dict[str, KernelDesign] = {"v1": V1, "r1": _R1, "r2": _R2, "issue8": _ISSUE8}
+# Every design a prediction can name (`monokernel plan --design`). Add V2 here.
+DESIGNS: dict[str, KernelDesign] = dict(LADDER)
+
+
+def design_for(program) -> KernelDesign:
+    """The design megakernel.cu implements now. The kernel's author points this at the new
+    design (e.g. ``V2``) in the commit that changes the kernel; until then it is V1."""
+    return V1
+
+
+def design(name: str) -> KernelDesign:
+    if name.lower() not in DESIGNS:
+        raise CostModelError(f"unknown kernel design {name!r} (known: {', '.join(DESIGNS)})")
+    return DESIGNS[name.lower()]
+
+
+# ================================================================================================
+# Derived costs shared by the ops
+# ================================================================================================
+def hop_parts(g: GPU, d: KernelDesign) -> dict[str, float]:
+    """The parts of one counter hop, in us. signal: on the producer, inside its instruction;
+    propagate: the atomic reaching L2; detect: the poll loop noticing (half a poll period on
+    average, then the load's way back) and the block barrier after it."""
+    signal = g.bar_sync + (g.fence + g.cctl if d.signal_sc_fence else g.release)
+    period = d.poll_loads * g.l2_latency + g.timer + (g.nanosleep if d.poll_sleep else 0.0)
+    return {"signal": signal, "propagate": g.l2_latency / 2,
+            "detect": period / 2 + g.l2_latency / 2 + g.bar_sync}
+
+
+def hop_latency(g: GPU, d: KernelDesign) -> float:
+    """Producer's last stores issued -> consumer block past its wait."""
+    return sum(hop_parts(g, d).values())
+
+
+def block_sum_us(g: GPU) -> float:
+    """block_sum: warp_sum, shared store, barrier, warp_sum of the partials, two barriers."""
+    return 10 * g.shfl + 3 * g.bar_sync
+
+
+def _loads_per_row(n: int) -> int:
+    """16-byte loads of the busiest lane for one bf16 row of n elements."""
+    return -(-n // (8 * 32))
+
+
+def _stream_rounds(rows_per_warp: np.ndarray, n: int, d: KernelDesign, dots: int = 1) -> np.ndarray:
+    """Rounds of dependent weight loads of the busiest warp: groups of rows_per_warp rows, each
+    group's loads issued loads_in_flight_per_lane at a time; ``dots`` dot products per row one
+    after the other (RMS_GATE_UP: gate, then up, each ended by a warp_sum)."""
+    groups = -(-rows_per_warp // d.rows_per_warp)
+    per_group = -(-(_loads_per_row(n) * d.rows_per_warp) // d.loads_in_flight_per_lane)
+    last = rows_per_warp - (groups - 1) * d.rows_per_warp  # the last group may be short
+    last_rounds = -(-(_loads_per_row(n) * last) // d.loads_in_flight_per_lane)
+    return dots * np.where(groups > 0, (groups - 1) * per_group + last_rounds, 0)
+
+
+# ================================================================================================
+# One entry per op, named like its section in megakernel.cu
+# ================================================================================================
+@dataclass
+class Phases:
+    """Per instruction of one op (arrays over its instructions)."""
+
+    l2_trips: np.ndarray  # dependent round trips to L2 after the wait (not the stream)
+    hbm_trips: np.ndarray  # ... to HBM
+    other_us: np.ndarray  # reductions, barriers, serial compute
+    rounds: np.ndarray  # weight stream: rounds of dependent loads of the busiest warp
+    stream_bytes: np.ndarray  # weight (or KV) bytes streamed by the block
+    prefetch_bytes: np.ndarray  # of those, issued as L2 prefetches before the wait
+
+
+@dataclass
+class OpBatch:
+    """The instructions of one op in a program, as arrays."""
+
+    program: object
+    context: int
+    layer: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    weight_bytes: np.ndarray
+    args: list
+
+    @property
+    def n(self) -> np.ndarray:
+        return np.maximum(self.hi - self.lo, 0)
+
+    def zeros(self) -> np.ndarray:
+        return np.zeros(len(self.lo), np.float64)
+
+
+OP_MODELS: dict[Op, object] = {}
+
+
+def op_model(fn):
+    """Register ``fn`` as the phases of the op it is named after (isa.Op, megakernel.cu)."""
+    if fn.__name__ not in Op.__members__:
+        raise CostModelError(f"cost model entry {fn.__name__} names no op of isa.Op: rename or "
+                             "remove it in the commit that changes the op")
+    OP_MODELS[Op[fn.__name__]] = fn
+    return fn
+
+
+def _prefetch(d: KernelDesign, *ranges: np.ndarray) -> np.ndarray:
+    if not d.l2_prefetch:
+        return np.zeros_like(ranges[0], dtype=np.float64)
+    return sum(np.minimum(r, d.prefetch_max_bytes) for r in ranges).astype(np.float64)
+
+
+def _trips(d: KernelDesign, op: str, busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    l2, hbm = d.trips[op]
+    return busy * float(l2), busy * float(hbm)
+
+
+@op_model
+def EMBED(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
+    busy = (b.n > 0).astype(np.float64)
+    l2, hbm = _trips(d, "EMBED", busy)
+    z = b.zeros()
+    return Phases(l2, hbm, z, z.copy(), b.weight_bytes.astype(np.float64), z.copy())
+
+
+@op_model
+def RMS_QKV_ROPE(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
+    c = b.program.config
+    half, H = c.head_dim // 2, c.hidden_size
+    busy = (b.n > 0).astype(np.float64)
+    l2, hbm = _trips(d, "RMS_QKV_ROPE", busy)
+    # the kernel walks the tile head by head: each head segment's 2n rows over the warps, then
+    # RoPE (and q/k-norm) with barriers in between
+    seg_ins, seg_n, seg_normed = [], [], []
+    for k, (lo, hi) in enumerate(zip(b.lo.tolist(), b.hi.tolist())):
+        p = lo
+        while p < hi:
+            head, j0 = divmod(p, half)
+            n = min(half, j0 + hi - p) - j0
+            seg_ins.append(k)
+            seg_n.append(n)
+            seg_normed.append(c.qk_norm and head < c.num_heads + c.num_kv_heads)
+            p += n
+    idx, n = np.array(seg_ins, np.int64), np.array(seg_n, np.int64)
+    normed = np.array(seg_normed, bool) & d.qk_norm_whole_heads
+    m = len(b.lo)
+    rounds = np.bincount(idx, _stream_rounds(-(-2 * n // d.warps), H, d), m)
+    seg_other = 2 * g.bar_sync + normed * (block_sum_us(g) + g.bar_sync)
+    other = busy * block_sum_us(g) + np.bincount(idx, seg_other, m)
+    hbm = hbm + np.bincount(idx, normed + float(c.attention_bias), m)  # q/k-norm weights, bias
+    pref = np.bincount(idx, 2.0 * np.minimum(n * H * 2, d.prefetch_max_bytes), m) \
+        if d.l2_prefetch else b.zeros()
+    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)
+
+
+def _unit_positions(b: OpBatch) -> tuple[np.ndarray, np.ndarray]:
+    """(instruction index, positions) of every attention unit: units cover
+    [split * chunk, (split + 1) * chunk) of the context + 1 positions."""
+    splits = b.program.attn_splits
+    n_pos = b.context + 1
+    chunk = -(-n_pos // splits)
+    idx = np.repeat(np.arange(len(b.lo)), b.n)
+    units = np.concatenate([np.arange(lo, hi) for lo, hi in zip(b.lo.tolist(), b.hi.tolist())]
+                           or [np.zeros(0, np.int64)]).astype(np.int64)
+    split = units % splits
+    t0 = split * chunk
+    cnt = np.clip(np.minimum(n_pos, t0 + chunk) - t0, 0, None)
+    return idx, cnt
+
+
+@op_model
+def ATTENTION(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
+    c = b.program.config
+    T_TILE, G, D = d.attn_tile, c.group_size, c.head_dim
+    idx, cnt = _unit_positions(b)
+    ntile = -(-cnt // T_TILE)
+    full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * T_TILE
+    per_k = d.warps * d.attn_positions_per_warp
+    k_rounds = full * -(-T_TILE // per_k) + -(-last // per_k)
+    elems = max(1, d.attn_load_bytes // 2)  # bf16 elements per K/V load
+    passes = -(-(G * D) // (d.threads * elems))  # V: each thread owns `elems` output dims
+    v_rounds = passes * (full * -(-T_TILE // d.attn_v_in_flight) + -(-last // d.attn_v_in_flight))
+    # per position of a warp: its K loads issued, G dot products each ended by a warp_sum; per
+    # tile: the online softmax (one warp per head: max and sum reductions) and four barriers
+    k_loads = -(-D // (32 * elems))
+    k_compute = (full * -(-T_TILE // d.warps) + -(-last // d.warps)) \
+        * (G * 5 * g.shfl + k_loads * 0.002)
+    softmax = ntile * (10 * g.shfl + 4 * g.bar_sync + 0.02)
+    unit_other = k_compute + softmax + 3 * g.bar_sync
+    n = len(b.lo)
+    other = np.bincount(idx, unit_other, n)
+    # K/V rounds go to HBM (the cache is not prefetched); the bytes bound the rate
+    rounds = np.bincount(idx, (k_rounds + v_rounds).astype(np.float64), n)
+    l2 = np.bincount(idx, np.full(len(idx), float(d.trips["ATTENTION"][0])), n)
+    sbytes = np.bincount(idx, cnt * 2 * D * 2.0, n)
+    z = b.zeros()
+    return Phases(l2, z.copy(), other, rounds, sbytes, z.copy())
+
+
+@op_model
+def O_PROJ_RESIDUAL(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
+    c = b.program.config
+    S = b.program.attn_splits
+    busy = (b.n > 0).astype(np.float64)
+    l2, hbm = _trips(d, "O_PROJ_RESIDUAL", busy)
+    l2 = l2 + busy * d.o_proj_merge_trips_per_split * S
+    # the merge reads every split's partial outputs from L2
+    merge_bytes = busy * c.num_kv_heads * S * c.group_size * (c.head_dim + 2) * 4 \
+        * d.o_proj_merge_trips_per_split
+    other = busy * (g.bar_sync + merge_bytes / (g.l2_bw / g.sms))
+    rounds = _stream_rounds(-(-b.n // d.warps), c.q_dim, d).astype(np.float64)
+    pref = _prefetch(d, b.n * c.q_dim * 2)
+    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)
+
+
+@op_model
+def RMS_GATE_UP(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
+    c = b.program.config
+    busy = (b.n > 0).astype(np.float64)
+    l2, hbm = _trips(d, "RMS_GATE_UP", busy)
+    other = busy * block_sum_us(g)
+    rounds = _stream_rounds(-(-b.n // d.warps), c.hidden_size, d, dots=2).astype(np.float64)
+    pref = _prefetch(d, b.n * c.hidden_size * 2, b.n * c.hidden_size * 2)
+    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)
+
+
+@op_model
+def DOWN_RESIDUAL(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
+    c = b.program.config
+    busy = (b.n > 0).astype(np.float64)
+    l2, hbm = _trips(d, "DOWN_RESIDUAL", busy)
+    other = busy * g.bar_sync
+    rounds = _stream_rounds(-(-b.n // d.warps), c.intermediate_size, d).astype(np.float64)
+    pref = _prefetch(d, b.n * c.intermediate_size * 2)
+    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)
+
+
+@op_model
+def RMS_LM_HEAD(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
+    c = b.program.config
+    busy = (b.n > 0).astype(np.float64)
+    l2, hbm = _trips(d, "RMS_LM_HEAD", busy)
+    # the block's best of its warps: thread 0 walks NWARPS shared-memory partials
+    other = busy * block_sum_us(g) + g.bar_sync + d.warps * 0.01
+    if not d.sample_op:  # the last block (atomic ticket, a warp's loads, warp reductions)
+        l2 = l2 + 3.0 / len(b.lo)  # reduces all partials: spread over the instructions
+        other = other + 10 * g.shfl / len(b.lo)
+    rounds = _stream_rounds(-(-b.n // d.warps), c.hidden_size, d).astype(np.float64)
+    pref = _prefetch(d, b.n * c.hidden_size * 2)
+    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)
+
+
+@op_model
+def SAMPLE(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
+    partials = np.array([a[0] if a else 0 for a in b.args], np.float64)
+    l2 = partials * d.sample_trips_per_partial
+    z = b.zeros()
+    return Phases(l2, z.copy(), z + 0.05, z.copy(), z.copy(), z.copy())
+
+
+# ================================================================================================
+# The discrete-event simulation
+# ================================================================================================
+@dataclass
+class Prediction:
+    """Predicted times of one decode step (us). start/ready/end: per block, per slot (NaN for
+    NOOP); trips: dependent round trips after the wait incl. the stream's rounds."""
+
+    program: object
+    gpu: GPU
+    design: KernelDesign
+    context: int
+    start: np.ndarray
+    ready: np.ndarray
+    end: np.ndarray
+    trips: np.ndarray
+    step_us: float  # the launch's start (t = 0) to the last end of the simulated step
+    launch_us: float  # launch overhead per token
+    critical: list[tuple[int, int]]  # (block, slot) from the first instruction to the last
+    critical_hops: int
+
+    @property
+    def total_us(self) -> float:
+        return self.step_us + self.launch_us
+
+    @property
+    def floor_us(self) -> float:
+        return self.program.config.weight_bytes_per_token() / self.gpu.hbm_bw
+
+    @property
+    def x_floor(self) -> float:
+        return self.total_us / self.floor_us
+
+    def op_rows(self) -> list[dict]:
+        """Per op: instructions, mean and max busy time (ready -> end), mean wait, median
+        round trips after the wait of the busy instructions, time on the critical path."""
+        prog = self.program
+        crit: dict[Op, float] = {}
+        prev_end = 0.0
+        for blk, slot in self.critical:
+            op = prog.queues[blk][slot].op
+            crit[op] = crit.get(op, 0.0) + self.end[blk, slot] - prev_end
+            prev_end = self.end[blk, slot]
+        rows = []
+        for op in Op:
+            sel = [(bb, i) for bb, q in enumerate(prog.queues) for i, ins in enumerate(q)
+                   if ins.op == op and op != Op.NOOP and not np.isnan(self.end[bb, i])]
+            if not sel:  # not in the program, or not run by this design (SAMPLE)
+                continue
+            bi = tuple(np.array(sel).T)
+            busy = self.end[bi] - self.ready[bi]
+            wait = self.ready[bi] - self.start[bi]
+            nonempty = np.array([not prog.queues[bb][i].empty for bb, i in sel])
+            trips = self.trips[bi][nonempty] if nonempty.any() else np.zeros(1)
+            rows.append({"op": op.name, "instructions": len(sel), "busy_mean_us": busy.mean(),
+                         "busy_max_us": busy.max(), "wait_mean_us": wait.mean(),
+                         "trips": float(np.median(trips)), "critical_us": crit.get(op, 0.0)})
+        return rows
+
+
+def _batches(program, context: int) -> dict[Op, tuple[list[tuple[int, int]], OpBatch]]:
+    by_op: dict[Op, list] = {}
+    for blk, q in enumerate(program.queues):
+        for i, ins in enumerate(q):
+            if ins.op != Op.NOOP:
+                by_op.setdefault(ins.op, []).append((blk, i, ins))
+    out = {}
+    for op, items in by_op.items():
+        ins = [t[2] for t in items]
+        batch = OpBatch(program, context,
+                        np.array([x.layer for x in ins], np.int64),
+                        np.array([x.tile[0] for x in ins], np.int64),
+                        np.array([x.tile[1] for x in ins], np.int64),
+                        np.array([x.weight_bytes for x in ins], np.int64),
+                        [x.args for x in ins])
+        out[op] = ([(t[0], t[1]) for t in items], batch)
+    return out
+
+
+class Static:
+    """Per-instruction phases of a program at one context and design, [blocks, slots]. They
+    do not depend on the constants the calibration fits (latencies, bandwidth, fence)."""
+
+    def __init__(self, program, context: int, g: GPU, d: KernelDesign):
+        if context < 0 or context + 1 > program.max_seq_len:
+            raise CostModelError(
+                f"context {context} does not fit the program's KV cache of "
+                f"{program.max_seq_len} positions (need context + 1 <= max_seq_len)")
+        B, L = program.num_blocks, program.max_len
+        self.shape = (B, L)
+        self.fields = {k: np.zeros((B, L)) for k in
+                       ("l2", "hbm", "other", "rounds", "bytes", "pref")}
+        for op, (where, batch) in _batches(program, context).items():
+            if op not in OP_MODELS:
+                raise CostModelError(f"the cost model has no entry for op {op.name}: add one "
+                                     "named like its section in megakernel.cu")
+            ph = OP_MODELS[op](batch, g, d)
+            bi = tuple(np.array(where).T)
+            f = self.fields
+            f["l2"][bi], f["hbm"][bi], f["other"][bi] = ph.l2_trips, ph.hbm_trips, ph.other_us
+            f["rounds"][bi], f["bytes"][bi] = ph.rounds, ph.stream_bytes
+            f["pref"][bi] = np.minimum(ph.prefetch_bytes, ph.stream_bytes)
+
+
+def predict(program, g: GPU | str = "h200", d: KernelDesign | None = None, context: int = 16,
+            static: "Static | None" = None) -> Prediction:
+    """Predicted time of one decode step on GPU ``g`` (a name or a ``GPU``) with kernel design
+    ``d`` (default ``design_for(program)``) at ``context`` positions already in the cache (the
+    step attends over context + 1). Pass ``static`` (a ``Static`` of the same program, context
+    and design) to reuse the phases when only the GPU's constants change."""
+    g = gpu(g) if isinstance(g, str) else g
+    d = design_for(program) if d is None else d
+    st = static or Static(program, context, g, d)
+    return _simulate(program, g, d, context, st)
+
+
+def busy_constants(g: GPU, d: KernelDesign, num_blocks: int) -> tuple[float, ...]:
+    """What ``busy_us`` needs of the GPU and design: (HBM share per SM, L2 share per SM, L2
+    latency, HBM latency, signal cost, barrier)."""
+    return (g.hbm_bw / min(num_blocks, g.sms), g.l2_bw / min(num_blocks, g.sms), g.l2_latency,
+            g.hbm_latency, hop_parts(g, d)["signal"], g.bar_sync)
+
+
+def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, lead, signals,
+            mn=min, mx=max):
+    """Ready -> end of one instruction (or of arrays of them: pass ``mn=np.minimum,
+    mx=np.maximum``): its dependent round trips and fixed work, then its weight stream at
+    min(bytes in flight / latency, the SM's HBM share), then its signal. ``k`` is
+    ``busy_constants``; ``lead``: how long its L2 prefetch has run when the wait returns. The
+    one formula the simulation and the calibration share."""
+    share, l2_share, L2, HBM, sig, bar = k
+    fixed = l2 * L2 + hbm * HBM + other
+    hits = mn(pref, share * (lead + fixed))  # the prefetch ran from the start until the stream
+    h = hits / mx(nbytes, 1.0)
+    lat = h * L2 + (1 - h) * HBM  # the prefetched share of the rounds hits L2
+    stream = mx(rounds * lat, (nbytes - hits) / share + hits / l2_share)
+    return fixed + stream + signals * sig + (1 - signals) * bar
+
+
+def _prefetch_issue_us(pref, d: KernelDesign):
+    """Issuing the prefetches: one 128-byte line per thread per pass, a few cycles each."""
+    return np.ceil(np.asarray(pref) / 128 / d.threads) * 0.004
+
+
+def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> Prediction:
+    B, L = st.shape
+    f = {k: v.tolist() for k, v in st.fields.items()}
+    issue = _prefetch_issue_us(st.fields["pref"], d).tolist()
+    parts = hop_parts(g, d)
+    propagate, detect = parts["propagate"], parts["detect"]
+    fetch = d.instruction_fetch_trips * g.l2_latency
+    check = g.l2_latency + g.bar_sync  # the first acquire load finds the count already there
+    k = busy_constants(g, d, program.num_blocks)
+
+    queues = program.queues
+    n_sig = [0] * program.num_counters
+    for q in queues:
+        for ins in q:
+            if ins.signal is not None:
+                n_sig[ins.signal] += 1
+    sig_ends: list[list[tuple[float, int, int]]] = [[] for _ in range(program.num_counters)]
+    visible: list[float | None] = [None] * program.num_counters
+    last_sig: list[tuple[int, int] | None] = [None] * program.num_counters
+    nan = float("nan")
+    start = [[nan] * L for _ in range(B)]  # after the instruction's words are fetched (T_START)
+    ready = [[nan] * L for _ in range(B)]
+    end = [[nan] * L for _ in range(B)]
+    # what made each instruction ready: (its block's previous node or the counter's last
+    # signaler, whether that was a hop)
+    bound: list[list] = [[None] * L for _ in range(B)]
+    t_block = [0.0] * B
+    prev_node: list[tuple[int, int] | None] = [None] * B
+    ptr = [0] * B
+    if d.steps_per_launch > 1:  # EMBED waits for the previous step's token: one more hop
+        t_block = [sum(parts.values())] * B
+
+    def resolve(c: int, need: int, stuck: bool) -> bool:
+        ends = sig_ends[c]
+        if visible[c] is not None:
+            return True
+        if len(ends) < need or (len(ends) < n_sig[c] and not stuck):
+            return False
+        t, blk, slot = sorted(ends)[need - 1]
+        visible[c] = t + propagate
+        last_sig[c] = (blk, slot)
+        return True
+
+    # a design without a SAMPLE op reduces the partials in the LM head (RMS_LM_HEAD's entry)
+    skip = {Op.NOOP} if d.sample_op else {Op.NOOP, Op.SAMPLE}
+    remaining = sum(1 for q in queues for ins in q if ins.op not in skip)
+    stuck = False
+    while remaining:
+        progress = False
+        for b in range(B):
+            q = queues[b]
+            while ptr[b] < len(q):
+                i = ptr[b]
+                ins = q[i]
+                if ins.op in skip:
+                    ptr[b] += 1
+                    continue
+                s = t_block[b] + fetch
+                t_check = s + issue[b][i]
+                if ins.wait is not None:
+                    c, need = ins.wait
+                    if not resolve(c, need, stuck):
+                        break
+                    via_counter = visible[c] + detect
+                    if via_counter > t_check + check:
+                        r, bnd = via_counter, (last_sig[c], True)
+                    else:
+                        r, bnd = t_check + check, (prev_node[b], False)
+                else:
+                    r, bnd = t_check, (prev_node[b], False)
+                sig = ins.signal is not None
+                e = r + busy_us(k, f["l2"][b][i], f["hbm"][b][i], f["other"][b][i],
+                                f["rounds"][b][i], f["bytes"][b][i], f["pref"][b][i],
+                                r - s, 1.0 if sig else 0.0)
+                start[b][i], ready[b][i], end[b][i], bound[b][i] = s, r, e, bnd
+                if sig:
+                    sig_ends[ins.signal].append((e, b, i))
+                t_block[b] = e
+                prev_node[b] = (b, i)
+                ptr[b] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            if stuck:
+                raise CostModelError("the simulated queues deadlock (a wait can never be met); "
+                                     "run Program.verify() for the instructions")
+            stuck = True
+        else:
+            stuck = False
+
+    end_a = np.array(end, np.float64)
+    last = np.unravel_index(np.nanargmax(end_a), end_a.shape)
+    node: tuple[int, int] | None = (int(last[0]), int(last[1]))
+    chain, hops = [], 0
+    while node is not None:
+        chain.append(node)
+        node, hop = bound[node[0]][node[1]]
+        hops += hop
+    chain.reverse()
+    st_a = np.array(start, np.float64)
+    trips = st.fields["l2"] + st.fields["hbm"] + st.fields["rounds"]
+    return Prediction(program, g, d, context, st_a, np.array(ready, np.float64), end_a, trips,
+                      float(np.nanmax(end_a)), g.launch / d.steps_per_launch, chain, hops)
+
+
+def with_row_pair_tiles(program):
+    """A copy of ``program`` whose RMS_QKV_ROPE instructions take even row-pair tiles over all
+    blocks (as the scheduler tiles models without q/k-norm): what a balanced Qwen3 QKV (step R1)
+    would cost, before the scheduler makes one. For predictions only: the copy's declared reads
+    and writes are the old ones, so it must never run."""
+    from .scheduler import split_even
+
+    c = program.config
+    half, H = c.head_dim // 2, c.hidden_size
+    tiles = split_even((c.num_heads + 2 * c.num_kv_heads) * half, program.num_blocks)
+    queues = []
+    for b, q in enumerate(program.queues):
+        lo, hi = tiles[b]
+        wbytes = 2 * 2 * (hi - lo) * H + (2 * H if hi > lo else 0)
+        queues.append([dataclasses.replace(ins, tile=(lo, hi), weight_bytes=wbytes)
+                       if ins.op == Op.RMS_QKV_ROPE else ins for ins in q])
+    return dataclasses.replace(program, queues=queues)
+
+
+def sensitivity(program, g: GPU | str, d: KernelDesign, context: int,
+                static: Static | None = None) -> dict[str, float]:
+    """Total us/token with L2 or HBM latency at the low and high end of its range."""
+    base = gpu(g) if isinstance(g, str) else g
+    st = static or Static(program, context, base, d)
+    out = {}
+    for const in ("l2_latency", "hbm_latency"):
+        lo, hi = constant_range(base.name, const)
+        for tag, v in (("low", lo), ("high", hi)):
+            gg = base.replace(**{const: v})
+            out[f"{const}_{tag}"] = predict(program, gg, d, context, st).total_us
+    return out

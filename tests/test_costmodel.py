@@ -1,0 +1,371 @@
+"""The cost model (kernel/costmodel.py): its invariants, that V1 reproduces the v1 figures of
+shared/PERFORMANCE.md (an independent model built from v1's SASS), that the ladder's knobs land
+near that model's R1/R2 rows, `plan --predict`, and `calibrate` recovering known constants from
+a trace the model wrote itself. Every number here is a prediction; none is a GPU measurement."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+from monokernel.cli import main
+from monokernel.errors import CostModelError
+from monokernel.kernel import costmodel as cm
+from monokernel.kernel.isa import Op
+from monokernel.kernel.scheduler import schedule
+from monokernel.model.config import ModelConfig
+from monokernel.tools import calibrate as cal
+
+# PERFORMANCE.md section 2 and 3: predicted us/token on an H200, 132 blocks
+V1_FIGURES = {  # (context 16, context 1024)
+    "smollm2-135m": (584, 1104),
+    "qwen3-0.6b": (1233, 1681),
+    "llama-3.2-1b": (1534, 1837),
+}
+R1_FIGURES = {"smollm2-135m": 470, "qwen3-0.6b": 733, "llama-3.2-1b": 1404}
+R2_FIGURES = {"smollm2-135m": 346, "qwen3-0.6b": 480, "llama-3.2-1b": 717}
+
+_PROGRAMS: dict[tuple[str, int], object] = {}
+
+
+def program(name: str, blocks: int = 132, max_seq: int = 1025, **changes):
+    """Scheduling takes seconds: once per (shape, blocks, changes) in this module. One program
+    at 1025 positions serves contexts 16 and 1024 (max_seq_len only sizes out_tokens)."""
+    key = (name, blocks, max_seq, tuple(sorted(changes.items())))
+    if key not in _PROGRAMS:
+        cfg = ModelConfig.from_name(name)
+        if changes:
+            cfg = cfg.replace(**changes)
+        _PROGRAMS[key] = schedule(cfg, blocks, max_seq)
+    return _PROGRAMS[key]
+
+
+def small(**changes):
+    """A 3-layer SmolLM2 on 32 blocks: quick to schedule, every op present."""
+    return program("smollm2-135m", 32, 65, num_layers=3, **changes)
+
+
+# ---- V1 reproduces PERFORMANCE.md ---------------------------------------------------------------
+@pytest.mark.parametrize("name", list(V1_FIGURES))
+@pytest.mark.parametrize("context", [16, 1024])
+def test_v1_reproduces_performance_md(name, context):
+    want = V1_FIGURES[name][0 if context == 16 else 1]
+    p = cm.predict(program(name), "h200", cm.V1, context)
+    assert abs(p.total_us / want - 1) < 0.15, (name, context, p.total_us, want)
+
+
+def test_v1_round_trips_and_hop_are_the_sass_counts():
+    """PERFORMANCE.md 2, SmolLM2: dependent round trips after the wait QKV 5, O_PROJ 11,
+    GATE_UP 10, DOWN 6, LM head 96; ~1.07 us per hop; 152 hops on the critical path."""
+    p = cm.predict(program("smollm2-135m"), "h200", cm.V1, 16)
+    trips = {r["op"]: r["trips"] for r in p.op_rows()}
+    assert trips["RMS_QKV_ROPE"] == 5 and trips["O_PROJ_RESIDUAL"] == 11
+    assert trips["RMS_GATE_UP"] == 10 and trips["DOWN_RESIDUAL"] == 6
+    assert trips["RMS_LM_HEAD"] == 96
+    assert abs(cm.hop_latency(cm.gpu("h200"), cm.V1) - 1.07) < 0.03
+    assert p.critical_hops == 152 == program("smollm2-135m").critical_path_hops()
+    assert cm.V1.bytes_in_flight_per_sm == 8 * 1024
+
+
+def test_design_for_defaults_to_v1():
+    assert cm.design_for(program("smollm2-135m")) is cm.V1
+    assert cm.predict(program("smollm2-135m")).design is cm.V1
+
+
+# ---- the ladder ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("step,figures", [("r1", R1_FIGURES), ("r2", R2_FIGURES)])
+@pytest.mark.parametrize("name", list(V1_FIGURES))
+def test_ladder_lands_near_the_independent_model(step, figures, name):
+    prog = program(name)
+    if name == "qwen3-0.6b":  # R1 balances Qwen3's QKV: a schedule change, modelled as a what-if
+        prog = cm.with_row_pair_tiles(prog)
+    p = cm.predict(prog, "h200", cm.LADDER[step], 16)
+    assert abs(p.total_us / figures[name] - 1) < 0.25, (step, name, p.total_us, figures[name])
+
+
+def test_ladder_is_cumulative_and_faster_each_step():
+    for name in V1_FIGURES:
+        prog = program(name)
+        t = [cm.predict(prog, "h200", cm.LADDER[s], 16).total_us
+             for s in ("v1", "r1", "r2", "issue8")]
+        assert t[0] > t[1] > t[2] > t[3], (name, t)
+
+
+# ---- invariants ----------------------------------------------------------------------------------
+def _busy(**kw):
+    g, d = cm.gpu("h200"), cm.V1
+    base = dict(l2=2.0, hbm=1.0, other=0.1, rounds=4.0, nbytes=16e3, pref=8e3, lead=0.5,
+                signals=1.0)
+    base.update(kw)
+    return cm.busy_us(cm.busy_constants(g, d, 132), **base)
+
+
+@pytest.mark.parametrize("field,values", [
+    ("nbytes", [0.0, 1e3, 16e3, 64e3, 1e6, 4e6]),
+    ("rounds", [0.0, 1.0, 3.0, 50.0, 500.0]),
+    ("l2", [0.0, 1.0, 5.0]), ("hbm", [0.0, 1.0, 5.0])])
+def test_busy_time_never_falls_with_more_work(field, values):
+    t = [_busy(**{field: v}) for v in values]
+    assert all(b >= a for a, b in zip(t, t[1:])), (field, t)
+    assert t[-1] > t[0]
+
+
+def test_prefetch_lead_never_hurts():
+    t = [_busy(nbytes=64e3, pref=64e3, rounds=8.0, lead=x) for x in (0.0, 0.5, 1.0, 2.0, 10.0)]
+    assert all(b <= a for a, b in zip(t, t[1:])) and t[-1] < t[0], t
+
+
+def test_more_bytes_never_faster():
+    base = cm.predict(small(), "h200", cm.V1, 16).total_us
+    for change in ({"intermediate_size": 3072}, {"hidden_size": 1152, "num_heads": 18,
+                                                 "num_kv_heads": 6}, {"vocab_size": 98304}):
+        bigger = cm.predict(small(**change), "h200", cm.V1, 16).total_us
+        assert bigger > base, (change, bigger, base)
+    longer = [cm.predict(small(), "h200", cm.V1, c).total_us for c in (16, 40, 64)]
+    assert longer[0] == base and longer[0] <= longer[1] < longer[2]  # more context
+
+
+def test_more_bytes_in_flight_never_slower():
+    for name in ("smollm2-135m", "llama-3.2-1b"):
+        t = [cm.predict(program(name), "h200", cm.V1.replace(loads_in_flight_per_lane=k),
+                        16).total_us for k in (1, 2, 4, 8, 16)]
+        assert all(b <= a + 1e-9 for a, b in zip(t, t[1:])), (name, t)
+        assert t[0] > t[-1]
+
+
+def test_an_extra_hop_costs():
+    prog = small()
+    g = cm.gpu("h200")
+    # the last layer's RMS_GATE_UP signals nothing and its DOWN_RESIDUAL waits for nothing
+    down = max(i for i, ins in enumerate(prog.queues[0]) if ins.op == Op.DOWN_RESIDUAL)
+    queues = [[dataclasses.replace(ins, wait=None) if i == down else
+               dataclasses.replace(ins, signal=None) if i == down - 1 else ins
+               for i, ins in enumerate(q)] for q in prog.queues]
+    assert all(q[down - 1].op == Op.RMS_GATE_UP for q in queues)
+    short = dataclasses.replace(prog, queues=queues)
+    for d in (cm.V1, cm.V1.replace(l2_prefetch=False), cm.LADDER["r2"]):
+        base, fewer = cm.predict(prog, g, d, 16), cm.predict(short, g, d, 16)
+        assert fewer.critical_hops == base.critical_hops - 1
+        assert base.total_us - fewer.total_us > 0.5 * cm.hop_latency(g, d), d.name
+    base = cm.predict(prog, g, cm.V1, 16)
+    dearer = cm.predict(prog, g.replace(fence=g.fence + 0.5), cm.V1, 16)
+    assert dearer.total_us - base.total_us >= 0.5 * base.critical_hops * 0.99
+
+
+def test_balanced_beats_unbalanced():
+    """Qwen3's v1 QKV: 32 whole heads on 32 of 132 blocks (max/mean bytes 4.1)."""
+    prog = program("qwen3-0.6b")
+    qkv = [q[i].weight_bytes for q in prog.queues for i in range(len(q))
+           if q[i].op == Op.RMS_QKV_ROPE and q[i].layer == 0]
+    assert max(qkv) / np.mean(qkv) > 4
+    balanced = cm.with_row_pair_tiles(prog)
+    bal = [q[i].weight_bytes for q in balanced.queues for i in range(len(q))
+           if q[i].op == Op.RMS_QKV_ROPE and q[i].layer == 0]
+    assert max(bal) / np.mean(bal) < 1.1
+    norm = 2 * prog.config.hidden_size  # every busy block reads the norm weights too
+    assert sum(bal) - sum(qkv) == norm * (np.count_nonzero(bal) - np.count_nonzero(qkv))
+    d = cm.V1.replace(qk_norm_whole_heads=False)
+    assert cm.predict(balanced, "h200", d, 16).total_us < cm.predict(prog, "h200", d, 16).total_us
+
+
+def test_the_simulation_respects_every_wait():
+    for prog in (small(), program("llama-3.2-1b")):
+        g, d = cm.gpu("h200"), cm.V1
+        p = cm.predict(prog, g, d, 16)
+        parts = cm.hop_parts(g, d)
+        ends: dict[int, list[float]] = {}
+        for b, q in enumerate(prog.queues):
+            for i, ins in enumerate(q):
+                if ins.signal is not None and ins.op != Op.NOOP:
+                    ends.setdefault(ins.signal, []).append(p.end[b, i])
+        for b, q in enumerate(prog.queues):
+            prev_end = 0.0
+            for i, ins in enumerate(q):
+                if ins.op == Op.NOOP:
+                    assert np.isnan(p.end[b, i])
+                    continue
+                assert p.start[b, i] >= prev_end - 1e-9
+                assert p.end[b, i] > p.ready[b, i] >= p.start[b, i]
+                if ins.wait is not None:
+                    c, need = ins.wait
+                    nth = sorted(ends[c])[need - 1]
+                    assert p.ready[b, i] >= nth + parts["propagate"] + parts["detect"] - 1e-9, \
+                        ins.label(b, i)
+                prev_end = p.end[b, i]
+        # the critical path runs from the first instruction to the one that ends last
+        first, last = p.critical[0], p.critical[-1]
+        assert p.end[last] == np.nanmax(p.end) and prog.queues[first[0]][first[1]].op == Op.EMBED
+
+
+def test_a_wait_for_some_signals_starts_at_the_nth():
+    """A counter that needs fewer signals than it gets is ready at its count-th signal: here
+    O_PROJ waits for 12 of 32 ATTENTION signals (24 units on 32 blocks: 8 blocks are idle and
+    signal early)."""
+    prog = small()
+    o = max(i for i, ins in enumerate(prog.queues[0]) if ins.op == Op.O_PROJ_RESIDUAL)
+    need = 12
+    queues = [[dataclasses.replace(ins, wait=(ins.wait[0], need)) if i == o else ins
+               for i, ins in enumerate(q)] for q in prog.queues]
+    short = dataclasses.replace(prog, queues=queues)
+    g, d = cm.gpu("h200"), cm.V1
+    p = cm.predict(short, g, d, 16)
+    ends = sorted(p.end[b, o - 1] for b in range(prog.num_blocks))
+    parts = cm.hop_parts(g, d)
+    visible = ends[need - 1] + parts["propagate"] + parts["detect"]
+    assert visible < ends[-1]  # the 12th signal comes well before the last
+    pref = cm.Static(short, 16, g, d).fields["pref"]
+    for b in range(prog.num_blocks):
+        own = p.start[b, o] + float(cm._prefetch_issue_us(pref[b, o], d)) + g.l2_latency \
+            + g.bar_sync  # the count is already there when the block arrives
+        assert p.ready[b, o] == pytest.approx(max(visible, own), abs=1e-9), b
+
+
+def test_steps_per_launch_amortise_the_launch():
+    prog = small()
+    one = cm.predict(prog, "h200", cm.V1, 16)
+    many = cm.predict(prog, "h200", cm.V1.replace(steps_per_launch=16), 16)
+    g = cm.gpu("h200")
+    assert one.launch_us == g.launch and many.launch_us == g.launch / 16
+    assert many.total_us < one.total_us
+
+
+def test_sensitivity_spans_the_nominal():
+    prog = small()
+    nominal = cm.predict(prog, "h200", cm.V1, 16).total_us
+    s = cm.sensitivity(prog, "h200", cm.V1, 16)
+    assert s["l2_latency_low"] < nominal < s["l2_latency_high"]
+    assert s["hbm_latency_low"] < nominal < s["hbm_latency_high"]
+
+
+def test_every_constant_has_a_source_and_a_range():
+    for name, (unit, per_gpu, source) in cm.CONSTANTS.items():
+        assert len(source) > 20, name
+        for g, (v, lo, hi) in per_gpu.items():
+            assert lo <= v <= hi, (name, g)
+    for g in ("h200", "h100", "H200"):
+        assert cm.gpu(g).sms == 132
+    assert cm.gpu("h100").hbm_bw < cm.gpu("h200").hbm_bw
+
+
+def test_every_op_has_an_entry_named_like_its_kernel_section():
+    from pathlib import Path
+
+    src = (Path(cm.__file__).parent / "megakernel.cu").read_text()
+    for op in Op:
+        if op == Op.NOOP:
+            continue
+        assert op in cm.OP_MODELS and cm.OP_MODELS[op].__name__ == op.name
+        assert re.search(rf"^// Op: {op.name} - ", src, re.M), op.name
+
+
+def test_bad_input_names_the_bad_value():
+    with pytest.raises(CostModelError, match="a100"):
+        cm.gpu("a100")
+    with pytest.raises(CostModelError, match="v9"):
+        cm.design("v9")
+    with pytest.raises(CostModelError, match="context 65"):
+        cm.predict(small(), "h200", cm.V1, 65)  # the program holds 65 positions
+
+
+# ---- plan --predict --------------------------------------------------------------------------
+def test_plan_predict_ends_with_the_prediction(capsys):
+    assert main(["plan", "--shape", "smollm2-135m", "--blocks", "32", "--context", "16",
+                 "--predict", "h200", "--design", "v1"]) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    m = re.fullmatch(r"predicted on h200: (\d+) us/token \(([\d.]+)x floor\)", lines[-1])
+    assert m, lines[-1]
+    prog = program("smollm2-135m", 32, 17)
+    p = cm.predict(prog, "h200", cm.V1, 16)
+    assert int(m.group(1)) == round(p.total_us)
+    assert abs(float(m.group(2)) - p.x_floor) < 0.0051
+    assert "PREDICTION, not a measurement" in out
+    assert re.search(r"^critical path: \d+ instructions, 152 hops", out, re.M)
+    assert re.search(r"^sensitivity: L2 latency 0\.13 us -> \d+, 0\.30 us -> \d+; "
+                     r"HBM latency 0\.35 us -> \d+, 0\.60 us -> \d+ us/token$", out, re.M)
+    for op in Op:
+        if op != Op.NOOP:
+            assert re.search(rf"^{op.name}\s+\d+\s+[\d.]+", out, re.M), op.name
+
+
+def test_plan_weight_balance_proxy():
+    """PERFORMANCE.md 2 and 5: Qwen3's v1 QKV max/mean 4.1; row tiles are balanced."""
+    from monokernel.tools.plan import weight_balance
+
+    qwen = weight_balance(program("qwen3-0.6b"))
+    assert qwen["RMS_QKV_ROPE"] == pytest.approx(4.1, abs=0.05)
+    assert qwen["RMS_GATE_UP"] < 1.1 and "ATTENTION" not in qwen
+    assert weight_balance(cm.with_row_pair_tiles(program("qwen3-0.6b")))["RMS_QKV_ROPE"] < 1.1
+    smol = weight_balance(program("smollm2-135m"))
+    assert max(smol.values()) < 1.2  # 576 rows over 132 blocks
+
+
+def test_plan_predict_rejects_bad_names(capsys):
+    assert main(["plan", "--shape", "tiny", "--predict", "a100"]) != 0
+    assert "a100" in capsys.readouterr().err
+    assert main(["plan", "--shape", "tiny", "--predict", "h200", "--design", "v9"]) != 0
+    assert "v9" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--predict"):
+        main(["plan", "--shape", "tiny", "--design", "v1"])
+
+
+# ---- calibrate ----------------------------------------------------------------------------------
+def test_calibrate_recovers_perturbed_constants(tmp_path):
+    """A trace the model wrote with known constants, read back through the trace JSON: the fit
+    must find those constants again."""
+    prog = program("llama-3.2-1b")
+    g0 = cm.gpu("h200")
+    true = g0.replace(l2_latency=g0.l2_latency * 1.25, hbm_latency=g0.hbm_latency * 0.85,
+                      hbm_bw=g0.hbm_bw * 0.8, fence=g0.fence * 1.4, nanosleep=g0.nanosleep * 3)
+    path = cal.write_synthetic_trace(cm.predict(prog, true, cm.V1, 16), tmp_path / "t.json",
+                                     "llama-3.2-1b")
+    meta, events = cal.load_trace(path)
+    assert meta["context"] == 16 and meta["blocks"] == 132
+    start, ready, end = cal.measured(prog, events, str(path))
+    fitted = cal.Fit(prog, 16, g0, cm.V1, start, ready, end).solve()
+    for k in cal.FIT:
+        assert abs(getattr(fitted, k) / getattr(true, k) - 1) < 0.03, (k, getattr(fitted, k))
+    report, _ = cal.calibrate_report(prog, 16, g0, cm.V1, start, ready, end, meta)
+    assert "NOTE" not in report  # not an emulator trace
+
+
+def test_calibrate_cli_on_a_synthetic_trace(tmp_path, capsys):
+    prog = program("smollm2-135m", 32, 17)
+    path = cal.write_synthetic_trace(cm.predict(prog, "h200", cm.V1, 16), tmp_path / "s.json",
+                                     "smollm2-135m")
+    assert main(["calibrate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^RMS_GATE_UP\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+1\.00$", out, re.M), out
+    # a trace of another model is refused, naming the slot
+    assert main(["calibrate", str(path), "--shape", "tiny"]) != 0
+    assert "pass" in capsys.readouterr().err
+
+
+def test_calibrate_rejects_bad_files(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["calibrate", str(bad)]) != 0
+    assert "bad.json" in capsys.readouterr().err
+    assert main(["calibrate", str(tmp_path / "missing.json")]) != 0
+    assert "missing.json" in capsys.readouterr().err
+    bad.write_text('{"traceEvents": []}')
+    assert main(["calibrate", str(bad)]) != 0
+    assert "otherData" in capsys.readouterr().err
+
+
+def test_calibrate_an_emulator_trace(tmp_path, capsys):
+    """The emulator's trace runs through the same path; its timings are CPU timings."""
+    assert main(["trace", "--shape", "tiny", "--backend", "emulator", "--context", "5",
+                 "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    (path,) = tmp_path.glob("trace-tiny-emulator-ctx5.json")
+    assert main(["calibrate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "CPU timings, not GPU timings" in out
+    for op in Op:
+        if op != Op.NOOP:
+            assert re.search(rf"^{op.name}\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+", out, re.M), op.name
+    assert re.search(r"^step: measured [\d.]+ us; simulated [\d.]+ us", out, re.M)
