@@ -212,14 +212,37 @@ _R1 = V1.replace(
 _R2 = _R1.replace(name="r2", loads_in_flight_per_lane=8, rows_per_warp=2)
 _ISSUE8 = _R2.replace(name="issue8", steps_per_launch=16)
 LADDER: dict[str, KernelDesign] = {"v1": V1, "r1": _R1, "r2": _R2, "issue8": _ISSUE8}
-# Every design a prediction can name (`monokernel plan --design`). Add V2 here.
-DESIGNS: dict[str, KernelDesign] = dict(LADDER)
+
+# What megakernel.cu does with MK_DESIGN=2 (scheduler design 2), kernel v2 part 1:
+# - mat-vecs: RowShape<N> gives every lane >= 8 16-byte loads in flight (9-12 measured in the
+#   sm_90 SASS by tests/test_sass.py: 36-48 KB per SM), several rows per warp pass;
+# - after the wait, only the residual (RMS ops) or ffn_h (DOWN) is a round trip before the
+#   weights; norm weights are loaded before the wait, bias / RoPE entries / q-k-norm weights and
+#   the block's own residual rows in the weights' round trip (O_PROJ and DOWN read-modify-write);
+# - SAMPLE folded into the LM head (atomic ticket, one warp's reduction);
+# - unchanged from v1: the O_PROJ split merge in every block, attention's loop, whole-head QKV
+#   tiles for q/k-norm, the hop (MEMBAR.SC + atomic; two acquire loads per poll), one step per
+#   launch.
+V2 = V1.replace(
+    name="v2",
+    loads_in_flight_per_lane=8, rows_per_warp=2,
+    trips={"EMBED": (0, 1), "RMS_QKV_ROPE": (1, 0), "ATTENTION": (1, 0),
+           "O_PROJ_RESIDUAL": (0, 0), "RMS_GATE_UP": (1, 0), "DOWN_RESIDUAL": (1, 0),
+           "RMS_LM_HEAD": (1, 0), "SAMPLE": (0, 0)},
+    sample_op=False)
+# Every design a prediction can name (`monokernel plan --design`).
+DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2)
 
 
 def design_for(program) -> KernelDesign:
-    """The design megakernel.cu implements now. The kernel's author points this at the new
-    design (e.g. ``V2``) in the commit that changes the kernel; until then it is V1."""
-    return V1
+    """The design megakernel.cu implements for this program: its scheduler design (MK_DESIGN)
+    1 is V1, 2 is V2. A kernel change updates V2 (or adds V3) in the same commit."""
+    return V1 if getattr(program, "design", 1) < 2 else V2
+
+
+def program_design(d: KernelDesign) -> int:
+    """The scheduler design whose program matches ``d``: 1 (a SAMPLE op) or 2 (ticket)."""
+    return 1 if d.sample_op else 2
 
 
 def design(name: str) -> KernelDesign:

@@ -299,7 +299,8 @@ def cmd_calibrate(args) -> int:
     g0 = cm.gpu(args.gpu)
     cfg = _config(args, meta, args.trace)
     blocks, context = int(meta["blocks"]), int(meta["context"])
-    prog = schedule(cfg, blocks, context + 1)
+    design = cm.program_design(cm.design(args.design)) if args.design else 2
+    prog = schedule(cfg, blocks, context + 1, design=design)
     d = cm.design(args.design) if args.design else cm.design_for(prog)
     start, ready, end = measured(prog, events, args.trace)
     print(f"{Path(args.trace).name}: {meta.get('model', cfg.name)} on {meta.get('backend', '?')}, "

@@ -32,7 +32,12 @@ def cmd_plan(args) -> int:
         cfg = ModelConfig.from_hf(d)
         label = cfg.name if cfg.name not in ("", "custom") else d.name
     t0 = time.perf_counter()
-    prog = schedule(cfg, args.blocks, args.context + 1)
+    design = 2
+    if predict and getattr(args, "design", None):  # v1 predictions run on a v1 program
+        from ..kernel import costmodel as cm
+
+        design = cm.program_design(cm.design(args.design))
+    prog = schedule(cfg, args.blocks, args.context + 1, design=design)
     t_sched = time.perf_counter() - t0
     print(plan_report(label, prog, args.context))
     print(f"scheduled and verified in {t_sched:.1f} s")
