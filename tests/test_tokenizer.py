@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from monokernel.model import gguf_import
 from monokernel.model.bundled import bundled_gguf_path
-from monokernel.model.gguf_import import LLAMA3_SPLIT, QWEN2_SPLIT, convert_gguf
-from test_gguf import tiny_gguf
+from monokernel.model.gguf_import import convert_gguf
+from monokernel.model.gguf_tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
+from monokernel.errors import TokenizerError
+from test_gguf import leftovers, tiny_gguf
 
 STRINGS = {
     "unicode": "naïve café, Ünïcödé, 日本語, Привет",
@@ -160,15 +161,10 @@ def test_split_patterns_match_transformers():
     assert GGUF_PRE_TOKENIZER_SPLITS["llama-bpe"] == LLAMA3_SPLIT
 
 
-def test_unsupported_tokenizer_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["bert", "t5", "rwkv"])
+def test_unsupported_tokenizer_model_names_itself_and_the_supported(tmp_path, kind):
     src = tmp_path / "t.gguf"
-    tiny_gguf(src)
-    real = gguf_import._field
-
-    def fake(reader, key, *a, **k):
-        return "llama" if key == "tokenizer.ggml.model" else real(reader, key, *a, **k)
-
-    monkeypatch.setattr(gguf_import, "_field", fake)
-    with pytest.raises(gguf_import.TokenizerError, match="'llama'"):
+    tiny_gguf(src, tokenizer=kind)
+    with pytest.raises(TokenizerError, match=rf"'{kind}'.*supported: gpt2, llama"):
         convert_gguf(src, tmp_path / "hf", progress=False)
-    assert not (tmp_path / "hf").exists()
+    assert not (tmp_path / "hf").exists() and leftovers(tmp_path) == []
