@@ -12,9 +12,12 @@ so that the two agree token for token; the tests check that they do. Two kinds a
   has tokens, scores and token types but no merges: every pair of vocabulary pieces that joins into
   another piece is a merge, ranked by the joined piece's score (``spm_merges``). Text is escaped
   with ``▁`` for spaces and a ``▁`` is prepended to its start (``tokenizer.ggml.add_space_prefix``,
-  default true; only at the very start, not again after each special token, as transformers does
-  and unlike llama.cpp), characters missing from the vocabulary become their UTF-8 bytes
-  ``<0x..>``, and a BOS is added unless ``tokenizer.ggml.add_bos_token`` says otherwise.
+  default true), characters missing from the vocabulary become their UTF-8 bytes ``<0x..>``,
+  and a BOS is added unless ``tokenizer.ggml.add_bos_token`` says otherwise. The prefix follows
+  transformers (tokenizers' ``Metaspace``, prepend scheme "first"), which differs from
+  SentencePiece and llama.cpp in two places: a text that already starts with a space or with a
+  user-defined piece gets no extra ``▁`` (SentencePiece adds one), and no ``▁`` is prepended
+  again after a special token (llama.cpp does that).
 
 :func:`tokenizer_from_sentencepiece_model` covers HF folders that ship only ``tokenizer.model``.
 """

@@ -135,8 +135,10 @@ def load_tokenizer(model_dir: Path) -> Any:
     from tokenizers import Tokenizer
 
     path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise TokenizerError(f"{path}: not found")
+    if not path.is_file():  # some folders ship only SentencePiece's tokenizer.model
+        from .gguf_tokenizer import tokenizer_from_sentencepiece_model
+
+        return tokenizer_from_sentencepiece_model(model_dir)
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises plain Exception subclasses
