@@ -460,6 +460,25 @@ def test_refuses_to_overwrite_unless_asked(tmp_path):
     assert (empty / "config.json").is_file()
 
 
+def test_cli_convert_into_non_empty_folder_is_a_clear_error(tmp_path, capsys):
+    """`monokernel convert` into a folder with files: exit 2, one line naming the folder and
+    --overwrite, no traceback, the folder untouched; with --overwrite it is replaced."""
+    from monokernel.cli import main
+
+    src = tmp_path / "tiny.gguf"
+    tiny_gguf(src)
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["convert", str(src), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"OutputExistsError: {out}: exists and is not empty" in err and "--overwrite" in err
+    assert "Traceback" not in err and [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert main(["convert", str(src), str(out), "--overwrite"]) == 0
+    assert (out / "config.json").is_file() and not (out / "keep.txt").exists()
+    assert leftovers(tmp_path) == []
+
+
 # ==== bundled model and cache ======================================================================
 
 def test_bundled_config_facts(bundled_dir):
