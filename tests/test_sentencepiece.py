@@ -1,12 +1,19 @@
 """SentencePiece tokenizers: GGUFs with ``tokenizer.ggml.model == "llama"`` (tokens, scores, token
 types, byte fallback, ``▁`` for spaces, add_bos), checked against transformers' own GGUF tokenizer
 conversion and, where the ``sentencepiece`` package is installed, against SentencePiece itself on a
-model trained here; and HF folders that ship only ``tokenizer.model``."""
+model trained here, applied as llama.cpp applies it (a ``▁`` prefix on each stretch of text
+between special tokens); and HF folders that ship only ``tokenizer.model``.
+
+transformers' GGUF tokenizer puts no ``▁`` after a special token nor before text that starts with
+a space; llama.cpp and the models' own tokenizer.json do, and so does ours. Those texts are
+compared with the llama.cpp rule; every other text with transformers too.
+"""
 
 from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -21,18 +28,27 @@ from monokernel.model.gguf_import import convert_gguf
 from monokernel.model.gguf_tokenizer import spm_merges
 from test_gguf import SPM_TOKENS, leftovers, tiny_gguf
 
-STRINGS = {
+STRINGS = {  # texts on which llama.cpp's rule and transformers' Metaspace agree
     "plain": "the hello world",
     "unicode": "naïve café, Ünïcödé, 日本語, Привет",
     "emoji": "👍🏽 🇫🇷 👨‍👩‍👧",
     "code": "def f(x):\n\treturn x**2  # ok",
     "whitespace": "a    b\n\n\n  c\t\t end  ",
     "digits": "12345 3.14159 2024-11-30 123",
-    "specials": "<s>the</s> hello<|im_start|>user\nhi<|im_end|>",
-    "user_defined": "<think>a</think> the<think>",
     "bytes": "\x00\x7f é\u200b\ufeff",
     "tabs_newlines": "\n\nthe\n\t the",
+    "special_first": "<s>",
     "empty": "",
+}
+# texts with special tokens or leading spaces, and what the pieces spell, as llama.cpp has it:
+# "▁" + the text, spaces as "▁", after each special token again
+LLAMA_CPP_SPELLING = {
+    "x<|im_end|>the": "▁x<|im_end|>▁the",
+    "<s>the</s> hello": "<s>▁the</s>▁▁hello",
+    "<|im_start|>user\nhi<|im_end|>\n": "<|im_start|>▁user\nhi<|im_end|>▁\n",
+    "<think>a</think> the<think>": "<think>▁a</think>▁the<think>",
+    "  two": "▁▁▁two",
+    " the": "▁▁the",
 }
 
 
@@ -77,14 +93,26 @@ def test_tiny_spm_pieces(tiny_spm):
     assert ours.encode("the hello").tokens == ["<s>", "▁the", "▁hello"]
     assert ours.encode("return  12").tokens == ["<s>", "▁return", "▁▁", "12"]
     assert ours.encode("ï日").tokens == ["<s>", "▁", "<0xC3>", "<0xAF>", "日"]
-    assert ours.encode("x<|im_end|>the").tokens == ["<s>", "▁x", "<|im_end|>", "t", "he"]
     assert ours.encode("the", add_special_tokens=False).tokens == ["▁the"]
+    assert ours.encode("").tokens == ["<s>"]
     assert ours.decode(ours.encode("naïve 日本 👍").ids, skip_special_tokens=True) == "naïve 日本 👍"
+
+
+@pytest.mark.parametrize("text", LLAMA_CPP_SPELLING)
+def test_tiny_spm_prefix_after_specials_and_before_spaces_as_llama_cpp(tiny_spm, text):
+    """A ▁ before each stretch of text that follows a special token, and before a text that
+    starts with a space: where transformers' GGUF tokenizer has none."""
+    _, _, ours, theirs = tiny_spm
+    enc = ours.encode(text, add_special_tokens=False)
+    assert "".join(enc.tokens) == LLAMA_CPP_SPELLING[text]
+    assert theirs.encode(text, add_special_tokens=False) != enc.ids  # the known difference
+    assert "".join(theirs.convert_ids_to_tokens(theirs.encode(text, add_special_tokens=False))) \
+        .count("▁") < LLAMA_CPP_SPELLING[text].count("▁")
 
 
 def test_tiny_spm_round_trips(tiny_spm):
     _, _, ours, _ = tiny_spm
-    for text in STRINGS.values():
+    for text in list(STRINGS.values()) + ["  two", " the"]:
         if "<" in text:
             continue
         assert ours.decode(ours.encode(text).ids, skip_special_tokens=True) == text, text
@@ -222,41 +250,53 @@ def _gguf_from_sentencepiece(sp, path: Path) -> None:
 
 
 TRAINED_STRINGS = [s for s in CORPUS if not s.startswith(" ")] + [
-    "Hello world, the fox!", "naïve 日本 👍 Привет", "x  =  12345;\n\n\treturn", "hi <|user|> hello<|user|>",
-    "tail spaces   ", "a\u00a0b", "\n\n  x"]
-# Where tokenizers' Metaspace (so transformers and this converter) and SentencePiece differ: the
-# text starts with a space or with a user-defined piece. SentencePiece (and llama.cpp) put the ▁
-# prefix in front anyway; Metaspace does not.
-DIVERGENT = {"  indented   text  ": "▁▁▁indented", "<|user|> hello": "▁<|user|>"}
+    "Hello world, the fox!", "naïve 日本 👍 Привет", "x  =  12345;\n\n\treturn", "tail spaces   ",
+    "a\u00a0b", "\n\n  x"]
+# where llama.cpp and transformers part: specials inside the text, leading spaces
+TRAINED_SPECIAL = ["<s>hi</s> there", "hi <|user|> hello<|user|>", "<|user|>x", "  indented   text  ",
+                   " one", "</s>\n<s>", "<s></s>"]
+SPECIAL_PIECES = ("<s>", "</s>", "<|user|>")
 
 
-def test_trained_gguf_matches_sentencepiece_and_transformers(trained, tmp_path):
+def llama_cpp_reference(sp, text: str) -> list[int]:
+    """llama.cpp's SentencePiece tokenize, with SentencePiece doing the BPE: BOS, then special
+    pieces whole and each stretch of text between them encoded on its own, " " + text."""
+    import re
+
+    ids = [1]
+    for part in re.split("(" + "|".join(map(re.escape, SPECIAL_PIECES)) + ")", text):
+        if part in SPECIAL_PIECES:
+            ids.append(sp.piece_to_id(part))
+        elif part:
+            ids += sp.encode(part)  # the model's add_dummy_prefix is llama.cpp's " " + text
+    return ids
+
+
+@pytest.fixture(scope="module")
+def trained_tokenizers(trained, tmp_path_factory):
     sp, src, _ = trained
-    _, ours = converted(src, tmp_path / "hf")
-    theirs = hf_gguf_tokenizer(src)
-    for text in TRAINED_STRINGS:
-        ids = ours.encode(text).ids
-        assert ids == [1] + sp.encode(text), text
-        assert ids == theirs.encode(text), text
-        assert ours.decode(ids, skip_special_tokens=True) == sp.decode(ids[1:]) == text
+    _, ours = converted(src, tmp_path_factory.mktemp("trained-hf") / "hf")
+    return sp, ours, hf_gguf_tokenizer(src)
 
 
-@pytest.mark.parametrize("text", DIVERGENT)
-def test_trained_gguf_where_metaspace_and_sentencepiece_differ(trained, tmp_path, text):
-    """Known and kept, so as to agree with transformers: one ▁ short of SentencePiece at the very
-    start of the text."""
-    sp, src, _ = trained
-    _, ours = converted(src, tmp_path / "hf")
-    theirs = hf_gguf_tokenizer(src)
+@pytest.mark.parametrize("text", TRAINED_STRINGS)
+def test_trained_gguf_matches_sentencepiece_and_transformers(trained_tokenizers, text):
+    sp, ours, theirs = trained_tokenizers
     ids = ours.encode(text).ids
+    assert ids == [1] + sp.encode(text)
     assert ids == theirs.encode(text)
-    assert "".join(sp.encode_as_pieces(text)).startswith(DIVERGENT[text])
-    ours_text = "".join(ours.encode(text, add_special_tokens=False).tokens)
-    assert ours_text == "".join(sp.encode_as_pieces(text))[1:]
-    # and so decoding loses that space too, as transformers' does
-    assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
-    if text.startswith(" "):
-        assert ours.decode(ids, skip_special_tokens=True) == text[1:]
+    assert ours.decode(ids, skip_special_tokens=True) == sp.decode(ids[1:]) == text
+
+
+@pytest.mark.parametrize("text", TRAINED_SPECIAL)
+def test_trained_gguf_specials_and_leading_spaces_as_llama_cpp(trained_tokenizers, text):
+    sp, ours, theirs = trained_tokenizers
+    ids = ours.encode(text).ids
+    assert ids == llama_cpp_reference(sp, text)
+    if text != "<s></s>":  # no text between the specials: nothing to prefix
+        mine = "".join(ours.encode(text).tokens)
+        hf = "".join(theirs.convert_ids_to_tokens(theirs.encode(text)))
+        assert hf.count("▁") < mine.count("▁") and hf.replace("▁", "") == mine.replace("▁", "")
 
 
 # ==== HF folders with only tokenizer.model =========================================================

@@ -3,21 +3,21 @@
 A GGUF has no ``tokenizer.json``; it lists the vocabulary as metadata under llama.cpp's keys
 (``tokenizer.ggml.*``). :func:`build_tokenizer` turns that into a ``tokenizers.Tokenizer`` the way
 transformers' own GGUF loader does (``transformers/integrations/gguf/gguf_tokenizer_mapping.py``),
-so that the two agree token for token; the tests check that they do. Two kinds are supported
-(:data:`TOKENIZER_KINDS`):
+but for where SentencePiece puts its ``▁`` prefix, which follows llama.cpp (below). Two kinds are
+supported (:data:`TOKENIZER_KINDS`):
 
 - ``gpt2``: byte-level BPE with the file's merges, split first by the regex of the file's
   pre-tokenizer (:data:`PRE_TOKENIZERS`). SmolLM2, Qwen2/2.5/3, Llama-3.
 - ``llama``: SentencePiece BPE with byte fallback (TinyLlama, Llama-2 and its fine-tunes). The file
   has tokens, scores and token types but no merges: every pair of vocabulary pieces that joins into
-  another piece is a merge, ranked by the joined piece's score (``spm_merges``). Text is escaped
-  with ``▁`` for spaces and a ``▁`` is prepended to its start (``tokenizer.ggml.add_space_prefix``,
-  default true), characters missing from the vocabulary become their UTF-8 bytes ``<0x..>``,
-  and a BOS is added unless ``tokenizer.ggml.add_bos_token`` says otherwise. The prefix follows
-  transformers (tokenizers' ``Metaspace``, prepend scheme "first"), which differs from
-  SentencePiece and llama.cpp in two places: a text that already starts with a space or with a
-  user-defined piece gets no extra ``▁`` (SentencePiece adds one), and no ``▁`` is prepended
-  again after a special token (llama.cpp does that).
+  another piece is a merge, ranked by the joined piece's score (``spm_merges``, transformers' rule).
+  Spaces become ``▁``, characters missing from the vocabulary their UTF-8 bytes ``<0x..>``, and a
+  BOS is added unless ``tokenizer.ggml.add_bos_token`` says otherwise. A ``▁`` is put in front of
+  the text and again after each special token, as llama.cpp does (``tokenizer.ggml.add_space_prefix``,
+  default true) and as the models' own legacy ``tokenizer.json`` (Prepend + Replace normalizer)
+  does. transformers' GGUF loader differs there: its ``Metaspace(prepend_scheme="first")`` puts no
+  ``▁`` after a special token nor before text that already starts with a space; on every other
+  text the two agree token for token (tests/test_sentencepiece.py checks both facts).
 
 :func:`tokenizer_from_sentencepiece_model` covers HF folders that ship only ``tokenizer.model``.
 """
@@ -131,7 +131,7 @@ def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
 
 
 def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int], path: Path):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
     scores = meta.get("scores")
     if scores is None:
@@ -148,9 +148,12 @@ def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[i
     except Exception as e:
         raise TokenizerError(f"{path}: cannot build the SentencePiece BPE model ({e})") from None
     tok = Tokenizer(bpe)
+    # llama.cpp's rule: "▁" for every space, and a "▁" in front of each stretch of text between
+    # special tokens. The normalizer runs on each such stretch (special tokens are split out
+    # first), and the whole stretch is one BPE word: SentencePiece has no pre-tokenizer.
     prefix = bool(meta.get("add_space_prefix", True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement=SPM_SPACE, prepend_scheme="first" if prefix else "never", split=False)
+    steps_in = [normalizers.Prepend(SPM_SPACE)] if prefix else []
+    tok.normalizer = normalizers.Sequence(steps_in + [normalizers.Replace(" ", SPM_SPACE)])
     steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if prefix:  # the prepended ▁ of the first piece is no part of the text
         steps.append(decoders.Strip(content=" ", left=1))
