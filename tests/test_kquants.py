@@ -200,6 +200,17 @@ def test_decoders_see_every_bit(qt):
             assert not np.array_equal(ours, base), (qt.name, byte, bit)
 
 
+@pytest.mark.hf
+@pytest.mark.parametrize("qt", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_block_decoder_matches_transformers_torch_dequantizer(qt):
+    """A third implementation: transformers' own (torch) GGUF dequantizer, bit for bit."""
+    torch = pytest.importorskip("torch")
+    dequant = pytest.importorskip("transformers.integrations.gguf.dequant")
+    raw = random_blocks(qt, 19 * QK_K, np.random.default_rng(int(qt) + 100))
+    theirs = dequant.dequantize(torch.from_numpy(raw.reshape(-1).copy()), int(qt)).numpy()
+    np.testing.assert_array_equal(theirs, REF[qt](raw))
+
+
 # ==== the converter on each type ===================================================================
 
 KQ = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, layers=1)
