@@ -84,15 +84,12 @@ def test_bundled_tokenizer_config(bundled_dir):  # noqa: F811
 
 
 def test_bundled_chat_template(bundled_dir, ours, theirs):  # noqa: F811
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from monokernel.model.chat_template import render_chat_template
 
     tc = json.loads((bundled_dir / "tokenizer_config.json").read_text())
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     messages = [{"role": "user", "content": "What is 2+2?"},
                 {"role": "assistant", "content": "4."}]
-    text = env.from_string(tc["chat_template"]).render(
-        messages=messages, add_generation_prompt=True, bos_token=tc["bos_token"],
-        eos_token=tc["eos_token"])
+    text = render_chat_template(tc, messages, add_generation_prompt=True)
     assert text == theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     ids = ours.encode(text).ids
