@@ -304,6 +304,23 @@ def test_q5_quantized_by_gguf_round_trips(tmp_path):
         assert 1e-3 < err < 0.12, (gname, err)  # 5 bits over a block's range of ~3
 
 
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K, T.Q5_0], ids=lambda t: t.name)
+def test_corrupt_scale_is_refused_by_name(tmp_path, qt):
+    """An f16 scale of inf in one block: the converter names the tensor, writes nothing."""
+    from monokernel.errors import GGUFError
+
+    shape = (KQ["ffn"], KQ["hidden"])
+    blocks = random_blocks(qt, shape[0] * shape[1], np.random.default_rng(9))
+    off = F16_FIELDS[qt][0][0]
+    blocks[5, off:off + 2] = np.array([np.inf], np.float16).view(np.uint8)
+    src = tmp_path / "inf.gguf"
+    tiny_gguf(src, dims=KQ, raw={"blk.0.ffn_up.weight": (blocks, qt)})
+    with pytest.raises(GGUFError, match=rf"inf\.gguf: tensor 'blk\.0\.ffn_up\.weight' "
+                                        rf"\({qt.name}\) dequantizes to \d+ non-finite"):
+        convert_gguf(src, tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists() and leftovers(tmp_path) == []
+
+
 # ==== a K-quant model, converted, run greedily =====================================================
 
 def _greedy(cfg: ModelConfig, weights: dict[str, np.ndarray], prompt: list[int], n: int):

@@ -269,9 +269,19 @@ def _dequantize(t, path: Path) -> np.ndarray:
     if t.tensor_type.name not in TENSOR_TYPES:
         raise GGUFError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which is not "
                         f"supported (supported: {', '.join(TENSOR_TYPES)})")
-    w = np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
     want = tuple(reversed([int(d) for d in t.shape]))
-    return w.reshape(want)
+    try:
+        with np.errstate(all="ignore"):  # inf * 0 in a corrupt block: reported below, by name
+            w = np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+        w = w.reshape(want)
+    except (ValueError, TypeError) as e:  # a byte count that is not whole blocks of the shape
+        raise GGUFError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}, shape {want}) cannot "
+                        f"be dequantized: {e}") from None
+    bad = w.size - int(np.isfinite(w).sum())
+    if bad:  # a corrupt scale; the model would only ever print NaN
+        raise GGUFError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}) dequantizes to {bad} "
+                        "non-finite values (inf or NaN)")
+    return w
 
 
 def _write_weights(reader, path: Path, cfg: ModelConfig, out: Path, unpermute: bool,
