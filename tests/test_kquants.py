@@ -363,3 +363,8 @@ def test_kquant_model_greedy_12_tokens_match_reference_on_decoded_weights(tmp_pa
     assert got.token_ids == want
     _, got_logits = _greedy(llm.config, llm.model.weights, prompt, 12)
     np.testing.assert_allclose(got_logits, want_logits, rtol=0, atol=1e-4)
+    if arch == "llama":  # negative control: the run notices Q/K rows left in llama.cpp's order
+        raw = convert_gguf(src, tmp_path / "raw", unpermute=False, progress=False)
+        bad = LLM(raw, backend="numpy", progress=False).generate(
+            prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        assert bad.token_ids != want
