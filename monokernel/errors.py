@@ -28,6 +28,10 @@ class GGUFError(CheckpointError):
     """A GGUF file is truncated, corrupt, or uses a type or tokenizer monokernel cannot import."""
 
 
+class OutputExistsError(MonokernelError, FileExistsError):
+    """The folder to write (``monokernel convert``) exists and is not empty; nothing was written."""
+
+
 class TokenizerError(MonokernelError):
     """The tokenizer cannot be built or loaded."""
 

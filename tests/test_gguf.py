@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 
 from monokernel.model import gguf_import
 from monokernel.model.config import ModelConfig
-from monokernel.errors import CheckpointError, GGUFError, TokenizerError
+from monokernel.errors import CheckpointError, GGUFError, OutputExistsError, TokenizerError
 from monokernel.model import bundled
 from monokernel.model.bundled import bundled_gguf_path
 from monokernel.model.gguf_import import convert_gguf, unpermute_qk
@@ -82,20 +82,43 @@ TINY_TOKENS = (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"] + BYTE
 TINY_TYPES = [3, 3, 3, 4] + [1] * (len(TINY_TOKENS) - 4)
 TINY = dict(hidden=64, heads=2, kv_heads=1, head_dim=32, ffn=96, layers=1)
 
+# A SentencePiece (tokenizer.ggml.model "llama") vocabulary laid out as llama.cpp writes one:
+# <unk>, <s>, </s>, the 256 byte tokens, merged pieces best score first, single characters last.
+SPM_PIECES = ["▁t", "he", "▁the", "in", "▁a", "▁▁", "▁▁▁▁", "er", "ll", "▁h", "▁he", "llo",
+              "▁hello", "12", "de", "def", "▁def", "re", "ur", "urn", "ret", "return", "▁return",
+              "▁x", "()", "):", "▁w", "or", "▁wor", "ld", "▁world", "▁▁▁", "▁1", "23", "▁c", "af",
+              "▁caf", "▁in", "▁▁▁▁▁▁▁▁"]
+SPM_CHARS = list("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:;!?()[]{}=+-*/"
+                 "#'\"_<>|é日本\t\n")
+SPM_TOKENS = (["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+              + SPM_CHARS + ["<|im_start|>", "<|im_end|>", "<think>"])
+SPM_TYPES = [2, 3, 3] + [6] * 256 + [1] * (len(SPM_PIECES) + len(SPM_CHARS)) + [3, 3, 4]
+SPM_SCORES = ([0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))]
+              + [-1000.0 - i for i in range(len(SPM_CHARS))] + [0.0] * 3)
+
 
 def tiny_gguf(path: Path, *, arch: str = "qwen2", types: dict[str, T] | None = None,
               seed: int = 0, pre: str | None = "qwen2", theta: float | None = 1e4,
               untied: bool = False, add_bos: bool = False, extra: dict[str, tuple] | None = None,
               hf_weights: dict[str, np.ndarray] | None = None,
-              kv: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+              kv: dict[str, int] | None = None, tokenizer: str = "gpt2",
+              dims: dict[str, int] | None = None, raw: dict[str, tuple] | None = None,
+              meta: dict[str, object] | None = None) -> dict[str, np.ndarray]:
     """Write a one-layer model; return the float32 weights as written, in GGUF row order.
 
-    ``types`` picks a tensor type per GGUF name (default F32); ``extra`` adds raw
-    (bytes, type) tensors; ``hf_weights`` overrides values by GGUF name; ``kv`` adds uint32 keys.
+    ``types`` picks a tensor type per GGUF name (default F32), quantized by the gguf package;
+    ``raw`` gives a weight as ready (bytes, type) blocks instead (types it cannot quantize);
+    ``extra`` adds raw (bytes, type) tensors; ``hf_weights`` overrides values by GGUF name;
+    ``kv`` adds uint32 keys; ``tokenizer`` is tokenizer.ggml.model: "llama" writes the
+    SentencePiece vocabulary above, anything else the byte-level one under that name; ``dims``
+    overrides TINY's sizes; ``meta`` sets tokenizer.ggml.* keys (add_space_prefix, add_eos_token:
+    bool) or, with value None, leaves them out.
     """
     rng = np.random.default_rng(seed)
-    h, f, v = TINY["hidden"], TINY["ffn"], len(TINY_TOKENS)
-    q, kvd = TINY["heads"] * TINY["head_dim"], TINY["kv_heads"] * TINY["head_dim"]
+    d = dict(TINY, **(dims or {}))
+    vocab = SPM_TOKENS if tokenizer == "llama" else TINY_TOKENS
+    h, f, v = d["hidden"], d["ffn"], len(vocab)
+    q, kvd = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
     shapes = {"token_embd.weight": (v, h), "output_norm.weight": (h,),
               "blk.0.attn_norm.weight": (h,), "blk.0.ffn_norm.weight": (h,),
               "blk.0.attn_q.weight": (q, h), "blk.0.attn_k.weight": (kvd, h),
@@ -108,24 +131,40 @@ def tiny_gguf(path: Path, *, arch: str = "qwen2", types: dict[str, T] | None = N
     if untied:
         shapes["output.weight"] = (v, h)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(TINY["layers"])
+    w.add_block_count(d["layers"])
     w.add_context_length(256)
     w.add_embedding_length(h)
     w.add_feed_forward_length(f)
-    w.add_head_count(TINY["heads"])
-    w.add_head_count_kv(TINY["kv_heads"])
+    w.add_head_count(d["heads"])
+    w.add_head_count_kv(d["kv_heads"])
+    if d["head_dim"] != h // d["heads"]:
+        w.add_key_length(d["head_dim"])
+        w.add_value_length(d["head_dim"])
     if theta is not None:
         w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    if pre is not None:
-        w.add_tokenizer_pre(pre)
-    w.add_token_list(TINY_TOKENS)
-    w.add_token_types(TINY_TYPES)
-    w.add_token_merges(TINY_MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(add_bos)
+    w.add_tokenizer_model(tokenizer)
+    meta = dict(meta or {})
+    if tokenizer == "llama":
+        w.add_token_list(SPM_TOKENS)
+        w.add_token_types(SPM_TYPES)
+        w.add_token_scores(SPM_SCORES)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        meta.setdefault("add_bos_token", add_bos)
+    else:
+        if pre is not None:
+            w.add_tokenizer_pre(pre)
+        w.add_token_list(TINY_TOKENS)
+        w.add_token_types(TINY_TYPES)
+        w.add_token_merges(TINY_MERGES)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(0)
+        meta.setdefault("add_bos_token", add_bos)
+    for key, value in meta.items():
+        if value is not None:
+            w.add_bool(f"tokenizer.ggml.{key}", value)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                         "<|im_end|>\n{% endfor %}")
     for key, value in (kv or {}).items():
@@ -136,6 +175,11 @@ def tiny_gguf(path: Path, *, arch: str = "qwen2", types: dict[str, T] | None = N
         if hf_weights and name in hf_weights:
             x = hf_weights[name]
         qt = (types or {}).get(name, T.F32)
+        if raw and name in raw:  # rows of ready blocks: the type's byte shape, not the values'
+            block_bytes, qt = raw[name]
+            w.add_tensor(name, np.asarray(block_bytes, np.uint8).reshape(shape[0], -1),
+                         raw_dtype=qt)
+            continue
         written[name] = x
         if qt == T.F32:
             w.add_tensor(name, x)
@@ -327,12 +371,17 @@ def _tiny_with_rope(path: Path, divisors: np.ndarray, orig: int, theta: float) -
 
 # ==== failures leave nothing behind ================================================================
 
-def test_unsupported_type_names_tensor_and_type(tmp_path):
-    src = tmp_path / "q6k.gguf"
-    raw = np.random.default_rng(0).integers(0, 255, (4, 210), dtype=np.uint8)  # 4 rows x 256 Q6_K
-    tiny_gguf(src, extra={"blk.0.attn_q_norm.weight": (raw, T.Q6_K)})
-    with pytest.raises(GGUFError, match=r"blk\.0\.attn_q_norm\.weight.*Q6_K"):
+@pytest.mark.parametrize("qt", [T.IQ2_XXS, T.TQ2_0, T.IQ4_NL])
+def test_unsupported_type_names_tensor_type_and_the_supported(tmp_path, qt):
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    src = tmp_path / f"{qt.name}.gguf"
+    raw = np.random.default_rng(0).integers(0, 255, (4, 256 // block * size), dtype=np.uint8)
+    tiny_gguf(src, extra={"blk.0.attn_q_norm.weight": (raw, qt)})
+    supported = ", ".join(gguf_import.TENSOR_TYPES)
+    with pytest.raises(GGUFError, match=rf"blk\.0\.attn_q_norm\.weight.*{qt.name}.*"
+                                        rf"\(supported: {supported}\)"):
         convert_gguf(src, tmp_path / "hf", progress=False)
+    assert "Q4_K" in supported and "Q6_K" in supported
     assert not (tmp_path / "hf").exists() and leftovers(tmp_path) == []
 
 
@@ -400,9 +449,9 @@ def test_refuses_to_overwrite_unless_asked(tmp_path):
     out = tmp_path / "hf"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="overwrite=True"):
+    with pytest.raises(OutputExistsError, match=rf"{out}: exists and is not empty.*--overwrite"):
         convert_gguf(src, out, progress=False)
-    assert (out / "keep.txt").read_text() == "mine"
+    assert (out / "keep.txt").read_text() == "mine" and leftovers(tmp_path) == []
     convert_gguf(src, out, progress=False, overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
     assert leftovers(tmp_path) == []
@@ -410,6 +459,25 @@ def test_refuses_to_overwrite_unless_asked(tmp_path):
     empty.mkdir()
     convert_gguf(src, empty, progress=False)  # an empty folder is fine
     assert (empty / "config.json").is_file()
+
+
+def test_cli_convert_into_non_empty_folder_is_a_clear_error(tmp_path, capsys):
+    """`monokernel convert` into a folder with files: exit 2, one line naming the folder and
+    --overwrite, no traceback, the folder untouched; with --overwrite it is replaced."""
+    from monokernel.cli import main
+
+    src = tmp_path / "tiny.gguf"
+    tiny_gguf(src)
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["convert", str(src), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"OutputExistsError: {out}: exists and is not empty" in err and "--overwrite" in err
+    assert "Traceback" not in err and [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert main(["convert", str(src), str(out), "--overwrite"]) == 0
+    assert (out / "config.json").is_file() and not (out / "keep.txt").exists()
+    assert leftovers(tmp_path) == []
 
 
 # ==== bundled model and cache ======================================================================

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from monokernel.model import gguf_import
 from monokernel.model.bundled import bundled_gguf_path
-from monokernel.model.gguf_import import LLAMA3_SPLIT, QWEN2_SPLIT, convert_gguf
+from monokernel.model.gguf_import import convert_gguf
+from monokernel.model.gguf_tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
+from monokernel.errors import TokenizerError
 pytest.importorskip("gguf")  # test_gguf's writer needs it
-from test_gguf import tiny_gguf  # noqa: E402
+from test_gguf import leftovers, tiny_gguf  # noqa: E402
 
 STRINGS = {
     "unicode": "naïve café, Ünïcödé, 日本語, Привет",
@@ -84,15 +85,12 @@ def test_bundled_tokenizer_config(bundled_dir):  # noqa: F811
 
 
 def test_bundled_chat_template(bundled_dir, ours, theirs):  # noqa: F811
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from monokernel.model.chat_template import render_chat_template
 
     tc = json.loads((bundled_dir / "tokenizer_config.json").read_text())
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     messages = [{"role": "user", "content": "What is 2+2?"},
                 {"role": "assistant", "content": "4."}]
-    text = env.from_string(tc["chat_template"]).render(
-        messages=messages, add_generation_prompt=True, bos_token=tc["bos_token"],
-        eos_token=tc["eos_token"])
+    text = render_chat_template(tc, messages, add_generation_prompt=True)
     assert text == theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     ids = ours.encode(text).ids
@@ -161,15 +159,10 @@ def test_split_patterns_match_transformers():
     assert GGUF_PRE_TOKENIZER_SPLITS["llama-bpe"] == LLAMA3_SPLIT
 
 
-def test_unsupported_tokenizer_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["bert", "t5", "rwkv"])
+def test_unsupported_tokenizer_model_names_itself_and_the_supported(tmp_path, kind):
     src = tmp_path / "t.gguf"
-    tiny_gguf(src)
-    real = gguf_import._field
-
-    def fake(reader, key, *a, **k):
-        return "llama" if key == "tokenizer.ggml.model" else real(reader, key, *a, **k)
-
-    monkeypatch.setattr(gguf_import, "_field", fake)
-    with pytest.raises(gguf_import.TokenizerError, match="'llama'"):
+    tiny_gguf(src, tokenizer=kind)
+    with pytest.raises(TokenizerError, match=rf"'{kind}'.*supported: gpt2, llama"):
         convert_gguf(src, tmp_path / "hf", progress=False)
-    assert not (tmp_path / "hf").exists()
+    assert not (tmp_path / "hf").exists() and leftovers(tmp_path) == []

@@ -6,6 +6,11 @@ tokenizer. :func:`convert_gguf` turns one into the folder the rest of monokernel
 :meth:`ModelConfig.to_hf_dict`), ``tokenizer.json``, ``tokenizer_config.json``,
 ``generation_config.json`` and ``monokernel.json`` (where it came from; the cache marker).
 
+Accepted: tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+(:data:`TENSOR_TYPES`; so Q4_K_M, Q5_K_M and the other K-quant mixes); tokenizers ``gpt2``
+(byte-level BPE) and ``llama`` (SentencePiece), see :mod:`monokernel.model.gguf_tokenizer`;
+architectures llama, qwen2, qwen3. Anything else is refused by name, with the supported list.
+
 Invariants:
 - The folder appears whole or not at all: everything is written into a temporary sibling folder
   that is renamed into place last, and removed on any failure, Ctrl-C included.
@@ -29,9 +34,16 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig, RopeScaling
-from ..errors import GGUFError, TokenizerError
+from .gguf_tokenizer import TOKEN_CONTROL, add_bos_default, build_tokenizer
+from ..errors import GGUFError, OutputExistsError
 
 CONVERTER_VERSION = 1
+
+# Tensor types imported, each dequantized to float32 by the gguf package's own decoders
+# (gguf.quants.dequantize), then rounded to bf16. The K-quants (256-value super-blocks) are what
+# llama.cpp's Q2_K...Q6_K, Q4_K_M and Q5_K_M files hold.
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 # GGUF general.architecture -> our arch name (ModelConfig.arch).
@@ -57,16 +69,6 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 
-# Pre-tokenizer split patterns, as llama.cpp's llama-vocab.cpp and the models' tokenizer.json have them.
-GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS = ("smollm", "gpt2", "default", "llama-bpe", "llama3", "llama-v3", "qwen2")
-
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
 
 
 # ==== public API ===================================================================================
@@ -81,14 +83,15 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, unpermute: bool 
     src = Path(gguf_path)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise FileExistsError(f"{out}: exists and is not empty; pass overwrite=True to replace it")
+        raise OutputExistsError(f"{out}: exists and is not empty; nothing was written. Pass "
+                                "--overwrite (overwrite=True) to replace it, or name a new folder")
     reader = _open_gguf(src)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
         cfg = read_config(reader, src)
-        tokenizer = build_tokenizer(reader, src)
+        tokenizer = build_tokenizer(tokenizer_metadata(reader), src)
         _write_weights(reader, src, cfg, tmp / "model.safetensors", unpermute, progress)
         _write_json(tmp / "config.json", cfg.to_hf_dict())
         tokenizer.save(str(tmp / "tokenizer.json"))
@@ -239,7 +242,7 @@ def _eos_ids(reader, tokens: list[str]) -> tuple[int, ...]:
     # ChatML: a turn ends with <|im_end|>, which is not always the file's eos.
     if "<|im_end|>" in tokens:
         i = tokens.index("<|im_end|>")
-        if i < len(types) and types[i] == _TOKEN_CONTROL and i not in ids:
+        if i < len(types) and types[i] == TOKEN_CONTROL and i not in ids:
             ids.append(i)
     return tuple(ids)
 
@@ -261,15 +264,24 @@ def _hf_name(name: str, path: Path) -> str | None:
 
 def _dequantize(t, path: Path) -> np.ndarray:
     """float32 array in numpy order of the GGUF dims reversed, i.e. HF's [out, in]."""
-    from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
 
-    if t.tensor_type not in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1):
+    if t.tensor_type.name not in TENSOR_TYPES:
         raise GGUFError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which is not "
-                        "supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1 are)")
-    w = np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+                        f"supported (supported: {', '.join(TENSOR_TYPES)})")
     want = tuple(reversed([int(d) for d in t.shape]))
-    return w.reshape(want)
+    try:
+        with np.errstate(all="ignore"):  # inf * 0 in a corrupt block: reported below, by name
+            w = np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+        w = w.reshape(want)
+    except (ValueError, TypeError) as e:  # a byte count that is not whole blocks of the shape
+        raise GGUFError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}, shape {want}) cannot "
+                        f"be dequantized: {e}") from None
+    bad = w.size - int(np.isfinite(w).sum())
+    if bad:  # a corrupt scale; the model would only ever print NaN
+        raise GGUFError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}) dequantizes to {bad} "
+                        "non-finite values (inf or NaN)")
+    return w
 
 
 def _write_weights(reader, path: Path, cfg: ModelConfig, out: Path, unpermute: bool,
@@ -296,59 +308,11 @@ def _write_weights(reader, path: Path, cfg: ModelConfig, out: Path, unpermute: b
 
 # ==== tokenizer ==================================================================================
 
-def build_tokenizer(reader, path: Path):
-    """A ``tokenizers.Tokenizer`` (byte-level BPE) from the file's ``tokenizer.ggml.*`` metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    kind = _field(reader, "tokenizer.ggml.model", path=path)
-    if kind != "gpt2":
-        raise TokenizerError(f"{path}: tokenizer model {kind!r} is not supported (gpt2 is)")
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise TokenizerError(f"{path}: pre-tokenizer {pre!r} is not supported "
-                             f"(supported: {', '.join(PRE_TOKENIZERS)})")
-    tokens = _field(reader, "tokenizer.ggml.tokens", path=path)
-    types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = _field(reader, "tokenizer.ggml.merges", path=path)
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise TokenizerError(f"{path}: the token list has duplicate entries")
-    try:
-        pairs = [tuple(m.split(" ")) for m in merges]
-        bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False,
-                         ignore_merges=pre in ("llama-bpe", "llama3", "llama-v3"))
-    except Exception as e:
-        raise TokenizerError(f"{path}: cannot build the BPE model ({e})") from None
-    tok = Tokenizer(bpe)
-
-    if pre == "smollm":
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    elif pre in ("gpt2", "default"):
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        split = QWEN2_SPLIT if pre == "qwen2" else LLAMA3_SPLIT
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED])
-    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise TokenizerError(f"{path}: added tokens grew the vocabulary past {len(tokens)}")
-
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    if _field(reader, "tokenizer.ggml.add_bos_token", False):
-        if bos is None:
-            raise TokenizerError(f"{path}: add_bos_token is set but there is no bos_token_id")
-        b = tokens[int(bos)]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{b} $A", pair=f"{b} $A {b}:1 $B:1", special_tokens=[(b, int(bos))])
-    return tok
+def tokenizer_metadata(reader) -> dict[str, Any]:
+    """The file's ``tokenizer.ggml.*`` metadata, keys without that prefix (for build_tokenizer)."""
+    prefix = "tokenizer.ggml."
+    return {key[len(prefix):]: _field(reader, key) for key in reader.fields
+            if key.startswith(prefix)}
 
 
 def _token(tokens: list[str], reader, key: str) -> str | None:
@@ -364,7 +328,8 @@ def _tokenizer_config(reader, cfg: ModelConfig) -> dict[str, Any]:
         "eos_token": _token(tokens, reader, "eos_token_id"),
         "pad_token": _token(tokens, reader, "padding_token_id"),
         "unk_token": _token(tokens, reader, "unknown_token_id"),
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token",
+                                     add_bos_default(_field(reader, "tokenizer.ggml.model")))),
         "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": cfg.max_position_embeddings,

@@ -135,8 +135,10 @@ def load_tokenizer(model_dir: Path) -> Any:
     from tokenizers import Tokenizer
 
     path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise TokenizerError(f"{path}: not found")
+    if not path.is_file():  # some folders ship only SentencePiece's tokenizer.model
+        from .gguf_tokenizer import tokenizer_from_sentencepiece_model
+
+        return tokenizer_from_sentencepiece_model(model_dir)
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises plain Exception subclasses
@@ -171,7 +173,10 @@ def load_model(model: str | Path | None = None, progress: bool = True) -> Loaded
     if eos is not None:  # generation_config often names more stop ids (e.g. <|im_end|>)
         extra = tuple(eos) if isinstance(eos, list) else (eos,)
         cfg = cfg.replace(eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
+    tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+    template_file = model_dir / "chat_template.jinja"  # where newer HF folders keep it
+    if "chat_template" not in tokenizer_config and template_file.is_file():
+        tokenizer_config["chat_template"] = template_file.read_text()
     return LoadedModel(path=model_dir, config=cfg, weights=load_weights(model_dir, cfg),
-                       tokenizer=load_tokenizer(model_dir),
-                       tokenizer_config=_read_json(model_dir / "tokenizer_config.json"),
+                       tokenizer=load_tokenizer(model_dir), tokenizer_config=tokenizer_config,
                        generation_config=gen)
