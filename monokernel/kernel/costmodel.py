@@ -220,15 +220,18 @@ LADDER: dict[str, KernelDesign] = {"v1": V1, "r1": _R1, "r2": _R2, "issue8": _IS
 #   weights; norm weights are loaded before the wait, bias / RoPE entries / q-k-norm weights and
 #   the block's own residual rows in the weights' round trip (O_PROJ and DOWN read-modify-write);
 # - SAMPLE folded into the LM head (atomic ticket, one warp's reduction);
-# - unchanged from v1: the O_PROJ split merge in every block, attention's loop, whole-head QKV
-#   tiles for q/k-norm, the hop (MEMBAR.SC + atomic; two acquire loads per poll), one step per
-#   launch.
+# - attention: K and V rows read 16 bytes per lane (KV_LANES lanes per row), KV_UNROLL = 4
+#   loads in flight per lane: 64 positions per block per round at head_dim 128, 128 at 64
+#   (counted here as 64 for both: 8 per warp);
+# - unchanged from v1: the O_PROJ split merge in every block, whole-head QKV tiles for
+#   q/k-norm, the hop (MEMBAR.SC + atomic; two acquire loads per poll), one step per launch.
 V2 = V1.replace(
     name="v2",
     loads_in_flight_per_lane=8, rows_per_warp=2,
     trips={"EMBED": (0, 1), "RMS_QKV_ROPE": (1, 0), "ATTENTION": (1, 0),
            "O_PROJ_RESIDUAL": (0, 0), "RMS_GATE_UP": (1, 0), "DOWN_RESIDUAL": (1, 0),
            "RMS_LM_HEAD": (1, 0), "SAMPLE": (0, 0)},
+    attn_positions_per_warp=8, attn_v_in_flight=64, attn_load_bytes=16,
     sample_op=False)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2)

@@ -45,8 +45,9 @@ static_assert(MK_HEAD_DIM <= MK_THREADS, "RMS_QKV_ROPE gives each head element a
 static_assert(MK_HEADS % MK_KV_HEADS == 0, "GQA groups must be whole");
 
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
-// Longest vector a block keeps in shared memory: normed residual, attention output, or h.
-#define VEC_MAX cmax(MK_HIDDEN, cmax(MK_FFN, MK_Q_DIM))
+// Longest vector a block keeps in shared memory: normed residual, attention output, or h; and
+// ATTENTION's per-warp V partials (design 2), which use the same space.
+#define VEC_MAX cmax(cmax(MK_HIDDEN, cmax(MK_FFN, MK_Q_DIM)), (MK_THREADS / 32) * MK_GROUP * MK_HEAD_DIM)
 static_assert(VEC_MAX * 4 + (2 * MK_GROUP * MK_HEAD_DIM + MK_GROUP * T_TILE) * 4 < 46 * 1024,
               "static shared memory budget (48 KB) exceeded for this model");
 
@@ -456,6 +457,107 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
 // [split * chunk, (split + 1) * chunk) of [0, pos] for the GROUP query heads of g and writes
 // unnormalised outputs with their (max, sum of exp). O_PROJ_RESIDUAL merges the splits.
 // ================================================================================================
+// Design 2: K and V rows are read 16 bytes (8 bf16) per lane: KV_LANES lanes cover a row, so
+// a warp reads KV_PPW positions per load and each lane keeps KV_UNROLL loads in flight: a
+// 128-position tile is one or two HBM rounds for K and for V (v1: one position per warp per
+// round for K, 2-byte V loads). K, V and the queries are read through plain loads (the cache
+// is written during the launch).
+#define KV_LANES (MK_HEAD_DIM / 8)         // lanes per K/V row
+#define KV_PPW (32 / KV_LANES)             // positions per warp per load
+#define KV_SLOTS (NWARPS * KV_PPW)         // positions per block per load
+#define KV_UNROLL 4
+static_assert(MK_HEAD_DIM % 8 == 0 && KV_LANES <= 32 && 32 % KV_LANES == 0,
+              "attention reads K/V rows 8 bf16 per lane");
+static_assert(NWARPS * MK_GROUP * MK_HEAD_DIM <= VEC_MAX,
+              "attention's per-warp V partials live in s.vec");
+
+__device__ __forceinline__ uint4 load_kv(const unsigned short* p) {
+  return *reinterpret_cast<const uint4*>(p);  // the KV cache: plain loads, never ld.global.nc
+}
+
+// s.score[h][i] = q_h . K[base + i] * scale for i < cnt
+__device__ void attention_scores(OpShared& s, const unsigned short* Kg, int base, int cnt,
+                                 float scale) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c = lane % KV_LANES, slot = warp * KV_PPW + lane / KV_LANES;
+  for (int i0 = slot; i0 - slot < cnt; i0 += KV_SLOTS * KV_UNROLL) {
+    uint4 kv[KV_UNROLL];
+#pragma unroll
+    for (int u = 0; u < KV_UNROLL; ++u) {
+      const int i = i0 + u * KV_SLOTS;
+      kv[u] = i < cnt ? load_kv(Kg + (size_t)(base + i) * MK_KV_DIM + c * 8)
+                      : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < KV_UNROLL; ++u) {
+      const int i = i0 + u * KV_SLOTS;
+#pragma unroll
+      for (int h = 0; h < MK_GROUP; ++h) {
+        const float* q = s.q + h * D + c * 8;
+        float acc = dot8(kv[u], *reinterpret_cast<const float4*>(q),
+                         *reinterpret_cast<const float4*>(q + 4));
+#pragma unroll
+        for (int o = KV_LANES / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL_MASK, acc, o);
+        if (c == 0 && i < cnt) s.score[h * T_TILE + i] = acc * scale;
+      }
+    }
+  }
+}
+
+// s.o[h][d] = s.o[h][d] * corr[h] + sum_i p_h[i] V[base + i][d], p in s.score
+__device__ void attention_values(OpShared& s, const unsigned short* Vg, int base, int cnt) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c = lane % KV_LANES, slot = warp * KV_PPW + lane / KV_LANES;
+  float acc[MK_GROUP][8];
+#pragma unroll
+  for (int h = 0; h < MK_GROUP; ++h)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[h][e] = 0.f;
+  for (int i0 = slot; i0 - slot < cnt; i0 += KV_SLOTS * KV_UNROLL) {
+    uint4 kv[KV_UNROLL];
+#pragma unroll
+    for (int u = 0; u < KV_UNROLL; ++u) {
+      const int i = i0 + u * KV_SLOTS;
+      kv[u] = i < cnt ? load_kv(Vg + (size_t)(base + i) * MK_KV_DIM + c * 8)
+                      : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < KV_UNROLL; ++u) {
+      const int i = i0 + u * KV_SLOTS;
+      if (i < cnt) {
+        const float v[8] = {bf_lo(kv[u].x), bf_hi(kv[u].x), bf_lo(kv[u].y), bf_hi(kv[u].y),
+                            bf_lo(kv[u].z), bf_hi(kv[u].z), bf_lo(kv[u].w), bf_hi(kv[u].w)};
+#pragma unroll
+        for (int h = 0; h < MK_GROUP; ++h) {
+          const float p = s.score[h * T_TILE + i];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[h][e] += p * v[e];
+        }
+      }
+    }
+  }
+  // the warp's positions: lanes of one chunk c differ by multiples of KV_LANES
+#pragma unroll
+  for (int h = 0; h < MK_GROUP; ++h)
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+#pragma unroll
+      for (int o = KV_LANES; o < 32; o <<= 1) acc[h][e] += __shfl_xor_sync(FULL_MASK, acc[h][e], o);
+  if (lane < KV_LANES) {
+#pragma unroll
+    for (int h = 0; h < MK_GROUP; ++h)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s.vec[(warp * MK_GROUP + h) * D + c * 8 + e] = acc[h][e];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < MK_GROUP * D; idx += MK_THREADS) {  // the block's warps
+    const int h = idx / D;
+    float sum = 0.f;
+    for (int w = 0; w < NWARPS; ++w) sum += s.vec[w * MK_GROUP * D + idx];
+    s.o[idx] = s.o[idx] * s.corr[h] + sum;
+  }
+}
+
 __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[W_ARG0];
@@ -463,7 +565,6 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
   const int n_pos = st[S_POS] + 1;
   const int chunk = (n_pos + splits - 1) / splits;
   const float scale = 1.0f / sqrtf((float)D);
-  constexpr int PER = D / 32;
   for (int u = b; u < e; ++u) {
     const int g = u / splits, split = u % splits;
     const int t0 = split * chunk, t1 = min(n_pos, t0 + chunk);
@@ -481,6 +582,10 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
     const unsigned short* Vg = P.v_cache + kv0;
     for (int base = t0; base < t1; base += T_TILE) {
       const int cnt = min(T_TILE, t1 - base);
+#if MK_DESIGN >= 2
+      attention_scores(s, Kg, base, cnt, scale);
+#else
+      constexpr int PER = D / 32;
       for (int i = warp; i < cnt; i += NWARPS) {  // one warp per position
         const unsigned short* kr = Kg + (size_t)(base + i) * MK_KV_DIM;
         float kreg[PER];
@@ -494,6 +599,7 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
           if (lane == 0) s.score[h * T_TILE + i] = acc * scale;
         }
       }
+#endif
       __syncthreads();
       for (int h = warp; h < MK_GROUP; h += NWARPS) {  // online softmax, one warp per head
         float mx = NEG_INF;
@@ -515,6 +621,9 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
         }
       }
       __syncthreads();
+#if MK_DESIGN >= 2
+      attention_values(s, Vg, base, cnt);
+#else
       for (int idx = threadIdx.x; idx < MK_GROUP * D; idx += MK_THREADS) {
         const int h = idx / D, d = idx % D;
         float acc = s.o[idx] * s.corr[h];
@@ -522,6 +631,7 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
           acc += s.score[h * T_TILE + i] * bf16_to_f32(Vg[(size_t)(base + i) * MK_KV_DIM + d]);
         s.o[idx] = acc;
       }
+#endif
       __syncthreads();
     }
     const size_t unit = (size_t)g * splits + split;

@@ -1,0 +1,57 @@
+"""ATTENTION at any context (issue 8): one decode step at position p over a KV cache that already
+holds p positions, kernel (emulator) against the NumPy reference, for p + 1 in {1, 2, 127, 128,
+129, 1024, 4096} - a tile of T_TILE = 128 positions, its boundary, long and very long contexts -
+and for splits that put unit boundaries off the tile grid.
+
+Filling 4096 positions by stepping the emulator would take minutes, so both caches are written
+directly with the same random bf16 K/V (the emulator's device memory is host memory); the step
+then writes position p itself, as in generation, and reads 0..p.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from monokernel.kernel.executor import KernelExecutor
+from monokernel.model.loader import load_model
+from monokernel.model.reference import ReferenceModel, bf16_round
+
+MAX_SEQ = 4096
+RTOL_OF_MAX = 2e-3  # as tests/test_kernel_emulator.py
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_dir):
+    return load_model(synth_dir("qwen2-tiny"), progress=False)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("n_pos", [1, 2, 127, 128, 129, 1024, 4096])
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_one_step_over_a_filled_cache(tiny, n_pos, splits):
+    cfg = tiny.config
+    pos = n_pos - 1
+    rng = np.random.default_rng(n_pos * 10 + splits)
+    shape = (cfg.num_layers, MAX_SEQ, cfg.num_kv_heads, cfg.head_dim)
+    k = bf16_round(rng.standard_normal(shape, dtype=np.float32))
+    v = bf16_round(rng.standard_normal(shape, dtype=np.float32))
+    ref = ReferenceModel(cfg, tiny.weights, MAX_SEQ)
+    ref.k_cache[:] = k
+    ref.v_cache[:] = v
+    want = ref.forward([7], pos)[0]
+    ex = KernelExecutor(tiny, MAX_SEQ, blocks=3, attn_splits=splits)
+    ex.reset()
+    ex.poison()
+    ex.buffers["k_cache"][...] = bf16_bits(k)
+    ex.buffers["v_cache"][...] = bf16_bits(v)
+    got = ex.step(7, pos).logits
+    assert np.isfinite(got).all()
+    err = float(np.max(np.abs(got.astype(np.float64) - want)) / np.max(np.abs(want)))
+    assert err <= RTOL_OF_MAX, f"context {n_pos}, {splits} splits: rel error {err:.3g}"
+    # the step wrote position pos of the cache as the reference did (within a bf16 step)
+    got_k = (ex.read_buffer("k_cache").astype(np.uint32) << 16).view(np.float32)[:, pos]
+    assert np.allclose(got_k, ref.k_cache[:, pos], rtol=2 ** -7, atol=1e-3)
