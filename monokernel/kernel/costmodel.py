@@ -160,6 +160,8 @@ class KernelDesign:
         "SAMPLE": (0, 0),
     })
     o_proj_merge_trips_per_split: float = 1.0  # v1: every O_PROJ block merges every split
+    # design 2: the merge's loads issued a chunk of splits at a time: rounds = ceil(S / chunk)
+    o_proj_merge_chunk: int = 0  # 0: v1's per-split trips above
     qk_norm_whole_heads: bool = True  # v1: Qwen3's q/k-norm needs a whole head per tile
     # hop: signal = bar + (MEMBAR.SC + CCTL | release atomic); poll = loads + timer + sleep
     signal_sc_fence: bool = True
@@ -223,8 +225,9 @@ LADDER: dict[str, KernelDesign] = {"v1": V1, "r1": _R1, "r2": _R2, "issue8": _IS
 # - attention: K and V rows read 16 bytes per lane (KV_LANES lanes per row), KV_UNROLL = 4
 #   loads in flight per lane: 64 positions per block per round at head_dim 128, 128 at 64
 #   (counted here as 64 for both: 8 per warp);
-# - unchanged from v1: the O_PROJ split merge in every block, whole-head QKV tiles for
-#   q/k-norm, the hop (MEMBAR.SC + atomic; two acquire loads per poll), one step per launch.
+# - the O_PROJ split merge (still in every block) loads 4 splits at a time: 2 rounds at 8;
+# - unchanged from v1: whole-head QKV tiles for q/k-norm, the hop (MEMBAR.SC + atomic; two
+#   acquire loads per poll), one step per launch.
 V2 = V1.replace(
     name="v2",
     loads_in_flight_per_lane=8, rows_per_warp=2,
@@ -232,7 +235,7 @@ V2 = V1.replace(
            "O_PROJ_RESIDUAL": (0, 0), "RMS_GATE_UP": (1, 0), "DOWN_RESIDUAL": (1, 0),
            "RMS_LM_HEAD": (1, 0), "SAMPLE": (0, 0)},
     attn_positions_per_warp=8, attn_v_in_flight=64, attn_load_bytes=16,
-    sample_op=False)
+    o_proj_merge_chunk=4, sample_op=False)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2)
 
@@ -439,10 +442,14 @@ def O_PROJ_RESIDUAL(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     S = b.program.attn_splits
     busy = (b.n > 0).astype(np.float64)
     l2, hbm = _trips(d, "O_PROJ_RESIDUAL", busy)
-    l2 = l2 + busy * d.o_proj_merge_trips_per_split * S
+    if d.o_proj_merge_chunk:
+        l2 = l2 + busy * -(-S // d.o_proj_merge_chunk)
+        share = 1.0
+    else:
+        l2 = l2 + busy * d.o_proj_merge_trips_per_split * S
+        share = d.o_proj_merge_trips_per_split
     # the merge reads every split's partial outputs from L2
-    merge_bytes = busy * c.num_kv_heads * S * c.group_size * (c.head_dim + 2) * 4 \
-        * d.o_proj_merge_trips_per_split
+    merge_bytes = busy * c.num_kv_heads * S * c.group_size * (c.head_dim + 2) * 4 * share
     other = busy * (g.bar_sync + merge_bytes / (g.l2_bw / g.sms))
     rounds = _stream_rounds(-(-b.n // d.warps), c.q_dim, d).astype(np.float64)
     pref = _prefetch(d, b.n * c.q_dim * 2)

@@ -648,10 +648,65 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
 // Op: O_PROJ_RESIDUAL - merge the attention splits (every block, into shared memory), then
 // residual[r] += Wo[r] . attn for the tile's rows.
 // ================================================================================================
+// Design 2: the merge of the splits in one or two rounds. A thread owns 8 consecutive output
+// elements of one (KV group, query head) and loads, for MERGE_CHUNK splits at once, their
+// (max, sum) and two float4s of partial outputs before using any (v1: every load of the merge
+// waited for the one before it: ~8 dependent L2 round trips per O_PROJ).
+#define MERGE_CHUNK 4
+static_assert(MK_HEAD_DIM % 8 == 0, "the merge reads 8 output elements per thread");
+
+__device__ void merge_splits(const Params& P, OpShared& s, int splits) {
+  for (int t = threadIdx.x; t < MK_Q_DIM / 8; t += MK_THREADS) {
+    const int idx = t * 8;
+    const int g = idx / (MK_GROUP * D), h = (idx / D) % MK_GROUP, d = idx % D;
+    float M = NEG_INF, L = 0.f, acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    for (int sp0 = 0; sp0 < splits; sp0 += MERGE_CHUNK) {
+      float m[MERGE_CHUNK], l[MERGE_CHUNK];
+      float4 o0[MERGE_CHUNK], o1[MERGE_CHUNK];
+#pragma unroll
+      for (int k = 0; k < MERGE_CHUNK; ++k) {  // every load of the chunk first
+        const bool ok = sp0 + k < splits;
+        const size_t unit = (size_t)g * splits + sp0 + k;
+        const float* ml = P.attn_ml + (unit * MK_GROUP + h) * 2;
+        const float* o = P.attn_o + (unit * MK_GROUP + h) * D + d;
+        m[k] = ok ? ml[0] : NEG_INF;
+        l[k] = ok ? ml[1] : 0.f;
+        o0[k] = ok ? *reinterpret_cast<const float4*>(o) : make_float4(0.f, 0.f, 0.f, 0.f);
+        o1[k] = ok ? *reinterpret_cast<const float4*>(o + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      float Mn = M;
+#pragma unroll
+      for (int k = 0; k < MERGE_CHUNK; ++k) Mn = fmaxf(Mn, m[k]);
+      if (Mn == NEG_INF) continue;  // only empty splits so far
+      const float sc = M == NEG_INF ? 0.f : expf(M - Mn);
+      L *= sc;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] *= sc;
+#pragma unroll
+      for (int k = 0; k < MERGE_CHUNK; ++k) {
+        if (m[k] == NEG_INF) continue;  // an empty split
+        const float w = expf(m[k] - Mn);
+        L += l[k] * w;
+        const float o[8] = {o0[k].x, o0[k].y, o0[k].z, o0[k].w, o1[k].x, o1[k].y, o1[k].z, o1[k].w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] += o[e] * w;
+      }
+      M = Mn;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s.vec[idx + e] = acc[e] / L;
+  }
+}
+
 __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[W_ARG0];
   if (b >= e) return;
+#if MK_DESIGN >= 2
+  merge_splits(P, s, splits);
+#else
   for (int idx = threadIdx.x; idx < MK_Q_DIM; idx += MK_THREADS) {
     const int g = idx / (MK_GROUP * D), h = (idx / D) % MK_GROUP, d = idx % D;
     float M = NEG_INF;
@@ -668,6 +723,7 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
     }
     s.vec[idx] = acc / L;
   }
+#endif
   __syncthreads();
   // the tile's residual rows are this block's own (EMBED, O_PROJ and DOWN share the row
   // tiles), so each is read in the same round trip as its weights
