@@ -50,3 +50,12 @@ class KernelError(MonokernelError):
 
 class BackendUnavailableError(MonokernelError):
     """The requested backend cannot run here (no CUDA device, no CuPy, no compiler)."""
+
+
+class ParameterError(MonokernelError, ValueError):
+    """A sampling or engine parameter has a bad type or value (NaN, Inf, out of range); the
+    message names the parameter and the value. Also a ValueError, as Python code expects."""
+
+
+class CacheError(MonokernelError):
+    """The monokernel cache ($MONOKERNEL_CACHE) cannot be created or written."""
