@@ -7,6 +7,7 @@ import sys
 import time
 
 from .errors import MonokernelError
+from .serve.cli import add_serve_command
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_synth)
 
     _add_kernel_commands(sub)
+    add_serve_command(sub)  # serve/cli.py imports FastAPI only when the server starts
     return ap
 
 
