@@ -6,9 +6,10 @@ queues; the prompt itself is tokenized and checked on the engine thread, and the
 stream's headers included) is only sent once the engine has accepted it, so a prompt too long
 for the context is a 400 too, streaming or not. Anything unexpected is a 500 with OpenAI's error
 JSON: the connection is never dropped without an answer.
-"""
 
-from __future__ import annotations
+(No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations, and
+``Request`` is imported inside ``create_app``, where a string annotation could not find it.)
+"""
 
 import asyncio
 import time
@@ -26,9 +27,10 @@ class ClientGone(Exception):
     """The client closed the connection while its request waited or ran."""
 
 
-def to_api_error(e: BaseException) -> P.APIError:
+def to_api_error(e: BaseException, param: str | None = None) -> P.APIError:
     """A project error raised for one request -> its HTTP error. Errors of the request (bad
-    parameters, prompt, template) are 400; the engine's own failures are 500."""
+    parameters, prompt, template) are 400, naming ``param`` unless the message names a
+    sampling parameter; the engine's own failures are 500."""
     if isinstance(e, P.APIError):
         return e
     if isinstance(e, (NumericalError, KernelError)):
@@ -36,7 +38,8 @@ def to_api_error(e: BaseException) -> P.APIError:
     if isinstance(e, (MonokernelError, ValueError, TypeError)):
         # ParameterError messages begin with the parameter's name: report OpenAI's name for it
         first = str(e).split(" ", 1)[0]
-        param = P.PARAM_NAMES.get(first, first) if first in P.SAMPLING_FIELDS else None
+        if first in P.SAMPLING_FIELDS:
+            param = P.PARAM_NAMES.get(first, first)
         return P.APIError(400, str(e), param=param, code=type(e).__name__)
     return P.APIError(500, f"internal error: {type(e).__name__}: {e}")
 
@@ -109,13 +112,9 @@ def delta_parts(delta) -> tuple[str, list[int], list[P.TokenLogprob]]:
 
 
 def _entry(token_id: int, lp) -> P.TokenLogprob:
-    """One position of the API's logprobs: an object with ``logprob`` and ``top`` (a list of
-    (token id, logprob), best first)."""
-    return P.TokenLogprob(int(token_id), float(lp.logprob), [(int(t), float(v)) for t, v in lp.top])
-
-
-def completion_usage(c) -> dict[str, int]:
-    return P.usage(len(c.prompt_token_ids), len(c.token_ids))
+    """One position of the API's logprobs (monokernel.llm.TokenLogprob)."""
+    return P.TokenLogprob(int(token_id), float(lp.logprob),
+                          [(int(t), float(v)) for t, _, v in lp.top])
 
 
 def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
@@ -123,6 +122,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
@@ -149,6 +149,10 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
     @app.exception_handler(HTTPException)
     async def _http_error(request, e: HTTPException):
         return error(P.APIError(e.status_code, str(e.detail), code=str(e.status_code)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, e: RequestValidationError):
+        return error(P.bad_request(f"invalid request: {e.errors()}"))
 
     @app.exception_handler(Exception)
     async def _internal(request, e: Exception):
@@ -180,25 +184,20 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
     async def tokenize(request: Request):
         body = await read_body(request)
         srv.check_model(body.get("model"))
-        special = P._bool(body, "add_special_tokens", True)
-        if body.get("messages") is not None:
-            req = P.parse_chat({"messages": body["messages"],
-                                "chat_template_kwargs": body.get("chat_template_kwargs")},
-                               {}, srv.max_seq_len)
-            try:
-                text = llm.apply_chat_template(req.messages, **_template_kwargs(req))
-            except (MonokernelError, ValueError, TypeError) as e:
-                raise to_api_error(e) from None
-            special = P._bool(body, "add_special_tokens", False)
-        else:
-            text = P._prompt(body.get("prompt"))
-        if isinstance(text, list):
-            ids = text
-        else:
-            try:
-                ids = llm.encode(text, add_special_tokens=special)
-            except (MonokernelError, ValueError, TypeError) as e:
-                raise to_api_error(e) from None
+        try:
+            if body.get("messages") is not None:
+                req = P.parse_chat({"messages": body["messages"],
+                                    "chat_template_kwargs": body.get("chat_template_kwargs")},
+                                   {}, srv.max_seq_len)
+                ids = llm.chat_prompt_ids(
+                    req.messages, P._bool(body, "add_generation_prompt", True),
+                    req.chat_template_kwargs or None)
+            else:
+                prompt = P._prompt(body.get("prompt"))
+                ids = (llm.encode(prompt) if isinstance(prompt, list) else
+                       llm.tokenize(prompt, P._bool(body, "add_special_tokens", True)))
+        except (MonokernelError, ValueError, TypeError) as e:
+            raise to_api_error(e, "messages" if "messages" in body else "prompt") from None
         return {"tokens": ids, "count": len(ids), "max_model_len": srv.max_seq_len}
 
     @app.post("/detokenize")
@@ -208,15 +207,13 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
         ids = P._int_list(body, "tokens")
         if ids is None:
             raise P.bad_request("`tokens` is required (an array of token ids)", "tokens")
-        vocab = llm.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise P.bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                                "tokens")
-        return {"prompt": llm.tokenizer.decode(ids, skip_special_tokens=False)}
+        try:
+            return {"prompt": llm.detokenize(ids)}
+        except (MonokernelError, ValueError, TypeError) as e:
+            raise to_api_error(e, "tokens") from None
 
     # ---- generation -----------------------------------------------------------------------
-    async def run(request, req: P.Request, start, on_done, on_delta, first_chunks):
+    async def run(request, req: P.Request, start, on_done, on_delta, first_chunks, what: str):
         """Queue ``start`` on the engine; answer with the whole result or a stream of chunks.
         ``on_delta(text, ids, entries, state)`` -> a chunk or None; ``on_done(c, state)`` -> the
         JSON body (not streaming) or the closing chunks (streaming)."""
@@ -225,7 +222,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
         try:
             kind, value = await next_event(job, request)  # "started", or the prompt's error
             if kind == "error":
-                raise to_api_error(value)
+                raise to_api_error(value, what)
             if req.stream:
                 return JobStream(chunks(job, on_done, on_delta, first_chunks),
                                  on_close=lambda: srv.worker.cancel(job))
@@ -325,7 +322,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
             return text, entries
 
         def on_done(c, state):
-            u = completion_usage(c)
+            u = c.usage()
             if req.stream:
                 out = [with_usage({**P.envelope(rid, "text_completion", srv.model_name, created),
                                    "choices": [choice("", c.finish_reason, [], [],
@@ -359,7 +356,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
                                 "choices": [{"index": 0, "text": text, "logprobs": None,
                                              "finish_reason": None}]}, req)]
 
-        return await run(request, req, start, on_done, on_delta, first_chunks)
+        return await run(request, req, start, on_done, on_delta, first_chunks, "prompt")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -371,7 +368,8 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
         tt = srv.tokens
 
         def start(llm_):
-            return llm_.chat(req.messages, params, stream=True, **_template_kwargs(req))
+            return llm_.chat(req.messages, params, stream=True,
+                             chat_template_kwargs=req.chat_template_kwargs or None)
 
         def chunk(delta: dict[str, Any], finish: str | None, entries=None, ids=None,
                   c=None) -> dict[str, Any]:
@@ -387,7 +385,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
                                             created), "choices": [ch]}, req)
 
         def on_done(c, state):
-            u = completion_usage(c)
+            u = c.usage()
             if req.stream:
                 out = [chunk({}, c.finish_reason, c=c)]
                 if req.include_usage:
@@ -414,10 +412,6 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
         def first_chunks():
             return [chunk({"role": "assistant", "content": ""}, None)]
 
-        return await run(request, req, start, on_done, on_delta, first_chunks)
+        return await run(request, req, start, on_done, on_delta, first_chunks, "messages")
 
     return app
-
-
-def _template_kwargs(req: P.Request) -> dict[str, Any]:
-    return {"chat_template_kwargs": req.chat_template_kwargs} if req.chat_template_kwargs else {}

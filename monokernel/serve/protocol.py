@@ -353,11 +353,6 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
 def envelope(rid: str, obj: str, model: str, created: int | None = None) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": created or int(time.time()), "model": model}
 
