@@ -112,6 +112,41 @@ def test_completion_equals_the_api(client, tiny_llm):
     assert e["choices"][0]["text"].startswith(prompt)
 
 
+def test_echo_with_logprobs(client, tiny_llm):
+    """echo: the prompt's tokens come first, the first with null logprobs (nothing predicts it),
+    the others with the prompt logprobs the API computes."""
+    prompt = "Alpha beta gamma"
+    ids = tiny_llm.encode(prompt)
+    want = tiny_llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=1,
+                                                    prompt_logprobs=1))
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4,
+                                              "temperature": 0, "logprobs": 1, "echo": True})
+    ch = r.json()["choices"][0]
+    assert ch["text"] == prompt + want.text
+    lp = ch["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + len(want.token_ids)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    wanted = [e.logprob for e in want.prompt_logprobs[1:]] + [e.logprob for e in want.logprobs]
+    assert lp["token_logprobs"][1:] == pytest.approx(wanted, abs=1e-4)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][len(ids)] == len(
+        "".join(lp["tokens"][:len(ids)]))
+
+
+@pytest.mark.parametrize("content", [
+    [{"type": "text", "text": "Hi there"}],
+    [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
+])
+def test_chat_content_parts(client, tiny_llm, content):
+    """OpenAI's content parts reach the API as they are: the prompt is the API's, which is the
+    parts' texts joined by newlines (as vLLM does)."""
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": content}], "max_tokens": 5, "temperature": 0,
+        "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    joined = [{"role": "user", "content": "\n".join(p["text"] for p in content)}]
+    assert r.json()["choices"][0]["prompt_token_ids"] == tiny_llm.chat_prompt_ids(joined)
+
+
 def test_stop_string(client, tiny_llm):
     prompt = "Count: 1 2 3"
     free = tiny_llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0.8, seed=1))
@@ -258,6 +293,9 @@ BAD = [  # (path, raw body, status, param)
                              '"chat_template_kwargs": [1]}', 400, "chat_template_kwargs"),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": LONG}],
                                          "stream": True}), 400, "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": '
+                             '[{"type": "image_url", "image_url": {"url": "x"}}]}]}', 400,
+     "messages"),
     ("/tokenize", '{"prompt": 5}', 400, "prompt"),
     ("/tokenize", "{oops", 400, None),
 ]
@@ -340,11 +378,20 @@ def test_disconnect_cancels_and_the_next_request_runs(bundled_llm):
             took = time.monotonic() - t0
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == " Paris."
             assert took < 8.0, f"the next request waited {took:.1f} s: the stream was not cancelled"
+        # a request whose client leaves while it waits in the queue never runs
+        with c.stream("POST", "/v1/completions", json=LONG_RUN) as r:
+            lines = r.iter_lines()  # (a dropped iterator would close the response)
+            next(lines)  # A runs
+            with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as b:
+                with pytest.raises(httpx.ReadTimeout):
+                    b.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=0.5)
+            wait_for(lambda: srv.worker.stats()["queued"] == 0, 5.0, "B to leave the queue")
+            assert srv.worker.stats()["cancelled"] == 3
         # a non-streaming request whose client gives up is cancelled too
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json={**LONG_RUN, "stream": False}, timeout=1.0)
         wait_for(lambda: not srv.worker.stats()["running"], 8.0, "the engine to be freed")
-        assert srv.worker.stats()["cancelled"] == 3
+        assert srv.worker.stats()["cancelled"] == 5
 
 
 # ---- the command ------------------------------------------------------------------------------

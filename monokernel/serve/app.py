@@ -317,7 +317,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
             entries: list = []
             plp = getattr(c, "prompt_logprobs", None)
             if req.logprobs is not None and plp is not None:
-                entries = [None if lp is None else _entry(t, lp)
+                entries = [P.TokenLogprob(t, None, []) if lp is None else _entry(t, lp)
                            for t, lp in zip(c.prompt_token_ids, plp)]
             return text, entries
 

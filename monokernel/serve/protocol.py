@@ -315,7 +315,7 @@ class TokenText:
 class TokenLogprob:
     """One position: the chosen token, its log-probability and the top alternatives."""
     token_id: int
-    logprob: float
+    logprob: float | None  # None: the first prompt token (nothing before it predicts it)
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
@@ -324,17 +324,15 @@ def _num(x: float) -> float:
     return float(x) if math.isfinite(x) else -9999.0
 
 
-def completion_logprobs(entries: list[TokenLogprob | None], tt: TokenText, offset: int
+def completion_logprobs(entries: list[TokenLogprob], tt: TokenText, offset: int
                         ) -> dict[str, Any]:
-    """OpenAI completions format; ``None`` entries (the first prompt token) have no logprob."""
+    """OpenAI completions format; the first prompt token (``echo``) has null logprobs."""
     tokens, lps, tops, offsets = [], [], [], []
     for e in entries:
-        if e is None:
-            continue
         s = tt.text(e.token_id)
         tokens.append(s)
-        lps.append(_num(e.logprob))
-        tops.append({tt.text(t): _num(lp) for t, lp in e.top})
+        lps.append(None if e.logprob is None else _num(e.logprob))
+        tops.append(None if e.logprob is None else {tt.text(t): _num(lp) for t, lp in e.top})
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,

@@ -109,13 +109,15 @@ class EngineWorker:
                 job = self._running = self._pending.popleft()
             try:
                 self._run(job)
+            except Exception as e:  # a bug here must not kill the one engine thread
+                job.emit("error", e)
             finally:
                 with self._cv:
                     self._running = None
 
     def _run(self, job: Job) -> None:
         if job.cancelled.is_set():
-            self.cancelled += 1
+            self._count("cancelled")
             return
         try:
             stream = job.start(self.llm)
@@ -129,7 +131,7 @@ class EngineWorker:
                     break
                 job.emit("delta", delta)
             else:
-                self.completed += 1
+                self._count("completed")
                 job.emit("done", stream.completion)
                 return
         except Exception as e:
@@ -138,4 +140,8 @@ class EngineWorker:
         finally:
             if job.cancelled.is_set():
                 stream.close()  # frees the engine for the next job now
-        self.cancelled += 1
+        self._count("cancelled")
+
+    def _count(self, what: str) -> None:
+        with self._cv:
+            setattr(self, what, getattr(self, what) + 1)
