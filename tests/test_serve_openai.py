@@ -12,7 +12,7 @@ from serve_helpers import running_server
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
 
-from monokernel import LLM, SamplingParams  # noqa: E402
+from monokernel import LLM, SamplingParams
 
 # JSON carries the float64 logprobs unrounded, but the engine reuses the K/V of the prefix shared
 # with the previous request, and K/V prefilled in one pass vs decoded step by step round

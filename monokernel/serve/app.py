@@ -180,22 +180,30 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
         srv.check_model(name)
         return model_card()
 
+    # tokenizing runs off the event loop (a long text would stall every stream); the
+    # tokenizer is safe to share with the engine thread
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await read_body(request)
         srv.check_model(body.get("model"))
+        if body.get("messages") is not None:
+            req = P.parse_chat({"messages": body["messages"],
+                                "chat_template_kwargs": body.get("chat_template_kwargs")},
+                               {}, srv.max_seq_len)
+            gen_prompt = P.bool_field(body, "add_generation_prompt", True)
+
+            def encode():
+                return llm.chat_prompt_ids(req.messages, gen_prompt,
+                                           req.chat_template_kwargs or None)
+        else:
+            prompt = P.prompt_field(body.get("prompt"))
+            special = P.bool_field(body, "add_special_tokens", True)
+
+            def encode():
+                return (llm.encode(prompt) if isinstance(prompt, list) else
+                        llm.tokenize(prompt, special))
         try:
-            if body.get("messages") is not None:
-                req = P.parse_chat({"messages": body["messages"],
-                                    "chat_template_kwargs": body.get("chat_template_kwargs")},
-                                   {}, srv.max_seq_len)
-                ids = llm.chat_prompt_ids(
-                    req.messages, P._bool(body, "add_generation_prompt", True),
-                    req.chat_template_kwargs or None)
-            else:
-                prompt = P._prompt(body.get("prompt"))
-                ids = (llm.encode(prompt) if isinstance(prompt, list) else
-                       llm.tokenize(prompt, P._bool(body, "add_special_tokens", True)))
+            ids = await asyncio.to_thread(encode)
         except (MonokernelError, ValueError, TypeError) as e:
             raise to_api_error(e, "messages" if "messages" in body else "prompt") from None
         return {"tokens": ids, "count": len(ids), "max_model_len": srv.max_seq_len}
@@ -204,11 +212,11 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
     async def detokenize(request: Request):
         body = await read_body(request)
         srv.check_model(body.get("model"))
-        ids = P._int_list(body, "tokens")
+        ids = P.int_list_field(body, "tokens")
         if ids is None:
             raise P.bad_request("`tokens` is required (an array of token ids)", "tokens")
         try:
-            return {"prompt": llm.detokenize(ids)}
+            return {"prompt": await asyncio.to_thread(llm.detokenize, ids)}
         except (MonokernelError, ValueError, TypeError) as e:
             raise to_api_error(e, "tokens") from None
 
@@ -303,23 +311,23 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
             if req.logprobs is not None:
                 ch["logprobs"] = P.completion_logprobs(entries, tt, offset)
             if c is not None:
-                ch["stop_reason"] = getattr(c, "stop_reason", None)
+                ch["stop_reason"] = c.stop_reason
             if req.return_token_ids:
                 ch["token_ids"] = ids
                 if c is not None:
                     ch["prompt_token_ids"] = list(c.prompt_token_ids)
             return ch
 
+        def prompt_text() -> str:
+            return prompt if isinstance(prompt, str) else llm.detokenize(prompt)
+
         def echo_prefix(c) -> tuple[str, list]:
             """The prompt's text and its logprob entries, when ``echo`` asks for them."""
-            text = prompt if isinstance(prompt, str) else llm.tokenizer.decode(
-                list(prompt), skip_special_tokens=False)
             entries: list = []
-            plp = getattr(c, "prompt_logprobs", None)
-            if req.logprobs is not None and plp is not None:
+            if req.logprobs is not None and c.prompt_logprobs is not None:
                 entries = [P.TokenLogprob(t, None, []) if lp is None else _entry(t, lp)
-                           for t, lp in zip(c.prompt_token_ids, plp)]
-            return text, entries
+                           for t, lp in zip(c.prompt_token_ids, c.prompt_logprobs)]
+            return prompt_text(), entries
 
         def on_done(c, state):
             u = c.usage()
@@ -350,10 +358,8 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
         def first_chunks():
             if not req.echo:
                 return []
-            text = prompt if isinstance(prompt, str) else llm.tokenizer.decode(
-                list(prompt), skip_special_tokens=False)
             return [with_usage({**P.envelope(rid, "text_completion", srv.model_name, created),
-                                "choices": [{"index": 0, "text": text, "logprobs": None,
+                                "choices": [{"index": 0, "text": prompt_text(), "logprobs": None,
                                              "finish_reason": None}]}, req)]
 
         return await run(request, req, start, on_done, on_delta, first_chunks, "prompt")
@@ -378,7 +384,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
             if req.logprobs is not None and entries is not None:
                 ch["logprobs"] = P.chat_logprobs(entries, tt)
             if c is not None:
-                ch["stop_reason"] = getattr(c, "stop_reason", None)
+                ch["stop_reason"] = c.stop_reason
             if req.return_token_ids and ids is not None:
                 ch["token_ids"] = ids
             return with_usage({**P.envelope(rid, "chat.completion.chunk", srv.model_name,
@@ -397,7 +403,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
                 "logprobs": (P.chat_logprobs(state["entries"], tt)
                              if req.logprobs is not None else None),
                 "finish_reason": c.finish_reason,
-                "stop_reason": getattr(c, "stop_reason", None)}
+                "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 ch["token_ids"] = state["ids"]
                 ch["prompt_token_ids"] = list(c.prompt_token_ids)

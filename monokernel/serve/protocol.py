@@ -75,7 +75,7 @@ def _kind(v: Any) -> str:
             type(None): "null", int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
 
 
-def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+def int_field(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
     v = body.get(name)
     if v is None:
         return None
@@ -87,7 +87,7 @@ def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) ->
     return v
 
 
-def _number(body: dict, name: str) -> float | None:
+def number_field(body: dict, name: str) -> float | None:
     v = body.get(name)
     if v is None:
         return None
@@ -98,7 +98,7 @@ def _number(body: dict, name: str) -> float | None:
     return float(v)
 
 
-def _bool(body: dict, name: str, default: bool = False) -> bool:
+def bool_field(body: dict, name: str, default: bool = False) -> bool:
     v = body.get(name)
     if v is None:
         return default
@@ -107,7 +107,7 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
-def _str_list(body: dict, name: str) -> list[str] | None:
+def str_list_field(body: dict, name: str) -> list[str] | None:
     v = body.get(name)
     if v is None:
         return None
@@ -118,7 +118,7 @@ def _str_list(body: dict, name: str) -> list[str] | None:
     raise bad_request(f"`{name}` must be a string or an array of strings, got {_kind(v)}", name)
 
 
-def _int_list(body: dict, name: str) -> list[int] | None:
+def int_list_field(body: dict, name: str) -> list[int] | None:
     v = body.get(name)
     if v is None:
         return None
@@ -151,49 +151,49 @@ def _common(body: dict, defaults: dict[str, Any]) -> Request:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"`model` must be a string, got {_kind(model)}", "model")
-    n = _int(body, "n", 1)
+    n = int_field(body, "n", 1)
     _refuse(body, "n", n not in (None, 1), f"must be 1: monokernel runs one sequence per request "
             f"(got {n}); send {n} requests, with different seeds")
-    best_of = _int(body, "best_of", 1)
+    best_of = int_field(body, "best_of", 1)
     _refuse(body, "best_of", best_of not in (None, 1), f"must be 1 (got {best_of})")
     _refuse(body, "logit_bias", bool(body.get("logit_bias")), "is not supported")
     _refuse(body, "use_beam_search", bool(body.get("use_beam_search")), "is not supported")
     sampling: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0}
     sampling.update({k: defaults[k] for k in _FROM_GENERATION_CONFIG if defaults.get(k) is not None})
     for name, arg in _NUMBER_FIELDS.items():
-        v = _number(body, name)
+        v = number_field(body, name)
         if v is not None:
             sampling[arg] = v
     for name, arg in _INT_FIELDS.items():
-        v = _int(body, name)
+        v = int_field(body, name)
         if v is not None:
             sampling[arg] = v
-    stop = _str_list(body, "stop")
+    stop = str_list_field(body, "stop")
     if stop:
         sampling["stop"] = tuple(stop)
-    stop_ids = _int_list(body, "stop_token_ids")
+    stop_ids = int_list_field(body, "stop_token_ids")
     if stop_ids:
         sampling["stop_token_ids"] = tuple(stop_ids)
-    if _bool(body, "ignore_eos"):
+    if bool_field(body, "ignore_eos"):
         sampling["ignore_eos"] = True
-    stream = _bool(body, "stream")
+    stream = bool_field(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad_request(f"`stream_options` must be an object, got {_kind(opts)}",
                           "stream_options")
-    include_usage = _bool(opts or {}, "include_usage")
+    include_usage = bool_field(opts or {}, "include_usage")
     return Request(model=model, sampling=sampling, stream=stream, include_usage=include_usage,
-                   return_token_ids=_bool(body, "return_token_ids"))
+                   return_token_ids=bool_field(body, "return_token_ids"))
 
 
 def parse_completion(body: dict, defaults: dict[str, Any]) -> Request:
     req = _common(body, defaults)
-    req.prompt = _prompt(body.get("prompt"))
+    req.prompt = prompt_field(body.get("prompt"))
     _refuse(body, "suffix", bool(body.get("suffix")), "is not supported (no fill-in-the-middle)")
-    req.echo = _bool(body, "echo")
-    max_tokens = _int(body, "max_tokens", 1)
+    req.echo = bool_field(body, "echo")
+    max_tokens = int_field(body, "max_tokens", 1)
     req.sampling["max_new_tokens"] = 16 if max_tokens is None else max_tokens  # OpenAI's default
-    req.logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    req.logprobs = int_field(body, "logprobs", 0, MAX_LOGPROBS)
     if req.logprobs is not None:
         req.sampling["logprobs"] = req.logprobs
         if req.echo:
@@ -201,7 +201,7 @@ def parse_completion(body: dict, defaults: dict[str, Any]) -> Request:
     return req
 
 
-def _prompt(p: Any) -> str | list[int]:
+def prompt_field(p: Any) -> str | list[int]:
     """A string, token ids, or a batch of one of either (OpenAI's four prompt shapes)."""
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
@@ -244,13 +244,13 @@ def parse_chat(body: dict, defaults: dict[str, Any], max_seq_len: int) -> Reques
     _refuse(body, "response_format",
             fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"),
             "is not supported (only {\"type\": \"text\"})")
-    max_tokens = _int(body, "max_completion_tokens", 1)
+    max_tokens = int_field(body, "max_completion_tokens", 1)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1)
+        max_tokens = int_field(body, "max_tokens", 1)
     # no limit but the context (OpenAI's default); the engine stops when the context is full
     req.sampling["max_new_tokens"] = max_seq_len if max_tokens is None else max_tokens
-    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
-    if _bool(body, "logprobs"):
+    top = int_field(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if bool_field(body, "logprobs"):
         req.logprobs = top or 0
         req.sampling["logprobs"] = req.logprobs
     elif top:
