@@ -61,6 +61,10 @@ def error_of(r: httpx.Response, status: int, param: str | None = "any") -> str:
     return err["message"]
 
 
+def counts(usage: dict) -> dict:
+    return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
 # ---- endpoints ------------------------------------------------------------------------------
 def test_health_models_tokenize(client, tiny_llm, tiny_server):
     h = client.get("/health")
@@ -100,7 +104,7 @@ def test_completion_equals_the_api(client, tiny_llm):
         assert ch["text"] == want.text and ch["token_ids"] == want.token_ids, sampling
         assert ch["finish_reason"] == want.finish_reason
         assert ch["prompt_token_ids"] == tiny_llm.encode(prompt)
-        assert body["usage"] == want.usage()
+        assert counts(body["usage"]) == want.usage()
     # token ids as the prompt, and a batch of one, give the same text
     ids = tiny_llm.encode(prompt)
     a = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0})
@@ -198,7 +202,7 @@ def test_chat_stream_equals_chat(client, tiny_llm):
     assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
     msg = r["choices"][0]["message"]
     assert msg == {"role": "assistant", "content": want.text}
-    assert r["usage"] == want.usage()
+    assert counts(r["usage"]) == want.usage()
     events = stream_events(client, "/v1/chat/completions",
                            {**body, "stream_options": {"include_usage": True}})
     assert events[-1] == "[DONE]"
@@ -208,6 +212,18 @@ def test_chat_stream_equals_chat(client, tiny_llm):
     assert deltas[0] == {"role": "assistant", "content": ""} and deltas[-1] == {}
     assert "".join(d.get("content", "") for d in deltas) == want.text
     assert chunks[-1]["choices"][0]["finish_reason"] == want.finish_reason
+
+
+def test_the_next_turn_reuses_the_conversation_s_cache(client):
+    """A follow-up turn shares the rendered history with the previous request: its K/V is
+    reused, and usage says so as OpenAI does (prompt_tokens_details.cached_tokens)."""
+    msgs = [{"role": "user", "content": "Tell me about cats."}]
+    body = {"max_tokens": 6, "temperature": 0}
+    first = client.post("/v1/chat/completions", json={**body, "messages": msgs}).json()
+    msgs += [first["choices"][0]["message"], {"role": "user", "content": "And dogs?"}]
+    second = client.post("/v1/chat/completions", json={**body, "messages": msgs}).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first["usage"]["prompt_tokens"] - 2 <= cached < second["usage"]["prompt_tokens"]
 
 
 def test_chat_template_kwargs_reach_the_template(tmp_path, synth_dir):

@@ -117,6 +117,12 @@ def _entry(token_id: int, lp) -> P.TokenLogprob:
                           [(int(t), float(v)) for t, _, v in lp.top])
 
 
+def usage(c) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens whose K/V the engine reused from the previous
+    request (the prefix they share) as ``prompt_tokens_details.cached_tokens``."""
+    return {**c.usage(), "prompt_tokens_details": {"cached_tokens": c.reused_prompt_tokens}}
+
+
 def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
     """The app for one loaded ``LLM``. Its lifespan starts the engine thread and stops it."""
     from contextlib import asynccontextmanager
@@ -330,7 +336,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
             return prompt_text(), entries
 
         def on_done(c, state):
-            u = c.usage()
+            u = usage(c)
             if req.stream:
                 out = [with_usage({**P.envelope(rid, "text_completion", srv.model_name, created),
                                    "choices": [choice("", c.finish_reason, [], [],
@@ -391,7 +397,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
                                             created), "choices": [ch]}, req)
 
         def on_done(c, state):
-            u = c.usage()
+            u = usage(c)
             if req.stream:
                 out = [chunk({}, c.finish_reason, c=c)]
                 if req.include_usage:
