@@ -229,10 +229,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def _is_ids(p: Any) -> bool:
-    return isinstance(p, (list, tuple, np.ndarray)) and all(_is_int(t) for t in p)
-
-
 class LLM:
     """``LLM()`` loads the bundled SmolLM2-135M-Instruct; ``LLM("dir" | "file.gguf")`` another
     model. ``backend``: auto | numpy | emulator | emulator-multi | cuda | cuda-multi.
@@ -459,10 +455,10 @@ class LLM:
         content raises a PromptError naming its index. ``chat_template_kwargs`` are extra
         template variables (e.g. ``{"enable_thinking": False}`` for Qwen3)."""
         messages = self._messages(messages)
-        extra = dict(chat_template_kwargs or {})
         if not isinstance(chat_template_kwargs or {}, Mapping):
             raise ParameterError(f"chat_template_kwargs must be a dict, got "
                                  f"{type(chat_template_kwargs).__name__}")
+        extra = dict(chat_template_kwargs or {})
         reserved = {"messages", "add_generation_prompt"} & set(extra)
         if reserved:
             raise ParameterError(f"chat_template_kwargs must not set {sorted(reserved)}")
@@ -595,7 +591,10 @@ class LLM:
             if sampling_params is not None:
                 raise ParameterError("give sampling_params or params, not both")
             sampling_params = params
-        batch = (isinstance(prompts, (list, tuple)) and not _is_ids(prompts))
+        # a batch is a list of prompts; a list of numbers is one prompt of token ids
+        batch = (isinstance(prompts, (list, tuple)) and bool(prompts) and all(
+            isinstance(p, (str, bytes, bytearray, Mapping, list, tuple, np.ndarray))
+            for p in prompts))
         if not batch:
             if isinstance(sampling_params, (list, tuple)):
                 if len(sampling_params) != 1:
