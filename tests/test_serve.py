@@ -265,6 +265,9 @@ BAD = [  # (path, raw body, status, param)
     ("/v1/completions", '{"prompt": "a", ', 400, None),
     ("/v1/completions", "", 400, None),
     ("/v1/completions", "[1, 2]", 400, None),
+    ("/v1/completions", "[" * 100_000, 400, None),  # deeper than json's recursion limit
+    ("/v1/completions", '{"prompt": "\\ud800 lone surrogate"}', 400, None),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),  # not UTF-8
     ("/v1/completions", '{"prompt": "a", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", '{"prompt": "a", "max_tokens": "8"}', 400, "max_tokens"),
     ("/v1/completions", '{"prompt": "a", "max_tokens": 0}', 400, "max_tokens"),

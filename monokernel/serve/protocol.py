@@ -50,7 +50,9 @@ class APIError(MonokernelError):
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+        # a message may quote the request: keep it encodable whatever the request held
+        message = self.message.encode("utf-8", "replace").decode("utf-8")
+        return {"error": {"message": message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
 
@@ -64,6 +66,13 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json")
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply", code="invalid_json")
+    try:  # "\ud800" is valid JSON but no text: it would fail deep inside the tokenizer
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("the request body holds a string with a lone UTF-16 surrogate "
+                          "(an escape such as \\ud800 without its pair)", code="invalid_json")
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_kind(body)}",
                           code="invalid_json")

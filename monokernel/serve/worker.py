@@ -109,8 +109,8 @@ class EngineWorker:
                 job = self._running = self._pending.popleft()
             try:
                 self._run(job)
-            except Exception as e:  # a bug here must not kill the one engine thread
-                job.emit("error", e)
+            except BaseException as e:  # nothing may kill the one engine thread: a bug, or a
+                job.emit("error", e)  # Rust panic from the tokenizer (a BaseException)
             finally:
                 with self._cv:
                     self._running = None
