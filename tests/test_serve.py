@@ -447,10 +447,10 @@ def test_serve_command(synth_dir):
     finally:
         p.send_signal(signal.SIGINT)
         try:
-            out, err = p.communicate(timeout=20)
+            _, err = p.communicate(timeout=20)
         except subprocess.TimeoutExpired:
             p.kill()
-            out, err = p.communicate()
+            _, err = p.communicate()
     assert p.returncode == 0, err
     assert f"on http://127.0.0.1:{port}/v1" in err and "Traceback" not in err
     assert port_is_closed(port)
@@ -464,3 +464,17 @@ def test_serve_without_the_extra_says_what_to_install():
                        timeout=60, cwd=REPO)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "pip install monokernel[serve]" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_on_a_port_in_use_is_a_clear_error(synth_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = dict(os.environ,
+                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        r = subprocess.run([sys.executable, "-m", "monokernel", "serve", "--model",
+                            str(synth_dir("tiny")), "--backend", "numpy", "--port", str(port)],
+                           capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert r.returncode == 2, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr

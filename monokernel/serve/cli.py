@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 from ..errors import MonokernelError
@@ -55,17 +56,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..llm import LLM
     from .app import create_app
 
-    options = {"blocks": args.blocks} if args.blocks is not None else {}
-    llm = LLM(args.model, backend=args.backend, max_seq_len=args.max_seq_len, **options)
-    app = create_app(llm, model_name=args.served_model_name, max_queue=args.max_queue)
-    name = app.state.server.model_name
-    print(f"monokernel: serving {name!r} ({llm.backend}) on http://{args.host}:{args.port}/v1",
-          file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
-    try:
-        uvicorn.Server(config).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a normal stop
-        pass
+    sock = listen_socket(args.host, args.port)  # a port in use fails now, not after the load
+    with sock:
+        options = {"blocks": args.blocks} if args.blocks is not None else {}
+        llm = LLM(args.model, backend=args.backend, max_seq_len=args.max_seq_len, **options)
+        app = create_app(llm, model_name=args.served_model_name, max_queue=args.max_queue)
+        name = app.state.server.model_name
+        host, port = sock.getsockname()[:2]
+        host = f"[{host}]" if ":" in host else host
+        print(f"monokernel: serving {name!r} ({llm.backend}) on http://{host}:{port}/v1",
+              file=sys.stderr, flush=True)
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a normal stop
+            pass
     print("monokernel: server stopped", file=sys.stderr)
     return 0
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), or a project error naming them."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise MonokernelError(f"cannot listen on {host}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise MonokernelError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
