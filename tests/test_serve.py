@@ -258,6 +258,39 @@ def test_paris_on_the_bundled_model(bundled_llm):
         assert r.json()["choices"][0]["text"] == " Paris."
 
 
+def test_engine_failure_mid_stream(client, tiny_llm, monkeypatch):
+    """The engine fails after two tokens: a stream (its headers already sent) ends with OpenAI's
+    error JSON as an event, then [DONE]; a plain request gets a 500 with that JSON; the server
+    serves the next request."""
+    from monokernel.errors import NumericalError
+
+    real = tiny_llm.stream
+
+    class Failing:
+        def __init__(self, s):
+            self.s, self.completion = s, None
+
+        def deltas(self):
+            for i, d in enumerate(self.s.deltas()):
+                if i == 2:
+                    raise NumericalError("logits hold 3 NaN values (injected by the test)")
+                yield d
+
+        def close(self):
+            self.s.close()
+
+    monkeypatch.setattr(tiny_llm, "stream", lambda *a, **k: Failing(real(*a, **k)))
+    body = {"prompt": "Once", "max_tokens": 8, "return_token_ids": True}
+    events = stream_events(client, "/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    assert [len(e["choices"][0]["token_ids"]) for e in events[:-2]] == [1, 1]
+    err = events[-2]["error"]
+    assert err["type"] == "server_error" and "NaN" in err["message"], err
+    assert "NaN" in error_of(client.post("/v1/completions", json=body), 500)
+    monkeypatch.undo()
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
 # ---- bad requests -----------------------------------------------------------------------------
 LONG = "word " * 600  # > 512 tokens: past the tiny model's context
 

@@ -125,22 +125,22 @@ class EngineWorker:
             job.emit("error", e)
             return
         job.emit("started")
+        finished = False
         try:
             for delta in stream.deltas():
                 if job.cancelled.is_set():
+                    self._count("cancelled")
                     break
                 job.emit("delta", delta)
             else:
+                finished = True
                 self._count("completed")
                 job.emit("done", stream.completion)
-                return
-        except Exception as e:
+        except Exception as e:  # the engine failed (NaN logits, a kernel error): tell the client
             job.emit("error", e)
-            return
         finally:
-            if job.cancelled.is_set():
+            if not finished:
                 stream.close()  # frees the engine for the next job now
-        self._count("cancelled")
 
     def _count(self, what: str) -> None:
         with self._cv:
