@@ -229,3 +229,29 @@ def test_deltas_join_to_the_completion(bundled_llm, greedy8):
     assert [t for d in deltas for t in d.token_ids] == greedy8.token_ids
     assert all(len(d.logprobs) == len(d.token_ids) for d in deltas)
     assert [lp for d in deltas for lp in d.logprobs] == s.completion.logprobs
+
+
+def test_close_from_another_thread_stops_the_generation(tiny):
+    """The server's case: a worker thread iterates, the event loop closes on disconnect."""
+    import threading
+
+    p = SamplingParams(max_tokens=120, ignore_eos=True)
+    s = tiny.stream([5, 6, 7], p)
+    got, started = [], threading.Event()
+
+    def work():
+        for d in s.deltas():
+            got.append(d)
+            started.set()
+            threading.Event().wait(0.005)  # let the closer run while a step may be running
+
+    t = threading.Thread(target=work)
+    t.start()
+    assert started.wait(30)
+    s.close()
+    t.join(30)
+    assert not t.is_alive()
+    assert 0 < len(got) < 120
+    assert s.completion.finish_reason == "abort"
+    assert s.completion.token_ids == [x for d in got for x in d.token_ids]
+    assert tiny.generate([5, 6, 7], p.replace(max_tokens=3)).finish_reason == "length"
