@@ -65,14 +65,16 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
-        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json")
+        raise bad_request(f"the request body is not valid JSON: {e}",
+                          code="invalid_json") from None
     except RecursionError:
-        raise bad_request("the request body is nested too deeply", code="invalid_json")
+        raise bad_request("the request body is nested too deeply", code="invalid_json") from None
     try:  # "\ud800" is valid JSON but no text: it would fail deep inside the tokenizer
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise bad_request("the request body holds a string with a lone UTF-16 surrogate "
-                          "(an escape such as \\ud800 without its pair)", code="invalid_json")
+                          "(an escape such as \\ud800 without its pair)",
+                          code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_kind(body)}",
                           code="invalid_json")
