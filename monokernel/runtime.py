@@ -4,6 +4,12 @@ An executor runs the model for one sequence: ``reset()``, ``prefill(ids, start)`
 the last prompt token) and ``step(token, pos, sample)`` (one decode step). The NumPy executor
 runs reference.py; the kernel executors (emulator, cuda, and their multi-kernel baselines) share
 one program and one set of buffers and differ only in how they allocate, copy and launch.
+
+Two things the Engine relies on: ``reset()`` keeps the K/V cache (every position is written
+before it is read), so a new sequence that shares a prefix with the previous one prefills only
+its new tokens; and ``step(token, pos, None)`` returns the logits on every backend, so logprobs
+need no device support: the host then samples from the kernel's own Gumbel stream
+(sampling.py), which picks the token the kernel's SAMPLE op would have picked.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import pytest
 from monokernel import LLM, SamplingParams
 from monokernel.kernel.base import DeviceSample
 from monokernel.model.reference import ReferenceModel
+from monokernel.runtime import cuda_device_present
 
 MAX_SEQ = 160  # as tests/test_kernel_emulator.py: the emulator build of this shape is shared
 HOT = 10.0  # the tiny model is very peaked at T=1; T=10 makes seeds matter
@@ -140,3 +141,19 @@ def test_stream_deltas_carry_the_logprobs(emu_llm):
     assert got == s.completion.logprobs and len(got) == 4
     assert [g.token_id for g in got] == s.completion.token_ids
     assert all(g.top[0][0] == g.token_id for g in got)  # greedy: the top-1 is the token
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_device_present(), reason="no CUDA device")
+def test_one_seed_one_text_on_the_gpu(np_llm, synth_dir):
+    """The GPU's logf may differ from NumPy's log in the last bit; the tokens must not."""
+    gpu = LLM(synth_dir("tiny"), backend="cuda", max_seq_len=MAX_SEQ, progress=False)
+    for seed in (1, 7, 2**31 + 9):
+        p = SamplingParams(max_tokens=8, temperature=HOT, seed=seed, ignore_eos=True)
+        want = np_llm.generate(PROMPT, p)
+        assert gpu.generate(PROMPT, p).token_ids == want.token_ids
+        got = gpu.generate(PROMPT, p.replace(logprobs=2))
+        assert got.token_ids == want.token_ids
+        ref = np_llm.generate(PROMPT, p.replace(logprobs=2))
+        np.testing.assert_allclose([t.logprob for t in got.logprobs],
+                                   [t.logprob for t in ref.logprobs], atol=2e-3)
