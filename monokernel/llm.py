@@ -134,8 +134,11 @@ class Tokenizer:
 
     def apply_chat_template(self, messages, tokenize: bool = True,
                             add_generation_prompt: bool = False, **kwargs: Any):
-        text = self._llm.apply_chat_template(messages, add_generation_prompt, kwargs or None)
-        return self._llm._encode_chat(text, messages) if tokenize else text
+        kwargs = kwargs or None
+        text = self._llm.apply_chat_template(messages, add_generation_prompt, kwargs)
+        if not tokenize:
+            return text
+        return self._llm._encode_chat(text, messages, True, add_generation_prompt, kwargs)
 
 
 # ================================================================================================
@@ -403,28 +406,56 @@ class LLM:
             self._special_re = (regex.compile(alt) if alt else None, specials)
         return self._special_re
 
-    def _encode_chat(self, text: str, messages: Any, split_special_tokens: bool = True
-                     ) -> list[int]:
-        """Token ids of a rendered conversation. The template's own control tokens stay
-        control tokens; special-token strings inside message contents are plain text unless
-        ``split_special_tokens`` is False. (The template already wrote any BOS.)"""
+    def _encode_chat(self, text: str, messages: Any, split_special_tokens: bool = True,
+                     add_generation_prompt: bool = True,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of ``text``, the rendering of ``messages``. The template's own control
+        tokens stay control tokens; special-token strings inside message contents are plain
+        text unless ``split_special_tokens`` is False. (The template already wrote any BOS.)"""
         pattern, specials = self._special_tokens()
-        contents = [m["content"] for m in self._messages(messages)]
+        msgs = self._messages(messages)
         if (not split_special_tokens or pattern is None
-                or not any(pattern.search(c) for c in contents)):
+                or not any(pattern.search(m["content"]) for m in msgs)):
             return self.tokenizer.encode(text, add_special_tokens=False).ids
-        # where each content landed in the rendered text (in order)
+        spans = self._content_spans(text, msgs, add_generation_prompt, chat_template_kwargs)
+        real = [m for m in pattern.finditer(text)
+                if not any(a < m.end() and m.start() < b for a, b in spans)]
+        return self._encode_segments(text, [(m.start(), m.end()) for m in real], specials)
+
+    def _content_spans(self, text: str, msgs: list[dict[str, Any]], add_generation_prompt: bool,
+                       chat_template_kwargs: dict[str, Any] | None) -> list[tuple[int, int]]:
+        """Where each message's content lies in ``text``: render again with a marker in place
+        of each content; when putting the contents back into that rendering gives ``text``,
+        the markers' places are exact. (A template that edits contents, say strips them,
+        falls back to finding each content, in order.)"""
+        import regex
+
+        marked = [dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(msgs)]
+        try:
+            rendering = self.apply_chat_template(marked, add_generation_prompt,
+                                                 chat_template_kwargs)
+        except PromptError:
+            rendering = ""
+        spans, parts = [], []
+        for piece in regex.split(r"(\ue000\d+\ue001)", rendering):
+            m = regex.fullmatch(r"\ue000(\d+)\ue001", piece)
+            if m and int(m.group(1)) < len(msgs):
+                start = sum(map(len, parts))
+                parts.append(msgs[int(m.group(1))]["content"])
+                spans.append((start, start + len(parts[-1])))
+            else:
+                parts.append(piece)
+        if "".join(parts) == text:
+            return spans
         spans, cur = [], 0
-        for c in contents:
+        for c in (m["content"] for m in msgs):
             for cand in (c, c.strip()):
                 i = text.find(cand, cur) if cand else -1
                 if i >= 0:
                     spans.append((i, i + len(cand)))
                     cur = i + len(cand)
                     break
-        real = [m for m in pattern.finditer(text)
-                if not any(a <= m.start() and m.end() <= b for a, b in spans)]
-        return self._encode_segments(text, [(m.start(), m.end()) for m in real], specials)
+        return spans
 
     def _encode_segments(self, text: str, controls: list[tuple[int, int]],
                          specials: dict[str, int]) -> list[int]:
@@ -571,7 +602,8 @@ class LLM:
                         split_special_tokens: bool = True) -> list[int]:
         """The token ids ``chat`` feeds the model for ``messages``."""
         text = self.apply_chat_template(messages, add_generation_prompt, chat_template_kwargs)
-        return self._encode_chat(text, messages, split_special_tokens)
+        return self._encode_chat(text, messages, split_special_tokens, add_generation_prompt,
+                                 chat_template_kwargs)
 
 
 def fit_conversation(llm: Any, messages: list[dict[str, Any]], reserve: int

@@ -250,3 +250,18 @@ def test_convert_into_an_existing_folder_exits_cleanly(tmp_path, bundled_dir):
 def test_cli_user_errors_print_one_line(synth_dir, args, words):
     r = cli("generate", "hello", "--model", str(synth_dir("tiny")), "--backend", "numpy", *args)
     assert_clean_exit(r, *words)
+
+
+@pytest.mark.parametrize("content", ["<|im_end|>", "<|im_start|>", "\n<|im_end|>\n",
+                                     "system\nYou are a helpful AI assistant named SmolLM"])
+def test_a_content_that_looks_like_the_template_is_text(bundled_llm, content):
+    """Contents equal to pieces of the template: locating them by search would find the
+    template's own tokens (the default system prompt comes first); the markers do not."""
+    tok = bundled_llm.tokenizer
+    im_start, im_end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
+    msgs = [{"role": "user", "content": content}]
+    ids = bundled_llm.chat_prompt_ids(msgs)
+    assert ids.count(im_start) == 3 and ids.count(im_end) == 2
+    assert tok.decode(ids, skip_special_tokens=False) == bundled_llm.apply_chat_template(msgs)
+    # the template's tokens are where the template put them
+    assert ids[0] == im_start and ids[-4:] == bundled_llm.tokenize("<|im_start|>assistant\n")
