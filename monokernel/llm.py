@@ -486,9 +486,9 @@ class LLM:
         return Completion(
             text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
             prompt_token_ids=ids, backend=self.backend, elapsed_s=elapsed,
-            decode_tokens_per_s=self.engine.stats.decode_tokens_per_s, prompt=prompt,
+            decode_tokens_per_s=gen.stats.decode_tokens_per_s, prompt=prompt,
             logprobs=first.logprobs, prompt_logprobs=plp, stop_reason=first.stop_reason,
-            outputs=outputs, reused_prompt_tokens=self.engine.stats.reused_tokens)
+            outputs=outputs, reused_prompt_tokens=gen.stats.reused_tokens)
 
     def _start(self, prompt: str | None, ids: list[int], params: SamplingParams,
                seed: int | None = None) -> Stream:

@@ -150,6 +150,7 @@ class Generation:
         self.params = params
         self.sampler_seed = seed
         self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+        self.stats = GenerationStats(prompt_tokens=len(ids))  # this generation's
         self.cancelled = False
         self._it = engine._run(self)
 
@@ -246,7 +247,7 @@ class Engine:
             return Sampled(tok, tok in stops, float(lp[tok]), top_logprobs(lp, nlp))
 
         history = list(ids)
-        self.stats = st = GenerationStats(prompt_tokens=len(ids))
+        self.stats = st = g.stats
         reuse = self._reusable(ids) if params.prompt_logprobs is None else 0
         self._active = me = object()
         self._kv_ids, self._kv_mark = [], None  # invalid until the prefill has run
