@@ -151,12 +151,19 @@ def _is_int(v: Any) -> bool:
 class LLM:
     """``LLM()`` loads the bundled SmolLM2-135M-Instruct; ``LLM("dir" | "file.gguf")`` another
     model. ``backend``: auto | numpy | emulator | emulator-multi | cuda | cuda-multi.
-    ``max_seq_len``: the context (default min(2048, the model's)); ``enable_prefix_caching``:
-    reuse the K/V cache of the prefix shared with the previous sequence (chat turns)."""
+    ``max_seq_len`` (vLLM: ``max_model_len``): the context (default min(2048, the model's));
+    ``enable_prefix_caching``: reuse the K/V cache of the prefix shared with the previous
+    sequence (chat turns, repeated system prompts)."""
 
     def __init__(self, model: str | Path | None = None, backend: str = "auto", *,
                  max_seq_len: int | None = None, progress: bool = True,
-                 enable_prefix_caching: bool = True, **backend_options: Any):
+                 enable_prefix_caching: bool = True, max_model_len: int | None = None,
+                 **backend_options: Any):
+        if max_model_len is not None:
+            if max_seq_len is not None and max_seq_len != max_model_len:
+                raise ParameterError(f"give max_seq_len or max_model_len, not both (got "
+                                     f"{max_seq_len} and {max_model_len})")
+            max_seq_len = max_model_len
         if max_seq_len is not None and (not _is_int(max_seq_len) or max_seq_len < 2):
             raise ParameterError(f"max_seq_len must be an integer >= 2 (one prompt token and "
                                  f"one generated), got {max_seq_len!r}")

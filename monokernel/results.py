@@ -75,6 +75,20 @@ class Completion:
     def __str__(self) -> str:
         return self.text
 
+    # vLLM returns a list even for one prompt; so that pasted code which indexes or iterates
+    # that result (``llm.generate("Hi", sp)[0].outputs[0].text``) runs, a Completion also
+    # reads as a list holding itself.
+    def __getitem__(self, i: int) -> "Completion":
+        if i in (0, -1):
+            return self
+        raise IndexError(f"a single prompt's Completion holds one result, not index {i}")
+
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self):
+        return iter((self,))
+
     @property
     def finished(self) -> bool:
         return all(o.finish_reason != "abort" for o in self.outputs)

@@ -255,3 +255,21 @@ def test_close_from_another_thread_stops_the_generation(tiny):
     assert s.completion.finish_reason == "abort"
     assert s.completion.token_ids == [x for d in got for x in d.token_ids]
     assert tiny.generate([5, 6, 7], p.replace(max_tokens=3)).finish_reason == "length"
+
+
+def test_single_prompt_results_read_as_a_list_of_one(bundled_llm, greedy8):
+    # vLLM returns a list for one prompt too; pasted code indexes and iterates it
+    sp = SamplingParams(max_tokens=8)
+    assert bundled_llm.generate(PROMPT, sp)[0].outputs[0].text == greedy8.text
+    outs = bundled_llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=3))
+    assert [o.outputs[0].text for o in outs] == [outs.text] and len(outs) == 1
+    with pytest.raises(IndexError, match="index 1"):
+        outs[1]
+
+
+def test_max_model_len_is_max_seq_len(synth_dir):
+    llm = LLM(synth_dir("tiny"), backend="numpy", max_model_len=32, progress=False)
+    assert llm.max_seq_len == 32 == llm.engine.executor.max_seq_len
+    with pytest.raises(ParameterError, match="not both"):
+        LLM(synth_dir("tiny"), backend="numpy", max_model_len=32, max_seq_len=16,
+            progress=False)
