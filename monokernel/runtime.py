@@ -282,7 +282,11 @@ class Engine:
                 raise MonokernelError("this stream was invalidated: another generation started "
                                       "on the same LLM (one sequence at a time)")
             self._kv_mark = None
-            res = ex.step(cur.token, pos, dsample)
+            try:
+                res = ex.step(cur.token, pos, dsample)
+            except BaseException:  # Ctrl-C, a NaN: a step writes position pos only, so the
+                self._kv_mark = self._mark()  # positions before it still hold kv
+                raise
             kv.append(cur.token)
             self._kv_mark = self._mark()
             pos += 1

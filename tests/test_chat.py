@@ -293,3 +293,33 @@ def test_sigint_to_monokernel_chat_stops_the_reply(bundled_dir):
     assert "Traceback" not in got["err"]
     second = got["out"][len(shown):]
     assert second.strip().strip(">").strip()  # a second reply was printed
+
+
+def test_an_interrupted_reply_keeps_the_prefix_for_the_next_turn(tiny, monkeypatch):
+    """Ctrl-C in the middle of a step: the positions before it are intact and reused."""
+    a = [5, 6, 7, 300, 41]
+    want = tiny.generate(a + [9], GREEDY)
+    ex = tiny.engine.executor
+    real, calls = ex.step, []
+
+    def step(token, pos, sample=None):
+        calls.append(pos)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(token, pos, sample)
+
+    monkeypatch.setattr(ex, "step", step)
+    s = tiny.stream(a, GREEDY)
+    with pytest.raises(KeyboardInterrupt):
+        list(s)
+    assert s.completion.finish_reason == "abort" and len(s.completion.token_ids) == 3
+    monkeypatch.undo()
+    fed = s.completion.token_ids[:2]
+    got = tiny.generate(a + fed + [9], GREEDY)
+    assert got.reused_prompt_tokens == len(a) + 2
+    tiny.engine.prefix_caching = False
+    try:
+        assert tiny.generate(a + fed + [9], GREEDY).token_ids == got.token_ids
+    finally:
+        tiny.engine.prefix_caching = True
+    assert tiny.generate(a + [9], GREEDY).token_ids == want.token_ids
