@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from .control_tokens import ControlTokens, content_spans
 from .errors import ParameterError, PromptError, TokenizerError
 from .model.loader import LoadedModel, load_model
 from .results import Completion, CompletionOutput, Delta, TokenLogprob
@@ -186,8 +187,7 @@ class LLM:
         self.model_name: str = p.stem if p.suffix.lower() == ".gguf" else p.name
         """A short id of the model (the folder name, or the GGUF file's stem)."""
         self._token_texts: dict[int, str] = {}
-        self._split_tokenizer = None
-        self._special_re = None
+        self._controls: ControlTokens | None = None
         self._template = None
 
     # ---- tokens ---------------------------------------------------------------------------
@@ -198,7 +198,7 @@ class LLM:
         Hugging Face and vLLM, unless ``split_special_tokens`` (then they are plain text)."""
         if not isinstance(text, str):
             raise PromptError(f"tokenize takes a str, got {type(text).__name__}")
-        tok = self._splitting_tokenizer() if split_special_tokens else self.tokenizer
+        tok = self._control_tokens().plain if split_special_tokens else self.tokenizer
         return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -211,15 +211,6 @@ class LLM:
     def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
         """A prompt -> token ids: a str is tokenized (see ``tokenize``), token ids are checked."""
         return self._prompt_ids(prompt, add_special_tokens)[1]
-
-    def _splitting_tokenizer(self):
-        if self._split_tokenizer is None:
-            from tokenizers import Tokenizer as HFTokenizer
-
-            t = HFTokenizer.from_str(self.tokenizer.to_str())
-            t.encode_special_tokens = True
-            self._split_tokenizer = t
-        return self._split_tokenizer
 
     def _check_ids(self, ids: Any, what: str) -> list[int]:
         if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, (list, tuple,
@@ -403,15 +394,10 @@ class LLM:
             raise PromptError(f"the chat template refused the messages: "
                               f"{type(e).__name__}: {e}") from None
 
-    def _special_tokens(self) -> tuple[Any, dict[str, int]]:
-        if self._special_re is None:
-            import regex
-
-            added = self.tokenizer.get_added_tokens_decoder()
-            specials = {t.content: i for i, t in added.items() if t.special and t.content}
-            alt = "|".join(regex.escape(s) for s in sorted(specials, key=len, reverse=True))
-            self._special_re = (regex.compile(alt) if alt else None, specials)
-        return self._special_re
+    def _control_tokens(self) -> ControlTokens:
+        if self._controls is None:
+            self._controls = ControlTokens(self.tokenizer)
+        return self._controls
 
     def _encode_chat(self, text: str, messages: Any, split_special_tokens: bool = True,
                      add_generation_prompt: bool = True,
@@ -419,66 +405,21 @@ class LLM:
         """Token ids of ``text``, the rendering of ``messages``. The template's own control
         tokens stay control tokens; special-token strings inside message contents are plain
         text unless ``split_special_tokens`` is False. (The template already wrote any BOS.)"""
-        pattern, specials = self._special_tokens()
         msgs = self._messages(messages)
-        if (not split_special_tokens or pattern is None
-                or not any(pattern.search(m["content"]) for m in msgs)):
+        ct = self._control_tokens()
+        if not split_special_tokens or not any(ct.find(m["content"]) for m in msgs):
             return self.tokenizer.encode(text, add_special_tokens=False).ids
-        spans = self._content_spans(text, msgs, add_generation_prompt, chat_template_kwargs)
-        real = [m for m in pattern.finditer(text)
-                if not any(a < m.end() and m.start() < b for a, b in spans)]
-        return self._encode_segments(text, [(m.start(), m.end()) for m in real], specials)
 
-    def _content_spans(self, text: str, msgs: list[dict[str, Any]], add_generation_prompt: bool,
-                       chat_template_kwargs: dict[str, Any] | None) -> list[tuple[int, int]]:
-        """Where each message's content lies in ``text``: render again with a marker in place
-        of each content; when putting the contents back into that rendering gives ``text``,
-        the markers' places are exact. (A template that edits contents, say strips them,
-        falls back to finding each content, in order.)"""
-        import regex
+        def render_marked(markers: list[str]) -> str | None:
+            marked = [dict(m, content=k) for m, k in zip(msgs, markers)]
+            try:
+                return self.apply_chat_template(marked, add_generation_prompt,
+                                                chat_template_kwargs)
+            except PromptError:
+                return None
 
-        marked = [dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(msgs)]
-        try:
-            rendering = self.apply_chat_template(marked, add_generation_prompt,
-                                                 chat_template_kwargs)
-        except PromptError:
-            rendering = ""
-        spans, parts = [], []
-        for piece in regex.split(r"(\ue000\d+\ue001)", rendering):
-            m = regex.fullmatch(r"\ue000(\d+)\ue001", piece)
-            if m and int(m.group(1)) < len(msgs):
-                start = sum(map(len, parts))
-                parts.append(msgs[int(m.group(1))]["content"])
-                spans.append((start, start + len(parts[-1])))
-            else:
-                parts.append(piece)
-        if "".join(parts) == text:
-            return spans
-        spans, cur = [], 0
-        for c in (m["content"] for m in msgs):
-            for cand in (c, c.strip()):
-                i = text.find(cand, cur) if cand else -1
-                if i >= 0:
-                    spans.append((i, i + len(cand)))
-                    cur = i + len(cand)
-                    break
-        return spans
-
-    def _encode_segments(self, text: str, controls: list[tuple[int, int]],
-                         specials: dict[str, int]) -> list[int]:
-        """Encode ``text`` with exactly the given spans as control tokens: the text between
-        them goes through the tokenizer with special-token parsing off. This is what the
-        tokenizer does itself (it splits at control tokens before pre-tokenizing)."""
-        split = self._splitting_tokenizer()
-        ids: list[int] = []
-        cur = 0
-        for a, b in controls + [(len(text), len(text))]:
-            if a > cur:
-                ids += split.encode(text[cur:a], add_special_tokens=False).ids
-            if b > a:
-                ids.append(specials[text[a:b]])
-            cur = b
-        return ids
+        spans = content_spans(text, [m["content"] for m in msgs], render_marked)
+        return ct.encode_outside(text, spans)
 
     # ---- generation -----------------------------------------------------------------------
     def _completion(self, prompt: str | None, ids: list[int], gen: Generation,

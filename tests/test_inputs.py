@@ -14,6 +14,7 @@ import pytest
 
 from monokernel import (LLM, CacheError, CheckpointError, ParameterError, PromptError,
                         SamplingParams)
+from monokernel.control_tokens import ControlTokens
 
 NAN, INF = float("nan"), float("inf")
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -202,17 +203,14 @@ def test_special_tokens_in_user_text_are_plain_text(bundled_llm):
 def test_the_split_encoder_equals_the_tokenizer_on_ordinary_chats(bundled_llm):
     """The special-aware encoder (used when a content holds a special-token string) must give
     the tokenizer's own ids for every ordinary conversation, so HF parity holds."""
-    import regex
-
     msgs = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Hi there,  friend!\n\n"},
             {"role": "assistant", "content": " Hello! 123"}, {"role": "user", "content": "ok"}]
     text = bundled_llm.apply_chat_template(msgs)
-    pattern, specials = bundled_llm._special_tokens()
-    spans = [(m.start(), m.end()) for m in regex.finditer(pattern, text)]
-    assert len(spans) == 9
-    assert bundled_llm._encode_segments(text, spans, specials) == \
-        bundled_llm.tokenizer.encode(text, add_special_tokens=False).ids
+    ct = ControlTokens(bundled_llm.tokenizer)
+    assert len(ct.find(text)) == 9
+    want = bundled_llm.tokenizer.encode(text, add_special_tokens=False).ids
+    assert ct.encode(text, ct.find(text)) == want == ct.encode_outside(text, [])
 
 
 # ==== the cache, convert, the CLI ===============================================================
