@@ -164,6 +164,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ParameterError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.min_tokens > self.max_new_tokens:
+            raise ParameterError(f"min_tokens ({self.min_tokens}) must be <= max_new_tokens "
+                                 f"({self.max_new_tokens})")
         if any(s == "" for s in self.stop):
             raise ParameterError("stop strings must not be empty (got '')")
 

@@ -172,6 +172,7 @@ def test_aliases():
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ({"n": 0}, "n"),
     ({"logprobs": -1}, "logprobs"),
     ({"logprobs": 21}, "logprobs"),
