@@ -6,16 +6,18 @@
 """
 
 from .model.config import ModelConfig
-from .errors import (BackendUnavailableError, CheckpointError, ConfigError, GGUFError,
-                     KernelError, MonokernelError, NumericalError, ProgramError, PromptError,
-                     TensorMismatchError, TokenizerError, UnsupportedArchitectureError)
-from .llm import LLM, Completion, Stream
+from .errors import (BackendUnavailableError, CacheError, CheckpointError, ConfigError,
+                     GGUFError, KernelError, MonokernelError, NumericalError, ParameterError,
+                     ProgramError, PromptError, TensorMismatchError, TokenizerError,
+                     UnsupportedArchitectureError)
+from .llm import LLM, Completion, CompletionOutput, Delta, Stream, TokenLogprob
 from .sampling import SamplingParams
 
 __all__ = [
-    "LLM", "Completion", "Stream", "SamplingParams", "ModelConfig",
+    "LLM", "Completion", "CompletionOutput", "Delta", "Stream", "TokenLogprob",
+    "SamplingParams", "ModelConfig",
     "MonokernelError", "ConfigError", "UnsupportedArchitectureError", "CheckpointError",
     "TensorMismatchError", "GGUFError", "TokenizerError", "PromptError", "NumericalError",
-    "ProgramError", "KernelError", "BackendUnavailableError",
+    "ProgramError", "KernelError", "BackendUnavailableError", "ParameterError", "CacheError",
 ]
 __version__ = "0.1.0"

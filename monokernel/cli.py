@@ -7,6 +7,7 @@ import sys
 import time
 
 from .errors import MonokernelError
+from .serve.cli import add_serve_command
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -26,14 +27,19 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None, help="seed (< 0: random)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+SAMPLING_ARGS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty",
+                 "min_p", "presence_penalty", "frequency_penalty", "seed")
+
+
 def _params(llm, args):
-    overrides = {k: getattr(args, k) for k in
-                 ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty",
-                  "seed") if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in SAMPLING_ARGS if getattr(args, k) is not None}
     if args.stop:
         overrides["stop"] = tuple(args.stop)
     return llm.default_params.replace(**overrides)
@@ -73,27 +79,63 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     llm = _llm(args)
-    params = _params(llm, args)
+    return chat_loop(llm, _params(llm, args), args.system)
+
+
+def chat_loop(llm, params, system: str | None = None, *, read=input, out=None,
+              err=None) -> int:
+    """The interactive chat: one reply per line read. Ctrl-C stops a reply (the part shown is
+    kept as the assistant's turn) and returns to the prompt; Ctrl-C or Ctrl-D at the prompt,
+    or 'exit', leaves. When the conversation outgrows the context, the oldest turns are
+    dropped, with a notice. Turns after the first prefill only their new tokens (the Engine
+    keeps the K/V cache of the shared prefix)."""
+    from .errors import PromptError
+    from .llm import fit_conversation
+
+    out = out or sys.stdout
+    err = err or sys.stderr
     messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    print("monokernel chat - Ctrl-D or 'exit' to leave", file=sys.stderr)
+    if system:
+        messages.append({"role": "system", "content": system})
+    # room kept for the reply: max_new_tokens, but never more than half the context
+    reserve = min(params.max_new_tokens, llm.max_seq_len // 2)
+    print("monokernel chat - Ctrl-C stops a reply; Ctrl-D or 'exit' leaves", file=err)
     while True:
         try:
-            line = input("> ")
-        except EOFError:
-            print(file=sys.stderr)
+            line = read("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=err)
             return 0
         if line.strip() in ("exit", "quit"):
             return 0
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        s = llm.chat(messages, params, stream=True)
-        for piece in s:
-            print(piece, end="", flush=True)
-        print()
-        messages.append({"role": "assistant", "content": s.completion.text})
+        try:
+            kept, dropped = fit_conversation(llm, messages, reserve)
+        except PromptError as e:
+            print(f"monokernel: {e}; message not sent", file=err)
+            messages.pop()
+            continue
+        if dropped:
+            print(f"[context full: dropped the {dropped} oldest message"
+                  f"{'s' if dropped > 1 else ''}]", file=err)
+            messages = kept
+        s = None
+        try:
+            s = llm.chat(messages, params, stream=True)
+            for piece in s:
+                print(piece, end="", flush=True, file=out)
+        except KeyboardInterrupt:
+            if s is not None:
+                s.close()
+            print(" [stopped]", end="", file=err, flush=True)
+        print(file=out, flush=True)
+        text = s.completion.text if s is not None and s.completion is not None else ""
+        if text:
+            messages.append({"role": "assistant", "content": text})
+        else:
+            messages.pop()  # nothing was said: forget the question too
 
 
 def cmd_convert(args) -> int:
@@ -144,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_synth)
 
     _add_kernel_commands(sub)
+    add_serve_command(sub)  # serve/cli.py imports FastAPI only when the server starts
     return ap
 
 
@@ -158,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (MonokernelError, ValueError) as e:
+    except (MonokernelError, ValueError, OSError) as e:
+        # a user error (bad input, a file that exists or cannot be written): one line, no
+        # traceback
         print(f"monokernel: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

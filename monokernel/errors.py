@@ -58,3 +58,12 @@ class BackendUnavailableError(MonokernelError):
 
 class CostModelError(MonokernelError):
     """The cost model was asked about an unknown GPU or design, or a program it cannot run."""
+
+
+class ParameterError(MonokernelError, ValueError):
+    """A sampling or engine parameter has a bad type or value (NaN, Inf, out of range); the
+    message names the parameter and the value. Also a ValueError, as Python code expects."""
+
+
+class CacheError(MonokernelError):
+    """The monokernel cache ($MONOKERNEL_CACHE) cannot be created or written."""

@@ -4,6 +4,12 @@ An executor runs the model for one sequence: ``reset()``, ``prefill(ids, start)`
 the last prompt token) and ``step(token, pos, sample)`` (one decode step). The NumPy executor
 runs reference.py; the kernel executors (emulator, cuda, and their multi-kernel baselines) share
 one program and one set of buffers and differ only in how they allocate, copy and launch.
+
+Two things the Engine relies on: ``reset()`` keeps the K/V cache (every position is written
+before it is read), so a new sequence that shares a prefix with the previous one prefills only
+its new tokens; and ``step(token, pos, None)`` returns the logits on every backend, so logprobs
+need no device support: the host then samples from the kernel's own Gumbel stream
+(sampling.py), which picks the token the kernel's SAMPLE op would have picked.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ import numpy as np
 from .errors import BackendUnavailableError, MonokernelError, PromptError
 from .kernel.base import DeviceSample, Executor, StepResult
 from .model.loader import LoadedModel
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, log_softmax, top_logprobs
 
 
 class NumpyExecutor(Executor):
+    """reference.py as an executor. ``reset()`` keeps the K/V cache: every position is written
+    before it is read, and the Engine reuses the cache of a shared prompt prefix."""
+
     name = "numpy"
 
     def __init__(self, model: LoadedModel, max_seq_len: int, **options):
@@ -32,14 +41,21 @@ class NumpyExecutor(Executor):
         from .model.reference import ReferenceModel
 
         self.ref = ReferenceModel(model.config, model.weights, max_seq_len)
+        self.forward_calls = 0  # lets the Engine notice use of the KV cache behind its back
 
     def reset(self) -> None:
-        self.ref.reset()
+        self.forward_calls += 1
 
     def prefill(self, tokens: list[int], start_pos: int = 0) -> np.ndarray:
-        return self.ref.forward(tokens, start_pos)[-1]
+        return self.prefill_all(tokens, start_pos)[-1]
+
+    def prefill_all(self, tokens: list[int], start_pos: int = 0) -> np.ndarray:
+        """float32 logits [len(tokens), vocab] of every prompt position."""
+        self.forward_calls += 1
+        return self.ref.forward(tokens, start_pos)
 
     def step(self, token: int, pos: int, sample: DeviceSample | None = None) -> StepResult:
+        self.forward_calls += 1
         return StepResult(token=None, logits=self.ref.forward([token], pos)[0])
 
 
@@ -91,6 +107,8 @@ def _load_kernel_backends() -> None:
 class GenerationStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens run through the model (the rest came from the cache)
+    reused_tokens: int = 0  # prompt tokens whose K/V were reused from the previous sequence
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
@@ -100,14 +118,71 @@ class GenerationStats:
         return n / self.decode_s if self.decode_s > 0 else float("nan")
 
 
-class Engine:
-    """The generation loop: validate, prefill, then sample and step until a stop condition."""
+@dataclass
+class Sampled:
+    """One generated token. ``stop``: it is a stop token (EOS or a stop id), yielded last and
+    not part of the output. ``logprob``/``top``: its log-probability and the top-N
+    (token id, logprob) alternatives, when the params asked for logprobs."""
 
-    def __init__(self, executor: Executor):
+    token: int
+    stop: bool
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+class Generation:
+    """An iterator of :class:`Sampled` for one request on an Engine. ``prompt_logprobs`` is set
+    once the prompt has run (before the first token comes out): one entry per prompt token,
+    None for the first, else (logprob, top alternatives). ``close()`` cancels it: at once when
+    called between tokens, else before the next step (it may come from another thread)."""
+
+    def __init__(self, engine: "Engine", ids: list[int], params: SamplingParams,
+                 seed: int | None):
+        self.engine = engine
+        self.ids = ids
+        self.params = params
+        self.sampler_seed = seed
+        self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+        self.stats = GenerationStats(prompt_tokens=len(ids))  # this generation's
+        self.cancelled = False
+        self._it = engine._run(self)
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> Sampled:
+        return next(self._it)
+
+    def close(self) -> None:
+        self.cancelled = True
+        try:
+            self._it.close()
+        except ValueError:  # running in another thread: it sees `cancelled` before its next step
+            pass
+
+
+class Engine:
+    """The generation loop: validate, prefill, then sample and step until a stop condition.
+
+    One sequence at a time. With ``prefix_caching`` the K/V cache of the longest common prefix
+    of the previous sequence (prompt and fed tokens) and the new prompt is kept, and only the
+    new tokens are prefilled (chat turns, repeated system prompts, server requests)."""
+
+    def __init__(self, executor: Executor, *, prefix_caching: bool = True):
         self.executor = executor
         self.config = executor.config
+        self.prefix_caching = prefix_caching
         self.stats = GenerationStats()
         self._active: object | None = None  # the generation that owns the KV cache
+        self._kv_ids: list[int] = []  # tokens whose K/V sit at positions 0.. of the cache
+        self._kv_mark: object = None  # executor state when _kv_ids was last right
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -122,41 +197,100 @@ class Engine:
             raise PromptError(f"the prompt has {len(ids)} tokens; the context holds "
                               f"{self.executor.max_seq_len} (no room to generate)")
 
+    def generate(self, ids: list[int], params: SamplingParams, *,
+                 seed: int | None = None) -> Generation:
+        """Start a generation (it runs as it is iterated). ``seed`` overrides params.seed."""
+        self.check_prompt(ids)
+        return Generation(self, list(ids), params, seed)
+
     def generate_ids(self, ids: list[int], params: SamplingParams) -> Iterator[tuple[int, bool]]:
         """Yield (token, is_stop_token). A stop token is yielded last and not part of the text."""
-        self.check_prompt(ids)
+        for s in self.generate(ids, params):
+            yield s.token, s.stop
+
+    def _mark(self) -> object:
         ex = self.executor
-        sampler = Sampler(params)
+        return (id(ex), getattr(ex, "forward_calls", None), getattr(ex, "_steps", None))
+
+    def _reusable(self, ids: list[int]) -> int:
+        if not self.prefix_caching or self._kv_mark != self._mark():
+            return 0
+        return min(_common_prefix(self._kv_ids, ids), len(ids) - 1)  # the last one gives logits
+
+    def _prefill_all(self, ids: list[int]) -> np.ndarray:
+        ex = self.executor
+        if hasattr(ex, "prefill_all"):
+            return ex.prefill_all(ids, 0)
+        return np.stack([np.array(ex.step(t, i, None).logits, np.float32)
+                         for i, t in enumerate(ids)])
+
+    def _run(self, g: Generation) -> Iterator[Sampled]:
+        ids, params = g.ids, g.params
+        if g.cancelled:
+            return
+        ex = self.executor
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops |= set(self.config.eos_token_ids)
-        device = (ex.device_sampling and params.kernel_samplable)
-        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy
-                                                                 % (1 << 31))
-        dsample = DeviceSample(params.temperature, seed) if device else None
+        sampler = Sampler(params, g.sampler_seed, prompt_len=len(ids), stop_ids=stops)
+        nlp = params.logprobs
+        # logprobs need the logits on the host; the host sampler then draws the same token
+        # from the same noise as the kernel would
+        device = ex.device_sampling and params.kernel_samplable and nlp is None
+        dsample = DeviceSample(params.temperature, sampler.seed) if device else None
+
+        def sampled(logits: np.ndarray, history: list[int]) -> Sampled:
+            tok = sampler(logits, history)
+            if nlp is None:
+                return Sampled(tok, tok in stops)
+            lp = log_softmax(logits)
+            return Sampled(tok, tok in stops, float(lp[tok]), top_logprobs(lp, nlp))
+
         history = list(ids)
-        self.stats = st = GenerationStats(prompt_tokens=len(ids))
+        self.stats = st = g.stats
+        reuse = self._reusable(ids) if params.prompt_logprobs is None else 0
         self._active = me = object()
+        self._kv_ids, self._kv_mark = [], None  # invalid until the prefill has run
         ex.reset()
         t0 = time.perf_counter()
-        logits = ex.prefill(ids, 0)
-        tok = sampler(logits, history)
+        if params.prompt_logprobs is not None:
+            all_logits = self._prefill_all(ids)
+            logits = all_logits[-1]
+            lps = log_softmax(all_logits[:-1])
+            g.prompt_logprobs = [None] + [
+                (float(lps[i, ids[i + 1]]), top_logprobs(lps[i], params.prompt_logprobs))
+                for i in range(len(ids) - 1)]
+        else:
+            logits = ex.prefill(ids[reuse:], reuse)
+        kv = list(ids)
+        self._kv_ids, self._kv_mark = kv, self._mark()
+        st.prefill_tokens, st.reused_tokens = len(ids) - reuse, reuse
+        cur = sampled(logits, history)
         st.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         pos = len(ids)
         for i in range(params.max_new_tokens):
             st.generated_tokens += 1
-            history.append(tok)
+            history.append(cur.token)
             st.decode_s = time.perf_counter() - t0
-            if tok in stops:
-                yield tok, True
+            yield cur
+            if cur.stop or i + 1 == params.max_new_tokens or pos + 1 >= ex.max_seq_len:
                 return
-            yield tok, False
-            if i + 1 == params.max_new_tokens or pos + 1 >= ex.max_seq_len:
+            if g.cancelled:
                 return
             if self._active is not me:  # one sequence at a time: the KV cache is not ours now
                 raise MonokernelError("this stream was invalidated: another generation started "
                                       "on the same LLM (one sequence at a time)")
-            res = ex.step(tok, pos, dsample)
+            self._kv_mark = None
+            try:
+                res = ex.step(cur.token, pos, dsample)
+            except BaseException:  # Ctrl-C, a NaN: a step writes position pos only, so the
+                self._kv_mark = self._mark()  # positions before it still hold kv
+                raise
+            kv.append(cur.token)
+            self._kv_mark = self._mark()
             pos += 1
-            tok = res.token if res.token is not None else sampler(res.logits, history)
+            if res.token is not None:
+                cur = Sampled(res.token, res.token in stops)
+            else:
+                cur = sampled(res.logits, history)

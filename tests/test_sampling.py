@@ -6,28 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from monokernel.errors import NumericalError
-from monokernel.sampling import Sampler, SamplingParams
-
-
-class RecordingRng:
-    """Stands in for the sampler's Generator: records the final distribution, returns id 0."""
-
-    def __init__(self):
-        self.p = None
-
-    def choice(self, n, p):
-        self.p = np.asarray(p)
-        assert len(self.p) == n
-        return 0
+from monokernel.errors import NumericalError, ParameterError
+from monokernel.sampling import (Sampler, SamplingParams, gumbel_noise, log_softmax,
+                                 top_logprobs)
 
 
 def final_probs(params: SamplingParams, logits, history=()) -> np.ndarray:
-    s = Sampler(params)
-    s.rng = RecordingRng()
-    s(np.asarray(logits, np.float32), list(history))
-    assert s.rng.p is not None
-    return s.rng.p
+    return Sampler(params).distribution(np.asarray(logits, np.float32), list(history))
 
 
 def logits_for(probs) -> np.ndarray:
@@ -78,9 +63,10 @@ def test_top_k_then_top_p():
 
 
 def test_sampled_frequencies_follow_the_distribution():
+    # one draw per position: the noise is keyed by (seed, position)
     s = Sampler(SamplingParams(temperature=1.0, top_p=0.85, seed=1))
     lg = logits_for(PROBS)
-    draws = np.bincount([s(lg, []) for _ in range(3000)], minlength=len(PROBS))
+    draws = np.bincount([s(lg, [0] * k) for k in range(1, 3001)], minlength=len(PROBS))
     assert draws[[0, 2, 5]].sum() == 0
     np.testing.assert_allclose(draws[[3, 1, 4]] / 3000, PROBS[[3, 1, 4]] / 0.9, atol=0.04)
 
@@ -137,7 +123,7 @@ def test_seed_reproducible_and_seeds_differ():
 
     def draw(seed):
         s = Sampler(SamplingParams(temperature=1.0, seed=seed))
-        return [s(lg, []) for _ in range(16)]
+        return [s(lg, [0] * k) for k in range(1, 17)]
 
     assert draw(5) == draw(5)
     assert draw(5) != draw(6)
@@ -175,15 +161,74 @@ def test_aliases():
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"max_tokens": -1}, "max_new_tokens"),
     ({"temperature": -0.1}, "temperature"),
-    ({"top_k": -1}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"max_tokens": 3.0}, "max_new_tokens"),
+    ({"max_tokens": True}, "max_new_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"seed": 1.5}, "seed"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ({"n": 0}, "n"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": 1.0}, "prompt_logprobs"),
+    ({"stop": [3]}, "stop"),
+    ({"stop_token_ids": ["x"]}, "stop_token_ids"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"stop": ["ok", ""]}, "stop"),
 ])
 def test_validation(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ParameterError, match=field) as e:
         SamplingParams(**kwargs)
+    assert isinstance(e.value, ValueError)  # what Python callers expect
+    v = next(iter(kwargs.values()))
+    shown = v[-1] if isinstance(v, list) else v
+    assert repr(shown) in str(e.value) or str(shown) in str(e.value)  # the value is named
+
+
+FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+          "frequency_penalty")
+
+
+@pytest.mark.parametrize("name", FLOATS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_and_inf_refused_in_every_float(name, bad):
+    with pytest.raises(ParameterError, match=f"{name} must be a finite number, got "
+                                             f"{bad}".replace("-", "-?")):
+        SamplingParams(**{name: bad})
+
+
+def test_vllm_conventions():
+    assert SamplingParams(top_k=-1).top_k == 0 == SamplingParams(top_k=0).top_k
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=7).seed == 7
+    assert SamplingParams(temperature=1e-9).greedy  # below 1e-5 is greedy, as in vLLM
+    assert not SamplingParams(temperature=1e-4).greedy
+    assert SamplingParams(seed=np.int64(3), max_tokens=np.int32(4)).max_new_tokens == 4
+
+
+@pytest.mark.parametrize("change", [
+    {"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}, {"repetition_penalty": 1.1},
+    {"presence_penalty": 0.5}, {"frequency_penalty": -0.5}, {"min_tokens": 2}])
+def test_kernel_samplable_only_without_host_steps(change):
+    base = SamplingParams(temperature=0.7, seed=1, logprobs=3, stop="x", n=2, max_tokens=9)
+    assert base.kernel_samplable
+    assert not base.replace(**change).kernel_samplable
+
+
+def test_from_dict():
+    p = SamplingParams.from_dict({"max_tokens": 5, "temperature": 0.5, "top_k": -1})
+    assert (p.max_new_tokens, p.temperature, p.top_k) == (5, 0.5, 0)
+    with pytest.raises(ParameterError, match="temprature"):
+        SamplingParams.from_dict({"temprature": 0.5})
+    with pytest.raises(ParameterError, match="list"):
+        SamplingParams.from_dict([("temperature", 0.5)])
 
 
 def test_replace_revalidates():
@@ -204,3 +249,59 @@ def test_from_generation_config():
     p = SamplingParams.from_generation_config({"do_sample": True, "temperature": 0.6},
                                               temperature=0.0)
     assert p.greedy
+
+
+# ==== Gumbel stream, penalties, min-p, min_tokens, logprobs =====================================
+
+def test_host_draw_is_the_kernels_gumbel_max():
+    """The kernel scores logit / T + gumbel(seed, pos, token) in float32 and takes the first
+    maximum; the host sampler must pick the same token for every (seed, position)."""
+    rng = np.random.default_rng(3)
+    lg = (rng.standard_normal(989) * 2).astype(np.float32)
+    for seed, hist_len, t in [(0, 1, 1.0), (12345, 7, 0.7), (2**31 + 5, 500, 1.3)]:
+        want = int(np.argmax(lg / np.float32(t) + gumbel_noise(seed & 0x7FFFFFFF,
+                                                               hist_len - 1, 989)))
+        got = Sampler(SamplingParams(temperature=t, seed=seed))(lg, [1] * hist_len)
+        assert got == want
+    # the draw follows softmax(lg / T): Gumbel-max over many positions
+    s = Sampler(SamplingParams(temperature=1.0, seed=4))
+    small = logits_for(PROBS)
+    draws = np.bincount([s(small, [0] * k) for k in range(1, 4001)], minlength=6) / 4000
+    np.testing.assert_allclose(draws, PROBS, atol=0.03)
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    lg = np.array([1.0, 0.9, 0.8, 0.0], np.float32)
+    # prompt [0, 0]; output [1, 1, 2]: vLLM subtracts freq * count + presence * (count > 0)
+    p = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
+    x = Sampler(p, prompt_len=2).scores(lg, [0, 0, 1, 1, 2])
+    np.testing.assert_allclose(x, [1.0, 0.9 - 0.5 - 0.5, 0.8 - 0.25 - 0.5, 0.0], rtol=1e-6)
+    # negative penalties reward repetition
+    q = SamplingParams(presence_penalty=-1.5)
+    assert Sampler(q, prompt_len=0)(lg, [3]) == 3
+    assert Sampler(q, prompt_len=1)(lg, [3]) == 0  # token 3 is in the prompt only
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_top():
+    # PROBS: top 0.5; min_p 0.19 keeps p >= 0.095: {3, 1, 4} (0.05 and below go)
+    p = final_probs(SamplingParams(temperature=1.0, min_p=0.19), logits_for(PROBS))
+    assert set(np.flatnonzero(p > 0)) == {3, 1, 4}
+    np.testing.assert_allclose(p[[3, 1, 4]], PROBS[[3, 1, 4]] / 0.9, rtol=1e-5)
+
+
+def test_min_tokens_masks_stop_ids_until_reached():
+    lg = np.array([0.0, 5.0, 1.0], np.float32)  # token 1 (a stop id) is the greedy choice
+    s = Sampler(SamplingParams(min_tokens=2), prompt_len=3, stop_ids=[1])
+    assert s(lg, [9, 9, 9]) == 2  # 0 generated
+    assert s(lg, [9, 9, 9, 2]) == 2  # 1 generated
+    assert s(lg, [9, 9, 9, 2, 2]) == 1  # 2 generated: the stop may come
+
+
+def test_log_softmax_and_top_logprobs():
+    lg = np.array([1.0, 3.0, 3.0, -2.0, 0.5], np.float32)
+    lp = log_softmax(lg)
+    np.testing.assert_allclose(np.exp(lp).sum(), 1.0, rtol=1e-12)
+    np.testing.assert_allclose(lp, lg - np.log(np.exp(lg.astype(np.float64)).sum()), rtol=1e-12)
+    top = top_logprobs(lp, 3)
+    assert [i for i, _ in top] == [1, 2, 0]  # best first, ties by lower id
+    assert top_logprobs(lp, 0) == [] and len(top_logprobs(lp, 99)) == 5

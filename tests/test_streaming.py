@@ -29,8 +29,8 @@ def tokenizer(request, synth_dir):
     return Tokenizer.from_file(str(d / "tokenizer.json"))
 
 
-def stream_pieces(tok, ids, stop=()):
-    s = TextStream(tok, tuple(stop))
+def stream_pieces(tok, ids, stop=(), min_tokens=0):
+    s = TextStream(tok, tuple(stop), min_tokens=min_tokens)
     pieces = []
     for i in ids:
         pieces.append(s.push(i))
@@ -108,9 +108,30 @@ def test_several_stop_strings_earliest_wins(tokenizer):
     ids = tokenizer.encode("one, two; three", add_special_tokens=False).ids
     s, pieces = stream_pieces(tokenizer, ids, stop=["three", ";"])
     assert "".join(pieces) == "one, two" and s.stopped
+    assert s.stop_hit == ";"  # the one that ended the text (vLLM's stop_reason)
 
 
 def test_stop_at_very_start_gives_empty_text(tokenizer):
     ids = tokenizer.encode("STOP here", add_special_tokens=False).ids
     s, pieces = stream_pieces(tokenizer, ids, stop=["STOP"])
     assert "".join(pieces) == "" and s.stopped
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    """vLLM's rule: no stop check before min_tokens tokens; then the text from there on (and a
+    stop string's length before it, so one completed by the min_tokens-th token counts)."""
+    text = "a; b; c; d; e; f; g"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    s, pieces = stream_pieces(tokenizer, ids, stop=[";"])
+    assert "".join(pieces) == "a"
+    first_len = len(s.ids)
+    s, pieces = stream_pieces(tokenizer, ids, stop=[";"], min_tokens=first_len + 1)
+    assert s.stopped and s.stop_hit == ";"
+    joined = "".join(pieces)
+    assert joined == s.text and text.startswith(joined) and joined.startswith("a; ")
+    assert len(s.ids) >= first_len + 1
+    # the cut is the first ';' the check could see: none between the start of the search and
+    # the end of the text it returned
+    assert ";" not in joined[len(tokenizer.decode(s.ids[:first_len])):]
+    s, pieces = stream_pieces(tokenizer, ids, stop=[";"], min_tokens=len(ids) + 5)
+    assert not s.stopped and "".join(pieces) == text

@@ -11,14 +11,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
-from .cache import gguf_cache_dir
-from ..errors import CheckpointError, ConfigError, TensorMismatchError, TokenizerError
+from .cache import cache_dir, gguf_cache_dir
+from ..errors import (CacheError, CheckpointError, ConfigError, TensorMismatchError,
+                      TokenizerError)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -27,7 +28,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 class LoadedModel:
     path: Path
     config: ModelConfig
-    weights: dict[str, np.ndarray]  # HF names -> bf16 arrays, [out, in] orientation
+    weights: Mapping[str, np.ndarray]  # HF names -> bf16 arrays, [out, in] orientation
     tokenizer: Any  # tokenizers.Tokenizer
     tokenizer_config: dict[str, Any] = field(default_factory=dict)
     generation_config: dict[str, Any] = field(default_factory=dict)
@@ -83,18 +84,48 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Read every tensor, convert to bf16, and check names and shapes against the config."""
+class WeightStore(Mapping):
+    """HF name -> bf16 array [out, in], read from the safetensors files at each access and
+    never kept: a backend holds the one copy of the weights it computes with (the NumPy
+    reference float32, a kernel backend its device buffers), not a second bf16 one."""
+
+    def __init__(self, files: dict[str, Path]):
+        self._files = files  # name -> the file holding it
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        from safetensors import SafetensorError, safe_open
+
+        path = self._files[name]
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                return np.ascontiguousarray(f.get_tensor(name).astype(BF16, copy=False))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: cannot read tensor {name} (was the file changed "
+                                  f"after loading?): {e}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig) -> WeightStore:
+    """Check every tensor's name and shape against the config from the file headers
+    (safetensors checks there that the data section fits the file, so a truncated file fails
+    now); the data is read when a backend asks for it."""
     from safetensors import SafetensorError, safe_open
 
     model_dir = Path(model_dir)
     expected = expected_tensors(cfg)
-    weights: dict[str, np.ndarray] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    files: dict[str, Path] = {}
     unexpected: list[str] = []
     for path in _safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="numpy") as f:
-                for name in f.keys():
+                names = list(f.keys())
+                for name in names:
                     if name.endswith(_IGNORED_SUFFIXES):
                         continue
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -102,13 +133,14 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarra
                     if name not in expected:
                         unexpected.append(name)
                         continue
-                    weights[name] = np.ascontiguousarray(f.get_tensor(name).astype(BF16))
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+                    files[name] = path
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors file "
                                   f"(truncated or corrupt?): {e}") from None
-    missing = [n for n in expected if n not in weights]
-    misshaped = [f"{n} {tuple(weights[n].shape)} (expected {expected[n]})"
-                 for n in expected if n in weights and tuple(weights[n].shape) != expected[n]]
+    missing = [n for n in expected if n not in shapes]
+    misshaped = [f"{n} {shapes[n]} (expected {expected[n]})"
+                 for n in expected if n in shapes and shapes[n] != expected[n]]
     if missing or unexpected or misshaped:
         parts = []
         if missing:
@@ -119,7 +151,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarra
             parts.append(f"misshaped: {', '.join(misshaped)}")
         raise TensorMismatchError(f"{model_dir}: tensors do not match config.json; "
                                   + "; ".join(parts))
-    return weights
+    return WeightStore(files)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -151,18 +183,37 @@ def resolve_model_dir(model: str | Path | None, progress: bool = True) -> Path:
     if model is None:
         from .bundled import bundled_model_dir
 
-        return bundled_model_dir(progress=progress)
+        with _cache_writes():
+            return bundled_model_dir(progress=progress)
+    if isinstance(model, (bytes, bytearray)) or not isinstance(model, (str, Path)):
+        raise CheckpointError(f"model must be a folder or .gguf path (str or Path), got "
+                              f"{type(model).__name__}")
     path = Path(model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         from . import gguf_import
 
         out = gguf_cache_dir(path)
         if not (out / "config.json").is_file():
-            gguf_import.convert_gguf(path, out, progress=progress, overwrite=True)
+            with _cache_writes():
+                gguf_import.convert_gguf(path, out, progress=progress, overwrite=True)
         return out
     if path.is_dir():
         return path
     raise CheckpointError(f"{model}: no such model folder or .gguf file")
+
+
+class _cache_writes:
+    """OSError while converting into the cache -> CacheError naming the cache and the fix."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, tb) -> bool:
+        if isinstance(err, OSError):
+            raise CacheError(f"cannot write the monokernel cache {cache_dir()} "
+                             f"({type(err).__name__}: {err}); set MONOKERNEL_CACHE to a "
+                             f"writable folder") from None
+        return False
 
 
 def load_model(model: str | Path | None = None, progress: bool = True) -> LoadedModel:

@@ -1,0 +1,20 @@
+"""An OpenAI-compatible HTTP server over one ``LLM``: ``monokernel serve``.
+
+    pip install 'monokernel[serve]'
+    monokernel serve --backend numpy            # http://127.0.0.1:8000/v1
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    name = client.models.list().data[0].id
+    r = client.completions.create(model=name, prompt="The capital of France is", max_tokens=8)
+
+Endpoints: /v1/completions and /v1/chat/completions (``stream: true`` gives server-sent events
+in OpenAI's chunk format, ending with ``data: [DONE]``), /v1/models, /health, and vLLM's
+/tokenize and /detokenize. vLLM's extra fields are read too: top_k, min_p, repetition_penalty,
+stop_token_ids, ignore_eos, min_tokens, chat_template_kwargs, return_token_ids.
+
+protocol.py reads requests and writes responses (OpenAI's JSON, chunks and errors) and needs no
+web framework; worker.py runs every generation on one engine thread, FIFO; app.py is the FastAPI
+app; cli.py the command. FastAPI and uvicorn are the ``serve`` extra, imported only when a server
+is built, so this package imports without them.
+"""

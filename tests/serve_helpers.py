@@ -1,0 +1,85 @@
+"""A monokernel server for a test: in this process, on 127.0.0.1, on a port the OS picks, and
+stopped at the end of the ``with`` block even when the test fails, with nothing left listening.
+
+The listening socket is bound here and handed to uvicorn, so there is no window in which another
+process could take the port between choosing it and serving on it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed")
+pytest.importorskip("httpx", reason="httpx is not installed")
+
+
+@dataclass
+class Running:
+    port: int
+    app: Any
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def worker(self):
+        return self.app.state.server.worker
+
+
+def port_is_closed(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@contextmanager
+def running_server(llm, **app_options) -> Iterator[Running]:
+    import uvicorn
+
+    from monokernel.serve.app import create_app
+
+    app = create_app(llm, **app_options)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                              name=f"uvicorn-{port}")
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        yield Running(port, app)
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        sock.close()
+    assert not thread.is_alive(), "the server thread did not stop"
+    assert not app.state.server.worker._thread.is_alive(), "the engine thread did not stop"
+    assert port_is_closed(port), f"port {port} still accepts connections"
+
+
+def sse_events(lines: Iterator[str]) -> list[Any]:
+    """The ``data:`` payloads of a server-sent event stream, JSON-decoded, "[DONE]" as is."""
+    out: list[Any] = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out

@@ -1,0 +1,159 @@
+"""Logprobs and "one seed, one text" on every CPU backend, on the tiny synthetic model.
+
+- The NumPy backend's logprobs and prompt_logprobs equal a from-scratch log-softmax of a full
+  forward of the sequence (no KV cache) within float32 rounding.
+- The emulator (the CUDA kernel on a CPU) gives the same tokens and the same logprobs within
+  tolerance: it reads the logits back and samples on the host from the kernel's Gumbel stream.
+- The same seed gives the same tokens whether the kernel samples (SAMPLE op), the host samples
+  from the kernel's logits (logprobs asked for), or the NumPy backend samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from monokernel import LLM, SamplingParams
+from monokernel.kernel.base import DeviceSample
+from monokernel.model.reference import ReferenceModel
+from monokernel.runtime import cuda_device_present
+
+MAX_SEQ = 160  # as tests/test_kernel_emulator.py: the emulator build of this shape is shared
+HOT = 10.0  # the tiny model is very peaked at T=1; T=10 makes seeds matter
+PROMPT = [5, 6, 7, 300, 41]
+
+
+def reference_log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True))
+                                                 .sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def np_llm(synth_dir):
+    return LLM(synth_dir("tiny"), backend="numpy", max_seq_len=MAX_SEQ, progress=False)
+
+
+@pytest.fixture(scope="module")
+def emu_llm(synth_dir):
+    return LLM(synth_dir("tiny"), backend="emulator", blocks=2, max_seq_len=MAX_SEQ,
+               progress=False)
+
+
+def full_forward_logprobs(llm: LLM, seq: list[int]) -> np.ndarray:
+    ref = ReferenceModel(llm.config, llm.model.weights, MAX_SEQ)
+    return reference_log_softmax(ref.forward(seq, 0))
+
+
+def test_logprobs_are_the_models_log_softmax(np_llm):
+    p = SamplingParams(max_tokens=6, temperature=HOT, seed=4, logprobs=5, prompt_logprobs=3,
+                       ignore_eos=True)
+    c = np_llm.generate(PROMPT, p)
+    seq = PROMPT + c.token_ids
+    want = full_forward_logprobs(np_llm, seq)  # want[i]: distribution of token i + 1
+    assert len(c.logprobs) == 6 and len(set(c.token_ids)) > 2
+    for k, tl in enumerate(c.logprobs):
+        row = want[len(PROMPT) - 1 + k]
+        assert tl.token_id == c.token_ids[k]
+        assert tl.token == np_llm.detokenize([tl.token_id])
+        np.testing.assert_allclose(tl.logprob, row[tl.token_id], atol=1e-4)
+        assert len(tl.top) == 5
+        assert [t[0] for t in tl.top] == list(np.argsort(-row, kind="stable")[:5])
+        np.testing.assert_allclose([t[2] for t in tl.top], np.sort(row)[::-1][:5], atol=1e-4)
+        assert all(t[1] == np_llm.detokenize([t[0]]) for t in tl.top)
+    assert c.outputs[0].cumulative_logprob == pytest.approx(sum(t.logprob for t in c.logprobs))
+    # prompt logprobs: None for the first token, then the prompt token's own logprob
+    assert len(c.prompt_logprobs) == len(PROMPT) and c.prompt_logprobs[0] is None
+    for i in range(1, len(PROMPT)):
+        tl = c.prompt_logprobs[i]
+        assert tl.token_id == PROMPT[i]
+        np.testing.assert_allclose(tl.logprob, want[i - 1][PROMPT[i]], atol=1e-4)
+        assert [t[0] for t in tl.top] == list(np.argsort(-want[i - 1], kind="stable")[:3])
+    # logprobs=0: the sampled token's logprob only
+    c0 = np_llm.generate(PROMPT, p.replace(logprobs=0, prompt_logprobs=None))
+    assert c0.token_ids == c.token_ids and c0.prompt_logprobs is None
+    assert [t.top for t in c0.logprobs] == [[]] * 6
+    assert [t.logprob for t in c0.logprobs] == [t.logprob for t in c.logprobs]
+    # no logprobs asked: none given
+    assert np_llm.generate(PROMPT, p.replace(logprobs=None, prompt_logprobs=None)).logprobs \
+        is None
+
+
+def spy_device_samples(monkeypatch, llm):
+    """Count the steps in which the kernel sampled (a DeviceSample was passed)."""
+    ex = llm.engine.executor
+    real = ex.step
+    seen = []
+
+    def step(token, pos, sample=None):
+        seen.append(sample)
+        return real(token, pos, sample)
+
+    monkeypatch.setattr(ex, "step", step)
+    return seen
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=6, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=HOT, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=HOT, seed=2**31 + 9, ignore_eos=True),
+], ids=["greedy", "seed7", "seed-past-31-bits"])
+def test_one_seed_one_text_on_every_sampler(np_llm, emu_llm, monkeypatch, params):
+    assert params.kernel_samplable
+    host_np = np_llm.generate(PROMPT, params)
+    seen = spy_device_samples(monkeypatch, emu_llm)
+    device = emu_llm.generate(PROMPT, params)
+    assert seen and all(isinstance(s, DeviceSample) for s in seen)  # the kernel sampled
+    seen.clear()
+    host_emu = emu_llm.generate(PROMPT, params.replace(logprobs=3))
+    assert seen and all(s is None for s in seen)  # the host sampled from the kernel's logits
+    assert device.token_ids == host_emu.token_ids == host_np.token_ids
+    if not params.greedy:
+        assert len(set(device.token_ids)) > 2
+
+
+def test_host_only_samplers_agree_across_backends(np_llm, emu_llm):
+    p = SamplingParams(max_tokens=5, temperature=HOT, seed=3, top_k=40, top_p=0.9,
+                       presence_penalty=0.5, ignore_eos=True)
+    assert not p.kernel_samplable
+    assert emu_llm.generate(PROMPT, p).token_ids == np_llm.generate(PROMPT, p).token_ids
+
+
+def test_logprobs_equal_across_backends(np_llm, emu_llm):
+    p = SamplingParams(max_tokens=4, temperature=HOT, seed=5, logprobs=4, prompt_logprobs=2,
+                       ignore_eos=True)
+    a, b = np_llm.generate(PROMPT, p), emu_llm.generate(PROMPT, p)
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logprobs + a.prompt_logprobs[1:], b.logprobs + b.prompt_logprobs[1:]):
+        assert x.token_id == y.token_id
+        # kernel and reference agree to float32 rounding in the logits (|logit| < ~40 here)
+        np.testing.assert_allclose(x.logprob, y.logprob, atol=2e-3)
+        assert [t[0] for t in x.top] == [t[0] for t in y.top]
+        np.testing.assert_allclose([t[2] for t in x.top], [t[2] for t in y.top], atol=2e-3)
+    assert b.prompt_logprobs[0] is None
+
+
+def test_stream_deltas_carry_the_logprobs(emu_llm):
+    p = SamplingParams(max_tokens=4, logprobs=1, ignore_eos=True)
+    s = emu_llm.stream(PROMPT, p)
+    deltas = list(s.deltas())
+    got = [lp for d in deltas for lp in d.logprobs]
+    assert got == s.completion.logprobs and len(got) == 4
+    assert [g.token_id for g in got] == s.completion.token_ids
+    assert all(g.top[0][0] == g.token_id for g in got)  # greedy: the top-1 is the token
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_device_present(), reason="no CUDA device")
+def test_one_seed_one_text_on_the_gpu(np_llm, synth_dir):
+    """The GPU's logf may differ from NumPy's log in the last bit; the tokens must not."""
+    gpu = LLM(synth_dir("tiny"), backend="cuda", max_seq_len=MAX_SEQ, progress=False)
+    for seed in (1, 7, 2**31 + 9):
+        p = SamplingParams(max_tokens=8, temperature=HOT, seed=seed, ignore_eos=True)
+        want = np_llm.generate(PROMPT, p)
+        assert gpu.generate(PROMPT, p).token_ids == want.token_ids
+        got = gpu.generate(PROMPT, p.replace(logprobs=2))
+        assert got.token_ids == want.token_ids
+        ref = np_llm.generate(PROMPT, p.replace(logprobs=2))
+        np.testing.assert_allclose([t.logprob for t in got.logprobs],
+                                   [t.logprob for t in ref.logprobs], atol=2e-3)

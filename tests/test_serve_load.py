@@ -1,0 +1,118 @@
+"""A bounded load test: 48 streaming clients at once on one engine (batch 1, FIFO). Every
+request must complete with exactly the tokens it gets when it runs alone (seeded sampling, so a
+token taken from or given to the wrong request would show), and every stream must end with its
+finish_reason, its usage and [DONE]. Prints requests, concurrency, p50/p99 latency and tokens
+lost (which must be 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from serve_helpers import running_server, sse_events
+
+import httpx
+
+from monokernel import LLM
+
+N_CLIENTS = 48
+MAX_TOKENS = 24
+TOTAL_TIMEOUT_S = 120.0  # the whole concurrent phase; one stream's read timeout is 60 s
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(synth_dir):
+    return LLM(synth_dir("tiny"), backend="numpy", progress=False)
+
+
+def request(i: int) -> tuple[str, dict]:
+    """Request i: completions or chat, prompts of different lengths, seed i, every 8th greedy.
+    The tiny model's random weights make a peaked distribution: temperature 10 makes the
+    seeded samples differ from request to request."""
+    common = {"max_tokens": MAX_TOKENS, "stream": True, "return_token_ids": True,
+              "stream_options": {"include_usage": True},
+              "temperature": 0.0 if i % 8 == 0 else 10.0, "seed": i}
+    if i % 3 == 2:
+        msgs = [{"role": "user", "content": f"Client {i} asks" + " more" * (i % 5)}]
+        return "/v1/chat/completions", {**common, "messages": msgs}
+    return "/v1/completions", {**common, "prompt": f"Client {i} says" + " hello" * (i % 7)}
+
+
+async def run_one(client: httpx.AsyncClient, path: str, body: dict) -> dict:
+    t0 = time.perf_counter()
+    async with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        events = sse_events([line async for line in r.aiter_lines()])
+    latency = time.perf_counter() - t0
+    assert events[-1] == "[DONE]", events[-3:]
+    *chunks, usage = events[:-1]
+    assert usage["choices"] == [], usage
+    choices = [c["choices"][0] for c in chunks]
+    key = "text" if path == "/v1/completions" else "delta"
+    text = "".join(ch[key] if key == "text" else ch[key].get("content", "") for ch in choices)
+    ids = [t for ch in choices for t in ch.get("token_ids", [])]
+    finish = [ch["finish_reason"] for ch in choices if ch["finish_reason"]]
+    assert len(finish) == 1, finish
+    return {"text": text, "ids": ids, "finish": finish[0], "usage": usage["usage"],
+            "latency": latency}
+
+
+def tokens_lost(want: list[int], got: list[int]) -> int:
+    """Tokens of ``want`` missing from ``got``: past their common prefix, or cut short."""
+    k = 0
+    while k < min(len(want), len(got)) and want[k] == got[k]:
+        k += 1
+    return len(want) - k + max(0, len(got) - len(want))
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def test_concurrent_streams_get_exactly_their_tokens(tiny_llm):
+    reqs = [request(i) for i in range(N_CLIENTS)]
+    with running_server(tiny_llm, max_queue=N_CLIENTS) as srv:
+        async def main():
+            limits = httpx.Limits(max_connections=N_CLIENTS + 4)
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60.0, limits=limits) as c:
+                alone = [await run_one(c, p, b) for p, b in reqs]  # one at a time
+
+                peak = {"queued": 0}
+                done = asyncio.Event()
+
+                async def watch():
+                    while not done.is_set():
+                        peak["queued"] = max(peak["queued"], srv.worker.stats()["queued"])
+                        await asyncio.sleep(0.005)
+
+                w = asyncio.create_task(watch())
+                t0 = time.perf_counter()
+                try:
+                    together = await asyncio.wait_for(
+                        asyncio.gather(*(run_one(c, p, b) for p, b in reqs)), TOTAL_TIMEOUT_S)
+                finally:
+                    done.set()
+                    await w
+                return alone, together, time.perf_counter() - t0, peak["queued"]
+
+        alone, together, wall, peak_queued = asyncio.run(main())
+
+    lost = sum(tokens_lost(a["ids"], b["ids"]) for a, b in zip(alone, together))
+    lat = [r["latency"] for r in together]
+    n_tokens = sum(len(r["ids"]) for r in together)
+    print(f"\nload test: {N_CLIENTS} requests, {N_CLIENTS} concurrent streaming clients "
+          f"(peak {peak_queued} queued behind the running one), {n_tokens} tokens in "
+          f"{wall:.2f} s ({n_tokens / wall:.0f} tokens/s); latency p50 {percentile(lat, 50):.3f} s,"
+          f" p99 {percentile(lat, 99):.3f} s; tokens lost: {lost}")
+    assert lost == 0
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert b["ids"] == a["ids"] and b["text"] == a["text"], i
+        assert b["finish"] == a["finish"], i
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert b["usage"][k] == a["usage"][k], (i, k)
+        assert b["usage"]["completion_tokens"] == len(b["ids"]) + (b["finish"] == "stop"), i
+    assert len({tuple(a["ids"]) for a in alone}) > N_CLIENTS // 2  # the requests differ
+    assert peak_queued >= N_CLIENTS // 2  # they really were in flight together
