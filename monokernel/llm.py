@@ -9,7 +9,6 @@ prompts runs one after another.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -18,6 +17,7 @@ import numpy as np
 
 from .control_tokens import ControlTokens, content_spans
 from .errors import ParameterError, PromptError, TokenizerError
+from .model.chat_template import render_chat_template
 from .model.loader import LoadedModel, load_model
 from .results import Completion, CompletionOutput, Delta, TokenLogprob
 from .runtime import Engine, Generation, Sampled, make_executor
@@ -188,7 +188,6 @@ class LLM:
         """A short id of the model (the folder name, or the GGUF file's stem)."""
         self._token_texts: dict[int, str] = {}
         self._controls: ControlTokens | None = None
-        self._template = None
 
     # ---- tokens ---------------------------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True, *,
@@ -328,41 +327,6 @@ class LLM:
         raise PromptError(f"message {i}: content must be a str or a list of content parts, "
                           f"got {type(c).__name__}")
 
-    def _compiled_template(self):
-        if self._template is None:
-            from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            tc = self.model.tokenizer_config
-            template = tc.get("chat_template")
-            if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-                named = {t.get("name"): t.get("template") for t in template}
-                template = named.get("default") or next(iter(named.values()), None)
-            if not template:
-                raise TokenizerError(f"{self.model.path}: tokenizer_config.json has no "
-                                     f"chat_template")
-
-            def raise_exception(msg: str) -> None:
-                raise TemplateError(msg)
-
-            def tojson(x, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
-                return json.dumps(x, indent=indent, separators=separators, sort_keys=sort_keys,
-                                  ensure_ascii=ensure_ascii)
-
-            def strftime_now(fmt: str) -> str:
-                return time.strftime(fmt)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = strftime_now
-            env.filters["tojson"] = tojson
-            try:
-                self._template = env.from_string(template)
-            except TemplateError as e:
-                raise TokenizerError(f"{self.model.path}: the chat template does not parse "
-                                     f"({e})") from None
-        return self._template
-
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
                             chat_template_kwargs: dict[str, Any] | None = None) -> str:
@@ -379,20 +343,11 @@ class LLM:
         reserved = {"messages", "add_generation_prompt"} & set(extra)
         if reserved:
             raise ParameterError(f"chat_template_kwargs must not set {sorted(reserved)}")
-        tc = self.model.tokenizer_config
-
-        def tok_str(v: Any) -> str:
-            return v.get("content", "") if isinstance(v, dict) else (v or "")
-
-        variables = {"bos_token": tok_str(tc.get("bos_token")),
-                     "eos_token": tok_str(tc.get("eos_token")), **extra}
-        template = self._compiled_template()
         try:
-            return template.render(messages=messages,
-                                   add_generation_prompt=add_generation_prompt, **variables)
-        except Exception as e:  # the template's raise_exception, or a type error inside it
-            raise PromptError(f"the chat template refused the messages: "
-                              f"{type(e).__name__}: {e}") from None
+            return render_chat_template(self.model.tokenizer_config, messages,
+                                        add_generation_prompt=add_generation_prompt, **extra)
+        except TokenizerError as e:
+            raise TokenizerError(f"{self.model.path}: {e}") from None
 
     def _control_tokens(self) -> ControlTokens:
         if self._controls is None:
