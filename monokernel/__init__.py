@@ -20,4 +20,9 @@ __all__ = [
     "TensorMismatchError", "GGUFError", "TokenizerError", "PromptError", "NumericalError",
     "ProgramError", "KernelError", "BackendUnavailableError", "ParameterError", "CacheError",
 ]
-__version__ = "0.1.0"
+try:  # one source of truth: pyproject.toml's version, as installed
+    from importlib.metadata import PackageNotFoundError, version as _version
+
+    __version__ = _version("monokernel")
+except PackageNotFoundError:  # run from a source tree (PYTHONPATH) without installing
+    __version__ = "0.1.0+source"

@@ -1,4 +1,5 @@
-"""The ``monokernel`` command: generate, chat, convert, synth, plan, bench, trace."""
+"""The ``monokernel`` command: generate, chat, convert, synth, plan, calibrate, bench, trace,
+serve."""
 
 from __future__ import annotations
 
@@ -156,7 +157,10 @@ def cmd_synth(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     ap = argparse.ArgumentParser(prog="monokernel", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"monokernel {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("generate", help="generate a continuation of PROMPT")
