@@ -31,11 +31,14 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("n_pos", [1, 2, 127, 128, 129, 1024, 4096])
-@pytest.mark.parametrize("splits", [1, 3, 8])
-def test_one_step_over_a_filled_cache(tiny, n_pos, splits):
+@pytest.mark.parametrize("splits,min_chunk", [(1, 1), (3, 1), (8, 1), (16, 128), (None, None)],
+                         ids=["s1", "s3", "s8", "s16-min128", "default"])
+def test_one_step_over_a_filled_cache(tiny, n_pos, splits, min_chunk):
+    """min_chunk 128 with 16 splits: 129 positions use two splits, 4096 use 16 of 256; the
+    default is the scheduler's policy for a 4096-position cache."""
     cfg = tiny.config
     pos = n_pos - 1
-    rng = np.random.default_rng(n_pos * 10 + splits)
+    rng = np.random.default_rng(n_pos * 10 + (splits or 0))
     shape = (cfg.num_layers, MAX_SEQ, cfg.num_kv_heads, cfg.head_dim)
     k = bf16_round(rng.standard_normal(shape, dtype=np.float32))
     v = bf16_round(rng.standard_normal(shape, dtype=np.float32))
@@ -43,7 +46,9 @@ def test_one_step_over_a_filled_cache(tiny, n_pos, splits):
     ref.k_cache[:] = k
     ref.v_cache[:] = v
     want = ref.forward([7], pos)[0]
-    ex = KernelExecutor(tiny, MAX_SEQ, blocks=3, attn_splits=splits)
+    ex = KernelExecutor(tiny, MAX_SEQ, blocks=3, attn_splits=splits, attn_min_chunk=min_chunk)
+    if min_chunk is None:
+        assert ex.program.attn_min_chunk > 1  # the default policy reads whole rounds
     ex.reset()
     ex.poison()
     ex.buffers["k_cache"][...] = bf16_bits(k)

@@ -71,9 +71,10 @@ def gumbel_max_scores(logits: np.ndarray, temperature: float, seed: int, pos: in
     return (logits.astype(np.float32) / np.float32(temperature) + g).astype(np.float64)
 
 
-def split_ranges(n_pos: int, splits: int) -> list[tuple[int, int]]:
-    """The kernel's attention split s covers positions [s * chunk, min(n_pos, (s + 1) * chunk))."""
-    chunk = -(-n_pos // splits)
+def split_ranges(n_pos: int, splits: int, min_chunk: int = 1) -> list[tuple[int, int]]:
+    """The kernel's attention split s covers positions [s * chunk, min(n_pos, (s + 1) * chunk)),
+    chunk = max(min_chunk, ceil(n_pos / splits)) (megakernel.cu split_chunk)."""
+    chunk = max(min_chunk, -(-n_pos // splits))
     return [(s * chunk, min(n_pos, (s + 1) * chunk)) for s in range(splits)]
 
 
@@ -170,9 +171,12 @@ CASES = [
                          ids=[f"{a}-b{b}-s{s or 'default'}" for a, b, s in CASES])
 def test_logits_every_step_match_reference(model, reference, arch, blocks, splits, multi):
     fed, ref = reference(arch)
-    ex = KernelExecutor(model(arch), MAX_SEQ, blocks=blocks, attn_splits=splits, multi=multi)
+    # min chunk 1: every split boundary is crossed within the few positions run here (the
+    # default min chunk, one round of K/V loads, is covered by tests/test_attention_context.py)
+    ex = KernelExecutor(model(arch), MAX_SEQ, blocks=blocks, attn_splits=splits, multi=multi,
+                        attn_min_chunk=1)
     S = ex.program.attn_splits
-    assert S == (splits or default_attn_splits(ex.config, blocks))
+    assert S == (splits or default_attn_splits(ex.config, blocks, MAX_SEQ, design=2))
     # the positions must cross every split boundary: fewer positions than splits (empty
     # splits), exactly S, and chunks of several sizes, with some empty trailing splits
     n_pos = np.arange(1, len(fed) + 1)
@@ -466,7 +470,7 @@ def test_every_activation_element_is_written(model, reference, arch, blocks, spl
         # attention partials: (max, sum) per (KV head, split, query head); an empty split has
         # max = -inf and sum 0, a non-empty one is finite with sum >= 1 (its max term is 1)
         ml = buf["attn_ml"].reshape(c.num_kv_heads, S, c.group_size, 2)
-        for s, (t0, t1) in enumerate(split_ranges(pos + 1, S)):
+        for s, (t0, t1) in enumerate(split_ranges(pos + 1, S, ex.program.attn_min_chunk)):
             if t1 <= t0:
                 assert (ml[:, s, :, 0] == -np.inf).all() and (ml[:, s, :, 1] == 0).all()
             else:

@@ -167,7 +167,8 @@ def find(prog: Program, block: int, op: Op, layer: int) -> int:
 
 @pytest.fixture(scope="module")
 def tiny3() -> Program:
-    return schedule(TINY, 3, 64)
+    # 3 splits: every block has an attention unit (the design-2 default gives short caches one)
+    return schedule(TINY, 3, 64, attn_splits=3)
 
 
 def test_schedule_without_one_wait_is_a_raw_hazard(tiny3):
@@ -316,13 +317,13 @@ def test_schedule_is_memoised_and_shared():
     of each shape); other arguments give another."""
     a = schedule(TINY, 3, 64)
     assert schedule(TINY, 3, 64) is a
-    assert schedule(TINY, 3, 64, attn_splits=a.attn_splits) is a
+    assert schedule(TINY, 3, 64, attn_splits=a.attn_splits, attn_min_chunk=a.attn_min_chunk) is a
     assert schedule(TINY, 2, 64) is not a and schedule(TINY, 3, 65) is not a
 
 
 def test_a_verified_program_is_remembered_on_disk_and_a_broken_one_is_not(tmp_path, monkeypatch):
     monkeypatch.setenv("MONOKERNEL_CACHE", str(tmp_path))
-    prog = copy.deepcopy(schedule(TINY, 3, 64))
+    prog = copy.deepcopy(schedule(TINY, 3, 64, attn_splits=3))
     prog.verify()
     assert (tmp_path / "verified" / prog.fingerprint()).is_file()
     i = find(prog, 1, Op.ATTENTION, 1)

@@ -392,12 +392,21 @@ def RMS_QKV_ROPE(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)
 
 
+def _split_chunk(program, n_pos: int) -> int:
+    """megakernel.cu split_chunk: n_pos over the splits, at least the program's min chunk."""
+    return max(getattr(program, "attn_min_chunk", 1), -(-n_pos // program.attn_splits))
+
+
+def _splits_used(program, n_pos: int) -> int:
+    return min(program.attn_splits, -(-n_pos // _split_chunk(program, n_pos)))
+
+
 def _unit_positions(b: OpBatch) -> tuple[np.ndarray, np.ndarray]:
     """(instruction index, positions) of every attention unit: units cover
     [split * chunk, (split + 1) * chunk) of the context + 1 positions."""
     splits = b.program.attn_splits
     n_pos = b.context + 1
-    chunk = -(-n_pos // splits)
+    chunk = _split_chunk(b.program, n_pos)
     idx = np.repeat(np.arange(len(b.lo)), b.n)
     units = np.concatenate([np.arange(lo, hi) for lo, hi in zip(b.lo.tolist(), b.hi.tolist())]
                            or [np.zeros(0, np.int64)]).astype(np.int64)
@@ -442,9 +451,10 @@ def O_PROJ_RESIDUAL(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     S = b.program.attn_splits
     busy = (b.n > 0).astype(np.float64)
     l2, hbm = _trips(d, "O_PROJ_RESIDUAL", busy)
-    if d.o_proj_merge_chunk:
-        l2 = l2 + busy * -(-S // d.o_proj_merge_chunk)
-        share = 1.0
+    if d.o_proj_merge_chunk:  # design 2 merges only the splits the context uses
+        used = _splits_used(b.program, b.context + 1)
+        l2 = l2 + busy * -(-used // d.o_proj_merge_chunk)
+        share = used / S
     else:
         l2 = l2 + busy * d.o_proj_merge_trips_per_split * S
         share = d.o_proj_merge_trips_per_split

@@ -163,7 +163,7 @@ class KernelExecutor(Executor):
                  multi: bool = False, graph: bool = False, prefetch: bool = True,
                  attn_splits: int | None = None, watchdog_ms: int = 20000,
                  trace: bool = False, program: Program | None = None, name: str | None = None,
-                 design: int = DEFAULT_DESIGN):
+                 design: int = DEFAULT_DESIGN, attn_min_chunk: int | None = None):
         super().__init__(model, max_seq_len)
         self.device = device or EmulatorDevice()
         self.multi = multi
@@ -174,7 +174,8 @@ class KernelExecutor(Executor):
         self.watchdog_ms = watchdog_ms
         self.trace_enabled = trace
         c = self.config
-        self.program = program or schedule(c, blocks, max_seq_len, attn_splits, design=design)
+        self.program = program or schedule(c, blocks, max_seq_len, attn_splits, design=design,
+                                           attn_min_chunk=attn_min_chunk)
         self.blocks = self.program.num_blocks
         # the kernel is built for the program's design (v1 = 1: the A/B twin of v2)
         defines = {"MK_PREFETCH": "1" if prefetch else "0",

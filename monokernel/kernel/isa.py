@@ -38,8 +38,8 @@ class Word(IntEnum):
     SIGNAL_COUNTER = 6  # counter to increment once when done, -1 for none
     ARG0 = 7  # ATTENTION / O_PROJ_RESIDUAL: position splits; RMS_LM_HEAD: partial slot;
     #           SAMPLE: number of partials
-    ARG1 = 8
-    ARG2 = 9
+    ARG1 = 8  # ATTENTION / O_PROJ_RESIDUAL: minimum positions per split; RMS_LM_HEAD: ticket
+    ARG2 = 9  # RMS_LM_HEAD: tickets per step (0: no ticket, design 1)
 
 
 WIDTH = len(Word)
@@ -132,6 +132,15 @@ PARAMS: list[tuple[str, str, str]] = [
 
 # Threads per block of the persistent kernel (8 warps).
 NUM_THREADS = 256
+# ATTENTION (design 2): K/V loads in flight per lane; a block reads
+# attn_round_positions(head_dim) positions of a unit per HBM round.
+KV_UNROLL = 4
+
+
+def attn_round_positions(head_dim: int) -> int:
+    """Positions one block reads per round (megakernel.cu: KV_SLOTS * KV_UNROLL): a K/V row is
+    head_dim / 8 lanes of 16-byte loads, so a warp covers 256 / head_dim positions per load."""
+    return (NUM_THREADS // 32) * (32 // (head_dim // 8)) * KV_UNROLL
 
 
 def params_dtype():
@@ -149,6 +158,7 @@ def _float_literal(x: float) -> str:
 def model_constants(cfg: ModelConfig, max_seq_len: int) -> dict[str, int | str]:
     return {
         "MK_THREADS": NUM_THREADS,
+        "MK_KV_UNROLL": KV_UNROLL,
         "MK_HIDDEN": cfg.hidden_size,
         "MK_FFN": cfg.intermediate_size,
         "MK_LAYERS": cfg.num_layers,

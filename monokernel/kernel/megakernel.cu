@@ -465,7 +465,7 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
 #define KV_LANES (MK_HEAD_DIM / 8)         // lanes per K/V row
 #define KV_PPW (32 / KV_LANES)             // positions per warp per load
 #define KV_SLOTS (NWARPS * KV_PPW)         // positions per block per load
-#define KV_UNROLL 4
+#define KV_UNROLL MK_KV_UNROLL             // isa.KV_UNROLL
 static_assert(MK_HEAD_DIM % 8 == 0 && KV_LANES <= 32 && 32 % KV_LANES == 0,
               "attention reads K/V rows 8 bf16 per lane");
 static_assert(NWARPS * MK_GROUP * MK_HEAD_DIM <= VEC_MAX,
@@ -558,12 +558,23 @@ __device__ void attention_values(OpShared& s, const unsigned short* Vg, int base
   }
 }
 
+// Positions per split: n_pos spread over the splits, but at least min_chunk (the scheduler's
+// policy: a block's positions per round), so a short context uses fewer splits and the merge
+// reads only the used ones: splits_used(). Split s covers [s * chunk, (s + 1) * chunk).
+__device__ __forceinline__ int split_chunk(int n_pos, int splits, int min_chunk) {
+  return max(max(min_chunk, 1), (n_pos + splits - 1) / splits);
+}
+__device__ __forceinline__ int splits_used(int n_pos, int splits, int min_chunk) {
+  return min(splits, (n_pos + split_chunk(n_pos, splits, min_chunk) - 1) /
+                         split_chunk(n_pos, splits, min_chunk));
+}
+
 __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[W_ARG0];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_pos = st[S_POS] + 1;
-  const int chunk = (n_pos + splits - 1) / splits;
+  const int chunk = split_chunk(n_pos, splits, ins[W_ARG1]);
   const float scale = 1.0f / sqrtf((float)D);
   for (int u = b; u < e; ++u) {
     const int g = u / splits, split = u % splits;
@@ -655,19 +666,19 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
 #define MERGE_CHUNK 4
 static_assert(MK_HEAD_DIM % 8 == 0, "the merge reads 8 output elements per thread");
 
-__device__ void merge_splits(const Params& P, OpShared& s, int splits) {
+__device__ void merge_splits(const Params& P, OpShared& s, int splits, int used) {
   for (int t = threadIdx.x; t < MK_Q_DIM / 8; t += MK_THREADS) {
     const int idx = t * 8;
     const int g = idx / (MK_GROUP * D), h = (idx / D) % MK_GROUP, d = idx % D;
     float M = NEG_INF, L = 0.f, acc[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-    for (int sp0 = 0; sp0 < splits; sp0 += MERGE_CHUNK) {
+    for (int sp0 = 0; sp0 < used; sp0 += MERGE_CHUNK) {  // splits >= used are empty
       float m[MERGE_CHUNK], l[MERGE_CHUNK];
       float4 o0[MERGE_CHUNK], o1[MERGE_CHUNK];
 #pragma unroll
       for (int k = 0; k < MERGE_CHUNK; ++k) {  // every load of the chunk first
-        const bool ok = sp0 + k < splits;
+        const bool ok = sp0 + k < used;
         const size_t unit = (size_t)g * splits + sp0 + k;
         const float* ml = P.attn_ml + (unit * MK_GROUP + h) * 2;
         const float* o = P.attn_o + (unit * MK_GROUP + h) * D + d;
@@ -705,7 +716,7 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   const int splits = ins[W_ARG0];
   if (b >= e) return;
 #if MK_DESIGN >= 2
-  merge_splits(P, s, splits);
+  merge_splits(P, s, splits, splits_used(st[S_POS] + 1, splits, ins[W_ARG1]));
 #else
   for (int idx = threadIdx.x; idx < MK_Q_DIM; idx += MK_THREADS) {
     const int g = idx / (MK_GROUP * D), h = (idx / D) % MK_GROUP, d = idx % D;

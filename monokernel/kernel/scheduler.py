@@ -20,7 +20,7 @@ import numpy as np
 
 from ..model.config import ModelConfig
 from ..errors import ProgramError
-from .isa import STATE_WORDS, WIDTH, Op, Word
+from .isa import STATE_WORDS, WIDTH, Op, Word, attn_round_positions
 
 # Kernel designs (MK_DESIGN in megakernel.cu): 1 is v1 (SAMPLE as its own op in block 0, one
 # row per warp pass); 2 (default) folds SAMPLE into the LM head by an atomic ticket.
@@ -95,6 +95,7 @@ class Program:
     attn_splits: int
     lm_partials: int
     design: int = DEFAULT_DESIGN  # the kernel design it was built for (MK_DESIGN)
+    attn_min_chunk: int = 1  # fewest positions per attention split
 
     @property
     def max_len(self) -> int:
@@ -361,16 +362,32 @@ class Program:
         return [rows[o] for o in Op if o in rows]
 
 
-# Position splits per KV head at most, by default. Every O_PROJ block merges all splits itself,
-# so each split costs every block KV_HEADS * GROUP * HEAD_DIM floats of L2 reads per layer
-# (SmolLM2 at 132 blocks: 44 splits = 100 KB per block per layer); and MegaQwen measured
-# attention 33% slower when one head was split over 5 blocks. benchmarks/NOTES.md has the numbers.
+# Position splits per KV head at most, by default (design 1). Every O_PROJ block merges all
+# splits itself, so each split costs every block KV_HEADS * GROUP * HEAD_DIM floats of L2 reads
+# per layer (SmolLM2 at 132 blocks: 44 splits = 100 KB per block per layer); and MegaQwen
+# measured attention 33% slower when one head was split over 5 blocks. benchmarks/NOTES.md.
 MAX_DEFAULT_SPLITS = 8
+# Design 2: enough splits that a unit is at most one round of K and one of V at LONG_CONTEXT
+# positions (or the program's context, if shorter), but never fewer positions per split than a
+# round (min_chunk): a short context then uses few splits and the merge reads only those. The
+# cost model picked it (benchmarks/NOTES.md): SmolLM2 16, Qwen3 16, Llama 16 at 132 blocks.
+LONG_CONTEXT = 2048
+MAX_DEFAULT_SPLITS_V2 = 16
 
 
-def default_attn_splits(cfg: ModelConfig, num_blocks: int) -> int:
-    """Enough (KV head, split) units to give most blocks one, capped at MAX_DEFAULT_SPLITS."""
-    return max(1, min(num_blocks // cfg.num_kv_heads, MAX_DEFAULT_SPLITS))
+def default_attn_splits(cfg: ModelConfig, num_blocks: int, max_seq_len: int | None = None,
+                        design: int = 1) -> int:
+    """Enough (KV head, split) units to give most blocks one, capped (see above)."""
+    units = max(1, num_blocks // cfg.num_kv_heads)
+    if design < 2:
+        return min(units, MAX_DEFAULT_SPLITS)
+    context = min(max_seq_len or LONG_CONTEXT, LONG_CONTEXT)
+    need = -(-context // attn_round_positions(cfg.head_dim))
+    return max(1, min(units, need, MAX_DEFAULT_SPLITS_V2))
+
+
+def default_min_chunk(cfg: ModelConfig, design: int) -> int:
+    return attn_round_positions(cfg.head_dim) if design >= 2 else 1
 
 
 # Verified programs by (config, blocks, max_seq_len, splits). verify() of a 132-block program
@@ -380,8 +397,13 @@ _VERIFIED_MAX = 16
 
 
 def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
-             attn_splits: int | None = None, design: int = DEFAULT_DESIGN) -> Program:
+             attn_splits: int | None = None, design: int = DEFAULT_DESIGN,
+             attn_min_chunk: int | None = None) -> Program:
     """Build and verify the decode-step program for ``num_blocks`` persistent blocks.
+
+    ``attn_splits``: position splits per KV head (default: the design's policy);
+    ``attn_min_chunk``: fewest positions per split (default: one round of K/V loads with the
+    default splits, 1 - exact splits - when ``attn_splits`` is given).
 
     Memoised: the same arguments return the same (shared) Program. Never edit a returned
     Program in place; ``copy.deepcopy`` it first (the tests that break programs do)."""
@@ -389,11 +411,13 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
         raise ProgramError(f"num_blocks must be >= 1, got {num_blocks}")
     if design not in DESIGNS:
         raise ProgramError(f"unknown kernel design {design!r} (known: {DESIGNS})")
-    key = (cfg, num_blocks, max_seq_len, attn_splits or default_attn_splits(cfg, num_blocks),
-           design)
+    if attn_min_chunk is None:
+        attn_min_chunk = 1 if attn_splits else default_min_chunk(cfg, design)
+    splits = attn_splits or default_attn_splits(cfg, num_blocks, max_seq_len, design)
+    key = (cfg, num_blocks, max_seq_len, splits, design, attn_min_chunk)
     prog = _VERIFIED.get(key)
     if prog is None:
-        prog = _build(cfg, num_blocks, max_seq_len, key[3], design)
+        prog = _build(cfg, num_blocks, max_seq_len, splits, design, attn_min_chunk)
         prog.verify()
         if len(_VERIFIED) >= _VERIFIED_MAX:
             _VERIFIED.pop(next(iter(_VERIFIED)))
@@ -402,7 +426,7 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
 
 
 def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int,
-           design: int) -> Program:
+           design: int, min_chunk: int) -> Program:
     c = cfg
     B = num_blocks
     H, F, D, half = c.hidden_size, c.intermediate_size, c.head_dim, c.head_dim // 2
@@ -480,7 +504,7 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
                           ("v_cache", layer * c.kv_dim + g * D, layer * c.kv_dim + (g + 1) * D)]
                 writes += [("attn_o", u * gd, (u + 1) * gd),
                            ("attn_ml", u * c.group_size * 2, (u + 1) * c.group_size * 2)]
-            return Instruction(Op.ATTENTION, layer, (lo, hi), args=(S,), reads=reads,
+            return Instruction(Op.ATTENTION, layer, (lo, hi), args=(S, min_chunk), reads=reads,
                                writes=writes)
         emit(attn, prev, cnt)
         prev = cnt
@@ -492,9 +516,9 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
         def oproj(b, layer=layer, rows=rows):
             lo, hi = rows[b]
             if hi <= lo:
-                return Instruction(Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=(S,))
+                return Instruction(Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=(S, min_chunk))
             return Instruction(
-                Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=(S,),
+                Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=(S, min_chunk),
                 reads=[("attn_o", 0, c.num_kv_heads * S * gd),
                        ("attn_ml", 0, c.num_kv_heads * S * c.group_size * 2),
                        ("residual", lo, hi)],
@@ -565,5 +589,6 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
         if ("state", 0, STATE_WORDS) not in first.reads:
             first.reads = first.reads + [("state", 0, STATE_WORDS)]
     prog = Program(config=cfg, num_blocks=B, max_seq_len=max_seq_len, queues=queues,
-                   counter_names=counters, attn_splits=S, lm_partials=B, design=design)
+                   counter_names=counters, attn_splits=S, lm_partials=B, design=design,
+                   attn_min_chunk=min_chunk)
     return prog

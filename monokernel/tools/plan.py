@@ -37,7 +37,10 @@ def cmd_plan(args) -> int:
         from ..kernel import costmodel as cm
 
         design = cm.program_design(cm.design(args.design))
-    prog = schedule(cfg, args.blocks, args.context + 1, design=design)
+    # the program an LLM runs: built for a 2048-position cache (the default max_seq_len), or
+    # the context if longer; the split policy depends on it (scheduler.default_attn_splits)
+    max_seq = max(args.context + 1, min(2048, cfg.max_position_embeddings))
+    prog = schedule(cfg, args.blocks, max_seq, design=design)
     t_sched = time.perf_counter() - t0
     print(plan_report(label, prog, args.context))
     print(f"scheduled and verified in {t_sched:.1f} s")
