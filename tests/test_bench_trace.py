@@ -209,4 +209,4 @@ def test_plan_bundled_model(bundled_dir, capsys):
     assert main(["plan", "--blocks", "6", "--context", "64"]) == 0
     out = capsys.readouterr().out
     assert "30 layers, hidden 576" in out
-    assert "152 dependency hops" in out
+    assert "151 dependency hops" in out
