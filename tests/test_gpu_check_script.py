@@ -29,7 +29,8 @@ GPU_STEPS = ("smoke", "gpu_tests", "bench_smollm2-135m", "bench_qwen3-0.6b",
 
 
 def run_check(mode: str, out: Path, timeout: int) -> tuple[subprocess.CompletedProcess, str]:
-    env = dict(os.environ, PYTHON=sys.executable)
+    # the steps' limits are the 16-core GPU machine's; this machine has 2 cores
+    env = dict(os.environ, PYTHON=sys.executable, MONOKERNEL_CHECK_LIMIT_SCALE="3")
     env.pop("MONOKERNEL_REQUIRE_GPU", None)
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), mode, str(out)],
                           env=env, capture_output=True, text=True, timeout=timeout)

@@ -91,13 +91,21 @@ async def read_body(request) -> dict[str, Any]:
 
 
 async def next_event(job: Job, request) -> tuple[str, Any]:
-    """The job's next event, or ClientGone if the client disconnects first."""
+    """The job's next event, or ClientGone if the client disconnects first. The client is
+    checked at least every POLL_S even while events keep coming (a generation that streams
+    tokens faster than that must still notice a client that gave up)."""
+    now = time.monotonic()
+    if now - getattr(job, "last_client_check", 0.0) >= POLL_S:
+        job.last_client_check = now
+        if await request.is_disconnected():
+            raise ClientGone()
     get = asyncio.ensure_future(job.events.get())
     try:
         while True:
             done, _ = await asyncio.wait({get}, timeout=POLL_S)
             if done:
                 return get.result()
+            job.last_client_check = time.monotonic()
             if await request.is_disconnected():
                 raise ClientGone()
     finally:

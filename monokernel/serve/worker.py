@@ -24,6 +24,7 @@ class Job:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.last_client_check = 0.0  # time.monotonic() of the last disconnect check (app.py)
 
     def emit(self, kind: str, value: Any = None) -> None:
         try:
