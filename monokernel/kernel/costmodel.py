@@ -226,8 +226,10 @@ LADDER: dict[str, KernelDesign] = {"v1": V1, "r1": _R1, "r2": _R2, "issue8": _IS
 #   loads in flight per lane: 64 positions per block per round at head_dim 128, 128 at 64
 #   (counted here as 64 for both: 8 per warp);
 # - the O_PROJ split merge (still in every block) loads 4 splits at a time: 2 rounds at 8;
-# - unchanged from v1: whole-head QKV tiles for q/k-norm, the hop (MEMBAR.SC + atomic; two
-#   acquire loads per poll), one step per launch.
+# - q/k-norm (Qwen3): row-pair QKV tiles; attention norms and ropes q and the new k, O_PROJ
+#   caches k ("late q/k"), so QKV is balanced (max/mean 1.0x instead of 4.1x);
+# - unchanged from v1: the hop (MEMBAR.SC + atomic; two acquire loads per poll), one step per
+#   launch.
 V2 = V1.replace(
     name="v2",
     loads_in_flight_per_lane=8, rows_per_warp=2,
@@ -235,7 +237,7 @@ V2 = V1.replace(
            "O_PROJ_RESIDUAL": (0, 0), "RMS_GATE_UP": (1, 0), "DOWN_RESIDUAL": (1, 0),
            "RMS_LM_HEAD": (1, 0), "SAMPLE": (0, 0)},
     attn_positions_per_warp=8, attn_v_in_flight=64, attn_load_bytes=16,
-    o_proj_merge_chunk=4, sample_op=False)
+    o_proj_merge_chunk=4, qk_norm_whole_heads=False, sample_op=False)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2)
 

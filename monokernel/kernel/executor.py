@@ -25,7 +25,7 @@ from .scheduler import DEFAULT_DESIGN, Program, schedule
 SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
 # Buffers the kernel writes during a step; poisoned with NaN by tests.
-ACTIVATIONS = ("residual", "q", "attn_o", "attn_ml", "ffn_h", "logits", "lm_part")
+ACTIVATIONS = ("residual", "q", "k_raw", "attn_o", "attn_ml", "ffn_h", "logits", "lm_part")
 
 
 def kernel_source(cfg: ModelConfig, max_seq_len: int) -> str:
@@ -225,7 +225,8 @@ class KernelExecutor(Executor):
     def poison(self) -> None:
         """Fill every activation buffer with NaN (tests: unwritten elements must show)."""
         for name in ACTIVATIONS:
-            self.device.fill(self.buffers[name], np.nan)
+            if name in self.buffers:  # k_raw exists only where the kernel uses it
+                self.device.fill(self.buffers[name], np.nan)
 
     # ---- steps ----------------------------------------------------------------------------
     def reset(self) -> None:

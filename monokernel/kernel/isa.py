@@ -39,7 +39,9 @@ class Word(IntEnum):
     ARG0 = 7  # ATTENTION / O_PROJ_RESIDUAL: position splits; RMS_LM_HEAD: partial slot;
     #           SAMPLE: number of partials
     ARG1 = 8  # ATTENTION / O_PROJ_RESIDUAL: minimum positions per split; RMS_LM_HEAD: ticket
-    ARG2 = 9  # RMS_LM_HEAD: tickets per step (0: no ticket, design 1)
+    ARG2 = 9  # RMS_LM_HEAD: tickets per step (0: no ticket, design 1);
+    #           O_PROJ_RESIDUAL (QK_NORM, design 2): first KV head whose K this block caches
+    ARG3 = 10  # O_PROJ_RESIDUAL (QK_NORM, design 2): one past the last such KV head
 
 
 WIDTH = len(Word)
@@ -102,7 +104,8 @@ PARAMS: list[tuple[str, str, str]] = [
     ("error", "int*", "[ERROR_WORDS]"),
     ("trace", "unsigned long long*", "[blocks, max_len, TRACE_WORDS] (MK_TRACE builds)"),
     ("residual", "float*", "[H] the residual stream"),
-    ("q", "float*", "[Q_DIM] roped (and normed) queries"),
+    ("q", "float*", "[Q_DIM] roped (and normed) queries; raw with QK_NORM in design 2"),
+    ("k_raw", "float*", "[KV_DIM] the step's keys before q/k-norm and RoPE (QK_NORM, design 2)"),
     ("attn_o", "float*", "[KV_HEADS, max_splits, GROUP, HEAD_DIM] unnormalised partial outputs"),
     ("attn_ml", "float*", "[KV_HEADS, max_splits, GROUP, 2] partial (max, sum of exp)"),
     ("ffn_h", "float*", "[FFN] silu(gate) * up"),

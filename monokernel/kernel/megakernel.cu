@@ -47,7 +47,8 @@ static_assert(MK_HEADS % MK_KV_HEADS == 0, "GQA groups must be whole");
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // Longest vector a block keeps in shared memory: normed residual, attention output, or h; and
 // ATTENTION's per-warp V partials (design 2), which use the same space.
-#define VEC_MAX cmax(cmax(MK_HIDDEN, cmax(MK_FFN, MK_Q_DIM)), (MK_THREADS / 32) * MK_GROUP * MK_HEAD_DIM)
+#define VEC_MAX cmax(cmax(MK_HIDDEN, cmax(MK_FFN, MK_Q_DIM)), \
+                     (MK_THREADS / 32) * cmax(MK_GROUP, 2) * MK_HEAD_DIM)
 static_assert(VEC_MAX * 4 + (2 * MK_GROUP * MK_HEAD_DIM + MK_GROUP * T_TILE) * 4 < 46 * 1024,
               "static shared memory budget (48 KB) exceeded for this model");
 
@@ -375,6 +376,37 @@ __device__ void op_embed(const Params& P, const int* ins, const int* st) {
   for (int i = b + threadIdx.x; i < e; i += MK_THREADS) P.residual[i] = bf16_to_f32(__ldg(row + i));
 }
 
+// Late q/k (design 2 with QK_NORM): RMS_QKV_ROPE tiles are row pairs as for every model and
+// leave q and the new k raw; each attention unit norms and ropes its group's queries and key
+// (a few hundred values, redundant across splits), and O_PROJ caches the key afterwards.
+#define LATE_QK (MK_QK_NORM && MK_DESIGN >= 2)
+
+// One warp: out = rope(rmsnorm(x) * w) of one head vector at position pos; tmp is D floats of
+// scratch the warp owns (x and out may be global or shared).
+__device__ __forceinline__ void warp_qk_norm_rope(const Params& P, const float* x,
+                                                  const unsigned short* w, int pos, float* tmp,
+                                                  float* out) {
+  const int lane = threadIdx.x & 31;
+  float ss = 0.f;
+  for (int d = lane; d < D; d += 32) {
+    const float v = x[d];
+    tmp[d] = v;
+    ss += v * v;
+  }
+  ss = warp_sum(ss);
+  const float r = 1.0f / sqrtf(ss / (float)D + MK_RMS_EPS);
+  for (int d = lane; d < D; d += 32) tmp[d] = tmp[d] * r * bf16_to_f32(__ldg(w + d));
+  __syncwarp();
+  for (int j = lane; j < HALF; j += 32) {
+    const float cs = __ldg(P.rope_cos + (size_t)pos * HALF + j);
+    const float sn = __ldg(P.rope_sin + (size_t)pos * HALF + j);
+    const float a = tmp[j], c = tmp[j + HALF];
+    out[j] = a * cs - c * sn;
+    out[j + HALF] = c * cs + a * sn;
+  }
+  __syncwarp();
+}
+
 // ================================================================================================
 // Op: RMS_QKV_ROPE - tiles are row pairs (j, j + HEAD_DIM/2) of one head of Wqkv, so RoPE's
 // partner row is always in the same tile; with QK_NORM the scheduler aligns tiles to heads.
@@ -395,13 +427,15 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
     const int j1 = min(HALF, j0 + (e - p));
     const int n = j1 - j0;
     const bool is_q = head < MK_HEADS, is_k = !is_q && head < MK_HEADS + MK_KV_HEADS;
+    // late q/k (QK_NORM, design 2): q and k leave raw; ATTENTION norms and ropes them
+    const bool rotate = (is_q || is_k) && !LATE_QK;
     // thread t: RoPE entry j0 + t, q/k-norm weight of element t (issued with the rows below)
     float cs = 1.f, sn = 0.f;
-    if ((is_q || is_k) && t < n) {
+    if (rotate && t < n) {
       cs = __ldg(P.rope_cos + (size_t)pos * HALF + j0 + t);
       sn = __ldg(P.rope_sin + (size_t)pos * HALF + j0 + t);
     }
-#if MK_QK_NORM
+#if MK_QK_NORM && !LATE_QK
     const float nw = (is_q || is_k) && t < D
         ? bf16_to_f32(__ldg((is_q ? P.q_norm : P.k_norm) + (size_t)layer * D + t)) : 0.f;
 #endif
@@ -419,7 +453,7 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
         },
         [&](int k, float v, float bias) { s.row[row_j(k)] = v + bias; });
     __syncthreads();
-#if MK_QK_NORM
+#if MK_QK_NORM && !LATE_QK
     if (is_q || is_k) {  // the tile holds the whole head (j0 == 0, j1 == HALF)
       const float x = t < D ? s.row[t] : 0.f;
       const float ss = block_sum(x * x);
@@ -431,7 +465,7 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
     if (t < n) {
       const int j = j0 + t;
       float a = s.row[j], c = s.row[j + HALF];
-      if (is_q || is_k) {  // rotate-half RoPE
+      if (rotate) {  // rotate-half RoPE
         const float ra = a * cs - c * sn, rc = c * cs + a * sn;
         a = ra;
         c = rc;
@@ -439,6 +473,9 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
       if (is_q) {
         P.q[head * D + j] = a;
         P.q[head * D + j + HALF] = c;
+      } else if (LATE_QK && is_k) {
+        P.k_raw[(head - MK_HEADS) * D + j] = a;
+        P.k_raw[(head - MK_HEADS) * D + j + HALF] = c;
       } else {
         const int kvh = is_k ? head - MK_HEADS : head - MK_HEADS - MK_KV_HEADS;
         unsigned short* cache = is_k ? P.k_cache : P.v_cache;
@@ -579,10 +616,22 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
   for (int u = b; u < e; ++u) {
     const int g = u / splits, split = u % splits;
     const int t0 = split * chunk, t1 = min(n_pos, t0 + chunk);
+#if LATE_QK
+    // warp h < GROUP: query head h of the group; warp GROUP: the new key (into s.row)
+    static_assert(MK_GROUP + 1 <= NWARPS, "late q/k gives each head vector a warp");
+    if (warp < MK_GROUP)
+      warp_qk_norm_rope(P, P.q + (g * MK_GROUP + warp) * D, P.q_norm + (size_t)layer * D,
+                        st[S_POS], s.vec + warp * D, s.q + warp * D);
+    else if (warp == MK_GROUP)
+      warp_qk_norm_rope(P, P.k_raw + g * D, P.k_norm + (size_t)layer * D, st[S_POS],
+                        s.vec + warp * D, s.row);
+    for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) s.o[i] = 0.f;
+#else
     for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) {
       s.q[i] = P.q[g * MK_GROUP * D + i];
       s.o[i] = 0.f;
     }
+#endif
     if (threadIdx.x < MK_GROUP) {
       s.m[threadIdx.x] = NEG_INF;
       s.l[threadIdx.x] = 0.f;
@@ -595,6 +644,18 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
       const int cnt = min(T_TILE, t1 - base);
 #if MK_DESIGN >= 2
       attention_scores(s, Kg, base, cnt, scale);
+#if LATE_QK
+      // the cache does not hold this step's key yet (O_PROJ writes it): score pos from s.row
+      if (base <= n_pos - 1 && n_pos - 1 < base + cnt) {
+        __syncthreads();
+        if (warp < MK_GROUP) {
+          float acc = 0.f;
+          for (int d = lane; d < D; d += 32) acc += s.q[warp * D + d] * s.row[d];
+          acc = warp_sum(acc);
+          if (lane == 0) s.score[warp * T_TILE + (n_pos - 1 - base)] = acc * scale;
+        }
+      }
+#endif
 #else
       constexpr int PER = D / 32;
       for (int i = warp; i < cnt; i += NWARPS) {  // one warp per position
@@ -714,6 +775,20 @@ __device__ void merge_splits(const Params& P, OpShared& s, int splits, int used)
 __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[W_ARG0];
+#if LATE_QK
+  {  // this block caches the step's keys of KV heads [ARG2, ARG3): one warp per head
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, pos = st[S_POS];
+    for (int kvh = ins[W_ARG2] + warp; kvh < ins[W_ARG3]; kvh += NWARPS) {
+      float* out = s.vec + warp * D;  // scratch: the merge below rewrites s.vec after a barrier
+      warp_qk_norm_rope(P, P.k_raw + kvh * D, P.k_norm + (size_t)layer * D, pos,
+                        s.vec + (NWARPS + warp) * D, out);
+      const size_t at = (((size_t)layer * MK_MAX_SEQ + pos) * MK_KV_HEADS + kvh) * D;
+      for (int d = lane; d < D; d += 32) P.k_cache[at + d] = f32_to_bf16(out[d]);
+    }
+    __syncthreads();
+  }
+  static_assert(!LATE_QK || 2 * NWARPS * MK_HEAD_DIM <= VEC_MAX, "late q/k scratch in s.vec");
+#endif
   if (b >= e) return;
 #if MK_DESIGN >= 2
   merge_splits(P, s, splits, splits_used(st[S_POS] + 1, splits, ins[W_ARG1]));

@@ -136,6 +136,7 @@ class Program:
             "attn_ml": c.num_kv_heads * self.attn_splits * c.group_size * 2,
             "ffn_h": c.intermediate_size, "logits": c.vocab_size,
             "lm_part": self.lm_partials * 2, "out_tokens": self.max_seq_len,
+            **({"k_raw": c.kv_dim} if c.qk_norm and self.design >= 2 else {}),
         }
 
     # ---- verification ---------------------------------------------------------------------
@@ -431,6 +432,10 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
     B = num_blocks
     H, F, D, half = c.hidden_size, c.intermediate_size, c.head_dim, c.head_dim // 2
     S = attn_splits
+    # design 2 with q/k-norm: QKV tiles are row pairs like every other model (v1's whole-head
+    # tiles put Qwen3-0.6B's 32 heads on 32 of 132 blocks); ATTENTION norms and ropes q and the
+    # new k itself, and O_PROJ caches that k (megakernel.cu: "late q/k")
+    late_qk = c.qk_norm and design >= 2
     queues: list[list[Instruction]] = [[] for _ in range(B)]
     counters: list[str] = []
 
@@ -464,7 +469,7 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
     for layer in range(c.num_layers):
         # RMS_QKV_ROPE: tiles are row pairs; whole heads when q/k-norm needs the head's norm
         cnt = counter(f"L{layer}.RMS_QKV_ROPE")
-        if c.qk_norm:
+        if c.qk_norm and not late_qk:
             qkv_tiles = [(a * half, b_ * half) for a, b_ in split_even(n_heads_total, B)]
         else:
             qkv_tiles = split_even(n_heads_total * half, B)
@@ -476,6 +481,8 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
                 j0, j1 = max(lo, head * half) - head * half, min(hi, (head + 1) * half) - head * half
                 if head < c.num_heads:
                     buf, base = "q", head * D
+                elif head < c.num_heads + c.num_kv_heads and late_qk:
+                    buf, base = "k_raw", (head - c.num_heads) * D
                 elif head < c.num_heads + c.num_kv_heads:
                     buf, base = "k_cache", layer * c.kv_dim + (head - c.num_heads) * D
                 else:
@@ -502,6 +509,8 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
                 reads += [("q", g * gd, (g + 1) * gd),
                           ("k_cache", layer * c.kv_dim + g * D, layer * c.kv_dim + (g + 1) * D),
                           ("v_cache", layer * c.kv_dim + g * D, layer * c.kv_dim + (g + 1) * D)]
+                if late_qk:  # the new key, normed and roped in the unit (kernel: late q/k)
+                    reads.append(("k_raw", g * D, (g + 1) * D))
                 writes += [("attn_o", u * gd, (u + 1) * gd),
                            ("attn_ml", u * c.group_size * 2, (u + 1) * c.group_size * 2)]
             return Instruction(Op.ATTENTION, layer, (lo, hi), args=(S, min_chunk), reads=reads,
@@ -513,16 +522,26 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
         cnt = counter(f"L{layer}.O_PROJ_RESIDUAL")
         rows = split_even(H, B)
 
+        kv_owner = split_even(c.num_kv_heads, B)
+
         def oproj(b, layer=layer, rows=rows):
             lo, hi = rows[b]
+            k0, k1 = kv_owner[b] if late_qk else (0, 0)
+            # late q/k: this block also caches the step's keys of KV heads [k0, k1), after
+            # every attention unit of the layer has read them raw
+            cache = ([("k_raw", k0 * D, k1 * D),
+                      ("k_cache", layer * c.kv_dim + k0 * D, layer * c.kv_dim + k1 * D)]
+                     if k1 > k0 else [])
+            args = (S, min_chunk, k0, k1)
             if hi <= lo:
-                return Instruction(Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=(S, min_chunk))
+                return Instruction(Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=args,
+                                   reads=cache[:1], writes=cache[1:])
             return Instruction(
-                Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=(S, min_chunk),
+                Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=args,
                 reads=[("attn_o", 0, c.num_kv_heads * S * gd),
                        ("attn_ml", 0, c.num_kv_heads * S * c.group_size * 2),
-                       ("residual", lo, hi)],
-                writes=[("residual", lo, hi)], weight_bytes=2 * (hi - lo) * c.q_dim)
+                       ("residual", lo, hi)] + cache[:1],
+                writes=[("residual", lo, hi)] + cache[1:], weight_bytes=2 * (hi - lo) * c.q_dim)
         emit(oproj, prev, cnt)
         prev = cnt
 
