@@ -12,6 +12,7 @@ second chunk and loads gate and up rows together: up to 6).
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -64,8 +65,11 @@ def megakernel_sass(tmp_path: Path, shape: str, *defines: str) -> str:
     proc = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-std=c++17", *defines, str(src), "-o",
                            str(cubin)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = subprocess.run([cuobjdump(), "-sass", "-fun", "megakernel", str(cubin)],
-                         capture_output=True, text=True, timeout=120)
+    tool = cuobjdump()
+    # cuobjdump runs nvdisasm, which the nvidia-cuda-nvdisasm wheel puts beside it
+    env = dict(os.environ, PATH=str(Path(tool).parent) + os.pathsep + os.environ.get("PATH", ""))
+    out = subprocess.run([tool, "-sass", "-fun", "megakernel", str(cubin)],
+                         capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 

@@ -512,6 +512,18 @@ __device__ __forceinline__ uint4 load_kv(const unsigned short* p) {
   return *reinterpret_cast<const uint4*>(p);  // the KV cache: plain loads, never ld.global.nc
 }
 
+// This lane's 16-byte chunk c of rows i0 + u * KV_SLOTS (u < KV_UNROLL) of a K or V tile, all
+// issued before any is used; rows past cnt read as zeros.
+__device__ __forceinline__ void load_kv_rows(const unsigned short* rows, int base, int cnt,
+                                             int i0, int c, uint4 (&kv)[KV_UNROLL]) {
+#pragma unroll
+  for (int u = 0; u < KV_UNROLL; ++u) {
+    const int i = i0 + u * KV_SLOTS;
+    kv[u] = i < cnt ? load_kv(rows + (size_t)(base + i) * MK_KV_DIM + c * 8)
+                    : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // s.score[h][i] = q_h . K[base + i] * scale for i < cnt
 __device__ void attention_scores(OpShared& s, const unsigned short* Kg, int base, int cnt,
                                  float scale) {
@@ -519,12 +531,7 @@ __device__ void attention_scores(OpShared& s, const unsigned short* Kg, int base
   const int c = lane % KV_LANES, slot = warp * KV_PPW + lane / KV_LANES;
   for (int i0 = slot; i0 - slot < cnt; i0 += KV_SLOTS * KV_UNROLL) {
     uint4 kv[KV_UNROLL];
-#pragma unroll
-    for (int u = 0; u < KV_UNROLL; ++u) {
-      const int i = i0 + u * KV_SLOTS;
-      kv[u] = i < cnt ? load_kv(Kg + (size_t)(base + i) * MK_KV_DIM + c * 8)
-                      : make_uint4(0u, 0u, 0u, 0u);
-    }
+    load_kv_rows(Kg, base, cnt, i0, c, kv);
 #pragma unroll
     for (int u = 0; u < KV_UNROLL; ++u) {
       const int i = i0 + u * KV_SLOTS;
@@ -552,12 +559,7 @@ __device__ void attention_values(OpShared& s, const unsigned short* Vg, int base
     for (int e = 0; e < 8; ++e) acc[h][e] = 0.f;
   for (int i0 = slot; i0 - slot < cnt; i0 += KV_SLOTS * KV_UNROLL) {
     uint4 kv[KV_UNROLL];
-#pragma unroll
-    for (int u = 0; u < KV_UNROLL; ++u) {
-      const int i = i0 + u * KV_SLOTS;
-      kv[u] = i < cnt ? load_kv(Vg + (size_t)(base + i) * MK_KV_DIM + c * 8)
-                      : make_uint4(0u, 0u, 0u, 0u);
-    }
+    load_kv_rows(Vg, base, cnt, i0, c, kv);
 #pragma unroll
     for (int u = 0; u < KV_UNROLL; ++u) {
       const int i = i0 + u * KV_SLOTS;
