@@ -97,6 +97,7 @@ class Stream:
                 yield Delta(tail, [], [] if want else None)
             done = not self._closed
         finally:
+            gen.close()  # a stop string: the kernel may still be making tokens; stop it
             if not done:
                 finish, stop_reason = "abort", None
                 ts.finish()

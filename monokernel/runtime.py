@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .errors import BackendUnavailableError, MonokernelError, PromptError
+from .errors import BackendUnavailableError, MonokernelError, NumericalError, PromptError
 from .kernel.base import DeviceSample, Executor, StepResult
 from .model.loader import LoadedModel
 from .sampling import Sampler, SamplingParams, log_softmax, top_logprobs
@@ -111,6 +111,7 @@ class GenerationStats:
     reused_tokens: int = 0  # prompt tokens whose K/V were reused from the previous sequence
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    launches: int = 0  # kernel launches the host made (a CUDA graph replay is one; numpy: 0)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -252,6 +253,14 @@ class Engine:
         self._active = me = object()
         self._kv_ids, self._kv_mark = [], None  # invalid until the prefill has run
         ex.reset()
+        launches0 = getattr(ex, "launches", 0)
+        if dsample is not None and getattr(ex, "multi_step", False) \
+                and params.prompt_logprobs is None:
+            try:
+                yield from self._run_in_launches(g, ids, reuse, dsample, stops, me)
+            finally:
+                st.launches = getattr(ex, "launches", 0) - launches0
+            return
         t0 = time.perf_counter()
         if params.prompt_logprobs is not None:
             all_logits = self._prefill_all(ids)
@@ -289,8 +298,48 @@ class Engine:
                 raise
             kv.append(cur.token)
             self._kv_mark = self._mark()
+            st.launches = getattr(ex, "launches", 0) - launches0
             pos += 1
             if res.token is not None:
                 cur = Sampled(res.token, res.token in stops)
             else:
                 cur = sampled(res.logits, history)
+
+    def _run_in_launches(self, g: Generation, ids: list[int], reuse: int, dsample: DeviceSample,
+                         stops: set[int], me: object) -> Iterator[Sampled]:
+        """The prompt and the decode steps in as few kernel launches as the executor allows
+        (``run_steps``): the kernel samples and stops by itself (stop tokens, max_new_tokens,
+        the context end); closing this generator early (a stop string, a cancel) asks it to
+        stop, and the K/V bookkeeping then follows what it actually ran."""
+        ex, params, st = self.executor, g.params, g.stats
+        stop_pos = min(len(ids) + params.max_new_tokens - 1, ex.max_seq_len - 1)
+        st.prefill_tokens, st.reused_tokens = len(ids) - reuse, reuse
+        t0 = time.perf_counter()
+        run = ex.run_steps(ids[reuse:], reuse, dsample, stop_ids=stops, stop_pos=stop_pos,
+                           should_stop=lambda: g.cancelled)
+        try:
+            for i, tok in enumerate(run):
+                if tok < 0:
+                    raise NumericalError(f"{ex.name}: NaN in the logits at position "
+                                         f"{len(ids) + i - 1}")
+                now = time.perf_counter()
+                if i == 0:
+                    st.prefill_s, t0 = now - t0, now
+                st.generated_tokens += 1
+                st.decode_s = now - t0
+                cur = Sampled(tok, tok in stops)
+                yield cur
+                if cur.stop or i + 1 == params.max_new_tokens or g.cancelled:
+                    return
+                if self._active is not me:
+                    raise MonokernelError("this stream was invalidated: another generation "
+                                          "started on the same LLM (one sequence at a time)")
+        finally:
+            try:
+                run.close()  # ends the launch (asks it to stop first if it still runs)
+            finally:
+                end = ex.last_launch
+                if end is not None and self._active is me:
+                    # positions [0, end_pos) hold K/V: the prompt, then the tokens it fed back
+                    self._kv_ids = list(ids) + end.tokens[:max(end.end_pos - len(ids), 0)]
+                    self._kv_mark = self._mark()

@@ -89,6 +89,7 @@ class CupyDevice:
         self.gpu_name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
         self.num_sms = int(props["multiProcessorCount"])
         self.cooperative_launch = bool(props.get("cooperativeLaunch", 1))
+        self.unified_addressing = bool(props.get("unifiedAddressing", 1))
         self.cc = self.device.compute_capability  # "90" on an H100/H200
         self.host_timeout_s = host_timeout_s
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -142,7 +143,22 @@ class CupyDevice:
         buf.set(arr, stream=self.stream)
         return buf
 
+    def alloc_mapped(self, shape, dtype) -> np.ndarray:
+        """Pinned host memory the kernel reads and writes while the host polls it (tokens as
+        they are made, the stop request). With unified addressing (every 64-bit CUDA platform
+        since sm_20) cudaHostAlloc'd memory is mapped and its device pointer is the host
+        pointer, so the numpy array's own address goes into Params."""
+        if not self.unified_addressing:
+            raise KernelError(f"cuda: {self.gpu_name} lacks unified addressing, which mapped "
+                              "host memory (tokens streamed from a running launch) needs")
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        arr = self._pinned_empty(n).view(dtype).reshape(shape)
+        arr[...] = 0
+        return arr
+
     def ptr(self, buf) -> int:
+        if isinstance(buf, np.ndarray):  # mapped host memory (alloc_mapped)
+            return int(buf.ctypes.data)
         return int(buf.data.ptr)
 
     def write(self, buf, arr: np.ndarray) -> None:
@@ -273,6 +289,14 @@ class CupyDevice:
     def synchronize(self) -> None:
         self.wait("synchronize")
 
+    def start(self, fn) -> "_EventRun":
+        """Queue the launches ``fn`` makes and return without waiting: ``done()`` polls an
+        event recorded after them, ``finish()`` is the bounded wait."""
+        fn()
+        ev = self.cp.cuda.Event(block=False, disable_timing=True)
+        ev.record(self.stream)
+        return _EventRun(self, ev)
+
     # ---- graphs and timing ----------------------------------------------------------------
     def capture(self, fn):
         """Record the launches ``fn`` makes on the stream into a CUDA graph (nothing runs)."""
@@ -382,6 +406,22 @@ class CupyDevice:
                     k.kernel.ptr, NUM_THREADS, 0)),
             }
         return out
+
+
+class _EventRun:
+    """Launches in flight on a CupyDevice's stream (CupyDevice.start)."""
+
+    def __init__(self, device: CupyDevice, event):
+        self.device, self.event = device, event
+
+    def done(self) -> bool:
+        try:
+            return bool(self.event.done)
+        except Exception:  # an asynchronous CUDA error: finish() reports it
+            return True
+
+    def finish(self) -> None:
+        self.device.wait("a multi-step launch")
 
 
 def kernel_resources(executor: KernelExecutor) -> dict[str, dict[str, int]]:

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+import threading
+import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 
 from ..model.config import ModelConfig
 from ..errors import KernelError, NumericalError
-from .isa import (ERROR_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, TRACE_WORDS, Err, ErrCode, Op,
-                  State, params_dtype, render_header)
+from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, TRACE_WORDS,
+                  Err, ErrCode, HostFlag, Op, State, StopReason, params_dtype, render_header)
 from ..model.loader import LoadedModel
 from .base import DeviceSample, Executor, StepResult, wall_times
 from .scheduler import DEFAULT_DESIGN, Program, schedule
@@ -26,6 +29,11 @@ SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
 # Buffers the kernel writes during a step; poisoned with NaN by tests.
 ACTIVATIONS = ("residual", "q", "k_raw", "attn_o", "attn_ml", "ffn_h", "logits", "lm_part")
+# out_tokens before the kernel writes them: the host's poll tells "not yet" from any token (-1
+# is a NaN step)
+NO_TOKEN = -2
+# A multi-step launch that makes no token for this long (beyond the kernel's watchdog) is hung.
+PROGRESS_GRACE_S = 5.0
 
 
 def kernel_source(cfg: ModelConfig, max_seq_len: int) -> str:
@@ -100,6 +108,10 @@ class EmulatorDevice:
     def alloc(self, shape, dtype) -> np.ndarray:
         return np.zeros(shape, dtype)
 
+    def alloc_mapped(self, shape, dtype) -> np.ndarray:
+        """Memory both sides read and write while a launch runs (host-mapped on a GPU)."""
+        return np.zeros(shape, dtype)
+
     def upload(self, arr: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(arr).copy()
 
@@ -121,6 +133,11 @@ class EmulatorDevice:
     def synchronize(self) -> None:
         pass
 
+    def start(self, fn) -> "Running":
+        """Run ``fn`` (launches) without waiting for it: on the emulator a launch runs to its
+        end in the calling thread, so it gets a thread of its own (ctypes releases the GIL)."""
+        return _ThreadRun(fn)
+
     def capture(self, fn):
         """Record the launches ``fn`` makes so that ``replay`` repeats them (a CUDA graph on
         the GPU); the emulator simply calls ``fn`` again."""
@@ -140,6 +157,43 @@ class EmulatorDevice:
     def resources(self, module) -> dict:
         """Registers, shared and local (spill) bytes per kernel; the emulator has none."""
         return {}
+
+
+class _ThreadRun:
+    """A launch running in a thread: ``done()`` without waiting, ``finish()`` joins it and
+    re-raises what it raised."""
+
+    def __init__(self, fn):
+        self._error: BaseException | None = None
+
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # handed to finish()
+                self._error = e
+        self._thread = threading.Thread(target=run, name="monokernel-launch", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def finish(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+@dataclass
+class LaunchEnd:
+    """How the last multi-step launch (or launches) of ``run_steps`` ended: the position the
+    next step would take (positions before it hold K/V), the tokens the steps at positions
+    ``first``.. chose (``tokens[i]`` is the token at position ``first + 1 + i``), and why it
+    stopped."""
+
+    first: int
+    end_pos: int
+    tokens: list[int]
+    reason: StopReason
 
 
 @dataclass
@@ -163,10 +217,22 @@ class KernelExecutor(Executor):
                  multi: bool = False, graph: bool = False, prefetch: bool = True,
                  attn_splits: int | None = None, watchdog_ms: int = 20000,
                  trace: bool = False, program: Program | None = None, name: str | None = None,
-                 design: int = DEFAULT_DESIGN, attn_min_chunk: int | None = None):
+                 design: int = DEFAULT_DESIGN, attn_min_chunk: int | None = None,
+                 multi_step: bool = True, steps_per_launch: int = 0):
         super().__init__(model, max_seq_len)
         self.device = device or EmulatorDevice()
         self.multi = multi
+        # many steps per launch (the persistent kernel only; the baseline is one op a launch):
+        # ``steps_per_launch`` bounds a launch (0: until a stop), ``multi_step=False`` is the
+        # one-launch-per-step A/B twin
+        self.multi_step = multi_step and not multi
+        if steps_per_launch < 0:
+            raise ValueError(f"steps_per_launch must be >= 0 (0: no bound), got {steps_per_launch}")
+        self.steps_per_launch = steps_per_launch
+        self.launches = 0  # host-side launch calls (a graph replay is one)
+        self._running = None  # the multi-step launch in flight, if any
+        self._stop_key: frozenset | None = None
+        self.last_launch: LaunchEnd | None = None
         self.graph = graph and multi
         self._graph = None
         self.name = name or (self.device.name + ("-multi" if multi else "")
@@ -197,12 +263,19 @@ class KernelExecutor(Executor):
         cos, sin = c.rope_table(self.max_seq_len)
         b["rope_cos"], b["rope_sin"] = dev.upload(cos), dev.upload(sin)
         b["program"] = dev.upload(p.words())
-        b["counters"] = dev.alloc((max(p.num_counters, 1),), np.int32)
+        # the program's counters, then the step counter (State.STEP_COUNTER)
+        b["counters"] = dev.alloc((p.num_counters + 1,), np.int32)
         # state and error record share one buffer, so a step reads back both in one copy
         b["control"] = dev.alloc((STATE_WORDS + ERROR_WORDS,), np.int32)
         b["trace"] = dev.alloc((p.num_blocks, p.max_len, TRACE_WORDS), np.uint64)
         for name, n in p.buffer_sizes().items():
-            b[name] = dev.alloc((n,), np.int32 if name == "out_tokens" else np.float32)
+            if name == "out_tokens":  # the host polls it while a launch runs
+                b[name] = dev.alloc_mapped((n,), np.int32)
+            else:
+                b[name] = dev.alloc((n,), np.float32)
+        b["feed"] = dev.alloc((self.max_seq_len,), np.int32)
+        b["stop_mask"] = dev.alloc(((c.vocab_size + 31) // 32,), np.uint32)
+        b["host_flags"] = dev.alloc_mapped((HOST_FLAG_WORDS,), np.int32)
         kv = (c.num_layers, self.max_seq_len, c.num_kv_heads, c.head_dim)
         b["k_cache"] = dev.alloc(kv, np.uint16)
         b["v_cache"] = dev.alloc(kv, np.uint16)
@@ -230,6 +303,7 @@ class KernelExecutor(Executor):
 
     # ---- steps ----------------------------------------------------------------------------
     def reset(self) -> None:
+        self._end_running()
         self._check_usable()
         self.device.fill(self.buffers["counters"], 0)
         self.device.fill(self.buffers["control"], 0)
@@ -249,10 +323,12 @@ class KernelExecutor(Executor):
         st[State.SEED] = (sample.seed if sample else 0) & 0x7FFFFFFF
         st[State.WATCHDOG_MS] = self.watchdog_ms
         st[State.PROGRAM_LEN] = self.program.max_len
+        st[State.STEP_COUNTER] = self.program.num_counters
         return st
 
     def launch_step(self, token: int, pos: int, sample: DeviceSample | None) -> np.ndarray:
         """Run one decode step; return the control words (state + error record) after it."""
+        self._end_running()
         self._check_usable()
         if not 0 <= pos < self.max_seq_len:
             raise KernelError(f"position {pos} is outside the KV cache [0, {self.max_seq_len})")
@@ -277,6 +353,7 @@ class KernelExecutor(Executor):
         """The device work of one step: one cooperative launch of the megakernel, or one launch
         per op (replayed from a captured graph when ``graph``). Reads everything it needs
         (token, position, step) from device memory, so it can be repeated as it is."""
+        self.launches += 1
         if not self.multi:
             self.device.launch(self.module, "megakernel", self.blocks, self.params,
                                cooperative=True)
@@ -288,8 +365,113 @@ class KernelExecutor(Executor):
             self._launch_ops()
 
     def _launch_ops(self) -> None:
+        if not self.graph:
+            self.launches += len(self._op_params) - 1  # run_launches counted one
         for name, pp in self._op_params:
             self.device.launch(self.module, name, self.blocks, pp, cooperative=False)
+
+    # ---- many steps per launch ----------------------------------------------------------------
+    def run_steps(self, tokens: list[int], start_pos: int, sample: DeviceSample, *,
+                  stop_ids: set[int] | frozenset[int] = frozenset(),
+                  stop_pos: int | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
+        """Feed ``tokens`` at positions ``start_pos``.. and go on decoding in as few launches
+        as ``steps_per_launch`` allows; yield each sampled token as the kernel makes it, from
+        the one after the last fed token on. The kernel stops by itself after a token in
+        ``stop_ids`` (yielded), a NaN (-1, yielded), or the step at ``stop_pos - 1`` (default:
+        the cache's last but one position, so the last token still has a position). Closing
+        the iterator early asks the kernel to stop after its current step and waits for it;
+        ``last_launch`` then says where it ended (tokens past the ones taken may have been made
+        and their K/V written). ``should_stop`` (polled while waiting for a token, from another
+        thread's cancel) asks the kernel to stop the same way."""
+        if not self.multi_step:
+            raise KernelError(f"{self.name}: runs one step per launch (multi_step=False or "
+                              "the multi-kernel baseline)")
+        self._end_running()
+        self._check_usable()
+        n, first = len(tokens), start_pos + len(tokens) - 1
+        stop_pos = self.max_seq_len - 1 if stop_pos is None else stop_pos
+        if n == 0 or start_pos < 0 or not first < stop_pos <= self.max_seq_len - 1:
+            raise KernelError(f"{self.name}: run_steps needs tokens at positions "
+                              f"[{start_pos}, {start_pos + n}) and a stop position after "
+                              f"them within the cache ({stop_pos}, max {self.max_seq_len - 1})")
+        dev, b = self.device, self.buffers
+        feed = np.zeros(self.max_seq_len, np.int32)
+        feed[start_pos:start_pos + n] = tokens
+        dev.write(b["feed"], feed)
+        key = frozenset(int(t) for t in stop_ids)
+        if key != self._stop_key:
+            mask = np.zeros(b["stop_mask"].shape, np.uint32)
+            ids = np.array(sorted(t for t in key if 0 <= t < self.config.vocab_size), np.int64)
+            np.bitwise_or.at(mask, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+            dev.write(b["stop_mask"], mask)
+            self._stop_key = key
+        out, flags = b["out_tokens"], b["host_flags"]
+        out[first:] = NO_TOKEN
+        flags[:] = 0
+        words = self._state_words(int(tokens[0]), start_pos, sample)
+        words[State.FEED_END] = start_pos + n
+        words[State.STOP_POS] = stop_pos
+        most = stop_pos - start_pos  # steps to the stop position
+        words[State.STEPS] = min(self.steps_per_launch, most) if self.steps_per_launch else most
+        dev.write(b["control"], words)
+        self._state_on_device = None
+        self.last_launch = LaunchEnd(first, start_pos, [], StopReason.NONE)
+        p, reason = first, StopReason.BUDGET
+        try:
+            while reason == StopReason.BUDGET:
+                self._running = dev.start(self.run_launches)
+                last = time.monotonic()
+                patience = self.watchdog_ms / 1000 + PROGRESS_GRACE_S
+                pause = 0.0
+                while True:
+                    tok = int(out[p]) if p < stop_pos else NO_TOKEN
+                    if tok != NO_TOKEN:
+                        p += 1
+                        yield tok
+                        last, pause = time.monotonic(), 0.0
+                        continue
+                    if self._running.done():
+                        if p < stop_pos and int(out[p]) != NO_TOKEN:
+                            continue  # written just before the launch ended
+                        break
+                    if should_stop is not None and not flags[HostFlag.STOP] and should_stop():
+                        flags[HostFlag.STOP] = 1  # the kernel ends after its current step
+                    if time.monotonic() - last > patience:
+                        flags[HostFlag.STOP] = 1
+                        raise KernelError(f"{self.name}: no token for {patience:.0f} s at "
+                                          f"position {p} of a multi-step launch")
+                    pause = min(pause * 2 or 20e-6, 1e-3)
+                    time.sleep(pause)
+                control = self._end_running()
+                reason = StopReason(int(control[State.STOP_REASON]))
+        finally:
+            self._end_running()
+
+    def _end_running(self) -> np.ndarray | None:
+        """End the multi-step launch in flight, if any (asking it to stop after its current
+        step), and check how it ended; return its control words."""
+        run, self._running = self._running, None
+        if run is None:
+            return None
+        b = self.buffers
+        if not run.done():
+            b["host_flags"][HostFlag.STOP] = 1
+        try:
+            run.finish()
+            control = self.device.read(b["control"])
+        except KernelError as e:
+            self._broken = str(e).splitlines()[0]
+            raise KernelError(f"{self.name}: multi-step launch failed: {e}") from None
+        self._check_error(control)
+        self._steps = int(control[State.STEP])
+        end = int(control[State.POS])
+        ll = self.last_launch
+        if ll is not None:
+            toks = b["out_tokens"][ll.first:end]
+            ll.end_pos, ll.tokens = end, [int(t) for t in toks]
+            ll.reason = StopReason(int(control[State.STOP_REASON]))
+        return control
 
     def _check_error(self, control: np.ndarray) -> None:
         e = control[STATE_WORDS:]
@@ -309,6 +491,8 @@ class KernelExecutor(Executor):
             where = f"block {r.block} instruction #{r.instr}"
         if r.code == ErrCode.WATCHDOG:
             cname = p.counter_names[r.counter] if 0 <= r.counter < p.num_counters else "?"
+            if r.counter == p.num_counters:
+                cname, where = "step", f"block {r.block} between two steps"
             return (f"{self.name}: watchdog: {where} waited {self.watchdog_ms} ms for counter "
                     f"{r.counter} ({cname}) to reach {r.expected}, saw {r.seen}; "
                     "every block stopped")

@@ -58,9 +58,36 @@ class State(IntEnum):
     SEED = 4  # Gumbel-max RNG seed
     WATCHDOG_MS = 5  # spin deadline in milliseconds
     PROGRAM_LEN = 6  # instructions per block queue (max_len)
+    # many steps per launch (the megakernel; a thin kernel of the baseline runs one):
+    FEED_END = 7  # positions < FEED_END embed feed[pos] (the prompt); the samples are unused
+    STEPS = 8  # steps the launch runs at most (<= 1: one); the kernel counts it down
+    STOP_POS = 9  # the launch ends after the step at STOP_POS - 1 (0: only at the cache end)
+    STEP_COUNTER = 10  # index of the step counter (after the program's counters)
+    RUN = 11  # written at each step's end: 1 if the launch goes on to the next step
+    STOP_REASON = 12  # why the launch ended (StopReason), written with RUN
 
 
-STATE_WORDS = 8
+STATE_WORDS = 16
+
+
+class StopReason(IntEnum):
+    """Why a launch ended (State.STOP_REASON), decided by the block that ends each step."""
+
+    NONE = 0  # it did not: the step was not the launch's last
+    TOKEN = 1  # the sampled token is a stop token (stop_mask)
+    POSITION = 2  # the next step would be at STOP_POS (max_new_tokens, context end)
+    HOST = 3  # the host asked (host_flags[HostFlag.STOP]): a stop string, a cancel
+    NAN = 4  # a logit was NaN: the token is -1
+    BUDGET = 5  # the launch ran STEPS steps
+
+
+class HostFlag(IntEnum):
+    """int32 words of host_flags, memory the host writes while a launch runs (mapped)."""
+
+    STOP = 0  # nonzero: end the launch after the current step
+
+
+HOST_FLAG_WORDS = 4
 
 
 class Err(IntEnum):
@@ -111,7 +138,10 @@ PARAMS: list[tuple[str, str, str]] = [
     ("ffn_h", "float*", "[FFN] silu(gate) * up"),
     ("logits", "float*", "[VOCAB]"),
     ("lm_part", "float*", "[max_partials, 2] (best score, its token id as float bits)"),
-    ("out_tokens", "int*", "[MAX_SEQ] token sampled at each step"),
+    ("out_tokens", "int*", "[MAX_SEQ] token each step at pos chose for pos + 1 (host-mapped)"),
+    ("feed", "int*", "[MAX_SEQ] tokens fed at positions < FEED_END (written before a launch)"),
+    ("stop_mask", "unsigned*", "[(VOCAB + 31) / 32] bitmap of the stop tokens"),
+    ("host_flags", "int*", "[HOST_FLAG_WORDS] host-mapped: the host writes them mid-launch"),
     ("k_cache", "unsigned short*", "[LAYERS, MAX_SEQ, KV_HEADS, HEAD_DIM] bf16"),
     ("v_cache", "unsigned short*", "[LAYERS, MAX_SEQ, KV_HEADS, HEAD_DIM] bf16"),
     ("rope_cos", "const float*", "[MAX_SEQ, HEAD_DIM/2]"),
@@ -195,11 +225,14 @@ def render_header(cfg: ModelConfig, max_seq_len: int) -> str:
     enum("StateWord", State, "S_")
     enum("ErrWord", Err, "E_")
     enum("ErrCode", ErrCode, "ERR_")
+    enum("StopReason", StopReason, "STOP_")
+    enum("HostFlag", HostFlag, "H_")
     enum("TraceWord", TraceWord, "T_")
     out.append(f"#define MK_NUM_OPS {len(Op)}")
     out.append(f"#define MK_WIDTH {WIDTH}")
     out.append(f"#define MK_STATE_WORDS {STATE_WORDS}")
     out.append(f"#define MK_ERROR_WORDS {ERROR_WORDS}")
+    out.append(f"#define MK_HOST_FLAG_WORDS {HOST_FLAG_WORDS}")
     out.append(f"#define MK_TRACE_WORDS {TRACE_WORDS}")
     out.append("")
     out.append(f"// model: {cfg.name} ({cfg.arch})")

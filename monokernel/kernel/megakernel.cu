@@ -867,14 +867,37 @@ __device__ __forceinline__ void best_of(float& v, int& id, float ov, int oid) {
   }
 }
 
-// The next token (-1 if a logit was NaN): recorded, and the state advanced so that the next
-// launch (or graph replay) embeds it.
+// The end of a step, by the one block that ends it (the LM head's last ticket, or SAMPLE):
+// the token the next position embeds (the fed prompt token while the prompt lasts, else the
+// sampled one, -1 if a logit was NaN) goes to out_tokens, where the host polls it, and to the
+// state with the next position and step and whether the launch goes on (StopReason). Then the
+// step counter moves: a fence orders the state before it (a signal), and a multi-step launch's
+// blocks acquire it before their next step. The system-scope fence after it pushes the token
+// to the host's memory without holding the other blocks back.
+__device__ __forceinline__ bool stop_token(const Params& P, int token) {
+  return (P.stop_mask[token >> 5] >> (token & 31)) & 1u;
+}
+
 __device__ __forceinline__ void finish_step(const Params& P, const int* st, int token) {
-  const int pos = st[S_POS];
-  P.out_tokens[pos] = token;
-  P.state[S_TOKEN] = token;
-  P.state[S_POS] = pos + 1;
+  const int pos = st[S_POS], next_pos = pos + 1;
+  const bool prompt = next_pos < st[S_FEED_END];
+  const int next = prompt ? P.feed[next_pos] : token;
+  int reason = STOP_NONE;
+  if (!prompt && token < 0) reason = STOP_NAN;
+  else if (!prompt && stop_token(P, token)) reason = STOP_TOKEN;
+  else if ((st[S_STOP_POS] > 0 && next_pos >= st[S_STOP_POS]) || next_pos >= MK_MAX_SEQ)
+    reason = STOP_POSITION;
+  else if (*reinterpret_cast<volatile int*>(P.host_flags + H_STOP) != 0) reason = STOP_HOST;
+  else if (st[S_STEPS] <= 1) reason = STOP_BUDGET;
+  *reinterpret_cast<volatile int*>(P.out_tokens + pos) = next;
+  P.state[S_TOKEN] = next;
+  P.state[S_POS] = next_pos;
   P.state[S_STEP] = st[S_STEP] + 1;
+  P.state[S_RUN] = reason == STOP_NONE;
+  P.state[S_STOP_REASON] = reason;
+  __threadfence();
+  atomicAdd(&P.counters[st[S_STEP_COUNTER]], 1);
+  __threadfence_system();
 }
 
 // Design 2: SAMPLE folded into the LM head. Every block takes a ticket after its partial is
@@ -916,7 +939,9 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
   const unsigned seed = (unsigned)st[S_SEED], pos = (unsigned)st[S_POS];
   float best = NEG_INF;
   int best_id = -1;
-  if (b < e) {
+  // a prompt step's sample is not used (the next position embeds the fed token): no logits
+  const bool prompt = (int)pos + 1 < st[S_FEED_END];
+  if (b < e && !prompt) {
     rms_apply(P.residual, g, s.vec);
     block_dot_rows<H>(
         e - b, [&](int k) { return P.lm_head + (size_t)(b + k) * H; }, s.vec,
@@ -1006,12 +1031,9 @@ __device__ void prefetch_weights(const Params& P, const int* w) {
 // The VM loop: run this block's instructions [begin, end). ONLY != OP_NOOP compiles a loop that
 // knows a single op (the multi-kernel baseline's thin kernels).
 // ================================================================================================
+// One step: false if the launch is being aborted (an error).
 template <int ONLY>
-__device__ void run_instructions(const Params& P, int begin, int end) {
-  __shared__ OpShared s;
-  __shared__ int st[MK_STATE_WORDS];
-  if (threadIdx.x < MK_STATE_WORDS) st[threadIdx.x] = P.state[threadIdx.x];
-  __syncthreads();
+__device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin, int end) {
   const int len = st[S_PROGRAM_LEN];
   const long long deadline_ns = (long long)st[S_WATCHDOG_MS] * 1000000LL;
   const int target_scale = st[S_STEP] + 1;  // counters are monotonic across steps
@@ -1040,13 +1062,13 @@ __device__ void run_instructions(const Params& P, int begin, int end) {
     else if (op == OP_RMS_LM_HEAD) rms_load_weights(P.final_norm, g);
     if (w[W_WAIT_COUNTER] >= 0 &&
         !wait_counter(P, w[W_WAIT_COUNTER], w[W_WAIT_COUNT] * target_scale, i, op, deadline_ns))
-      return;
+      return false;
 #ifdef MK_TRACE
     if (threadIdx.x == 0) tr[T_READY] = global_timer_ns();
 #endif
     if (ONLY != OP_NOOP && op != ONLY) {
       if (threadIdx.x == 0) record_error(P, ERR_BAD_OPCODE, i, op, -1, ONLY, op);
-      return;
+      return false;
     }
     switch (ONLY == OP_NOOP ? op : ONLY) {
       case OP_EMBED: op_embed(P, w, st); break;
@@ -1059,13 +1081,44 @@ __device__ void run_instructions(const Params& P, int begin, int end) {
       case OP_SAMPLE: op_sample(P, w, st); break;
       default:
         if (threadIdx.x == 0) record_error(P, ERR_BAD_OPCODE, i, op, -1, -1, op);
-        return;
+        return false;
     }
     if (w[W_SIGNAL_COUNTER] >= 0) signal_counter(P, w[W_SIGNAL_COUNTER]);
     else __syncthreads();  // shared memory is reused by the next instruction
 #ifdef MK_TRACE
     if (threadIdx.x == 0) tr[T_END] = global_timer_ns();
 #endif
+  }
+  return true;
+}
+
+// The state words into shared memory; STEPS becomes the steps left in this launch.
+__device__ __forceinline__ void load_state(const Params& P, int* st, int steps_left) {
+  if (threadIdx.x < MK_STATE_WORDS) st[threadIdx.x] = P.state[threadIdx.x];
+  if (threadIdx.x == S_STEPS) st[S_STEPS] = steps_left;
+  __syncthreads();
+}
+
+// The VM loop: run this block's instructions [begin, end) for each step of the launch. The
+// megakernel runs up to STEPS steps: between two, every block waits for the step counter (the
+// previous step's end, which comes after every block's last instruction of that step, so no
+// buffer of the next step is written while one of this step is still read), reloads the state
+// the step's last block wrote, and stops where it says so. ONLY != OP_NOOP compiles a loop that
+// knows a single op (the multi-kernel baseline's thin kernels), one step per launch.
+template <int ONLY>
+__device__ void run_instructions(const Params& P, int begin, int end) {
+  __shared__ OpShared s;
+  __shared__ int st[MK_STATE_WORDS];
+  const int steps = ONLY == OP_NOOP ? max(P.state[S_STEPS], 1) : 1;
+  load_state(P, st, steps);
+  const long long deadline_ns = (long long)st[S_WATCHDOG_MS] * 1000000LL;
+  for (int k = 1;; ++k) {
+    if (!run_step<ONLY>(P, s, st, begin, end) || k >= steps) return;
+    if (!wait_counter(P, st[S_STEP_COUNTER], st[S_STEP] + 1, st[S_PROGRAM_LEN], OP_NOOP,
+                      deadline_ns))
+      return;
+    load_state(P, st, steps - k);
+    if (!st[S_RUN]) return;
   }
 }
 
