@@ -89,6 +89,36 @@ def test_strict_tsan_tiny_no_race_matches_reference(tiny):
 
 
 @needs_tsan
+def test_strict_tsan_chained_steps_in_one_launch(tiny):
+    """Many steps per launch (R6): the step boundary (the step counter, released by the block
+    that ends each step, acquired by every block before its next step) must order every read of
+    one step before the next step's writes of the same buffers; TSan checks that here."""
+    ex = executor(tiny)
+    steps = STEPS + [(23, 3)]
+    controls, logits, report = run_strict(ex, steps, chained=True)
+    assert report == ""
+    want = reference_logits(tiny, steps)
+    err = float(np.abs(logits[0] - want[-1]).max())
+    assert err <= 2e-3 * float(np.abs(want[-1]).max()), err
+    assert controls[0][0:3].tolist() == [int(np.argmax(logits[0])), 4, 4]  # token, pos, step
+    assert ex._steps == 4
+
+
+@needs_tsan
+def test_negative_control_missing_step_boundary_is_reported(tiny):
+    """The same chained launch with the wait between two steps removed: a block starts the next
+    step's writes while others still read the last step's buffers; TSan must see it."""
+    ex = executor(tiny)
+    source = kernel_source(tiny.config, MAX_SEQ)
+    old = "if (!wait_counter(P, st[S_STEP_COUNTER], st[S_STEP] + 1,"
+    assert source.count(old) == 1, "the step-boundary wait is not where this test expects it"
+    source = source.replace(old, "if (false && !wait_counter(P, st[S_STEP_COUNTER], st[S_STEP] + 1,")
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, STEPS + [(23, 3)], chained=True, source=source)
+    assert "load_state" in info.value.report, info.value.report[:4000]
+
+
+@needs_tsan
 def test_negative_control_missing_threadfence_is_reported(tiny):
     ex = executor(tiny)
     source = without_signal_fence(kernel_source(tiny.config, MAX_SEQ))

@@ -133,7 +133,7 @@ class EmulatorDevice:
     def synchronize(self) -> None:
         pass
 
-    def start(self, fn) -> "Running":
+    def start(self, fn) -> "_ThreadRun":
         """Run ``fn`` (launches) without waiting for it: on the emulator a launch runs to its
         end in the calling thread, so it gets a thread of its own (ctypes releases the GIL)."""
         return _ThreadRun(fn)

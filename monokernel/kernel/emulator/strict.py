@@ -153,13 +153,16 @@ def tsan_report(stderr: str) -> str:
 
 
 def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
-               source: str | None = None, defines: dict[str, str] | None = None):
+               source: str | None = None, defines: dict[str, str] | None = None,
+               chained: bool = False):
     """Runs decode steps [(token, pos), ...] of a persistent-kernel ``KernelExecutor`` on the
     emulator device in strict mode (under ThreadSanitizer when ``tsan``).
 
     ``source`` replaces the generated kernel source (tests mutate it); ``defines`` are extra -D
     macros. Returns (control words [steps, STATE_WORDS + ERROR_WORDS], logits [steps, vocab],
-    TSan report text). The executor's buffers and step count afterwards are as if it had run the
+    TSan report text). ``chained``: the steps (consecutive positions) run as ONE launch, the
+    tokens fed from the feed buffer (State.FEED_END, State.STEPS): one control record and the
+    last step's logits come back. The executor's buffers and step count afterwards are as if it had run the
     steps itself. Raises DataRaceError (a KernelError) with the report when TSan reports anything,
     KernelError when the emulator or the kernel's error record reports an error or the driver
     runs past ``timeout_s``.
@@ -178,7 +181,16 @@ def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
         words = executor._state_words(token, pos, None)
         words[State.STEP] = executor._steps + i
         controls.append(words)
-    controls = np.array(controls, np.int32).reshape(len(steps), STATE_WORDS + ERROR_WORDS)
+    if chained:
+        if [p for _, p in steps] != list(range(steps[0][1], steps[0][1] + len(steps))):
+            raise KernelError("strict mode: chained steps must be at consecutive positions")
+        feed = np.zeros(executor.max_seq_len, np.int32)
+        feed[[p for _, p in steps]] = [t for t, _ in steps]
+        executor.buffers["feed"][...] = feed
+        controls[0][State.FEED_END] = steps[-1][1] + 1
+        controls[0][State.STEPS] = len(steps)
+        controls = controls[:1]
+    controls = np.array(controls, np.int32).reshape(len(controls), STATE_WORDS + ERROR_WORDS)
     flags = [f"-D{k}={v}" for k, v in (defines or {}).items()]
     exe = build_strict_driver(source if source is not None else
                               kernel_source(executor.config, executor.max_seq_len),
@@ -208,7 +220,7 @@ def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
         raise KernelError(f"{executor.name}: strict-mode driver failed (exit {proc.returncode}): "
                           f"{proc.stderr.strip()[-4000:]}")
     magic, done, _ = OUT_HEADER.unpack_from(out)
-    if magic != OUT_MAGIC or done != len(steps):
+    if magic != OUT_MAGIC or done != len(controls):
         raise KernelError(f"{executor.name}: strict-mode driver wrote a bad result file")
     nwords, vocab = controls.shape[1], executor.buffers["logits"].size
     rec = np.dtype([("control", np.int32, (nwords,)), ("logits", np.float32, (vocab,))])
@@ -225,5 +237,5 @@ def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
             executor._check_error(np.array(control))
         except KernelError as e:
             raise KernelError(f"strict-mode step {i} (position {steps[i][1]}): {e}") from None
-        executor._steps += 1
+        executor._steps = int(control[State.STEP])
     return records["control"].copy(), records["logits"].copy(), report
