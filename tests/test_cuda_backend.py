@@ -98,7 +98,8 @@ def test_import_registers_executors_without_cupy():
                          timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == "['cuda', 'cuda-multi', 'cuda-multi-graph', 'cuda-noprefetch', 'cuda-v1']"
+    assert lines[0] == ("['cuda', 'cuda-1step', 'cuda-multi', 'cuda-multi-graph', "
+                        "'cuda-noprefetch', 'cuda-v1']")
     assert lines[1].startswith("BackendUnavailableError CuPy is not installed: pip install")
 
 
@@ -207,6 +208,28 @@ def test_fake_cupy_device_matches_reference(fake_cupy, tiny, backend, launches_p
         assert "megakernel" not in names and not any(coop for _, _, coop in fake.launches)
 
 
+def test_fake_cupy_many_steps_in_one_launch(fake_cupy, tiny):
+    """run_steps on CupyDevice: mapped memory (the kernel's out_tokens and host_flags are pinned
+    numpy arrays whose address goes into Params), an event for done(), the bounded wait at the
+    end; one cooperative launch makes the tokens of one launch per step."""
+    from monokernel.runtime import Engine, make_executor
+    from monokernel.sampling import SamplingParams
+
+    fake = fake_cupy(num_sms=3)
+    m = tiny[0]
+    params = SamplingParams(max_new_tokens=12, temperature=9.0, seed=4, ignore_eos=True)
+    ex = make_executor("cuda", m, 160)
+    assert isinstance(ex.buffers["out_tokens"], np.ndarray)
+    assert ex.params["out_tokens"][0] == ex.buffers["out_tokens"].ctypes.data
+    eng = Engine(ex, prefix_caching=False)
+    got = [t for t, _ in eng.generate_ids(PROMPT, params)]
+    assert eng.stats.launches == 1
+    assert [n for n, _, _ in fake.launches] == ["megakernel"]
+    one = Engine(make_executor("cuda-1step", m, 160), prefix_caching=False)
+    assert [t for t, _ in one.generate_ids(PROMPT, params)] == got
+    assert one.stats.launches == len(PROMPT) + 11
+
+
 def test_fake_cupy_grid_not_coresident_is_refused(fake_cupy, tiny):
     from monokernel.runtime import make_executor
 
@@ -303,6 +326,43 @@ def test_gpu_matches_reference(gpu_case, shape, backend):
     m, fed, ref_logits = gpu_case(shape)
     ex = make_executor(backend, m, GPU_MAX_SEQ)
     check_against_reference(ex, fed, ref_logits, f"{backend} {shape}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_many_steps_per_launch(gpu_case, shape):
+    """One launch for the prompt and 10 greedy tokens (R6): the tokens of one launch per step,
+    which check_against_reference holds to the reference; a bounded launch and an early stop
+    (the host's request through mapped memory) end where they should."""
+    from monokernel.kernel.isa import StopReason
+    from monokernel.runtime import make_executor
+
+    m = gpu_case(shape)[0]
+    greedy = DeviceSample(0.0, 0)
+    ex = make_executor("cuda", m, GPU_MAX_SEQ)
+    ex.reset()
+    l0 = ex.launches
+    got = list(ex.run_steps(PROMPT, 0, greedy, stop_pos=len(PROMPT) + DECODE_STEPS - 1))
+    assert ex.launches - l0 == 1 and ex.last_launch.reason == StopReason.POSITION
+    one = make_executor("cuda-1step", m, GPU_MAX_SEQ)
+    one.reset()
+    want = []
+    tok = PROMPT[0]
+    for pos in range(len(PROMPT) + DECODE_STEPS - 1):
+        tok = PROMPT[pos] if pos < len(PROMPT) else tok
+        tok = one.step(tok, pos, greedy).token
+        if pos >= len(PROMPT) - 1:
+            want.append(tok)
+    assert got == want, shape
+    ex.steps_per_launch = 4
+    ex.reset()
+    assert list(ex.run_steps(PROMPT, 0, greedy, stop_pos=len(PROMPT) + DECODE_STEPS - 1)) == want
+    ex.steps_per_launch = 0
+    ex.reset()
+    it = ex.run_steps(PROMPT, 0, greedy)
+    assert [next(it) for _ in range(3)] == want[:3]
+    it.close()
+    assert ex.last_launch.reason == StopReason.HOST and ex.last_launch.end_pos < GPU_MAX_SEQ - 1
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """The CUDA backend: the Device interface (kernel/executor.py) on CuPy.
 
-``cuda`` runs megakernel.cu's persistent kernel as one cooperative launch per decode step;
+``cuda`` runs megakernel.cu's persistent kernel as one cooperative launch per generation (many
+decode steps per launch; ``cuda-1step``: one per step);
 ``cuda-multi`` runs the same program as one launch per op, and ``cuda-multi-graph`` (or
 ``cuda-multi`` with ``graph=True``) replays a whole step from a captured CUDA graph. The Engine,
 the program and the buffers are the executor's; this file only compiles, allocates, copies and
@@ -462,6 +463,13 @@ def _cuda_v1(model, max_seq_len, **options) -> KernelExecutor:
     return _cuda_executor(model, max_seq_len, design=1, name="cuda-v1", **options)
 
 
+def _cuda_1step(model, max_seq_len, **options) -> KernelExecutor:
+    """The megakernel with one launch per decode step (the host feeds every token): the A/B
+    twin of many steps per launch (R6) until a GPU has measured both."""
+    return _cuda_executor(model, max_seq_len, multi_step=False, name="cuda-1step", **options)
+
+
 # backend name -> factory(model, max_seq_len, **options), read by runtime.make_executor
 BACKENDS = {"cuda": _cuda_executor, "cuda-noprefetch": _cuda_noprefetch, "cuda-v1": _cuda_v1,
+            "cuda-1step": _cuda_1step,
             "cuda-multi": _cuda_multi, "cuda-multi-graph": _cuda_multi_graph}

@@ -43,7 +43,8 @@ from ..kernel.isa import State
 from ..model.loader import LoadedModel
 from ..kernel.base import wall_times
 
-KERNEL_BACKENDS = ("cuda", "cuda-noprefetch", "cuda-v1", "cuda-multi", "cuda-multi-graph",
+KERNEL_BACKENDS = ("cuda", "cuda-1step", "cuda-noprefetch", "cuda-v1", "cuda-multi",
+                   "cuda-multi-graph",
                    "emulator", "emulator-multi", "emulator-v1")
 BACKENDS = KERNEL_BACKENDS + ("numpy", "hf", "hf-compile")
 GPU_COPY_BYTES = 1 << 30
@@ -204,6 +205,32 @@ def time_kernel(ex, context: int, warmup: int, steps: int) -> tuple[list[float],
     return list(times), info
 
 
+def time_kernel_chained(ex, context: int, warmup: int, steps: int) -> tuple[list[float], dict]:
+    """Device seconds per decode step when one launch runs them all (many steps per launch,
+    R6): the prompt and the warmup steps in one launch, then one launch of ``steps`` decode
+    steps timed by ``device.time`` (CUDA events around it on the GPU), divided by ``steps``:
+    the step-boundary hops are inside, the launch overhead once."""
+    from ..kernel.base import DeviceSample
+
+    ex.reset()
+    greedy = DeviceSample(0.0, 0)
+    list(ex.run_steps(prompt_tokens(ex.config.vocab_size, context), 0, greedy,
+                      stop_pos=context + warmup))
+    words = ex.read_buffer("control")[:]
+    words[State.STEPS], words[State.STOP_POS], words[State.FEED_END] = steps, 0, 0
+    ex.device.write(ex.buffers["control"], words)
+    n0 = ex.launches
+    (t,) = ex.device.time(ex.run_launches, 1)
+    control = ex.read_buffer("control")
+    ex._check_error(control)
+    want = context + warmup + steps
+    if int(control[State.POS]) != want or ex.launches - n0 != 1:
+        raise KernelError(f"{ex.name}: after one launch of {steps} steps the position is "
+                          f"{int(control[State.POS])}, expected {want}: steps did not run")
+    return [t / steps], {"timer": f"device.time around one launch of {steps} steps, divided "
+                                  "by the steps (many steps per launch)"}
+
+
 def time_numpy(ex, context: int, warmup: int, steps: int) -> tuple[list[float], dict]:
     ex.reset()
     ids = prompt_tokens(ex.config.vocab_size, context)
@@ -349,7 +376,9 @@ def run_bench(models: list[tuple[str, LoadedModel]], backends: list[str], contex
         "method": {"warmup": warmup, "steps": steps, "contexts": contexts,
                    "device_time": "median_us: per decode step, GPU work only (CUDA events "
                                   "around back-to-back launches or graph replays queued behind "
-                                  "a hold kernel; perf_counter on CPU backends)",
+                                  "a hold kernel, or around one launch of all the steps for a "
+                                  "backend that runs many per launch; perf_counter on CPU "
+                                  "backends)",
                    "end_to_end": "e2e_us_per_token: wall time per generated token of the "
                                  "Engine's greedy loop (LLM.generate), host work included",
                    "floor": "weight bytes per token / measured copy bandwidth"},
@@ -379,7 +408,9 @@ def run_bench(models: list[tuple[str, LoadedModel]], backends: list[str], contex
                     setups[f"{shape}/{backend}"] = {
                         "blocks": p.num_blocks, "slots_per_block": p.max_len,
                         "counters": p.num_counters, "critical_path_hops": p.critical_path_hops()}
-                    run = lambda c, ex=ex: time_kernel(ex, c, warmup, steps)  # noqa: E731
+                    timer = time_kernel_chained if getattr(ex, "multi_step", False) \
+                        else time_kernel
+                    run = lambda c, ex=ex, timer=timer: timer(ex, c, warmup, steps)  # noqa: E731
                     e2e = lambda c, ex=ex: time_end_to_end(ex, c, steps)  # noqa: E731
                 elif backend == "numpy":
                     from ..runtime import make_executor
