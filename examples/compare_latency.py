@@ -8,7 +8,8 @@ GB/s (weight bytes per token / median time) and x-floor, where the floor is the 
 divided by the copy bandwidth measured in the same run.
 
 With a GPU: the megakernel (cuda), one launch per op (cuda-multi), the same replayed from a CUDA
-graph (cuda-multi-graph) and Hugging Face transformers (hf). Without one: the CPU emulator running
+graph (cuda-multi-graph), that graph with programmatic dependent launch (cuda-multi-graph-pdl,
+sm_90+) and Hugging Face transformers (hf). Without one: the CPU emulator running
 the same megakernel.cu, and the NumPy reference; the emulator shows that the code runs, not how
 fast a GPU is, so it runs few steps at short contexts.
 
@@ -32,7 +33,7 @@ def main() -> None:
     model = load_model(None)  # the bundled SmolLM2-135M-Instruct
     no_gpu = cuda_unavailable_reason()
     if no_gpu is None:
-        backends = ["cuda", "cuda-multi", "cuda-multi-graph"]
+        backends = ["cuda", "cuda-multi", "cuda-multi-graph", "cuda-multi-graph-pdl"]
         contexts, steps, warmup, blocks = [16, 512, 2048], 100, 10, None
     else:
         print(f"note: no CUDA device ({no_gpu}); running the CPU emulator and the NumPy "

@@ -19,13 +19,15 @@
 #   smoke         ~50 s   write the three synthetic checkpoints (~20 s, float32 randoms), compile
 #                         every shape (NVRTC ~5-10 s each), one step each vs the reference,
 #                         resources, watchdog, %smid of every block, %globaltimer tick (limit 90)
-#   gpu_tests     ~90 s   pytest -m gpu with MONOKERNEL_REQUIRE_GPU=1: 9 executors vs the
-#                         reference over 24 steps, spills, watchdog, grid refusal (limit 150);
+#   gpu_tests     ~100 s  pytest -m gpu with MONOKERNEL_REQUIRE_GPU=1: 10 executors vs the
+#                         reference over 24 steps (one the PDL baseline: one more NVRTC build),
+#                         spills, watchdog, grid refusal (limit 150);
 #                         host side measured in CI by tests/test_gpu_check_script.py
-#   bench_<shape> ~30 s each, one step per shape so a timeout loses one shape, JSON rewritten
-#                         after every row (limit 60 each, 3 shapes)
+#   bench_<shape> ~40 s each, one step per shape so a timeout loses one shape, JSON rewritten
+#                         after every row; the cuda-multi-graph-pdl row adds an NVRTC build
+#                         (MK_PDL=1) of ~5-10 s per shape (limit 60 each, 3 shapes)
 #   trace         ~15 s   one traced SmolLM2 step, Perfetto JSON + PNG (limit 45)
-#   total         ~250 s  (limits add up to 465 s: a hung step cannot eat the rerun's time)
+#   total         ~290 s  (limits add up to 465 s: a hung step cannot eat the rerun's time)
 #
 # Every step's output goes to RESULTS_DIR/<step>.log and its exit code and seconds to
 # RESULTS_DIR/summary.txt; a failed step does not stop the later ones, and the script exits
@@ -146,7 +148,8 @@ else
     EXTRA=""
     [ "$SHAPE" = smollm2-135m ] && EXTRA=",cuda-noprefetch"  # the L2-prefetch A/B
     step "bench_$SHAPE" 60 "$PY" -m monokernel bench --shape "$SHAPE" \
-      --backends "cuda$EXTRA,cuda-multi,cuda-multi-graph$HF" --context 16,512 \
+      --backends "cuda$EXTRA,cuda-multi,cuda-multi-graph,cuda-multi-graph-pdl$HF" \
+      --context 16,512 \
       --steps 50 --warmup 5 --out "$RESULTS"
   done
   step trace 45 "$PY" -m monokernel trace --shape smollm2-135m --backend cuda --out "$RESULTS"

@@ -129,6 +129,9 @@ class FakeCupy:
                 defines = dict(o[2:].split("=", 1) for o in options if o.startswith("-D"))
                 from monokernel.kernel.executor import KERNEL_NAMES
 
+                if "megakernel" in code:
+                    fake.kernel_defines = defines  # the -D options of the last kernel build
+
                 # probes.cu (hold, timer) and every launch in "noop" mode do nothing here
                 if fake.launch_mode == "emulator" and "megakernel" in code:
                     fake.module = fake.emulator.compile(code, KERNEL_NAMES, defines)
@@ -152,6 +155,7 @@ class FakeCupy:
             compiler=types.SimpleNamespace(CompileException=CompileException),
             get_elapsed_time=lambda a, b: 0.5)
         self.RawModule = RawModule
+        self.launch_ex = FakeLaunchEx(self, launch)
         self.zeros = lambda shape, dtype: FakeArray(shape, dtype)
         self.empty = lambda shape, dtype: FakeArray(shape, dtype)
         self.ones = lambda shape, dtype: _filled(FakeArray(shape, dtype), 1)
@@ -160,6 +164,34 @@ class FakeCupy:
         self.__version__ = "0.0-fake"
         self.show_config = lambda: print("fake CuPy (tests/fake_cupy.py): launches are",
                                          launch_mode)
+
+
+class FakeLaunchEx:
+    """Stands in for libcuda's cuLaunchKernelEx (monokernel.kernel.libcuda.LibcudaLaunchEx):
+    decodes the CUlaunchConfig at the address it is given, records it in ``configs`` (name,
+    grid, block, shared bytes, stream, [(attribute id, int value)]), then launches like
+    cuLaunchKernel (run now, or captured into the stream's graph)."""
+
+    def __init__(self, fake: FakeCupy, launch):
+        self.fake, self._launch = fake, launch
+        self.configs: list[dict] = []
+
+    def launch(self, config_addr: int, func: int, kernel_params: int) -> int:
+        from monokernel.kernel.libcuda import CUlaunchConfig
+
+        c = CUlaunchConfig.from_address(config_addr)
+        attrs = [(c.attrs[i].id, c.attrs[i].value.programmaticStreamSerializationAllowed)
+                 for i in range(c.numAttrs)]
+        self.configs.append({
+            "name": self.fake.functions[func], "grid": (c.gridDimX, c.gridDimY, c.gridDimZ),
+            "block": (c.blockDimX, c.blockDimY, c.blockDimZ), "shared": c.sharedMemBytes,
+            "stream": c.hStream or 0, "attrs": attrs})
+        self._launch(func, c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY,
+                     c.blockDimZ, c.sharedMemBytes, c.hStream or 0, kernel_params)
+        return 0
+
+    def error_name(self, code: int) -> str:
+        return f"CUresult {code}"
 
 
 def _filled(arr: FakeArray, value) -> FakeArray:

@@ -7,10 +7,16 @@ Why the PTX check matters (ARCHITECTURE section 4): data that other blocks write
 every CPU test passes. The check traces, inside each kernel's PTX, which field of the Params
 argument every ld.global.nc address is computed from, and requires it to be a `const` field
 (weights, RoPE tables, the program).
+
+The MK_PDL=1 build (programmatic dependent launch, backend cuda-multi-graph-pdl) is checked the
+same way, plus: each thin kernel issues griddepcontrol.launch_dependents, then only reads that
+no earlier launch writes, then griddepcontrol.wait (PTX and SASS); sm_80 and the plain build
+have no griddepcontrol.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -253,3 +259,88 @@ def test_object_file_builds(tmp_path):
     src = tmp_path / "qwen2-tiny.cu"
     src.write_text(kernel_source(ModelConfig.from_name("qwen2-tiny"), 64))
     nvcc(src, tmp_path / "qwen2-tiny.o", "-c", "-arch=sm_90")
+
+
+# ================================================================================================
+# Programmatic dependent launch (MK_PDL=1, backend cuda-multi-graph-pdl)
+# ================================================================================================
+OP_KERNELS = [n for n in KERNEL_NAMES if n.startswith("op_")]
+
+
+def ptx_entries(ptx: str) -> dict[str, str]:
+    return {body[:body.index("(")]: body
+            for body in re.split(r"^\.visible \.entry ", ptx, flags=re.MULTILINE)[1:]}
+
+
+@pytest.fixture(scope="module")
+def built_pdl(tmp_path_factory):
+    """SmolLM2 with -DMK_PDL=1: sm_90 cubin (ptxas report), sm_90 PTX, sm_80 PTX."""
+    root = tmp_path_factory.mktemp("nvcc-pdl")
+    src = root / "smollm2-135m.cu"
+    src.write_text(kernel_source(ModelConfig.from_name("smollm2-135m"), MAX_SEQ))
+    jobs = [("sm_90", root / "pdl-sm_90.cubin", ("-cubin", "-arch=sm_90", "-Xptxas", "-v")),
+            ("ptx", root / "pdl-sm_90.ptx", ("-ptx", "-arch=sm_90")),
+            ("ptx_sm_80", root / "pdl-sm_80.ptx", ("-ptx", "-arch=sm_80"))]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        reports = list(pool.map(lambda j: nvcc(src, j[1], *j[2], "-DMK_PDL=1"), jobs))
+    out = {kind: (path.read_text() if kind.startswith("ptx") else report)
+           for (kind, path, _), report in zip(jobs, reports)}
+    out["cubin"] = str(root / "pdl-sm_90.cubin")
+    return out
+
+
+def test_pdl_thin_kernels_launch_dependents_then_wait(built_pdl):
+    """Each thin kernel: launch_dependents, then griddepcontrol.wait, with nothing before the
+    wait that reads what an earlier launch wrote: only the program words and weights (the
+    non-coherent path, which the tracer below confines to const fields) and one plain load,
+    the host-written program length. The megakernel has no griddepcontrol."""
+    entries = ptx_entries(built_pdl["ptx"])
+    assert "griddepcontrol" not in entries["megakernel"]
+    for name in OP_KERNELS:
+        body = entries[name]
+        assert body.count("griddepcontrol.launch_dependents;") == 1, name
+        assert body.count("griddepcontrol.wait;") == 1, name
+        before = body[:body.index("griddepcontrol.wait;")]
+        assert "griddepcontrol.launch_dependents;" in before, name
+        loads = re.findall(r"^\s*(?:@!?%p\d+\s+)?(ld\.global[\w.]*)", before, flags=re.MULTILINE)
+        plain = [ld for ld in loads if not ld.startswith("ld.global.nc")]
+        assert len(plain) == 1, f"{name}: plain global loads before griddepcontrol.wait: {plain}"
+        assert not re.search(r"^\s*(?:@!?%p\d+\s+)?(st|atom|red)\.global", before,
+                             flags=re.MULTILINE), f"{name}: a global write before the wait"
+    # the weight ops prefetch their rows into L2 before the wait: that is the overlap PDL buys
+    for name in ("op_RMS_QKV_ROPE", "op_O_PROJ_RESIDUAL", "op_RMS_GATE_UP", "op_DOWN_RESIDUAL",
+                 "op_RMS_LM_HEAD"):
+        before = entries[name][:entries[name].index("griddepcontrol.wait;")]
+        assert "prefetch.global.L2" in before, name
+    assert not nc_violations(built_pdl["ptx"]), nc_violations(built_pdl["ptx"])
+
+
+def test_pdl_build_has_no_spills_and_sm_80_and_plain_builds_have_no_griddepcontrol(built_pdl,
+                                                                                   built):
+    props = ptxas_properties(built_pdl["sm_90"])
+    assert set(KERNEL_NAMES) <= set(props)
+    bad = {f: p for f, p in props.items() if p != (0, 0, 0)}
+    assert not bad, f"MK_PDL=1 sm_90: (stack frame, spill stores, spill loads) bytes: {bad}"
+    assert "griddepcontrol" not in built_pdl["ptx_sm_80"]  # the guard: PDL is sm_90+ only
+    assert "griddepcontrol" not in built["smollm2-135m"]["ptx"]  # no MK_PDL: unchanged
+
+
+def test_pdl_sass_has_the_grid_dependency_instructions(built_pdl):
+    """In the SASS (cuobjdump, as tests/test_sass.py): launch_dependents is PREEXIT and
+    griddepcontrol.wait is ACQBULK, once in each thin kernel, in that order."""
+    from test_sass import cuobjdump
+
+    tool = cuobjdump()
+    env = dict(os.environ, PATH=str(Path(tool).parent) + os.pathsep + os.environ.get("PATH", ""))
+    out = subprocess.run([tool, "-sass", built_pdl["cubin"]], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    funcs = dict(re.findall(r"Function : (\w+)\n(.*?)(?=\n\s*Function : |\Z)", out.stdout,
+                            flags=re.DOTALL))
+    assert set(KERNEL_NAMES) <= set(funcs), sorted(funcs)
+    assert not re.search(r"\b(PREEXIT|ACQBULK)\b", funcs["megakernel"])
+    for name in OP_KERNELS:
+        sass = funcs[name]
+        assert len(re.findall(r"\bPREEXIT\b", sass)) == 1, name
+        assert len(re.findall(r"\bACQBULK\b", sass)) == 1, name
+        assert sass.index("PREEXIT") < sass.index("ACQBULK"), name

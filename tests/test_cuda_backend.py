@@ -99,7 +99,7 @@ def test_import_registers_executors_without_cupy():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == ("['cuda', 'cuda-1step', 'cuda-multi', 'cuda-multi-graph', "
-                        "'cuda-noprefetch', 'cuda-v1']")
+                        "'cuda-multi-graph-pdl', 'cuda-noprefetch', 'cuda-v1']")
     assert lines[1].startswith("BackendUnavailableError CuPy is not installed: pip install")
 
 
@@ -121,7 +121,8 @@ def test_no_device_reason(monkeypatch):
 
 
 @pytest.mark.skipif(cuda_device_present(), reason="a CUDA device is present")
-@pytest.mark.parametrize("backend", ["cuda", "cuda-multi", "cuda-multi-graph"])
+@pytest.mark.parametrize("backend", ["cuda", "cuda-multi", "cuda-multi-graph",
+                                     "cuda-multi-graph-pdl"])
 def test_make_executor_without_device_raises_with_reason(synth_dir, backend):
     """Whatever this machine has (no CuPy, or CuPy without a GPU), the error comes at once and
     says which; a subprocess with a timeout proves it never hangs."""
@@ -167,15 +168,17 @@ def test_kernel_resources_on_the_emulator_is_empty():
 # ================================================================================================
 @pytest.fixture
 def fake_cupy(monkeypatch):
-    """``fake_cupy(**kw)`` installs a FakeCupy as ``cupy`` (and cupyx.empty_pinned)."""
+    """``fake_cupy(**kw)`` installs a FakeCupy as ``cupy`` (and cupyx.empty_pinned), and its
+    stand-in for libcuda's cuLaunchKernelEx."""
     def install(**kw):
         fake = FakeCupy(**kw)
         monkeypatch.setitem(sys.modules, "cupy", fake)
         monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(
             empty_pinned=lambda shape, dtype: np.empty(shape, dtype)))
-        from monokernel.kernel import cuda_backend
+        from monokernel.kernel import cuda_backend, libcuda
 
         monkeypatch.setattr(cuda_backend, "_MODULES", {})
+        monkeypatch.setattr(libcuda, "load_launch_ex", lambda: fake.launch_ex)
         return fake
 
     return install
@@ -190,9 +193,10 @@ def tiny(synth_dir):
     return m, fed, logits
 
 
-@pytest.mark.parametrize("backend,launches_per_step", [
-    ("cuda", 1), ("cuda-multi", None), ("cuda-multi-graph", None)])
-def test_fake_cupy_device_matches_reference(fake_cupy, tiny, backend, launches_per_step):
+@pytest.mark.parametrize("backend", ["cuda", "cuda-multi", "cuda-multi-graph",
+                                     "cuda-multi-graph-pdl"])
+def test_fake_cupy_device_matches_reference(fake_cupy, tiny, backend):
+    from monokernel.kernel.isa import NUM_THREADS
     from monokernel.runtime import make_executor
 
     fake = fake_cupy(num_sms=3)
@@ -206,6 +210,56 @@ def test_fake_cupy_device_matches_reference(fake_cupy, tiny, backend, launches_p
         assert all(coop and grid == 3 for _, grid, coop in fake.launches)
     else:
         assert "megakernel" not in names and not any(coop for _, _, coop in fake.launches)
+    configs = fake.launch_ex.configs
+    if backend != "cuda-multi-graph-pdl":
+        assert configs == []  # cuLaunchKernelEx only for PDL
+        assert "MK_PDL" not in fake.kernel_defines  # the plain builds are unchanged
+        return
+    # every op of the captured step went through cuLaunchKernelEx with the PDL attribute, once
+    # (captured, then replayed), on the device's stream
+    assert [c["name"] for c in configs] == [n for n, _ in ex._op_params]
+    for c in configs:
+        assert c["grid"] == (3, 1, 1) and c["block"] == (NUM_THREADS, 1, 1), c
+        assert c["shared"] == 0 and c["stream"] == ex.device.stream.ptr, c
+        assert c["attrs"] == [(6, 1)], c  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert fake.kernel_defines["MK_PDL"] == "1"
+
+
+def test_fake_cupy_pdl_without_graph_launches_every_op_through_launch_ex(fake_cupy, tiny):
+    from monokernel.kernel.cuda_backend import _cuda_executor
+
+    fake = fake_cupy(num_sms=2)
+    ex = _cuda_executor(tiny[0], 160, multi=True, pdl=True)
+    assert ex.name == "cuda-multi-pdl"
+    ex.step(1, 0)
+    ex.step(5, 1)
+    n = len(ex._op_params)
+    assert len(fake.launch_ex.configs) == 2 * n  # no graph: every step launches anew
+    assert [name for name, _, _ in fake.launches] == [c["name"] for c in fake.launch_ex.configs]
+
+
+def test_fake_cupy_pdl_is_refused_below_sm_90_and_for_the_megakernel(fake_cupy, tiny):
+    from monokernel.kernel.cuda_backend import _cuda_executor
+    from monokernel.runtime import make_executor
+
+    fake = fake_cupy(num_sms=2)
+    with pytest.raises(KernelError, match="pdl=True is for the multi-kernel baseline"):
+        _cuda_executor(tiny[0], 160, pdl=True)
+    fake.cuda.Device.compute_capability = "80"
+    with pytest.raises(BackendUnavailableError, match="needs sm_90.*sm_80: use cuda-multi-graph"):
+        make_executor("cuda-multi-graph-pdl", tiny[0], 160)
+    assert fake.launches == [] and fake.launch_ex.configs == []
+
+
+def test_fake_cupy_pdl_launch_error_names_the_result(fake_cupy, tiny):
+    from monokernel.runtime import make_executor
+
+    fake = fake_cupy(num_sms=2)
+    ex = make_executor("cuda-multi-graph-pdl", tiny[0], 160)
+    fake.launch_ex.launch = lambda cfg, func, params: 1  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(KernelError, match=r"launch of op_EMBED \(grid 2 x 256 threads, PDL\) "
+                                          r"failed: .*cuLaunchKernelEx returned CUresult 1"):
+        ex.step(1, 0)
 
 
 def test_fake_cupy_many_steps_in_one_launch(fake_cupy, tiny):
@@ -326,6 +380,20 @@ def test_gpu_matches_reference(gpu_case, shape, backend):
     m, fed, ref_logits = gpu_case(shape)
     ex = make_executor(backend, m, GPU_MAX_SEQ)
     check_against_reference(ex, fed, ref_logits, f"{backend} {shape}")
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_matches_reference_without_spills(gpu_case):
+    """The strong baseline (graph + programmatic dependent launch) on the shape with the most
+    launches per step (152): a griddepcontrol.wait in the wrong place would show as a race."""
+    from monokernel.kernel.cuda_backend import kernel_resources
+    from monokernel.runtime import make_executor
+
+    m, fed, ref_logits = gpu_case("smollm2-135m")
+    ex = make_executor("cuda-multi-graph-pdl", m, GPU_MAX_SEQ)
+    spills = {n: r["local_bytes"] for n, r in kernel_resources(ex).items() if r["local_bytes"]}
+    assert not spills, f"MK_PDL=1 build: local (spill) bytes per kernel: {spills}"
+    check_against_reference(ex, fed, ref_logits, "cuda-multi-graph-pdl smollm2-135m")
 
 
 @pytest.mark.gpu

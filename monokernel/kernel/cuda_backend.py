@@ -3,7 +3,11 @@
 ``cuda`` runs megakernel.cu's persistent kernel as one cooperative launch per generation (many
 decode steps per launch; ``cuda-1step``: one per step);
 ``cuda-multi`` runs the same program as one launch per op, and ``cuda-multi-graph`` (or
-``cuda-multi`` with ``graph=True``) replays a whole step from a captured CUDA graph. The Engine,
+``cuda-multi`` with ``graph=True``) replays a whole step from a captured CUDA graph.
+``cuda-multi-graph-pdl`` is the strongest multi-kernel baseline: the graph of
+``cuda-multi-graph`` whose launches use programmatic dependent launch (sm_90+; kernel/libcuda.py),
+so each op's prologue overlaps the previous op's tail. The plain ``cuda-multi-graph`` stays as
+it was (its kernels are built without MK_PDL), so the two are each other's A/B twin. The Engine,
 the program and the buffers are the executor's; this file only compiles, allocates, copies and
 launches, so it is the only code that needs a GPU.
 
@@ -21,6 +25,7 @@ Guarantees (ARCHITECTURE sections 4 and 5):
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import time
 from pathlib import Path
@@ -28,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BackendUnavailableError, KernelError
+from . import libcuda
 from .isa import NUM_THREADS
 from .executor import KernelExecutor
 
@@ -99,6 +105,7 @@ class CupyDevice:
         self._coresident_ok: set[tuple[str, str, int]] = set()
         self._broken: str | None = None
         self._probe_module: CupyModule | None = None
+        self._launch_ex: libcuda.LibcudaLaunchEx | None = None  # cuLaunchKernelEx, on first use
 
     def __repr__(self) -> str:
         return f"CupyDevice({self.device_id}: {self.gpu_name}, sm_{self.cc}, {self.num_sms} SMs)"
@@ -193,10 +200,16 @@ class CupyDevice:
 
     # ---- launch ---------------------------------------------------------------------------
     def launch(self, module: CupyModule, name: str, grid: int, params: np.ndarray,
-               cooperative: bool) -> None:
+               cooperative: bool, pdl: bool = False) -> None:
         """One launch of ``name`` with ``grid`` blocks of NUM_THREADS threads; ``params`` is the
-        struct Params argument (a structured numpy array of one element, params_dtype())."""
+        struct Params argument (a structured numpy array of one element, params_dtype()).
+        ``pdl``: launch through cuLaunchKernelEx with programmatic stream serialization allowed
+        (the kernel must execute griddepcontrol.wait before reading its predecessor's output:
+        megakernel.cu's thin kernels built with MK_PDL=1 do)."""
         self._check_usable()
+        if pdl and cooperative:
+            raise KernelError(f"cuda: {name}: a cooperative launch cannot also be a "
+                              "programmatic dependent launch here")
         kernel = module.kernels[name]
         func = kernel.kernel.ptr
         arg = np.ascontiguousarray(params).reshape(-1)
@@ -206,7 +219,7 @@ class CupyDevice:
         # driver copies the struct's bytes before it returns.
         kparams = np.array([arg.ctypes.data], dtype=np.uintp)
         drv = self.cp.cuda.driver
-        label = f"{name} (grid {grid} x {NUM_THREADS} threads)"
+        label = f"{name} (grid {grid} x {NUM_THREADS} threads{', PDL' if pdl else ''})"
         if cooperative:
             self._check_coresident(module, name, grid)
         try:
@@ -214,6 +227,12 @@ class CupyDevice:
                 if cooperative:
                     drv.launchCooperativeKernel(func, grid, 1, 1, NUM_THREADS, 1, 1, 0,
                                                 self.stream.ptr, kparams.ctypes.data)
+                elif pdl:
+                    ex = self.launch_ex()
+                    cfg = libcuda.programmatic_launch_config(grid, NUM_THREADS, self.stream.ptr)
+                    rc = ex.launch(ctypes.addressof(cfg), func, kparams.ctypes.data)
+                    if rc != libcuda.CUDA_SUCCESS:
+                        raise KernelError(f"cuLaunchKernelEx returned {ex.error_name(rc)}")
                 else:
                     drv.launchKernel(func, grid, 1, 1, NUM_THREADS, 1, 1, 0, self.stream.ptr,
                                      kparams.ctypes.data, 0)
@@ -221,6 +240,12 @@ class CupyDevice:
             raise KernelError(f"cuda: launch of {label} failed: {type(e).__name__}: {e}") \
                 from None
         self._in_flight.append(label)
+
+    def launch_ex(self) -> "libcuda.LibcudaLaunchEx":
+        """The driver's cuLaunchKernelEx (libcuda.load_launch_ex), loaded on first use."""
+        if self._launch_ex is None:
+            self._launch_ex = libcuda.load_launch_ex()
+        return self._launch_ex
 
     def _check_coresident(self, module: CupyModule, name: str, grid: int) -> None:
         """A persistent kernel whose blocks wait on each other needs every block resident at
@@ -435,12 +460,19 @@ def kernel_resources(executor: KernelExecutor) -> dict[str, dict[str, int]]:
 # Executors
 # ================================================================================================
 def _cuda_executor(model, max_seq_len, *, multi: bool = False, graph: bool = False,
-                   blocks: int | None = None, watchdog_ms: int = 2000, device_id: int = 0,
-                   **options) -> KernelExecutor:
+                   pdl: bool = False, blocks: int | None = None, watchdog_ms: int = 2000,
+                   device_id: int = 0, **options) -> KernelExecutor:
     """One block per SM by default; the host's wait allows the kernel's watchdog plus
-    HOST_GRACE_S before it gives up on a launch."""
+    HOST_GRACE_S before it gives up on a launch. ``pdl`` (with ``multi``): programmatic
+    dependent launch, refused below sm_90 or without the driver's cuLaunchKernelEx."""
     device = CupyDevice(device_id, host_timeout_s=watchdog_ms / 1000 + HOST_GRACE_S)
-    return KernelExecutor(model, max_seq_len, device=device, multi=multi, graph=graph,
+    if pdl:
+        if int(device.cc) < 90:
+            raise BackendUnavailableError(
+                f"programmatic dependent launch needs sm_90+; {device.gpu_name} is "
+                f"sm_{device.cc}: use cuda-multi-graph")
+        device.launch_ex()  # a missing driver entry point fails here, not at the first step
+    return KernelExecutor(model, max_seq_len, device=device, multi=multi, graph=graph, pdl=pdl,
                           blocks=blocks or device.num_sms, watchdog_ms=watchdog_ms, **options)
 
 
@@ -450,6 +482,16 @@ def _cuda_multi(model, max_seq_len, **options) -> KernelExecutor:
 
 def _cuda_multi_graph(model, max_seq_len, **options) -> KernelExecutor:
     return _cuda_executor(model, max_seq_len, multi=True, graph=True, **options)
+
+
+def _cuda_multi_graph_pdl(model, max_seq_len, **options) -> KernelExecutor:
+    """The strong multi-kernel baseline (issue 8): one launch per op, replayed as a CUDA graph,
+    every launch a programmatic dependent launch, so that the next op's blocks are resident
+    and have issued their L2 weight prefetch when the previous op ends. A separate name rather
+    than a change to ``cuda-multi-graph``, so that the graph alone and graph + PDL are an A/B
+    pair in one bench run. Needs sm_90+ (griddepcontrol) and a CUDA 12.3+ driver (PDL edges
+    in captured graphs); refused with the reason on older GPUs."""
+    return _cuda_executor(model, max_seq_len, multi=True, graph=True, pdl=True, **options)
 
 
 def _cuda_noprefetch(model, max_seq_len, **options) -> KernelExecutor:
@@ -472,4 +514,5 @@ def _cuda_1step(model, max_seq_len, **options) -> KernelExecutor:
 # backend name -> factory(model, max_seq_len, **options), read by runtime.make_executor
 BACKENDS = {"cuda": _cuda_executor, "cuda-noprefetch": _cuda_noprefetch, "cuda-v1": _cuda_v1,
             "cuda-1step": _cuda_1step,
-            "cuda-multi": _cuda_multi, "cuda-multi-graph": _cuda_multi_graph}
+            "cuda-multi": _cuda_multi, "cuda-multi-graph": _cuda_multi_graph,
+            "cuda-multi-graph-pdl": _cuda_multi_graph_pdl}

@@ -3,7 +3,8 @@
 ``KernelExecutor`` owns the Program, the weights laid out for the kernel, the activation
 buffers and the step loop. A ``Device`` only allocates, copies, compiles and launches: the CPU
 emulator here, CuPy in cuda_backend.py. ``multi=True`` runs the same program as one launch per op
-(the multi-kernel baseline) instead of one persistent launch per step.
+(the multi-kernel baseline) instead of one persistent launch per step; ``pdl=True`` builds those
+thin kernels with MK_PDL=1 and asks the device for programmatic dependent launches.
 """
 
 from __future__ import annotations
@@ -127,7 +128,10 @@ class EmulatorDevice:
     def fill(self, buf: np.ndarray, value) -> None:
         buf[...] = value
 
-    def launch(self, module, name: str, grid: int, params: np.ndarray, cooperative: bool) -> None:
+    def launch(self, module, name: str, grid: int, params: np.ndarray, cooperative: bool,
+               pdl: bool = False) -> None:
+        """``pdl`` changes nothing here: launches run one after another, and the emulator's
+        build of MK_PDL=1 has no griddepcontrol (it is sm_90 device code only)."""
         module.launch(name, grid, NUM_THREADS, params.ctypes.data, self.timeout_s)
 
     def synchronize(self) -> None:
@@ -214,13 +218,17 @@ class KernelExecutor(Executor):
     device_sampling = True
 
     def __init__(self, model: LoadedModel, max_seq_len: int, *, device=None, blocks: int = 4,
-                 multi: bool = False, graph: bool = False, prefetch: bool = True,
+                 multi: bool = False, graph: bool = False, pdl: bool = False,
+                 prefetch: bool = True,
                  attn_splits: int | None = None, watchdog_ms: int = 20000,
                  trace: bool = False, program: Program | None = None, name: str | None = None,
                  design: int = DEFAULT_DESIGN, attn_min_chunk: int | None = None,
                  multi_step: bool = True, steps_per_launch: int = 0):
         super().__init__(model, max_seq_len)
         self.device = device or EmulatorDevice()
+        if pdl and not multi:
+            raise KernelError("pdl=True is for the multi-kernel baseline (multi=True): the "
+                              "persistent megakernel is one launch per step")
         self.multi = multi
         # many steps per launch (the persistent kernel only; the baseline is one op a launch):
         # ``steps_per_launch`` bounds a launch (0: until a stop), ``multi_step=False`` is the
@@ -234,9 +242,10 @@ class KernelExecutor(Executor):
         self._stop_key: frozenset | None = None
         self.last_launch: LaunchEnd | None = None
         self.graph = graph and multi
+        self.pdl = pdl
         self._graph = None
         self.name = name or (self.device.name + ("-multi" if multi else "")
-                             + ("-graph" if self.graph else ""))
+                             + ("-graph" if self.graph else "") + ("-pdl" if pdl else ""))
         self.watchdog_ms = watchdog_ms
         self.trace_enabled = trace
         c = self.config
@@ -248,6 +257,8 @@ class KernelExecutor(Executor):
                    "MK_DESIGN": str(self.program.design)}
         if trace:
             defines["MK_TRACE"] = "1"
+        if pdl:
+            defines["MK_PDL"] = "1"
         self.module = self.device.compile(kernel_source(c, max_seq_len), KERNEL_NAMES, defines)
         self._alloc_buffers(model)
         self._broken: str | None = None
@@ -368,7 +379,8 @@ class KernelExecutor(Executor):
         if not self.graph:
             self.launches += len(self._op_params) - 1  # run_launches counted one
         for name, pp in self._op_params:
-            self.device.launch(self.module, name, self.blocks, pp, cooperative=False)
+            self.device.launch(self.module, name, self.blocks, pp, cooperative=False,
+                               pdl=self.pdl)
 
     # ---- many steps per launch ----------------------------------------------------------------
     def run_steps(self, tokens: list[int], start_pos: int, sample: DeviceSample, *,

@@ -1131,11 +1131,53 @@ megakernel(const Params P) {
   run_instructions<OP_NOOP>(P, P.begin, P.end);
 }
 
+// Programmatic dependent launch (PDL) for the thin kernels below: -DMK_PDL=1, built only for
+// the cuda-multi-graph-pdl backend, which launches every op with the programmatic stream
+// serialization attribute. A kernel first lets its successor launch (launch_dependents: the
+// next op's blocks may be placed on SMs while this op still runs, where resources allow; it
+// orders no memory), then issues what does not depend on the previous launch (the L2
+// prefetch of its weight rows and norm weights), and only then waits for the previous launch
+// to complete with its writes visible (griddepcontrol.wait). Every block waits, work or not:
+// a kernel that could finish before its predecessor would break the chain for the kernel
+// after it. The counter waits inside run_instructions stay and then succeed at once. Reading
+// the program length from the state words before the wait is safe: only the host writes
+// S_PROGRAM_LEN. Without MK_PDL, below sm_90 and in the CPU emulator this is an empty
+// function: those builds are unchanged.
+#ifndef MK_PDL
+#define MK_PDL 0
+#endif
+template <int ONLY>
+__device__ __forceinline__ void pdl_prologue(const Params& P) {
+#if MK_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const int len = P.state[S_PROGRAM_LEN];
+  for (int i = P.begin; i < P.end; ++i) {
+    const int* ins = P.program + ((size_t)blockIdx.x * len + i) * MK_WIDTH;
+    int w[MK_WIDTH];
+#pragma unroll
+    for (int k = 0; k < MK_WIDTH; ++k) w[k] = __ldg(ins + k);
+    if (w[W_OP] != ONLY) continue;  // NOOP padding; a wrong opcode is reported after the wait
+    w[W_OP] = ONLY;  // a constant: only this op's case of prefetch_weights is compiled
+#if MK_PREFETCH
+    prefetch_weights(P, w);
+#endif
+    const int lay = w[W_LAYER];
+    if (ONLY == OP_RMS_QKV_ROPE) prefetch_l2(P.in_norm + (size_t)lay * H, H * 2);
+    if (ONLY == OP_RMS_GATE_UP) prefetch_l2(P.post_norm + (size_t)lay * H, H * 2);
+    if (ONLY == OP_RMS_LM_HEAD) prefetch_l2(P.final_norm, H * 2);
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#else
+  (void)P;
+#endif
+}
+
 // The multi-kernel baseline: one thin kernel per op; the host launches instruction slots
 // [P.begin, P.end) of one op at a time, in order.
 #define MK_OP_ENTRY(NAME)                                                    \
   extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)                \
   op_##NAME(const Params P) {                                                \
+    pdl_prologue<OP_##NAME>(P);                                              \
     run_instructions<OP_##NAME>(P, P.begin, P.end);                          \
   }
 MK_OP_ENTRY(EMBED)

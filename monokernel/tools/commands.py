@@ -24,7 +24,8 @@ from .plan import H200_SMS, cmd_plan
 
 # `monokernel bench` defaults: the GPU comparison where a GPU is, else what a CPU can run in
 # about a minute (the emulator is an instrument for correctness, ~0.5 s per SmolLM2 step).
-GPU_DEFAULTS = {"backends": "cuda,cuda-multi,cuda-multi-graph,hf", "context": "16,512,2048",
+GPU_DEFAULTS = {"backends": "cuda,cuda-multi,cuda-multi-graph,cuda-multi-graph-pdl,hf",
+                "context": "16,512,2048",
                 "steps": 100, "warmup": 10}
 CPU_DEFAULTS = {"backends": "numpy,emulator", "context": "16", "steps": 5, "warmup": 1}
 
@@ -57,8 +58,9 @@ def add_commands(sub) -> None:
     p = sub.add_parser("bench", help="decode latency of each backend vs the bandwidth floor")
     _add_model_or_shape(p, several=True)
     p.add_argument("--backends", default=None,
-                   help="comma list of: cuda, cuda-noprefetch, cuda-multi, cuda-multi-graph, "
-                        "hf, hf-compile, emulator, emulator-multi, numpy (default: "
+                   help="comma list of: cuda, cuda-noprefetch, cuda-v1, cuda-multi, "
+                        "cuda-multi-graph, cuda-multi-graph-pdl, hf, hf-compile, emulator, "
+                        "emulator-multi, emulator-v1, numpy (default: "
                         f"{GPU_DEFAULTS['backends']} with a GPU, else {CPU_DEFAULTS['backends']})")
     p.add_argument("--context", default=None,
                    help="comma list of context lengths (default: "

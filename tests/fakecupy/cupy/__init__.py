@@ -16,3 +16,9 @@ zeros, empty, ones, copyto = _fake.zeros, _fake.empty, _fake.ones, _fake.copyto
 uint8, uint64 = _fake.uint8, _fake.uint64
 show_config = _fake.show_config
 __version__ = _fake.__version__
+
+# cuLaunchKernelEx (programmatic dependent launch) comes from libcuda, not from CuPy: point the
+# backend at the fake's (monokernel imports cupy lazily, so it is importable here)
+import monokernel.kernel.libcuda as _libcuda  # noqa: E402
+
+_libcuda.load_launch_ex = lambda: _fake.launch_ex

@@ -1,0 +1,108 @@
+"""kernel/libcuda.py: cuLaunchKernelEx through ctypes (programmatic dependent launch).
+
+The ctypes structures must match the driver's: a wrong size or offset would hand the driver a
+garbled launch configuration on the GPU while every fake-CuPy test passes. So a C++ program is
+compiled against the CUDA toolkit's own cuda.h (nvcc finds the header; skipped without nvcc)
+and its sizeof/alignof/offsetof and enum values are compared with the ctypes layout. The
+errors for a missing driver library or entry point are checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import shutil
+import subprocess
+import types
+
+import pytest
+
+from monokernel.errors import KernelError
+from monokernel.kernel import libcuda
+from monokernel.kernel.libcuda import CUlaunchAttribute, CUlaunchAttributeValue, CUlaunchConfig
+
+NVCC = shutil.which("nvcc")
+CONFIG_FIELDS = ("gridDimX", "gridDimY", "gridDimZ", "blockDimX", "blockDimY", "blockDimZ",
+                 "sharedMemBytes", "hStream", "attrs", "numAttrs")
+
+
+def ctypes_layout() -> dict[str, int]:
+    out = {"sizeof CUlaunchAttributeValue": ctypes.sizeof(CUlaunchAttributeValue),
+           "alignof CUlaunchAttributeValue": ctypes.alignment(CUlaunchAttributeValue),
+           "sizeof CUlaunchAttribute": ctypes.sizeof(CUlaunchAttribute),
+           "alignof CUlaunchAttribute": ctypes.alignment(CUlaunchAttribute),
+           "offsetof CUlaunchAttribute.id": CUlaunchAttribute.id.offset,
+           "offsetof CUlaunchAttribute.value": CUlaunchAttribute.value.offset,
+           "offsetof CUlaunchAttributeValue.programmaticStreamSerializationAllowed":
+               CUlaunchAttributeValue.programmaticStreamSerializationAllowed.offset,
+           "sizeof CUlaunchConfig": ctypes.sizeof(CUlaunchConfig),
+           "alignof CUlaunchConfig": ctypes.alignment(CUlaunchConfig),
+           "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION":
+               libcuda.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+           "CUDA_SUCCESS": libcuda.CUDA_SUCCESS}
+    for f in CONFIG_FIELDS:
+        out[f"offsetof CUlaunchConfig.{f}"] = getattr(CUlaunchConfig, f).offset
+    return out
+
+
+def header_layout(tmp_path) -> dict[str, int]:
+    """The same quantities as the C compiler sees them in the toolkit's cuda.h."""
+    keys = list(ctypes_layout())
+    exprs = []
+    for k in keys:
+        kind, _, what = k.partition(" ")
+        if kind == "offsetof":
+            struct, member = what.split(".")
+            exprs.append(f"offsetof({struct}, {member})")
+        elif kind in ("sizeof", "alignof"):
+            exprs.append(f"{kind}({what})")
+        else:
+            exprs.append(k)
+    src = tmp_path / "layout.cpp"
+    src.write_text("#include <cuda.h>\n#include <cstddef>\n#include <cstdio>\nint main() {\n"
+                   + "".join(f'  std::printf("%lld\\n", (long long)({e}));\n' for e in exprs)
+                   + "}\n")
+    exe = tmp_path / "layout"
+    proc = subprocess.run([NVCC, str(src), "-o", str(exe)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    values = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30,
+                            check=True).stdout.split()
+    return dict(zip(keys, map(int, values)))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH (CUDA toolkit's cuda.h needed)")
+def test_ctypes_layout_matches_cuda_h(tmp_path):
+    want = header_layout(tmp_path)
+    got = ctypes_layout()
+    assert got == want, {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+    assert want["sizeof CUlaunchAttribute"] == 72 and want["offsetof CUlaunchAttribute.value"] == 8
+
+
+def test_programmatic_launch_config_fields_and_lifetime():
+    cfg = libcuda.programmatic_launch_config(132, 256, 0xABC0)
+    gc.collect()  # the attribute array must live as long as the config
+    assert (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ) == (132, 1, 1)
+    assert (cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ, cfg.sharedMemBytes) == (256, 1, 1, 0)
+    assert cfg.hStream == 0xABC0 and cfg.numAttrs == 1
+    attr = cfg.attrs[0]
+    assert attr.id == libcuda.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert attr.value.programmaticStreamSerializationAllowed == 1
+    raw = ctypes.string_at(ctypes.addressof(attr), ctypes.sizeof(attr))
+    assert raw[:4] == (6).to_bytes(4, "little") and raw[8:12] == (1).to_bytes(4, "little")
+    assert libcuda.programmatic_launch_config(1, 32, 0).hStream is None  # the legacy stream
+
+
+def test_missing_driver_library_is_a_kernel_error(monkeypatch):
+    def no_lib(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_lib)
+    with pytest.raises(KernelError, match="cuLaunchKernelEx, but the driver library could not "
+                                          "be loaded .*libcuda.so.1"):
+        libcuda.load_launch_ex()
+
+
+def test_driver_without_cu_launch_kernel_ex_is_a_kernel_error():
+    with pytest.raises(KernelError, match="no cuLaunchKernelEx .*CUDA 12.0"):
+        libcuda.LibcudaLaunchEx(types.SimpleNamespace())
