@@ -239,6 +239,23 @@ def test_ticket_tails_exclude_each_other(tiny3, monkeypatch):
         prog.verify(use_cache=False)
 
 
+@pytest.mark.parametrize("design", [1, 2])
+def test_an_instruction_after_the_step_end_is_rejected(design):
+    """Many steps per launch: the next step starts after the step's end (ticket tail / SAMPLE),
+    so an instruction not ordered before it - here a block's extra EMBED after its LM head,
+    writing nothing anyone reads - is rejected, though no hazard within the step exists."""
+    prog = copy.deepcopy(schedule(TINY, 3, 64, design=design))
+    prog.verify(use_cache=False)
+    q = prog.queues[1]  # ends with its LM head (design 2) or LM head, NOOP (design 1)
+    at = next(i for i in range(len(q) - 1, -1, -1) if q[i].op == Op.RMS_LM_HEAD) + 1
+    q.insert(at, ins(Op.EMBED, tile=(0, 0)))
+    for other in prog.queues:
+        while len(other) < len(q):
+            other.append(Instruction(Op.NOOP, 0, (0, 0)))
+    msg = hazard(prog)
+    assert "is not ordered before the step's end" in msg and "EMBED" in msg, msg
+
+
 def test_v1_design_keeps_sample_in_block_0():
     prog = schedule(TINY, 3, 64, design=1)
     assert [q[-1].op for q in prog.queues] == [Op.SAMPLE, Op.NOOP, Op.NOOP]

@@ -22,6 +22,8 @@ from ..model.config import ModelConfig
 from ..errors import ProgramError
 from .isa import STATE_WORDS, WIDTH, Op, Word, attn_round_positions
 
+# Bumped when verify() gains a check: on-disk proofs of older versions no longer count.
+VERIFY_VERSION = 2
 # Kernel designs (MK_DESIGN in megakernel.cu): 1 is v1 (SAMPLE as its own op in block 0, one
 # row per warp pass); 2 (default) folds SAMPLE into the LM head by an atomic ticket.
 DESIGNS = (1, 2)
@@ -144,6 +146,7 @@ class Program:
         """sha256 of everything verify() reads: every instruction's words and declared regions,
         the counters and the grid. Equal fingerprints, equal verdicts."""
         h = hashlib.sha256()
+        h.update(f"verify v{VERIFY_VERSION}".encode())  # a new check invalidates old proofs
         h.update(repr((self.num_blocks, self.max_seq_len, self.counter_names)).encode())
         h.update(self.words().tobytes())
         for q in self.queues:
@@ -229,6 +232,28 @@ class Program:
         order = self._topological(nodes, preds, waits_on, signalers, label)
         anc = self._ancestors(order, len(nodes), preds, waits_on, signalers)
         self._check_hazards(nodes, index, anc, ins_of, label)
+        self._check_step_end(nodes, anc, ins_of, label)
+
+    @staticmethod
+    def _check_step_end(nodes, anc, ins_of, label) -> None:
+        """Many steps per launch: every block starts step s + 1 once the step's end (the writer
+        of the state: the LM head's ticket tail, or SAMPLE) has run and released the step
+        counter. So that end must come after every instruction of the step, or a block could
+        write a buffer of step s + 1 that an instruction of step s still reads (a WAR across
+        steps that the per-step hazard check above cannot see). Programs with no state writer
+        (hand-built fragments) end no step and are not checked."""
+        ends = [k for k, n in enumerate(nodes)
+                if any(buf == "state" for buf, _, _ in ins_of(n).writes)]
+        for e in ends:
+            before = np.unpackbits(anc[e], bitorder="little")[:len(nodes)]
+            excl = ins_of(nodes[e]).exclusive
+            for k in np.flatnonzero(before == 0):
+                ins = ins_of(nodes[k])
+                if k == e or ins.op == Op.NOOP or (excl is not None and ins.exclusive == excl):
+                    continue  # itself, padding, or another block's tail (only one runs)
+                raise ProgramError(
+                    f"{label(nodes[k])} is not ordered before the step's end "
+                    f"{label(nodes[e])}: the next step of a launch could start while it runs")
 
     def _counter_name(self, c: int) -> str:
         return self.counter_names[c] if 0 <= c < len(self.counter_names) else "?"
