@@ -20,6 +20,7 @@ from monokernel.kernel.emulator import asan_preload_env
 SCRIPT = r"""
 import sys
 import numpy as np
+from monokernel.kernel.base import DeviceSample
 from monokernel.kernel.executor import EmulatorDevice, KernelExecutor
 from monokernel.model.loader import load_model
 from monokernel.model.reference import ReferenceModel
@@ -42,6 +43,18 @@ for blocks, splits, multi in [(3, 5, False), (8, None, True), (1, 3, False)]:
         assert err <= 2e-3, (path, blocks, splits, multi, pos, err)
         worst = max(worst, err)
         tok = int(np.argmax(want))
+    if not multi:  # many steps per launch up to the last slot: feed, stop mask, mapped tokens
+        ex.reset()
+        ref = ReferenceModel(m.config, m.weights, MAX_SEQ)
+        prompt = [999, 0]
+        logits = ref.forward(prompt, 0)[-1]
+        want = []
+        for pos in range(len(prompt), MAX_SEQ):  # the tokens at positions 2 .. MAX_SEQ - 1
+            want.append(int(np.argmax(logits)))
+            if pos < MAX_SEQ - 1:
+                logits = ref.forward([want[-1]], pos)[0]
+        got = list(ex.run_steps(prompt, 0, DeviceSample(0.0, 0)))
+        assert got == want, (path, blocks, got, want)
 print(f"ok {worst:.2e}")
 """
 
