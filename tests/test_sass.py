@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from monokernel.kernel.isa import NUM_THREADS
+from monokernel.kernel import costmodel as cm
+from monokernel.kernel.isa import KV_UNROLL, NUM_THREADS
 from monokernel.kernel.executor import kernel_source
 from monokernel.model.config import ModelConfig
 
@@ -58,7 +59,18 @@ def load_runs(sass: str) -> list[int]:
     return runs
 
 
+_SASS: dict[tuple, str] = {}
+
+
 def megakernel_sass(tmp_path: Path, shape: str, *defines: str) -> str:
+    """The megakernel's sm_90 SASS; compiled once per (shape, defines) in this module."""
+    key = (shape, defines)
+    if key not in _SASS:
+        _SASS[key] = _compile_sass(tmp_path, shape, *defines)
+    return _SASS[key]
+
+
+def _compile_sass(tmp_path: Path, shape: str, *defines: str) -> str:
     src = tmp_path / f"{shape}.cu"
     src.write_text(kernel_source(ModelConfig.from_name(shape), 1024))
     cubin = tmp_path / f"{shape}.cubin"
@@ -88,3 +100,51 @@ def test_every_mat_vec_keeps_8_loads_per_lane_in_flight(tmp_path, shape):
 def test_v1_design_is_the_negative_control(tmp_path):
     runs = load_runs(megakernel_sass(tmp_path, "smollm2-135m", "-DMK_DESIGN=1"))
     assert runs and max(runs) < 8, sorted(runs, reverse=True)
+
+
+_LDG = re.compile(r"\bLDG\.E\.128 R\d+, desc\[\w+\]\[(R\d+)\.64(?:\+(0x[0-9a-f]+))?\]")
+
+
+def kv_loads_in_flight(sass: str, stride: int) -> list[int]:
+    """The attention loops' K/V loads (plain 16-byte loads of one base register at offsets 0,
+    stride, ..., (KV_UNROLL - 1) x stride, stride = KV_SLOTS rows of the cache): per loop, in
+    SASS order, how many of its KV_UNROLL loads are issued before the first FP op after its
+    first load, i.e. in flight together."""
+    lines = sass.splitlines()
+    loads = []  # (line, base register, offset)
+    for n, line in enumerate(lines):
+        m = _LDG.search(line)
+        if m and "CONSTANT" not in line:
+            loads.append((n, m.group(1), int(m.group(2) or "0", 16)))
+    fp = [n for n, line in enumerate(lines) if re.search(r"\b(FFMA|FMUL|FADD)\b", line)]
+    want = {stride * u for u in range(1, KV_UNROLL)}
+    out, used = [], set()
+    for n, reg, off in loads:
+        if off != stride or n in used:
+            continue
+        group = [x for x in loads if x[1] == reg and x[2] in want and abs(x[0] - n) < 400]
+        zero = min((x for x in loads if x[1] == reg and x[2] == 0),
+                   key=lambda x: abs(x[0] - n), default=None)
+        if zero is None or len(group) != KV_UNROLL - 1:
+            continue
+        at = sorted(x[0] for x in group + [zero])
+        used.update(at)
+        first_fp = min((f for f in fp if f > at[0]), default=len(lines))
+        out.append(sum(1 for a in at if a < first_fp))
+    return out
+
+
+@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"])
+def test_attention_loads_in_flight_are_the_cost_models(tmp_path, shape):
+    """ATTENTION's K loop (attention_scores) and V loop (attention_values), in that order: V
+    keeps all KV_UNROLL loads in flight; K keeps what costmodel.V2.attn_k_in_flight says (at
+    head_dim 64 one: each load reuses the registers of the one before). When this fails, the
+    compiled loop changed: update the knob (and benchmarks/NOTES.md) with it."""
+    from monokernel.model.config import ModelConfig
+
+    c = ModelConfig.from_name(shape)
+    slots = (NUM_THREADS // 32) * (32 // (c.head_dim // 8))
+    found = kv_loads_in_flight(megakernel_sass(tmp_path, shape), slots * c.kv_dim * 2)
+    k_want = dict(cm.V2.attn_k_in_flight).get(c.head_dim, KV_UNROLL)
+    print(f"{shape}: K/V loads in flight per lane {found} (model: K {k_want}, V {KV_UNROLL})")
+    assert found == [k_want, KV_UNROLL], found
