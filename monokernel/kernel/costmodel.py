@@ -259,8 +259,13 @@ V2 = V1.replace(
            "RMS_LM_HEAD": (1, 0), "SAMPLE": (0, 0)},
     attn_load_bytes=16, attn_isa_loop=True, attn_k_in_flight=((64, 1),),
     o_proj_merge_chunk=4, qk_norm_whole_heads=False, late_qk=True, sample_op=False)
+# V3 = V2 + the cheaper hop of PERFORMANCE.md R4 (megakernel.cu MK_SYNC=2): the signal is the
+# block barrier, then one `red.release.gpu.global.add` by thread 0 (no MEMBAR.SC, no CCTL); the
+# wait polls ONE `ld.acquire.gpu` per trip, the error word and the timer only every few trips,
+# and no nanosleep for the first microseconds of a wait.
+V3 = V2.replace(name="v3", signal_sc_fence=False, poll_loads=1, poll_sleep=False)
 # Every design a prediction can name (`monokernel plan --design`).
-DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2)
+DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2, v3=V3)
 
 
 def design_for(program) -> KernelDesign:
