@@ -148,3 +148,74 @@ def test_attention_loads_in_flight_are_the_cost_models(tmp_path, shape):
     k_want = dict(cm.V2.attn_k_in_flight).get(c.head_dim, KV_UNROLL)
     print(f"{shape}: K/V loads in flight per lane {found} (model: K {k_want}, V {KV_UNROLL})")
     assert found == [k_want, KV_UNROLL], found
+
+
+# ---- the hop (megakernel.cu's Synchronisation section, MK_SYNC) -------------------------------
+_ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    return [(int(m.group(1), 16), m.group(2)) for m in map(_ADDR.search, sass.splitlines()) if m]
+
+
+def signal_fences(sass: str) -> list[list[str]]:
+    """For every atomic add (REDG: signal_counter with MK_SYNC=2; ATOMG: the v1 signal and the
+    LM-head ticket): the fences and L1 invalidations between the barrier before it and it, then
+    the add itself."""
+    ins = sass_instructions(sass)
+    out = []
+    for i, (_, text) in enumerate(ins):
+        if re.match(r"(REDG|ATOMG)\.E\.ADD\b", text):
+            j = i - 1
+            while j >= 0 and not ins[j][1].startswith("BAR.SYNC"):
+                j -= 1
+            out.append([t.split()[0] for _, t in ins[j + 1:i] if re.match(r"(MEMBAR|CCTL\.IVALL)", t)]
+                       + [text.split()[0]])
+    return out
+
+
+def poll_loop_loads(sass: str) -> list[int]:
+    """Per wait loop (a backward branch around a NANOSLEEP, at most 64 instructions: not the VM
+    loop around it): the strong global loads on its every-trip path, i.e. not inside a stretch
+    of the loop that a forward branch skips."""
+    ins = sass_instructions(sass)
+    out = []
+    for at, text in ins:
+        m = re.match(r"@!?P\d BRA (0x[0-9a-f]+)$", text)
+        if not m or int(m.group(1), 16) >= at:
+            continue
+        lo, hi = int(m.group(1), 16), at
+        body = [(a, t) for a, t in ins if lo <= a <= hi]
+        if len(body) > 64 or not any(t.startswith("NANOSLEEP") for _, t in body):
+            continue
+        skipped = set()
+        for a, t in body:
+            f = re.match(r"@!?P\d BRA (0x[0-9a-f]+)$", t)
+            if f and a < int(f.group(1), 16) <= hi:
+                skipped.update(x for x, _ in body if a < x < int(f.group(1), 16))
+        out.append(sum(1 for a, t in body if a not in skipped and t.startswith("LDG.E.STRONG.GPU")))
+    return out
+
+
+def test_hop_signal_is_a_release_add_and_the_poll_one_load(tmp_path):
+    """PERFORMANCE.md 5, 'cost of a hop': no MEMBAR.SC in the signal, one load per poll. The
+    signal of MK_SYNC=2 is BAR.SYNC, MEMBAR.ALL.GPU (what red.release.gpu compiles to), REDG;
+    the LM-head ticket (lm_head_ticket, still fence + atomicAdd) is the one SC add left."""
+    sass = megakernel_sass(tmp_path, "smollm2-135m")
+    fences = signal_fences(sass)
+    print("adds to counters, with their fences:", fences)
+    reds = [f for f in fences if f[-1].startswith("REDG")]
+    assert reds and all("MEMBAR.SC.GPU" not in f and "CCTL.IVALL" not in f for f in reds), fences
+    assert all("MEMBAR.ALL.GPU" in f for f in reds), fences
+    assert sum(1 for f in fences if "MEMBAR.SC.GPU" in f) <= 1, fences  # the ticket
+    loads = poll_loop_loads(sass)
+    assert loads and all(n == 1 for n in loads), loads
+
+
+def test_hop_sync1_is_the_negative_control(tmp_path):
+    sass = megakernel_sass(tmp_path, "smollm2-135m", "-DMK_SYNC=1")
+    fences = signal_fences(sass)
+    assert not any(f[-1].startswith("REDG") for f in fences), fences
+    assert sum(1 for f in fences if "MEMBAR.SC.GPU" in f) >= 2, fences  # signal + ticket
+    loads = poll_loop_loads(sass)
+    assert loads and all(n == 2 for n in loads), loads

@@ -232,7 +232,7 @@ _R2 = _R1.replace(name="r2", loads_in_flight_per_lane=8, rows_per_warp=2)
 _ISSUE8 = _R2.replace(name="issue8", steps_per_launch=16)
 LADDER: dict[str, KernelDesign] = {"v1": V1, "r1": _R1, "r2": _R2, "issue8": _ISSUE8}
 
-# What megakernel.cu does with MK_DESIGN=2 (scheduler design 2), kernel v2 part 1:
+# What megakernel.cu does with MK_DESIGN=2 (scheduler design 2) and MK_SYNC=1, kernel v2 part 1:
 # - mat-vecs: RowShape<N> gives every lane >= 8 16-byte loads in flight (9-12 measured in the
 #   sm_90 SASS by tests/test_sass.py: 36-48 KB per SM), several rows per warp pass;
 # - after the wait, only the residual (RMS ops) or ffn_h (DOWN) is a round trip before the
@@ -268,10 +268,13 @@ V3 = V2.replace(name="v3", signal_sc_fence=False, poll_loads=1, poll_sleep=False
 DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2, v3=V3)
 
 
-def design_for(program) -> KernelDesign:
+def design_for(program, sync: int = 2) -> KernelDesign:
     """The design megakernel.cu implements for this program: its scheduler design (MK_DESIGN)
-    1 is V1, 2 is V2. A kernel change updates V2 (or adds V3) in the same commit."""
-    return V1 if getattr(program, "design", 1) < 2 else V2
+    1 is V1; 2 is V3 with the default hop (MK_SYNC=2), V2 with the v1 hop (MK_SYNC=1, backend
+    cuda-sync1). A kernel change updates these (or adds a design) in the same commit."""
+    if getattr(program, "design", 1) < 2:
+        return V1
+    return V3 if sync >= 2 else V2
 
 
 def program_design(d: KernelDesign) -> int:

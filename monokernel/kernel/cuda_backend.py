@@ -422,6 +422,13 @@ def _cuda_v1(model, max_seq_len, **options) -> KernelExecutor:
     return _cuda_executor(model, max_seq_len, design=1, name="cuda-v1", **options)
 
 
+def _cuda_sync1(model, max_seq_len, **options) -> KernelExecutor:
+    """The megakernel with the v1 hop (MK_SYNC=1: fence + atomicAdd, two loads per poll): the
+    A/B twin of the release/acquire hop until a GPU has measured both (benchmarks/NOTES.md)."""
+    return _cuda_executor(model, max_seq_len, sync=1, name="cuda-sync1", **options)
+
+
 # backend name -> factory(model, max_seq_len, **options), read by runtime.make_executor
 BACKENDS = {"cuda": _cuda_executor, "cuda-noprefetch": _cuda_noprefetch, "cuda-v1": _cuda_v1,
+            "cuda-sync1": _cuda_sync1,
             "cuda-multi": _cuda_multi, "cuda-multi-graph": _cuda_multi_graph}

@@ -163,7 +163,8 @@ class KernelExecutor(Executor):
                  multi: bool = False, graph: bool = False, prefetch: bool = True,
                  attn_splits: int | None = None, watchdog_ms: int = 20000,
                  trace: bool = False, program: Program | None = None, name: str | None = None,
-                 design: int = DEFAULT_DESIGN, attn_min_chunk: int | None = None):
+                 design: int = DEFAULT_DESIGN, attn_min_chunk: int | None = None,
+                 sync: int | None = None):
         super().__init__(model, max_seq_len)
         self.device = device or EmulatorDevice()
         self.multi = multi
@@ -182,6 +183,8 @@ class KernelExecutor(Executor):
                    "MK_DESIGN": str(self.program.design)}
         if trace:
             defines["MK_TRACE"] = "1"
+        if sync is not None:  # the hop (megakernel.cu MK_SYNC; default 2: release/acquire)
+            defines["MK_SYNC"] = str(sync)
         self.module = self.device.compile(kernel_source(c, max_seq_len), KERNEL_NAMES, defines)
         self._alloc_buffers(model)
         self._broken: str | None = None

@@ -43,7 +43,7 @@ from ..kernel.isa import State
 from ..model.loader import LoadedModel
 from ..kernel.base import wall_times
 
-KERNEL_BACKENDS = ("cuda", "cuda-noprefetch", "cuda-v1", "cuda-multi", "cuda-multi-graph",
+KERNEL_BACKENDS = ("cuda", "cuda-noprefetch", "cuda-v1", "cuda-sync1", "cuda-multi", "cuda-multi-graph",
                    "emulator", "emulator-multi", "emulator-v1")
 BACKENDS = KERNEL_BACKENDS + ("numpy", "hf", "hf-compile")
 GPU_COPY_BYTES = 1 << 30
