@@ -146,7 +146,8 @@ else
     -p no:cacheprovider tests
   for SHAPE in smollm2-135m qwen3-0.6b llama-3.2-1b; do
     EXTRA=""
-    [ "$SHAPE" = smollm2-135m ] && EXTRA=",cuda-noprefetch"  # the L2-prefetch A/B
+    # the L2-prefetch A/B and the hop A/B (MK_SYNC=1: fence + atomicAdd)
+    [ "$SHAPE" = smollm2-135m ] && EXTRA=",cuda-1step,cuda-noprefetch,cuda-sync1"
     step "bench_$SHAPE" 60 "$PY" -m monokernel bench --shape "$SHAPE" \
       --backends "cuda$EXTRA,cuda-multi,cuda-multi-graph,cuda-multi-graph-pdl$HF" \
       --context 16,512 \

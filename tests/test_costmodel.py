@@ -74,8 +74,10 @@ def test_v1_round_trips_and_hop_are_the_sass_counts():
 def test_design_for_follows_the_program():
     assert cm.design_for(program("smollm2-135m")) is cm.V1
     assert cm.predict(program("smollm2-135m")).design is cm.V1
-    assert cm.design_for(program("smollm2-135m", design=2)) is cm.V2
+    assert cm.design_for(program("smollm2-135m", design=2)) is cm.V3  # MK_SYNC=2, the default
+    assert cm.design_for(program("smollm2-135m", design=2), sync=1) is cm.V2  # cuda-sync1
     assert cm.program_design(cm.V1) == 1 and cm.program_design(cm.V2) == 2
+    assert cm.program_design(cm.V3) == 2
 
 
 @pytest.mark.parametrize("name", list(V1_FIGURES))
@@ -86,6 +88,46 @@ def test_v2_is_predicted_faster_than_v1(name):
     v2 = cm.predict(program(name, design=2), "h200", cm.V2, 16).total_us
     print(f"{name}: v1 {v1:.0f} us, v2 {v2:.0f} us (predicted, h200, context 16)")
     assert v2 < 0.9 * v1
+
+
+@pytest.mark.parametrize("name", list(V1_FIGURES))
+@pytest.mark.parametrize("context", [16, 1024])
+def test_v3_hop_is_cheaper_and_so_is_the_step(name, context):
+    """R4 (MK_SYNC=2): no MEMBAR.SC + CCTL in the signal, one load and no sleep per poll. Only
+    the hop changes; the step is faster by at most the hops saved on its critical path."""
+    g = cm.gpu("h200")
+    assert cm.hop_parts(g, cm.V3)["signal"] < cm.hop_parts(g, cm.V2)["signal"]
+    assert cm.hop_parts(g, cm.V3)["detect"] < cm.hop_parts(g, cm.V2)["detect"]
+    saved = cm.hop_latency(g, cm.V2) - cm.hop_latency(g, cm.V3)
+    assert saved > 0.3
+    assert dataclasses.replace(cm.V3, name="v2", signal_sc_fence=True, poll_loads=2,
+                               poll_sleep=True) == cm.V2
+    prog = program(name, max_seq=2048, design=2)
+    v2 = cm.predict(prog, g, cm.V2, context)
+    v3 = cm.predict(prog, g, cm.V3, context)
+    assert v3.total_us < v2.total_us
+    # every instruction's signal and every hop on v2's critical path at most `saved` cheaper
+    assert v2.total_us - v3.total_us <= (len(v2.critical) + v2.critical_hops) * saved + 1e-6
+    # a release as dear as MEMBAR.SC keeps only the poll's gain
+    dear = cm.predict(prog, g.replace(release=g.fence + g.cctl), cm.V3, context).total_us
+    assert v3.total_us < dear < v2.total_us
+
+
+def test_attention_isa_loop_follows_the_isa_geometry():
+    """Design 2's ATTENTION: rounds per 128-position tile from isa.attn_round_positions and the
+    K loads in flight; a longer unit never costs less; V1's formula is untouched."""
+    g = cm.gpu("h200")
+    for D, G, k_rounds in ((64, 3, 4), (128, 2, 2)):  # head_dim 64: 1 of 4 K loads in flight
+        k, v, other = cm._attention_tile_isa(np.array([1, 32, 64, 128]), g, cm.V3, G, D)
+        assert k[-1] == k_rounds and v[-1] == 128 // cm.attn_round_positions(D)
+        total = (k + v) * g.hbm_latency + other  # more rounds hide more chains: the sum grows
+        assert np.all(np.diff(k) >= 0) and np.all(np.diff(total) >= 0) and k[0] == v[0] == 1
+        kk, _, _ = cm._attention_tile_isa(np.array([128]), g, cm.V3.replace(attn_k_in_flight=()),
+                                          G, D)
+        assert kk[0] == 128 // cm.attn_round_positions(D)  # all KV_UNROLL loads in flight
+    prog = program("smollm2-135m", max_seq=2048, design=2)
+    t = [cm.predict(prog, g, cm.V3, c).total_us for c in (16, 128, 512, 1024)]
+    assert all(b >= a for a, b in zip(t, t[1:])), t
 
 
 # ---- the ladder ----------------------------------------------------------------------------------
@@ -347,7 +389,7 @@ def test_calibrate_recovers_perturbed_constants(tmp_path):
 
 def test_calibrate_cli_on_a_synthetic_trace(tmp_path, capsys):
     prog = program("smollm2-135m", 32, 17, design=2)  # the kernel's current design
-    path = cal.write_synthetic_trace(cm.predict(prog, "h200", cm.V2, 16), tmp_path / "s.json",
+    path = cal.write_synthetic_trace(cm.predict(prog, "h200", cm.V3, 16), tmp_path / "s.json",
                                      "smollm2-135m")
     assert main(["calibrate", str(path)]) == 0
     out = capsys.readouterr().out

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from monokernel.kernel.isa import NUM_THREADS
+from monokernel.kernel import costmodel as cm
+from monokernel.kernel.isa import KV_UNROLL, NUM_THREADS
 from monokernel.kernel.executor import kernel_source
 from monokernel.model.config import ModelConfig
 
@@ -58,7 +59,18 @@ def load_runs(sass: str) -> list[int]:
     return runs
 
 
+_SASS: dict[tuple, str] = {}
+
+
 def megakernel_sass(tmp_path: Path, shape: str, *defines: str) -> str:
+    """The megakernel's sm_90 SASS; compiled once per (shape, defines) in this module."""
+    key = (shape, defines)
+    if key not in _SASS:
+        _SASS[key] = _compile_sass(tmp_path, shape, *defines)
+    return _SASS[key]
+
+
+def _compile_sass(tmp_path: Path, shape: str, *defines: str) -> str:
     src = tmp_path / f"{shape}.cu"
     src.write_text(kernel_source(ModelConfig.from_name(shape), 1024))
     cubin = tmp_path / f"{shape}.cubin"
@@ -88,3 +100,122 @@ def test_every_mat_vec_keeps_8_loads_per_lane_in_flight(tmp_path, shape):
 def test_v1_design_is_the_negative_control(tmp_path):
     runs = load_runs(megakernel_sass(tmp_path, "smollm2-135m", "-DMK_DESIGN=1"))
     assert runs and max(runs) < 8, sorted(runs, reverse=True)
+
+
+_LDG = re.compile(r"\bLDG\.E\.128 R\d+, desc\[\w+\]\[(R\d+)\.64(?:\+(0x[0-9a-f]+))?\]")
+
+
+def kv_loads_in_flight(sass: str, stride: int) -> list[int]:
+    """The attention loops' K/V loads (plain 16-byte loads of one base register at offsets 0,
+    stride, ..., (KV_UNROLL - 1) x stride, stride = KV_SLOTS rows of the cache): per loop, in
+    SASS order, how many of its KV_UNROLL loads are issued before the first FP op after its
+    first load, i.e. in flight together."""
+    lines = sass.splitlines()
+    loads = []  # (line, base register, offset)
+    for n, line in enumerate(lines):
+        m = _LDG.search(line)
+        if m and "CONSTANT" not in line:
+            loads.append((n, m.group(1), int(m.group(2) or "0", 16)))
+    fp = [n for n, line in enumerate(lines) if re.search(r"\b(FFMA|FMUL|FADD)\b", line)]
+    want = {stride * u for u in range(1, KV_UNROLL)}
+    out, used = [], set()
+    for n, reg, off in loads:
+        if off != stride or n in used:
+            continue
+        group = [x for x in loads if x[1] == reg and x[2] in want and abs(x[0] - n) < 400]
+        zero = min((x for x in loads if x[1] == reg and x[2] == 0),
+                   key=lambda x: abs(x[0] - n), default=None)
+        if zero is None or len(group) != KV_UNROLL - 1:
+            continue
+        at = sorted(x[0] for x in group + [zero])
+        used.update(at)
+        first_fp = min((f for f in fp if f > at[0]), default=len(lines))
+        out.append(sum(1 for a in at if a < first_fp))
+    return out
+
+
+@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"])
+def test_attention_loads_in_flight_are_the_cost_models(tmp_path, shape):
+    """ATTENTION's K loop (attention_scores) and V loop (attention_values), in that order: V
+    keeps all KV_UNROLL loads in flight; K keeps what costmodel.V2.attn_k_in_flight says (at
+    head_dim 64 one: each load reuses the registers of the one before). When this fails, the
+    compiled loop changed: update the knob (and benchmarks/NOTES.md) with it."""
+    from monokernel.model.config import ModelConfig
+
+    c = ModelConfig.from_name(shape)
+    slots = (NUM_THREADS // 32) * (32 // (c.head_dim // 8))
+    found = kv_loads_in_flight(megakernel_sass(tmp_path, shape), slots * c.kv_dim * 2)
+    k_want = dict(cm.V2.attn_k_in_flight).get(c.head_dim, KV_UNROLL)
+    print(f"{shape}: K/V loads in flight per lane {found} (model: K {k_want}, V {KV_UNROLL})")
+    assert found == [k_want, KV_UNROLL], found
+
+
+# ---- the hop (megakernel.cu's Synchronisation section, MK_SYNC) -------------------------------
+_ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    return [(int(m.group(1), 16), m.group(2)) for m in map(_ADDR.search, sass.splitlines()) if m]
+
+
+def signal_fences(sass: str) -> list[list[str]]:
+    """For every atomic add (REDG: signal_counter with MK_SYNC=2; ATOMG: the v1 signal and the
+    LM-head ticket): the fences and L1 invalidations between the barrier before it and it, then
+    the add itself."""
+    ins = sass_instructions(sass)
+    out = []
+    for i, (_, text) in enumerate(ins):
+        if re.match(r"(REDG|ATOMG)\.E\.ADD\b", text):
+            j = i - 1
+            while j >= 0 and not ins[j][1].startswith("BAR.SYNC"):
+                j -= 1
+            out.append([t.split()[0] for _, t in ins[j + 1:i] if re.match(r"(MEMBAR|CCTL\.IVALL)", t)]
+                       + [text.split()[0]])
+    return out
+
+
+def poll_loop_loads(sass: str) -> list[int]:
+    """Per wait loop (a backward branch around a NANOSLEEP, at most 64 instructions: not the VM
+    loop around it): the strong global loads on its every-trip path, i.e. not inside a stretch
+    of the loop that a forward branch skips."""
+    ins = sass_instructions(sass)
+    out = []
+    for at, text in ins:
+        m = re.match(r"@!?P\d BRA (0x[0-9a-f]+)$", text)
+        if not m or int(m.group(1), 16) >= at:
+            continue
+        lo, hi = int(m.group(1), 16), at
+        body = [(a, t) for a, t in ins if lo <= a <= hi]
+        if len(body) > 64 or not any(t.startswith("NANOSLEEP") for _, t in body):
+            continue
+        skipped = set()
+        for a, t in body:
+            f = re.match(r"@!?P\d BRA (0x[0-9a-f]+)$", t)
+            if f and a < int(f.group(1), 16) <= hi:
+                skipped.update(x for x, _ in body if a < x < int(f.group(1), 16))
+        out.append(sum(1 for a, t in body if a not in skipped and t.startswith("LDG.E.STRONG.GPU")))
+    return out
+
+
+def test_hop_signal_is_a_release_add_and_the_poll_one_load(tmp_path):
+    """PERFORMANCE.md 5, 'cost of a hop': no MEMBAR.SC in the signal, one load per poll. The
+    signal of MK_SYNC=2 is BAR.SYNC, MEMBAR.ALL.GPU (what red.release.gpu compiles to), REDG;
+    the LM-head ticket (lm_head_ticket, still fence + atomicAdd) is the one SC add left."""
+    sass = megakernel_sass(tmp_path, "smollm2-135m")
+    fences = signal_fences(sass)
+    print("adds to counters, with their fences:", fences)
+    reds = [f for f in fences if f[-1].startswith("REDG")]
+    assert reds and all("MEMBAR.SC.GPU" not in f and "CCTL.IVALL" not in f for f in reds), fences
+    assert all("MEMBAR.ALL.GPU" in f for f in reds), fences
+    assert sum(1 for f in fences if "MEMBAR.SC.GPU" in f) <= 1, fences  # the ticket
+    loads = poll_loop_loads(sass)
+    assert loads and all(n == 1 for n in loads), loads
+
+
+def test_hop_sync1_is_the_negative_control(tmp_path):
+    sass = megakernel_sass(tmp_path, "smollm2-135m", "-DMK_SYNC=1")
+    fences = signal_fences(sass)
+    assert not any(f[-1].startswith("REDG") for f in fences), fences
+    assert sum(1 for f in fences if "MEMBAR.SC.GPU" in f) >= 2, fences  # signal + ticket
+    loads = poll_loop_loads(sass)
+    assert loads and all(n == 2 for n in loads), loads

@@ -2,7 +2,8 @@
 
 Strict mode runs every CUDA thread as its own OS thread, with CUDA's relaxed atomics, so TSan sees
 the cross-block races that x86 and the fiber emulator hide. The tiny model on 2 blocks must run
-with no report and match the reference; the same kernel with the producer's __threadfence or the
+with no report and match the reference, with either hop (MK_SYNC=2: release add; MK_SYNC=1: fence
++ atomicAdd); the same kernel with the producer's release (or, MK_SYNC=1, its __threadfence) or the
 consumer's acquire removed (textual mutations of the generated source) must be reported.
 """
 
@@ -50,8 +51,16 @@ def executor(model) -> KernelExecutor:
     return ex
 
 
+def without_signal_release(source: str) -> str:
+    """red_add_release as a relaxed add (MK_SYNC=2): the signal no longer releases."""
+    old = "emu::red_add_release(p, v);"
+    assert source.count(old) == 1, "red_add_release's emulator body not found in the kernel source"
+    return source.replace(old, "__atomic_fetch_add(p, v, __ATOMIC_RELAXED);")
+
+
 def without_signal_fence(source: str) -> str:
-    """signal_counter with its __threadfence() removed: the atomicAdd no longer releases."""
+    """signal_counter with its __threadfence() removed (MK_SYNC=1): the atomicAdd no longer
+    releases."""
     m = re.search(r"__device__ void signal_counter\(.*?\n}\n", source, re.DOTALL)
     assert m, "signal_counter not found in the kernel source"
     body, n = re.subn(r"__threadfence\(\);", "", m.group(0))
@@ -119,11 +128,32 @@ def test_negative_control_missing_step_boundary_is_reported(tiny):
 
 
 @needs_tsan
+def test_sync1_hop_no_race_matches_reference(tiny):
+    """The v1 hop (MK_SYNC=1: fence + atomicAdd), kept as the A/B twin, is race-free too."""
+    ex = executor(tiny)
+    _controls, logits, report = run_strict(ex, STEPS[:2], defines={"MK_SYNC": "1"})
+    assert report == ""
+    want = reference_logits(tiny, STEPS[:2])
+    assert float(np.abs(logits - want).max()) <= 2e-3 * float(np.abs(want).max())
+
+
+@needs_tsan
+def test_negative_control_missing_release_is_reported(tiny):
+    ex = executor(tiny)
+    source = without_signal_release(kernel_source(tiny.config, MAX_SEQ))
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, STEPS[:2], source=source)
+    report = info.value.report
+    assert "WARNING: ThreadSanitizer: data race" in report
+    assert re.search(r"\bop_\w+|rms_normalize|run_instructions", report), report[:4000]
+
+
+@needs_tsan
 def test_negative_control_missing_threadfence_is_reported(tiny):
     ex = executor(tiny)
     source = without_signal_fence(kernel_source(tiny.config, MAX_SEQ))
     with pytest.raises(DataRaceError) as info:
-        run_strict(ex, STEPS[:2], source=source)
+        run_strict(ex, STEPS[:2], source=source, defines={"MK_SYNC": "1"})
     report = info.value.report
     assert "WARNING: ThreadSanitizer: data race" in report
     assert re.search(r"\bop_\w+|rms_normalize|run_instructions", report), report[:4000]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CostModelError
-from .isa import Op
+from .isa import KV_UNROLL, NUM_THREADS, Op, attn_round_positions
 
 # ================================================================================================
 # The GPU's constants: ONE table. name -> (unit, {gpu: (value, low, high)}, source)
@@ -78,6 +78,10 @@ CONSTANTS: dict[str, tuple[str, dict[str, tuple[float, float, float]], str]] = {
     "nanosleep": ("us", {"h200": (0.05, 0.03, 0.1), "h100": (0.05, 0.03, 0.1)},
                   "__nanosleep(32) in the poll loop (sleeps 0-2x the request, coarse "
                   "granularity); assumed"),
+    "schedulers": ("", {"h200": (4, 4, 4), "h100": (4, 4, 4)},
+                   "warp schedulers per SM, each issuing one warp instruction per clock (Hopper "
+                   "SM: four partitions; NVIDIA H100 whitepaper). Turns instruction counts of "
+                   "the SASS into issue time"),
     "launch": ("us", {"h200": (8.0, 5.0, 12.0), "h100": (8.0, 5.0, 12.0)},
                "host submit + cooperative launch + drain per launch; assumed so that R6 (N steps "
                "per launch) saves 7-8 us per token, as PERFORMANCE.md 3 predicts"),
@@ -102,6 +106,7 @@ class GPU:
     shfl: float
     timer: float
     nanosleep: float
+    schedulers: int
     launch: float
 
     def replace(self, **changes) -> "GPU":
@@ -120,6 +125,7 @@ def gpu(name: str) -> GPU:
     vals["hbm_bw"] *= _TB_S
     vals["l2_bw"] *= _TB_S
     vals["sms"] = int(vals["sms"])
+    vals["schedulers"] = int(vals["schedulers"])
     return GPU(name=key, **vals)
 
 
@@ -141,7 +147,7 @@ class KernelDesign:
     """
 
     name: str
-    threads: int = 256
+    threads: int = NUM_THREADS
     # mat-vecs: 16-byte weight loads outstanding per lane, and rows a warp streams together
     # (v1: `#pragma unroll 2` in warp_dot, one row per warp: 2 x 16 B x 256 threads = 8 KB/SM)
     loads_in_flight_per_lane: int = 2
@@ -174,6 +180,17 @@ class KernelDesign:
     attn_v_in_flight: int = 16
     attn_load_bytes: int = 2
     attn_tile: int = 128
+    # design 2's loop (megakernel.cu attention_scores / attention_values), geometry from isa.py:
+    # a K/V row is KV_LANES = head_dim / 8 lanes of 16-byte loads, KV_SLOTS positions per block
+    # per load, KV_UNROLL loads per lane: attn_round_positions(head_dim) positions per pass.
+    # True replaces the three knobs above (v1's loop and the ladder's sketches of R1).
+    attn_isa_loop: bool = False
+    # ... of those KV_UNROLL K loads, how many the compiled loop keeps in flight per lane, by
+    # head_dim ((head_dim, loads), ...; absent: all KV_UNROLL). tests/test_sass.py checks it
+    attn_k_in_flight: tuple[tuple[int, int], ...] = ()
+    # late q/k (QK_NORM models): ATTENTION norms and ropes its queries and the new key, O_PROJ
+    # caches the key; False: RMS_QKV_ROPE does it (whole-head or row-pair tiles)
+    late_qk: bool = False
     # SAMPLE as a separate serial op: thread 0 walks the partials, dependent L2 loads each.
     # False: the LM head's last block reduces them (a v1 program's SAMPLE slot is then skipped)
     sample_op: bool = True
@@ -215,7 +232,7 @@ _R2 = _R1.replace(name="r2", loads_in_flight_per_lane=8, rows_per_warp=2)
 _ISSUE8 = _R2.replace(name="issue8", steps_per_launch=16)
 LADDER: dict[str, KernelDesign] = {"v1": V1, "r1": _R1, "r2": _R2, "issue8": _ISSUE8}
 
-# What megakernel.cu does with MK_DESIGN=2 (scheduler design 2), kernel v2 part 1:
+# What megakernel.cu does with MK_DESIGN=2 (scheduler design 2) and MK_SYNC=1, kernel v2 part 1:
 # - mat-vecs: RowShape<N> gives every lane >= 8 16-byte loads in flight (9-12 measured in the
 #   sm_90 SASS by tests/test_sass.py: 36-48 KB per SM), several rows per warp pass;
 # - after the wait, only the residual (RMS ops) or ffn_h (DOWN) is a round trip before the
@@ -224,10 +241,14 @@ LADDER: dict[str, KernelDesign] = {"v1": V1, "r1": _R1, "r2": _R2, "issue8": _IS
 # - SAMPLE folded into the LM head (atomic ticket, one warp's reduction);
 # - attention: K and V rows read 16 bytes per lane (KV_LANES lanes per row), KV_UNROLL = 4
 #   loads in flight per lane: 64 positions per block per round at head_dim 128, 128 at 64
-#   (counted here as 64 for both: 8 per warp);
-# - the O_PROJ split merge (still in every block) loads 4 splits at a time: 2 rounds at 8;
+#   (attn_isa_loop: the loop as compiled, see _attention_tile_isa; in the sm_90 SASS the K
+#   loop at head_dim 64 keeps ONE of its 4 loads in flight - each load reuses the registers of
+#   the one before - and every (load, head) is a dependent chain through shared memory);
+# - the O_PROJ split merge (still in every block) loads 4 splits at a time: ceil(used / 4)
+#   rounds;
 # - q/k-norm (Qwen3): row-pair QKV tiles; attention norms and ropes q and the new k, O_PROJ
-#   caches k ("late q/k"), so QKV is balanced (max/mean 1.0x instead of 4.1x);
+#   caches k ("late q/k", charged: 2 more dependent trips per unit, 3 on the key owners), so
+#   QKV is balanced (max/mean 1.0x instead of 4.1x);
 # - unchanged from v1: the hop (MEMBAR.SC + atomic; two acquire loads per poll), one step per
 #   launch.
 V2 = V1.replace(
@@ -236,16 +257,24 @@ V2 = V1.replace(
     trips={"EMBED": (0, 1), "RMS_QKV_ROPE": (1, 0), "ATTENTION": (1, 0),
            "O_PROJ_RESIDUAL": (0, 0), "RMS_GATE_UP": (1, 0), "DOWN_RESIDUAL": (1, 0),
            "RMS_LM_HEAD": (1, 0), "SAMPLE": (0, 0)},
-    attn_positions_per_warp=8, attn_v_in_flight=64, attn_load_bytes=16,
-    o_proj_merge_chunk=4, qk_norm_whole_heads=False, sample_op=False)
+    attn_load_bytes=16, attn_isa_loop=True, attn_k_in_flight=((64, 1),),
+    o_proj_merge_chunk=4, qk_norm_whole_heads=False, late_qk=True, sample_op=False)
+# V3 = V2 + the cheaper hop of PERFORMANCE.md R4 (megakernel.cu MK_SYNC=2): the signal is the
+# block barrier, then one `red.release.gpu.global.add` by thread 0 (no MEMBAR.SC, no CCTL); the
+# wait polls ONE `ld.acquire.gpu` per trip, the error word and the timer only every few trips,
+# and no nanosleep for the first microseconds of a wait.
+V3 = V2.replace(name="v3", signal_sc_fence=False, poll_loads=1, poll_sleep=False)
 # Every design a prediction can name (`monokernel plan --design`).
-DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2)
+DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2, v3=V3)
 
 
-def design_for(program) -> KernelDesign:
+def design_for(program, sync: int = 2) -> KernelDesign:
     """The design megakernel.cu implements for this program: its scheduler design (MK_DESIGN)
-    1 is V1, 2 is V2. A kernel change updates V2 (or adds V3) in the same commit."""
-    return V1 if getattr(program, "design", 1) < 2 else V2
+    1 is V1; 2 is V3 with the default hop (MK_SYNC=2), V2 with the v1 hop (MK_SYNC=1, backend
+    cuda-sync1). A kernel change updates these (or adds a design) in the same commit."""
+    if getattr(program, "design", 1) < 2:
+        return V1
+    return V3 if sync >= 2 else V2
 
 
 def program_design(d: KernelDesign) -> int:
@@ -418,6 +447,60 @@ def _unit_positions(b: OpBatch) -> tuple[np.ndarray, np.ndarray]:
     return idx, cnt
 
 
+def _issue_us(g: GPU, d: KernelDesign, instructions_per_warp):
+    """Issue time of every warp of the block running this many instructions: each of the SM's
+    schedulers issues one warp instruction per clock for its share of the warps."""
+    return instructions_per_warp * -(-d.warps // g.schedulers) / (g.clock_ghz * 1e3)
+
+
+def _attention_tile_isa(n: np.ndarray, g: GPU, d: KernelDesign, G: int, D: int):
+    """(K rounds, V rounds, compute us) of one pass over n <= T_TILE positions of design 2's
+    loop, vectorised over n. Geometry from isa.py; instruction shapes read off the sm_90 SASS
+    of megakernel.cu (commit 43be27c):
+
+    - attention_scores: one iteration per attn_round_positions(D) positions; its KV_UNROLL
+      loads per lane, of which the compiled loop keeps ``attn_k_in_flight`` in flight (a group
+      of loads is one HBM round; a load whose rows all lie past n is predicated off). Every
+      (load u, head h) is a dependent chain: LDS of q_h, dot8, log2(KV_LANES) SHFL+FADD steps,
+      FMUL, STS of the score; the STS of one chain precedes the LDS of the next (the compiler
+      cannot reorder them: both address shared memory through different registers), so a
+      warp runs its KV_UNROLL x G chains one after another (~ (2 + log2 KV_LANES) shuffle
+      steps each), the block's warps in parallel. The next load group is issued after the
+      first chain of the previous one, so the rest of that group's chains run under its HBM
+      latency.
+    - attention_values: the iteration's KV_UNROLL loads all issued before the first FMA (one
+      HBM round; every shape's SASS); per load 8 unpacks and G x (LDS p + 8 FFMA), issue-bound;
+      then the cross-slot sum (G x 8 values x log2(KV_PPW) SHFL+FADD), the shared-memory store
+      and barrier, and the cross-warp sum (an LDS round, NWARPS dependent adds: ~2 steps).
+    - the online softmax between them (one warp per head: max and sum reductions, expf) and
+      the tile's four barriers."""
+    lanes = D // 8  # KV_LANES
+    ppw = 32 // lanes  # KV_PPW
+    slots = d.warps * ppw  # KV_SLOTS
+    per_round = attn_round_positions(D)
+    if per_round != slots * KV_UNROLL:
+        raise CostModelError(f"isa.attn_round_positions({D}) = {per_round} is not KV_SLOTS "
+                             f"{slots} x KV_UNROLL {KV_UNROLL}: the model's geometry is stale")
+    kf = min(dict(d.attn_k_in_flight).get(D, KV_UNROLL), KV_UNROLL)
+    steps = int(np.log2(lanes))
+    it = -(-n // per_round)  # loop iterations
+    rem = n - np.maximum(it - 1, 0) * per_round  # positions of the last iteration
+    u_last = -(-rem // slots)  # its loads with a row in range
+    k_rounds = np.maximum(it - 1, 0) * -(-KV_UNROLL // kf) + np.where(it > 0, -(-u_last // kf), 0)
+    v_rounds = it
+    chain = (2 + steps) * g.shfl  # one (load, head) of the scores
+    hidden = np.maximum(k_rounds - it, 0) * min(g.hbm_latency, (kf * G - 1) * chain)
+    k_issue = _issue_us(g, d, it * KV_UNROLL * (8 + G * (14 + 2 * steps)))
+    k_compute = np.maximum(it * KV_UNROLL * G * chain - hidden, k_issue)
+    v_issue = _issue_us(g, d, it * KV_UNROLL * (8 + 9 * G))
+    v_reduce = max(_issue_us(g, d, G * 8 * 2 * np.log2(ppw)), np.log2(ppw) * g.shfl) \
+        + 2 * g.shfl
+    softmax = 10 * g.shfl + 0.02
+    busy = n > 0
+    compute = busy * (k_compute + v_issue + v_reduce + softmax + 4 * g.bar_sync)
+    return k_rounds, v_rounds, compute
+
+
 @op_model
 def ATTENTION(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     c = b.program.config
@@ -425,26 +508,52 @@ def ATTENTION(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     idx, cnt = _unit_positions(b)
     ntile = -(-cnt // T_TILE)
     full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * T_TILE
-    per_k = d.warps * d.attn_positions_per_warp
-    k_rounds = full * -(-T_TILE // per_k) + -(-last // per_k)
-    elems = max(1, d.attn_load_bytes // 2)  # bf16 elements per K/V load
-    passes = -(-(G * D) // (d.threads * elems))  # V: each thread owns `elems` output dims
-    v_rounds = passes * (full * -(-T_TILE // d.attn_v_in_flight) + -(-last // d.attn_v_in_flight))
-    # per position of a warp: its K loads issued, G dot products each ended by a warp_sum; per
-    # tile: the online softmax (one warp per head: max and sum reductions) and four barriers
-    k_loads = -(-D // (32 * elems))
-    k_compute = (full * -(-T_TILE // d.warps) + -(-last // d.warps)) \
-        * (G * 5 * g.shfl + k_loads * 0.002)
-    softmax = ntile * (10 * g.shfl + 4 * g.bar_sync + 0.02)
-    unit_other = k_compute + softmax + 3 * g.bar_sync
+    unit_hbm = np.zeros(len(idx))
+    unit_l2 = np.full(len(idx), float(d.trips["ATTENTION"][0]))  # the group's queries
+    if d.attn_isa_loop:
+        kf, vf, of = _attention_tile_isa(np.full(1, T_TILE), g, d, G, D)
+        kl, vl, ol = _attention_tile_isa(last, g, d, G, D)
+        k_rounds, v_rounds = full * kf[0] + kl, full * vf[0] + vl
+        unit_other = full * of[0] + ol + 2 * g.bar_sync  # the unit's set-up and end barriers
+        if d.late_qk and c.qk_norm:
+            # warp_qk_norm_rope per query head and the key, after the queries' L2 trip: the
+            # warp_sum, then the q/k-norm weights (HBM: evicted since the last token), then the
+            # RoPE row (L2: every layer reads the same position's row), a barrier; the unit
+            # holding the new position scores it from shared memory (barrier, warp_sum)
+            unit_hbm += 1.0
+            unit_l2 += 1.0
+            unit_other += 5 * g.shfl + g.bar_sync
+            n_pos = b.context + 1
+            splits = b.program.attn_splits
+            chunk = _split_chunk(b.program, n_pos)
+            units = np.concatenate([np.arange(lo, hi) for lo, hi in
+                                    zip(b.lo.tolist(), b.hi.tolist())] or [np.zeros(0, int)])
+            holds = (units % splits) == (n_pos - 1) // chunk
+            unit_other += holds * (g.bar_sync + 6 * g.shfl)
+    else:
+        per_k = d.warps * d.attn_positions_per_warp
+        k_rounds = full * -(-T_TILE // per_k) + -(-last // per_k)
+        elems = max(1, d.attn_load_bytes // 2)  # bf16 elements per K/V load
+        passes = -(-(G * D) // (d.threads * elems))  # V: each thread owns `elems` output dims
+        v_rounds = passes * (full * -(-T_TILE // d.attn_v_in_flight)
+                             + -(-last // d.attn_v_in_flight))
+        # per position of a warp: its K loads issued, G dot products each ended by a warp_sum;
+        # per tile: the online softmax (one warp per head: max and sum reductions) and four
+        # barriers
+        k_loads = -(-D // (32 * elems))
+        k_compute = (full * -(-T_TILE // d.warps) + -(-last // d.warps)) \
+            * (G * 5 * g.shfl + k_loads * 0.002)
+        softmax = ntile * (10 * g.shfl + 4 * g.bar_sync + 0.02)
+        unit_other = k_compute + softmax + 3 * g.bar_sync
     n = len(b.lo)
     other = np.bincount(idx, unit_other, n)
     # K/V rounds go to HBM (the cache is not prefetched); the bytes bound the rate
     rounds = np.bincount(idx, (k_rounds + v_rounds).astype(np.float64), n)
-    l2 = np.bincount(idx, np.full(len(idx), float(d.trips["ATTENTION"][0])), n)
+    l2 = np.bincount(idx, unit_l2, n)
+    hbm = np.bincount(idx, unit_hbm, n)
     sbytes = np.bincount(idx, cnt * 2 * D * 2.0, n)
     z = b.zeros()
-    return Phases(l2, z.copy(), other, rounds, sbytes, z.copy())
+    return Phases(l2, hbm, other, rounds, sbytes, z.copy())
 
 
 @op_model
@@ -463,6 +572,13 @@ def O_PROJ_RESIDUAL(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     # the merge reads every split's partial outputs from L2
     merge_bytes = busy * c.num_kv_heads * S * c.group_size * (c.head_dim + 2) * 4 * share
     other = busy * (g.bar_sync + merge_bytes / (g.l2_bw / g.sms))
+    if d.late_qk and c.qk_norm:
+        # before the merge, the blocks that own KV heads (ARG2..ARG3) cache their keys: one
+        # warp per head, warp_qk_norm_rope of k_raw (L2), then the k-norm weights and the RoPE
+        # row (both in L2: ATTENTION read them this layer), a barrier
+        owner = np.array([float(len(a) > 3 and a[3] > a[2]) for a in b.args])
+        l2 = l2 + 3 * owner
+        other = other + owner * (5 * g.shfl + g.bar_sync)
     rounds = _stream_rounds(-(-b.n // d.warps), c.q_dim, d).astype(np.float64)
     pref = _prefetch(d, b.n * c.q_dim * 2)
     return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)

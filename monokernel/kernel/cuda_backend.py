@@ -511,8 +511,14 @@ def _cuda_1step(model, max_seq_len, **options) -> KernelExecutor:
     return _cuda_executor(model, max_seq_len, multi_step=False, name="cuda-1step", **options)
 
 
+def _cuda_sync1(model, max_seq_len, **options) -> KernelExecutor:
+    """The megakernel with the v1 hop (MK_SYNC=1: fence + atomicAdd, two loads per poll): the
+    A/B twin of the release/acquire hop until a GPU has measured both (benchmarks/NOTES.md)."""
+    return _cuda_executor(model, max_seq_len, sync=1, name="cuda-sync1", **options)
+
+
 # backend name -> factory(model, max_seq_len, **options), read by runtime.make_executor
 BACKENDS = {"cuda": _cuda_executor, "cuda-noprefetch": _cuda_noprefetch, "cuda-v1": _cuda_v1,
-            "cuda-1step": _cuda_1step,
+            "cuda-1step": _cuda_1step, "cuda-sync1": _cuda_sync1,
             "cuda-multi": _cuda_multi, "cuda-multi-graph": _cuda_multi_graph,
             "cuda-multi-graph-pdl": _cuda_multi_graph_pdl}

@@ -223,7 +223,8 @@ class KernelExecutor(Executor):
                  attn_splits: int | None = None, watchdog_ms: int = 20000,
                  trace: bool = False, program: Program | None = None, name: str | None = None,
                  design: int = DEFAULT_DESIGN, attn_min_chunk: int | None = None,
-                 multi_step: bool = True, steps_per_launch: int = 0):
+                 multi_step: bool = True, steps_per_launch: int = 0,
+                 sync: int | None = None):
         super().__init__(model, max_seq_len)
         self.device = device or EmulatorDevice()
         if pdl and not multi:
@@ -259,6 +260,8 @@ class KernelExecutor(Executor):
             defines["MK_TRACE"] = "1"
         if pdl:
             defines["MK_PDL"] = "1"
+        if sync is not None:  # the hop (megakernel.cu MK_SYNC; default 2: release/acquire)
+            defines["MK_SYNC"] = str(sync)
         self.module = self.device.compile(kernel_source(c, max_seq_len), KERNEL_NAMES, defines)
         self._alloc_buffers(model)
         self._broken: str | None = None

@@ -304,8 +304,50 @@ __device__ __forceinline__ void prefetch_l2(const unsigned short* p, size_t byte
 }
 
 // ================================================================================================
-// Synchronisation: wait (acquire spin with watchdog) and signal (fence, then atomicAdd)
+// Synchronisation: wait (acquire spin with watchdog) and signal (barrier, then a release add)
 // ================================================================================================
+// MK_SYNC=2 (default): the hop of PERFORMANCE.md R4. Signal: __syncthreads, then thread 0 adds 1
+// with `red.release.gpu` - no __threadfence (fence.sc.gpu: MEMBAR.SC.GPU + CCTL.IVALL in the
+// SASS). Wait: thread 0 polls ONE `ld.acquire.gpu` of the counter per trip; the error word and
+// %globaltimer only every POLL_CHECK trips; no __nanosleep for the first SPIN_NS of a wait.
+// MK_SYNC=1: the v1 hop (fence + relaxed atomicAdd; error word, counter, timer and a nanosleep
+// every trip), kept as the A/B twin (backend cuda-sync1) until a GPU has measured both.
+//
+// Why the release add by ONE thread publishes the stores of EVERY thread of the block (PTX ISA,
+// memory consistency model, 8.9.4-8.9.5): a store W by thread t precedes t's bar.sync in program
+// order; that bar.sync synchronizes with thread 0's bar.sync on the same barrier (8.9.4 item 2);
+// thread 0's red.release.gpu follows its bar.sync in program order; it is a release pattern that
+// synchronizes with the consumer's ld.acquire.gpu (item 4): the load reads the value of this add
+// or of a later add to the counter, every one an atomic, so the add precedes the load in
+// observation order (8.9.2), and the two are morally strong (both strong, gpu scope containing
+// both threads, same address and size). Base causality order is transitive (8.9.5: "the
+// transitivity of base causality order accounts for the cumulativity of synchronizing
+// operations"), so W precedes the acquire, and through the consumer's own __syncthreads every
+// read R of W's address by any consumer thread: R cannot read a value older than W. No
+// fence.acq_rel is needed beside the release; MK_SYNC=1's fence.sc is stronger than required.
+// (HazyResearch's Megakernels signals with a relaxed atomicAdd after its TMA stores complete and
+// polls a volatile load, which this model does not order; we keep the release/acquire pair.)
+// The emulator maps the add to a C++ release fetch_add and the poll to an acquire load, so the
+// strict-memory TSan build (cuda_cpu_strict.h) checks the same happens-before chain: barrier
+// (mutex) -> release RMW -> acquire load -> barrier.
+#ifndef MK_SYNC
+#define MK_SYNC 2
+#endif
+#define POLL_CHECK 16       // polls per check of the error word and the watchdog (power of 2)
+#define SPIN_NS 4000        // a wait spins without __nanosleep for its first SPIN_NS
+static_assert((POLL_CHECK & (POLL_CHECK - 1)) == 0, "POLL_CHECK must be a power of 2");
+
+// *p += v as a release at gpu scope (no return value: RED, not ATOM).
+__device__ __forceinline__ void red_add_release(int* p, int v) {
+#ifdef __CUDA_ARCH__
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#elif defined(__CUDACC__)  // nvcc's host pass parses device bodies but never runs them
+  *p += v;
+#else
+  emu::red_add_release(p, v);
+#endif
+}
+
 __device__ void record_error(const Params& P, int code, int instr, int op, int counter,
                              int expected, int seen) {
   if (atomicCAS(&P.error[E_CODE], 0, code) == 0) {
@@ -328,6 +370,23 @@ __device__ bool wait_counter(const Params& P, int counter, int target, int instr
     int seen = load_acquire(&P.counters[counter]);
     if (seen < target) {
       const unsigned long long start = global_timer_ns();
+#if MK_SYNC >= 2
+      bool sleep = false;
+      for (unsigned n = 1; seen < target; ++n) {
+        if ((n & (POLL_CHECK - 1)) == 0) {
+          if (load_acquire(&P.error[E_CODE]) != 0) { ok = 0; break; }
+          const long long waited = (long long)(global_timer_ns() - start);
+          if (waited > deadline_ns) {
+            record_error(P, ERR_WATCHDOG, instr, op, counter, target, seen);
+            ok = 0;
+            break;
+          }
+          sleep = waited > SPIN_NS;
+        }
+        if (sleep) __nanosleep(32);
+        seen = load_acquire(&P.counters[counter]);
+      }
+#else
       while (seen < target) {
         if (load_acquire(&P.error[E_CODE]) != 0) { ok = 0; break; }
         if ((long long)(global_timer_ns() - start) > deadline_ns) {
@@ -338,6 +397,7 @@ __device__ bool wait_counter(const Params& P, int counter, int target, int instr
         __nanosleep(32);
         seen = load_acquire(&P.counters[counter]);
       }
+#endif
     }
     s_ok = ok;
   }
@@ -348,8 +408,12 @@ __device__ bool wait_counter(const Params& P, int counter, int target, int instr
 __device__ void signal_counter(const Params& P, int counter) {
   __syncthreads();  // every thread's stores of this instruction are issued
   if (threadIdx.x == 0) {
+#if MK_SYNC >= 2
+    red_add_release(&P.counters[counter], 1);  // ... and published by the release (see above)
+#else
     __threadfence();  // ... and visible GPU-wide before the count moves
     atomicAdd(&P.counters[counter], 1);
+#endif
   }
 }
 
@@ -871,8 +935,8 @@ __device__ __forceinline__ void best_of(float& v, int& id, float ov, int oid) {
 // the token the next position embeds (the fed prompt token while the prompt lasts, else the
 // sampled one, -1 if a logit was NaN) goes to out_tokens, where the host polls it, and to the
 // state with the next position and step and whether the launch goes on (StopReason). Then the
-// step counter moves: a fence orders the state before it (a signal), and a multi-step launch's
-// blocks acquire it before their next step. The system-scope fence after it pushes the token
+// step counter moves (a release by the thread that wrote all of it: a signal), and a multi-step
+// launch's blocks acquire it before their next step. The system-scope fence after it pushes the token
 // to the host's memory without holding the other blocks back.
 __device__ __forceinline__ bool stop_token(const Params& P, int token) {
   return (P.stop_mask[token >> 5] >> (token & 31)) & 1u;
@@ -895,8 +959,12 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
   P.state[S_STEP] = st[S_STEP] + 1;
   P.state[S_RUN] = reason == STOP_NONE;
   P.state[S_STOP_REASON] = reason;
+#if MK_SYNC >= 2
+  red_add_release(&P.counters[st[S_STEP_COUNTER]], 1);  // this thread wrote all of it
+#else
   __threadfence();
   atomicAdd(&P.counters[st[S_STEP_COUNTER]], 1);
+#endif
   __threadfence_system();
 }
 

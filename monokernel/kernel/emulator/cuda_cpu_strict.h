@@ -247,6 +247,12 @@ inline int load_acquire(const int* p) {
   return std::atomic_ref<int>(*const_cast<int*>(p)).load(std::memory_order_acquire);
 }
 
+// *p += v as a release read-modify-write (megakernel.cu red_add_release: red.release.gpu).
+inline void red_add_release(int* p, int v) {
+  if (detail::tl_thread) detail::check_abort(detail::tl_thread->block);
+  std::atomic_ref<int>(*p).fetch_add(v, std::memory_order_release);
+}
+
 // Per-block buffer for dynamic shared memory; the size may not grow within a launch.
 inline void* dynamic_shared(std::size_t bytes) {
   detail::Thread* t = detail::current_thread();
