@@ -74,8 +74,12 @@ def test_v1_round_trips_and_hop_are_the_sass_counts():
 def test_design_for_follows_the_program():
     assert cm.design_for(program("smollm2-135m")) is cm.V1
     assert cm.predict(program("smollm2-135m")).design is cm.V1
-    assert cm.design_for(program("smollm2-135m", design=2)) is cm.V3  # MK_SYNC=2, the default
-    assert cm.design_for(program("smollm2-135m", design=2), sync=1) is cm.V2  # cuda-sync1
+    v2 = program("smollm2-135m", design=2)
+    assert cm.design_for(v2) is cm.V4  # MK_SYNC=2 and many steps per launch, the defaults
+    assert cm.design_for(v2, multi_step=False) is cm.V3  # cuda-1step
+    assert cm.design_for(v2, sync=1, multi_step=False) is cm.V2  # cuda-sync1, one step a launch
+    assert cm.design_for(v2, sync=1).steps_per_launch == cm.GENERATION_STEPS
+    assert cm.V4 == cm.V3.replace(name="v4", steps_per_launch=cm.GENERATION_STEPS)
     assert cm.program_design(cm.V1) == 1 and cm.program_design(cm.V2) == 2
     assert cm.program_design(cm.V3) == 2
 

@@ -264,17 +264,27 @@ V2 = V1.replace(
 # wait polls ONE `ld.acquire.gpu` per trip, the error word and the timer only every few trips,
 # and no nanosleep for the first microseconds of a wait.
 V3 = V2.replace(name="v3", signal_sc_fence=False, poll_loads=1, poll_sleep=False)
+# V4 = V3 + many steps per launch (R6, megakernel.cu run_instructions): one launch runs the
+# prompt and the decode steps; every step after the first begins with one hop (the step
+# counter), and the launch's overhead is shared by its steps: 64, the issue's generation of 64
+# greedy tokens (a longer prompt in the same launch only shares it further).
+GENERATION_STEPS = 64
+V4 = V3.replace(name="v4", steps_per_launch=GENERATION_STEPS)
 # Every design a prediction can name (`monokernel plan --design`).
-DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2, v3=V3)
+DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2, v3=V3, v4=V4)
 
 
-def design_for(program, sync: int = 2) -> KernelDesign:
+def design_for(program, sync: int = 2, multi_step: bool = True) -> KernelDesign:
     """The design megakernel.cu implements for this program: its scheduler design (MK_DESIGN)
-    1 is V1; 2 is V3 with the default hop (MK_SYNC=2), V2 with the v1 hop (MK_SYNC=1, backend
-    cuda-sync1). A kernel change updates these (or adds a design) in the same commit."""
+    1 is V1; 2 is V4 with the default hop (MK_SYNC=2) and many steps per launch, V3 with one
+    launch per step (backend cuda-1step), V2 with the v1 hop (MK_SYNC=1, backend cuda-sync1).
+    A kernel change updates these (or adds a design) in the same commit."""
     if getattr(program, "design", 1) < 2:
         return V1
-    return V3 if sync >= 2 else V2
+    d = V3 if sync >= 2 else V2
+    if not multi_step:
+        return d
+    return V4 if d is V3 else d.replace(name=d.name + "+r6", steps_per_launch=GENERATION_STEPS)
 
 
 def program_design(d: KernelDesign) -> int:
