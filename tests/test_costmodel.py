@@ -121,14 +121,15 @@ def test_attention_isa_loop_follows_the_isa_geometry():
     """Design 2's ATTENTION: rounds per 128-position tile from isa.attn_round_positions and the
     K loads in flight; a longer unit never costs less; V1's formula is untouched."""
     g = cm.gpu("h200")
+    one_k = cm.V3.replace(attn_k_in_flight=((64, 1),), attn_k_interleaved=False)  # 43be27c
     for D, G, k_rounds in ((64, 3, 4), (128, 2, 2)):  # head_dim 64: 1 of 4 K loads in flight
-        k, v, other = cm._attention_tile_isa(np.array([1, 32, 64, 128]), g, cm.V3, G, D)
+        k, v, other = cm._attention_tile_isa(np.array([1, 32, 64, 128]), g, one_k, G, D)
         assert k[-1] == k_rounds and v[-1] == 128 // cm.attn_round_positions(D)
         total = (k + v) * g.hbm_latency + other  # more rounds hide more chains: the sum grows
         assert np.all(np.diff(k) >= 0) and np.all(np.diff(total) >= 0) and k[0] == v[0] == 1
-        kk, _, _ = cm._attention_tile_isa(np.array([128]), g, cm.V3.replace(attn_k_in_flight=()),
-                                          G, D)
+        kk, _, ko = cm._attention_tile_isa(np.array([128]), g, cm.V3, G, D)
         assert kk[0] == 128 // cm.attn_round_positions(D)  # all KV_UNROLL loads in flight
+        assert ko[0] < other[-1]  # and the chains side by side cost less than one by one
     prog = program("smollm2-135m", max_seq=2048, design=2)
     t = [cm.predict(prog, g, cm.V3, c).total_us for c in (16, 128, 512, 1024)]
     assert all(b >= a for a, b in zip(t, t[1:])), t

@@ -188,6 +188,11 @@ class KernelDesign:
     # ... of those KV_UNROLL K loads, how many the compiled loop keeps in flight per lane, by
     # head_dim ((head_dim, loads), ...; absent: all KV_UNROLL). tests/test_sass.py checks it
     attn_k_in_flight: tuple[tuple[int, int], ...] = ()
+    # the K loop's (load, head) chains: False, one after another through shared memory (each
+    # ends by a store before the next one's q load; commit 43be27c); True, all dot products of
+    # an iteration first, their shuffle reductions side by side, then the stores (the chains'
+    # latency paid once per iteration, the rest issue-bound)
+    attn_k_interleaved: bool = False
     # late q/k (QK_NORM models): ATTENTION norms and ropes its queries and the new key, O_PROJ
     # caches the key; False: RMS_QKV_ROPE does it (whole-head or row-pair tiles)
     late_qk: bool = False
@@ -241,9 +246,10 @@ LADDER: dict[str, KernelDesign] = {"v1": V1, "r1": _R1, "r2": _R2, "issue8": _IS
 # - SAMPLE folded into the LM head (atomic ticket, one warp's reduction);
 # - attention: K and V rows read 16 bytes per lane (KV_LANES lanes per row), KV_UNROLL = 4
 #   loads in flight per lane: 64 positions per block per round at head_dim 128, 128 at 64
-#   (attn_isa_loop: the loop as compiled, see _attention_tile_isa; in the sm_90 SASS the K
-#   loop at head_dim 64 keeps ONE of its 4 loads in flight - each load reuses the registers of
-#   the one before - and every (load, head) is a dependent chain through shared memory);
+#   (attn_isa_loop: the loop as compiled, see _attention_tile_isa; in the sm_90 SASS all 4 K
+#   and 4 V loads are in flight at every head_dim - before the unpredicated clamped loads, the
+#   K loop at head_dim 64 kept ONE - and the K loop's (load, head) dot products run side by
+#   side, attn_k_interleaved);
 # - the O_PROJ split merge (still in every block) loads 4 splits at a time: ceil(used / 4)
 #   rounds;
 # - q/k-norm (Qwen3): row-pair QKV tiles; attention norms and ropes q and the new k, O_PROJ
@@ -257,7 +263,7 @@ V2 = V1.replace(
     trips={"EMBED": (0, 1), "RMS_QKV_ROPE": (1, 0), "ATTENTION": (1, 0),
            "O_PROJ_RESIDUAL": (0, 0), "RMS_GATE_UP": (1, 0), "DOWN_RESIDUAL": (1, 0),
            "RMS_LM_HEAD": (1, 0), "SAMPLE": (0, 0)},
-    attn_load_bytes=16, attn_isa_loop=True, attn_k_in_flight=((64, 1),),
+    attn_load_bytes=16, attn_isa_loop=True, attn_k_interleaved=True,
     o_proj_merge_chunk=4, qk_norm_whole_heads=False, late_qk=True, sample_op=False)
 # V3 = V2 + the cheaper hop of PERFORMANCE.md R4 (megakernel.cu MK_SYNC=2): the signal is the
 # block barrier, then one `red.release.gpu.global.add` by thread 0 (no MEMBAR.SC, no CCTL); the
@@ -501,7 +507,10 @@ def _attention_tile_isa(n: np.ndarray, g: GPU, d: KernelDesign, G: int, D: int):
     chain = (2 + steps) * g.shfl  # one (load, head) of the scores
     hidden = np.maximum(k_rounds - it, 0) * min(g.hbm_latency, (kf * G - 1) * chain)
     k_issue = _issue_us(g, d, it * KV_UNROLL * (8 + G * (14 + 2 * steps)))
-    k_compute = np.maximum(it * KV_UNROLL * G * chain - hidden, k_issue)
+    if d.attn_k_interleaved:
+        k_compute = np.maximum(it * chain, k_issue)
+    else:
+        k_compute = np.maximum(it * KV_UNROLL * G * chain - hidden, k_issue)
     v_issue = _issue_us(g, d, it * KV_UNROLL * (8 + 9 * G))
     v_reduce = max(_issue_us(g, d, G * 8 * 2 * np.log2(ppw)), np.log2(ppw) * g.shfl) \
         + 2 * g.shfl

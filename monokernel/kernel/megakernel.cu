@@ -577,14 +577,16 @@ __device__ __forceinline__ uint4 load_kv(const unsigned short* p) {
 }
 
 // This lane's 16-byte chunk c of rows i0 + u * KV_SLOTS (u < KV_UNROLL) of a K or V tile, all
-// issued before any is used; rows past cnt read as zeros.
+// issued before any is used. A row past cnt reads row cnt - 1 again (an L1/L2 hit) and its
+// result is not used: the callers mask by i < cnt. (Loading zeros there instead made the loads
+// predicated, and at head_dim 64 ptxas then issued each one only after the previous row's dot
+// product: one K load in flight instead of KV_UNROLL; tests/test_sass.py counts them.)
 __device__ __forceinline__ void load_kv_rows(const unsigned short* rows, int base, int cnt,
                                              int i0, int c, uint4 (&kv)[KV_UNROLL]) {
 #pragma unroll
   for (int u = 0; u < KV_UNROLL; ++u) {
-    const int i = i0 + u * KV_SLOTS;
-    kv[u] = i < cnt ? load_kv(rows + (size_t)(base + i) * MK_KV_DIM + c * 8)
-                    : make_uint4(0u, 0u, 0u, 0u);
+    const int i = min(i0 + u * KV_SLOTS, cnt - 1);
+    kv[u] = load_kv(rows + (size_t)(base + i) * MK_KV_DIM + c * 8);
   }
 }
 
@@ -596,18 +598,30 @@ __device__ void attention_scores(OpShared& s, const unsigned short* Kg, int base
   for (int i0 = slot; i0 - slot < cnt; i0 += KV_SLOTS * KV_UNROLL) {
     uint4 kv[KV_UNROLL];
     load_kv_rows(Kg, base, cnt, i0, c, kv);
+    // every dot product of the KV_UNROLL rows first, then their reductions side by side, then
+    // the stores: KV_UNROLL x GROUP independent chains instead of one chain per row, each ended
+    // by a store before the next row's work
+    float acc[KV_UNROLL][MK_GROUP];
+#pragma unroll
+    for (int h = 0; h < MK_GROUP; ++h) {
+      const float* q = s.q + h * D + c * 8;
+      const float4 qa = *reinterpret_cast<const float4*>(q);
+      const float4 qb = *reinterpret_cast<const float4*>(q + 4);
+#pragma unroll
+      for (int u = 0; u < KV_UNROLL; ++u) acc[u][h] = dot8(kv[u], qa, qb);
+    }
+#pragma unroll
+    for (int o = KV_LANES / 2; o > 0; o >>= 1)
+#pragma unroll
+      for (int u = 0; u < KV_UNROLL; ++u)
+#pragma unroll
+        for (int h = 0; h < MK_GROUP; ++h) acc[u][h] += __shfl_xor_sync(FULL_MASK, acc[u][h], o);
 #pragma unroll
     for (int u = 0; u < KV_UNROLL; ++u) {
       const int i = i0 + u * KV_SLOTS;
 #pragma unroll
-      for (int h = 0; h < MK_GROUP; ++h) {
-        const float* q = s.q + h * D + c * 8;
-        float acc = dot8(kv[u], *reinterpret_cast<const float4*>(q),
-                         *reinterpret_cast<const float4*>(q + 4));
-#pragma unroll
-        for (int o = KV_LANES / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL_MASK, acc, o);
-        if (c == 0 && i < cnt) s.score[h * T_TILE + i] = acc * scale;
-      }
+      for (int h = 0; h < MK_GROUP; ++h)
+        if (c == 0 && i < cnt) s.score[h * T_TILE + i] = acc[u][h] * scale;
     }
   }
 }
