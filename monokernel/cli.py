@@ -54,8 +54,11 @@ def _llm(args):
 
 
 def _summary(c) -> str:
+    launches = f", {c.launches} kernel launch{'es' if c.launches != 1 else ''}" \
+        if c.launches else ""
     return (f"[{len(c.token_ids)} tokens, {c.decode_tokens_per_s:.1f} tokens/s decode, "
-            f"{c.elapsed_s:.2f} s total, finish={c.finish_reason}, backend={c.backend}]")
+            f"{c.elapsed_s:.2f} s total, finish={c.finish_reason}, backend={c.backend}"
+            f"{launches}]")
 
 
 def cmd_generate(args) -> int:

@@ -392,7 +392,8 @@ class LLM:
             prompt_token_ids=ids, backend=self.backend, elapsed_s=elapsed,
             decode_tokens_per_s=gen.stats.decode_tokens_per_s, prompt=prompt,
             logprobs=first.logprobs, prompt_logprobs=plp, stop_reason=first.stop_reason,
-            outputs=outputs, reused_prompt_tokens=gen.stats.reused_tokens)
+            outputs=outputs, reused_prompt_tokens=gen.stats.reused_tokens,
+            launches=gen.stats.launches)
 
     def _start(self, prompt: str | None, ids: list[int], params: SamplingParams,
                seed: int | None = None) -> Stream:

@@ -71,6 +71,8 @@ class Completion:
     stop_reason: str | int | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     reused_prompt_tokens: int = 0  # prompt tokens whose K/V came from the previous sequence
+    launches: int = 0  # kernel launches of the generation (one for the whole of it when the
+    #                    kernel samples; numpy: 0)
 
     def __str__(self) -> str:
         return self.text

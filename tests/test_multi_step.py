@@ -260,6 +260,7 @@ def test_llm_stream_stop_string_stops_the_kernel(tiny_llm):
     params = SamplingParams(max_new_tokens=40, temperature=HOT, seed=2, ignore_eos=True)
     full = llm.generate(PROMPT, params)
     assert full.outputs[0].token_ids and len(full.outputs[0].token_ids) == 40
+    assert full.launches == 1  # the prompt and 40 tokens in one launch
     text = full.outputs[0].text
     stop = text[len(text) // 3:len(text) // 3 + 2]
     assert stop.strip(), text
