@@ -72,10 +72,14 @@ def test_one_launch_makes_the_tokens_of_one_launch_per_step(model, arch, blocks,
     for sample in (DeviceSample(0.0, 0), DeviceSample(HOT, 77)):
         ex.reset()
         want = per_step(ex, PROMPT, n, sample)
+        want_logits = ex.logits()  # of the last step
         ex.reset()
+        ex.poison()  # NaN in every activation: the launch must write what its last step reads
         l0 = ex.launches
         got = list(ex.run_steps(PROMPT, 0, sample, stop_pos=len(PROMPT) + n - 1))
         assert got == want, f"{arch} T={sample.temperature}"
+        # bitwise: the same last step (prompt steps skip the LM head, the rest is identical)
+        assert np.array_equal(ex.logits().view(np.uint32), want_logits.view(np.uint32))
         assert ex.launches - l0 == 1
         end = ex.last_launch
         assert end.reason == StopReason.POSITION and end.end_pos == len(PROMPT) + n - 1
