@@ -82,16 +82,22 @@ def test_logprobs_are_the_models_log_softmax(np_llm):
 
 
 def spy_device_samples(monkeypatch, llm):
-    """Count the steps in which the kernel sampled (a DeviceSample was passed)."""
+    """What each launch was asked to sample with: one entry per ``step`` (None: the host
+    samples) and per ``run_steps`` (many steps in one launch: the kernel samples)."""
     ex = llm.engine.executor
-    real = ex.step
+    real_step, real_run = ex.step, ex.run_steps
     seen = []
 
     def step(token, pos, sample=None):
         seen.append(sample)
-        return real(token, pos, sample)
+        return real_step(token, pos, sample)
+
+    def run_steps(tokens, start_pos, sample, **kw):
+        seen.append(sample)
+        return real_run(tokens, start_pos, sample, **kw)
 
     monkeypatch.setattr(ex, "step", step)
+    monkeypatch.setattr(ex, "run_steps", run_steps)
     return seen
 
 
@@ -106,6 +112,7 @@ def test_one_seed_one_text_on_every_sampler(np_llm, emu_llm, monkeypatch, params
     seen = spy_device_samples(monkeypatch, emu_llm)
     device = emu_llm.generate(PROMPT, params)
     assert seen and all(isinstance(s, DeviceSample) for s in seen)  # the kernel sampled
+    assert len(seen) == 1 and device.launches == 1  # the prompt and 6 tokens: one launch
     seen.clear()
     host_emu = emu_llm.generate(PROMPT, params.replace(logprobs=3))
     assert seen and all(s is None for s in seen)  # the host sampled from the kernel's logits
