@@ -158,6 +158,19 @@ def test_the_context_end_uses_the_last_cache_slot(model):
         KernelExecutor(model("tiny"), MAX_SEQ, blocks=2, steps_per_launch=-1)
 
 
+def test_tokens_arrive_while_the_launch_runs(model):
+    """Streaming: the first token is taken from mapped memory long before the launch ends
+    (57 steps to the context end; the first token comes after the 7 prompt steps)."""
+    ex = KernelExecutor(model("tiny"), MAX_SEQ, blocks=2)
+    ex.reset()
+    it = ex.run_steps(PROMPT, 0, DeviceSample(HOT, 2))
+    next(it)
+    running = not ex._running.done()
+    rest = list(it)
+    assert running, "the launch had ended before its first token was taken"
+    assert len(rest) == MAX_SEQ - len(PROMPT) - 1 and ex.launches == 1
+
+
 def test_closing_early_stops_the_kernel(model):
     ex = KernelExecutor(model("qwen3-tiny"), MAX_SEQ, blocks=3)
     s = DeviceSample(HOT, 4)
