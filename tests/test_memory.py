@@ -75,3 +75,41 @@ def test_numpy_backend_holds_one_copy_of_the_weights(bundled_dir, session_cache)
     # the resident peak: the weights plus ~150-200 MiB of interpreter, numpy and tokenizer;
     # with the bf16 copy it was 938 MiB
     assert m["peak_rss_mib"] < f32 / 2**20 + 300, m
+
+
+def test_weight_store_maps_the_file_privately(synth_dir):
+    """A tensor is a copy-on-write map of the file, not a fresh copy: writable, and a write
+    neither reaches the file nor the next access."""
+    import mmap
+
+    import numpy as np
+
+    from monokernel.model.loader import BF16, load_model
+
+    m = load_model(synth_dir("qwen2-tiny"), progress=False)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    a = m.weights[name]
+    assert a.dtype == BF16 and a.shape == (32, 96) and a.flags.writeable
+    base = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base.obj if isinstance(base, memoryview) else base, mmap.mmap)
+    before = a.copy()
+    a[...] = 0
+    assert np.array_equal(m.weights[name].view(np.uint16), before.view(np.uint16))
+
+
+def test_bf16_to_float32_is_the_cast_for_every_bit_pattern():
+    """The reference's shift of the bits equals ml_dtypes' cast (NaN payloads and signed zeros
+    included), also into a slice of a larger array, as the q/k/v rows are written."""
+    import numpy as np
+
+    from monokernel.model.loader import BF16
+    from monokernel.model.reference import as_float32, concat_float32
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = bits.view(BF16).astype(np.float32).view(np.uint32)
+    assert np.array_equal(as_float32(bits.view(BF16)).view(np.uint32), want)
+    parts = [bits[:1111].reshape(11, 101), bits[1111:1616].reshape(5, 101)]
+    got = concat_float32([p.view(BF16) for p in parts])
+    assert np.array_equal(got.view(np.uint32), want[:1616].reshape(16, 101))

@@ -59,30 +59,46 @@ def kernel_weights(model: LoadedModel) -> dict[str, np.ndarray]:
 
 
 def _stack_weights(model: LoadedModel) -> dict[str, np.ndarray]:
+    """Each per-layer tensor (q, k and v concatenated along rows) is written into its slice of
+    one array allocated once: no per-layer temporaries, no np.stack copy. The tensors the
+    WeightStore hands out map the file, so the stacked arrays are the only new memory."""
     c = model.config
     w = model.weights
-    bits = lambda a: np.ascontiguousarray(a).view(np.uint16)  # noqa: E731
-    layer = lambda name: np.stack([bits(w[f"model.layers.{i}.{name}"])  # noqa: E731
-                                   for i in range(c.num_layers)])
+    bits = lambda a: np.asarray(a).view(np.uint16)  # noqa: E731
+
+    def stacked(*names: str) -> np.ndarray:
+        """[layers, rows of names[0] + names[1] + ..., ...] of ``model.layers.{i}.<name>``."""
+        out = None
+        for i in range(c.num_layers):
+            parts = [bits(w[f"model.layers.{i}.{name}"]) for name in names]
+            if out is None:
+                rows = sum(len(x) for x in parts)
+                out = np.empty((c.num_layers, rows) + parts[0].shape[1:], np.uint16)
+            row = 0
+            for x in parts:
+                out[i, row:row + len(x)] = x
+                row += len(x)
+        return out
+
+    qkv = lambda kind: [f"self_attn.{x}_proj.{kind}" for x in "qkv"]  # noqa: E731
     out = {
-        "embed": bits(w["model.embed_tokens.weight"]),
-        "final_norm": bits(w["model.norm.weight"]),
-        "in_norm": layer("input_layernorm.weight"),
-        "post_norm": layer("post_attention_layernorm.weight"),
-        "wqkv": np.stack([np.concatenate([bits(w[f"model.layers.{i}.self_attn.{x}_proj.weight"])
-                                          for x in "qkv"]) for i in range(c.num_layers)]),
-        "wo": layer("self_attn.o_proj.weight"),
-        "wg": layer("mlp.gate_proj.weight"),
-        "wu": layer("mlp.up_proj.weight"),
-        "wd": layer("mlp.down_proj.weight"),
+        "embed": np.array(bits(w["model.embed_tokens.weight"])),  # a copy, not the file's map
+        "final_norm": np.array(bits(w["model.norm.weight"])),
+        "in_norm": stacked("input_layernorm.weight"),
+        "post_norm": stacked("post_attention_layernorm.weight"),
+        "wqkv": stacked(*qkv("weight")),
+        "wo": stacked("self_attn.o_proj.weight"),
+        "wg": stacked("mlp.gate_proj.weight"),
+        "wu": stacked("mlp.up_proj.weight"),
+        "wd": stacked("mlp.down_proj.weight"),
     }
-    out["lm_head"] = out["embed"] if c.tie_word_embeddings else bits(w["lm_head.weight"])
+    out["lm_head"] = (out["embed"] if c.tie_word_embeddings
+                      else np.array(bits(w["lm_head.weight"])))
     if c.attention_bias:
-        out["bqkv"] = np.stack([np.concatenate([bits(w[f"model.layers.{i}.self_attn.{x}_proj.bias"])
-                                                for x in "qkv"]) for i in range(c.num_layers)])
+        out["bqkv"] = stacked(*qkv("bias"))
     if c.qk_norm:
-        out["q_norm"] = layer("self_attn.q_norm.weight")
-        out["k_norm"] = layer("self_attn.k_norm.weight")
+        out["q_norm"] = stacked("self_attn.q_norm.weight")
+        out["k_norm"] = stacked("self_attn.k_norm.weight")
     return out
 
 

@@ -9,6 +9,8 @@ A model is a folder with ``config.json``, ``model.safetensors`` (or shards liste
 from __future__ import annotations
 
 import json
+import mmap
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -22,6 +24,12 @@ from ..errors import (CacheError, CheckpointError, ConfigError, TensorMismatchEr
                       TokenizerError)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+# safetensors dtype names -> NumPy (the ones safetensors.numpy reads, and BF16)
+_DTYPES = {"BF16": BF16, "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
+           "F64": np.dtype(np.float64), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
+           "I16": np.dtype(np.int16), "U16": np.dtype(np.uint16), "I32": np.dtype(np.int32),
+           "U32": np.dtype(np.uint32), "I64": np.dtype(np.int64), "U64": np.dtype(np.uint64),
+           "BOOL": np.dtype(bool)}
 
 
 @dataclass
@@ -87,27 +95,63 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 class WeightStore(Mapping):
     """HF name -> bf16 array [out, in], read from the safetensors files at each access and
     never kept: a backend holds the one copy of the weights it computes with (the NumPy
-    reference float32, a kernel backend its device buffers), not a second bf16 one."""
+    reference float32, a kernel backend its device buffers), not a second bf16 one.
+
+    A bf16 tensor is a copy-on-write memory map of its bytes in the file (writable; writes stay
+    in this process): reading it costs page-cache hits, not a fresh anonymous copy, and the
+    mapping goes when the array does. Other dtypes are converted to bf16 as safetensors'
+    ``astype`` would, into a new array."""
 
     def __init__(self, files: dict[str, Path]):
         self._files = files  # name -> the file holding it
 
     def __getitem__(self, name: str) -> np.ndarray:
-        from safetensors import SafetensorError, safe_open
-
         path = self._files[name]
         try:
-            with safe_open(str(path), framework="numpy") as f:
-                return np.ascontiguousarray(f.get_tensor(name).astype(BF16, copy=False))
-        except (SafetensorError, OSError, ValueError) as e:
+            return _map_tensor(path, name).astype(BF16, copy=False)
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{path}: cannot read tensor {name} (was the file changed "
-                                  f"after loading?): {e}") from None
+                                  f"after loading?): {type(e).__name__}: {e}") from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
 
     def __len__(self) -> int:
         return len(self._files)
+
+
+def _map_tensor(path: Path, name: str) -> np.ndarray:
+    """One tensor of a safetensors file (8-byte little-endian header length, JSON header of
+    dtype / shape / data_offsets, then the data) as an array over a private map of its bytes.
+    The header is read again at every access, so a file changed since loading fails here
+    with its reason instead of yielding other bytes."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        n = int.from_bytes(f.read(8), "little")
+        if size < 8 or 8 + n > size:
+            raise ValueError(f"header of {n} bytes does not fit the file's {size}")
+        header = json.loads(f.read(n))
+        data_end = 8 + n + max((int(t["data_offsets"][1]) for k, t in header.items()
+                                if k != "__metadata__"), default=0)
+        if data_end != size:  # what safetensors checks on opening: a truncated or padded file
+            raise ValueError(f"the header's data ends at byte {data_end}, the file at {size}")
+        info = header[name]
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"unsupported dtype {info['dtype']}")
+        shape = tuple(int(d) for d in info["shape"])
+        start, end = (int(o) for o in info["data_offsets"])
+        count = int(np.prod(shape, dtype=np.int64))
+        if end - start != count * dtype.itemsize or start < 0 or 8 + n + end > size:
+            raise ValueError(f"data_offsets [{start}, {end}] do not hold {info['dtype']} "
+                             f"{list(shape)} within the file's {size} bytes")
+        if count == 0:
+            return np.empty(shape, dtype)
+        offset = 8 + n + start
+        page = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(f.fileno(), offset + end - start - page, access=mmap.ACCESS_COPY,
+                           offset=page)
+    return np.frombuffer(mapped, dtype, count, offset - page).reshape(shape)
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig) -> WeightStore:

@@ -18,6 +18,33 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float32).astype(BF16).astype(np.float32)
 
 
+def as_float32(a, out: np.ndarray | None = None) -> np.ndarray:
+    """The float32 values of a weight, written into ``out`` if given. bf16 -> float32 is exact:
+    the bf16 bits are the float32's high half, so it is a shift of the bits (what ml_dtypes'
+    cast computes), straight into the output with no temporary."""
+    a = np.asarray(a)
+    if a.dtype != BF16:
+        if out is None:
+            return np.asarray(a, dtype=np.float32)
+        out[...] = a
+        return out
+    if out is None:
+        out = np.empty(a.shape, np.float32)
+    np.left_shift(a.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
+    return out
+
+
+def concat_float32(parts) -> np.ndarray:
+    """``np.concatenate`` of the parts' float32 values, each converted into its rows."""
+    parts = [np.asarray(x) for x in parts]
+    out = np.empty((sum(len(x) for x in parts),) + parts[0].shape[1:], np.float32)
+    row = 0
+    for x in parts:
+        as_float32(x, out[row:row + len(x)])
+        row += len(x)
+    return out
+
+
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     var = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
     return (x / np.sqrt(var + np.float32(eps))) * w
@@ -43,7 +70,7 @@ class ReferenceModel:
                  max_seq_len: int | None = None):
         self.cfg = c = config
         self.max_seq_len = max_seq_len or min(c.max_position_embeddings, 4096)
-        f32 = lambda name: np.asarray(weights[name], dtype=np.float32)  # noqa: E731
+        f32 = lambda name: as_float32(weights[name])  # noqa: E731
         self.embed = f32("model.embed_tokens.weight")
         self.lm_head = self.embed if c.tie_word_embeddings else f32("lm_head.weight")
         self.final_norm = f32("model.norm.weight")
@@ -53,14 +80,14 @@ class ReferenceModel:
             L = {
                 "in_norm": f32(p + "input_layernorm.weight"),
                 "post_norm": f32(p + "post_attention_layernorm.weight"),
-                "wqkv": np.concatenate([f32(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
+                "wqkv": concat_float32(weights[p + f"self_attn.{x}_proj.weight"] for x in "qkv"),
                 "wo": f32(p + "self_attn.o_proj.weight"),
                 "wg": f32(p + "mlp.gate_proj.weight"),
                 "wu": f32(p + "mlp.up_proj.weight"),
                 "wd": f32(p + "mlp.down_proj.weight"),
             }
             if c.attention_bias:
-                L["bqkv"] = np.concatenate([f32(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+                L["bqkv"] = concat_float32(weights[p + f"self_attn.{x}_proj.bias"] for x in "qkv")
             if c.qk_norm:
                 L["q_norm"] = f32(p + "self_attn.q_norm.weight")
                 L["k_norm"] = f32(p + "self_attn.k_norm.weight")
