@@ -28,10 +28,11 @@ REPO = Path(__file__).resolve().parents[1]
 # 2.5 M -> 1.1 M) it measured 569 s wall, 449 CPU-s (user 122 s, sys 328 s), then 537 s wall,
 # 481 CPU-s: what remains is
 # the peak memory each step touches by design (the reference's float32 copy, the stacked
-# kernel copy, the synthetic checkpoints). The budget is the worse run plus ~35 %, so another
-# growth of the size seen above (~+250 CPU-s) fails here; CPU seconds (user + sys of the
-# check's processes) move less than wall time on a busy VM.
-HOST_CPU_BUDGET_S = 650
+# kernel copy, the synthetic checkpoints). The budget is the worse run plus ~55 % (a fresh CI
+# VM has given its memory back to the host too, and two runs on a shared machine differed by
+# 7 %), so another growth of the size seen above (~+260 CPU-s) fails here; CPU seconds (user +
+# sys of the check's processes) move less than wall time on a busy VM.
+HOST_CPU_BUDGET_S = 750
 WALL_CEILING_S = 1500
 GPU_STEPS = ("smoke", "gpu_tests", "bench_smollm2-135m", "bench_qwen3-0.6b",
              "bench_llama-3.2-1b", "trace")
