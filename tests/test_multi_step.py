@@ -203,6 +203,32 @@ def test_a_cancel_from_another_thread_stops_the_kernel(model):
     assert len(rest) < MAX_SEQ - len(PROMPT) - 1
 
 
+def test_a_launch_that_makes_no_progress_is_an_error_not_a_hang(model, monkeypatch):
+    """A launch that never finishes a step (here: a stand-in that never runs) fails after the
+    progress deadline with the position it was at; the host does not wait forever."""
+    from monokernel.kernel import executor as exmod
+
+    class Stuck:
+        finished = False
+
+        def done(self):
+            return self.finished
+
+        def finish(self):
+            self.finished = True
+
+    ex = KernelExecutor(model("tiny"), MAX_SEQ, blocks=2, watchdog_ms=100,
+                        device=exmod.EmulatorDevice(timeout_s=0.5))
+    monkeypatch.setattr(exmod, "PROGRESS_GRACE_S", 0.2)
+    monkeypatch.setattr(ex.device, "start", lambda fn: Stuck())
+    ex.reset()
+    t0 = time.perf_counter()
+    with pytest.raises(KernelError, match="no step done for 0 s at position 0"):
+        list(ex.run_steps(PROMPT, 0, DeviceSample(0.0, 0)))
+    assert time.perf_counter() - t0 < 5
+    assert ex.buffers["host_flags"][0] == 1  # it asked the kernel to stop
+
+
 def test_nan_logits_stop_the_launch(model):
     import dataclasses
 

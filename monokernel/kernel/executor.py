@@ -438,7 +438,7 @@ class KernelExecutor(Executor):
             dev.write(b["stop_mask"], mask)
             self._stop_key = key
         out, flags = b["out_tokens"], b["host_flags"]
-        out[first:] = NO_TOKEN
+        out[start_pos:] = NO_TOKEN
         flags[:] = 0
         words = self._state_words(int(tokens[0]), start_pos, sample)
         words[State.FEED_END] = start_pos + n
@@ -448,30 +448,35 @@ class KernelExecutor(Executor):
         dev.write(b["control"], words)
         self._state_on_device = None
         self.last_launch = LaunchEnd(first, start_pos, [], StopReason.NONE)
-        p, reason = first, StopReason.BUDGET
+        # every step writes out_tokens[its position] (a prompt step: the next fed token), so
+        # the host sees progress through the prompt too; tokens are yielded from `first` on
+        p, seen, reason = first, start_pos, StopReason.BUDGET
+        # no step done for this long is a hang: the kernel's watchdog bounds its waits, and on
+        # the emulator, where one step of a big model can take long, its launch timeout
+        patience = max(self.watchdog_ms / 1000 + PROGRESS_GRACE_S,
+                       float(getattr(dev, "timeout_s", 0.0)))
         try:
             while reason == StopReason.BUDGET:
                 self._running = dev.start(self.run_launches)
-                last = time.monotonic()
-                patience = self.watchdog_ms / 1000 + PROGRESS_GRACE_S
-                pause = 0.0
+                last, pause = time.monotonic(), 0.0
                 while True:
-                    tok = int(out[p]) if p < stop_pos else NO_TOKEN
-                    if tok != NO_TOKEN:
-                        p += 1
-                        yield tok
+                    while seen < stop_pos and int(out[seen]) != NO_TOKEN:
+                        seen += 1
                         last, pause = time.monotonic(), 0.0
+                    if p < seen:
+                        p += 1
+                        yield int(out[p - 1])
                         continue
                     if self._running.done():
-                        if p < stop_pos and int(out[p]) != NO_TOKEN:
+                        if seen < stop_pos and int(out[seen]) != NO_TOKEN:
                             continue  # written just before the launch ended
                         break
                     if should_stop is not None and not flags[HostFlag.STOP] and should_stop():
                         flags[HostFlag.STOP] = 1  # the kernel ends after its current step
                     if time.monotonic() - last > patience:
                         flags[HostFlag.STOP] = 1
-                        raise KernelError(f"{self.name}: no token for {patience:.0f} s at "
-                                          f"position {p} of a multi-step launch")
+                        raise KernelError(f"{self.name}: no step done for {patience:.0f} s at "
+                                          f"position {seen} of a multi-step launch")
                     pause = min(pause * 2 or 20e-6, 1e-3)
                     time.sleep(pause)
                 control = self._end_running()
