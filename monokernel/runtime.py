@@ -103,6 +103,11 @@ def _load_kernel_backends() -> None:
             EXECUTORS.setdefault(name, factory)
 
 
+# A generation whose engine started another one: the KV cache is not its own any more.
+INVALIDATED = ("this stream was invalidated: another generation started on the same LLM (one "
+               "sequence at a time)")
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -288,8 +293,7 @@ class Engine:
             if g.cancelled:
                 return
             if self._active is not me:  # one sequence at a time: the KV cache is not ours now
-                raise MonokernelError("this stream was invalidated: another generation started "
-                                      "on the same LLM (one sequence at a time)")
+                raise MonokernelError(INVALIDATED)
             self._kv_mark = None
             try:
                 res = ex.step(cur.token, pos, dsample)
@@ -332,8 +336,7 @@ class Engine:
                 if cur.stop or i + 1 == params.max_new_tokens or g.cancelled:
                     return
                 if self._active is not me:
-                    raise MonokernelError("this stream was invalidated: another generation "
-                                          "started on the same LLM (one sequence at a time)")
+                    raise MonokernelError(INVALIDATED)
         finally:
             try:
                 run.close()  # ends the launch (asks it to stop first if it still runs)

@@ -74,6 +74,22 @@ def synth_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def synth_model(synth_dir):
+    """``synth_model("qwen3-tiny")`` -> that synthetic checkpoint loaded, once per session.
+    Tests must not modify it (dataclasses.replace a copy with other weights)."""
+    from monokernel.model.loader import load_model
+
+    cache: dict[str, object] = {}
+
+    def get(shape: str):
+        if shape not in cache:
+            cache[shape] = load_model(synth_dir(shape), progress=False)
+        return cache[shape]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def bundled_dir(session_cache) -> Path:
     """The bundled SmolLM2-135M-Instruct as an HF folder in the session cache (~10 s once)."""
     from monokernel.model.bundled import bundled_model_dir

@@ -20,7 +20,7 @@ import pytest
 from monokernel.errors import KernelError, NumericalError
 from monokernel.kernel.isa import State
 from monokernel.kernel.executor import ACTIVATIONS, KernelExecutor
-from monokernel.model.loader import BF16, load_model
+from monokernel.model.loader import BF16
 from monokernel.model.reference import ReferenceModel, bf16_round
 from monokernel.kernel.base import DeviceSample
 from monokernel.runtime import Engine
@@ -97,16 +97,9 @@ def reference_run(model, tokens: list[int], n_steps: int, max_seq_len: int):
 # Fixtures
 # ================================================================================================
 @pytest.fixture(scope="module")
-def model(synth_dir):
-    """``model("qwen3-tiny")`` -> the seeded synthetic checkpoint, loaded once per module."""
-    cache: dict[str, object] = {}
-
-    def get(arch: str):
-        if arch not in cache:
-            cache[arch] = load_model(synth_dir(arch), progress=False)
-        return cache[arch]
-
-    return get
+def model(synth_model):
+    """``model("qwen3-tiny")`` -> the seeded synthetic checkpoint (conftest.synth_model)."""
+    return synth_model
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from monokernel.errors import KernelError, NumericalError
 from monokernel.kernel.base import DeviceSample
 from monokernel.kernel.executor import KernelExecutor
 from monokernel.kernel.isa import State, StopReason
-from monokernel.model.loader import load_model
 from monokernel.model.reference import ReferenceModel
 from monokernel.runtime import Engine
 from monokernel.sampling import SamplingParams
@@ -33,15 +32,9 @@ HOT = 25.0  # a temperature at which the synthetic models' tokens vary from step
 
 
 @pytest.fixture(scope="module")
-def model(synth_dir):
-    cache: dict[str, object] = {}
-
-    def get(arch: str):
-        if arch not in cache:
-            cache[arch] = load_model(synth_dir(arch), progress=False)
-        return cache[arch]
-
-    return get
+def model(synth_model):
+    """``model("qwen3-tiny")`` -> the seeded synthetic checkpoint (conftest.synth_model)."""
+    return synth_model
 
 
 def per_step(ex: KernelExecutor, prompt: list[int], n: int, sample: DeviceSample,

@@ -75,6 +75,18 @@ def without_acquire(source: str) -> str:
     return source.replace(old, "return __atomic_load_n(p, __ATOMIC_RELAXED);")
 
 
+def assert_race_reported(model, mutate, **defines) -> None:
+    """Two strict-mode steps of the kernel source changed by ``mutate``: TSan must report a
+    data race in the kernel's code."""
+    ex = executor(model)
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, STEPS[:2], source=mutate(kernel_source(model.config, MAX_SEQ)),
+                   defines=defines or None)
+    report = info.value.report
+    assert "WARNING: ThreadSanitizer: data race" in report
+    assert re.search(r"\bop_\w+|rms_normalize|run_instructions", report), report[:4000]
+
+
 def test_rewrite_shared_forms():
     src = ("__shared__ OpShared s;\n  __shared__ float s_red[NWARPS + 1];\n"
            "__shared__ unsigned int hist[4][ 8 ];\n__shared__ int s_ok;\n")
@@ -139,32 +151,14 @@ def test_sync1_hop_no_race_matches_reference(tiny):
 
 @needs_tsan
 def test_negative_control_missing_release_is_reported(tiny):
-    ex = executor(tiny)
-    source = without_signal_release(kernel_source(tiny.config, MAX_SEQ))
-    with pytest.raises(DataRaceError) as info:
-        run_strict(ex, STEPS[:2], source=source)
-    report = info.value.report
-    assert "WARNING: ThreadSanitizer: data race" in report
-    assert re.search(r"\bop_\w+|rms_normalize|run_instructions", report), report[:4000]
+    assert_race_reported(tiny, without_signal_release)
 
 
 @needs_tsan
 def test_negative_control_missing_threadfence_is_reported(tiny):
-    ex = executor(tiny)
-    source = without_signal_fence(kernel_source(tiny.config, MAX_SEQ))
-    with pytest.raises(DataRaceError) as info:
-        run_strict(ex, STEPS[:2], source=source, defines={"MK_SYNC": "1"})
-    report = info.value.report
-    assert "WARNING: ThreadSanitizer: data race" in report
-    assert re.search(r"\bop_\w+|rms_normalize|run_instructions", report), report[:4000]
+    assert_race_reported(tiny, without_signal_fence, MK_SYNC="1")
 
 
 @needs_tsan
 def test_negative_control_missing_acquire_is_reported(tiny):
-    ex = executor(tiny)
-    source = without_acquire(kernel_source(tiny.config, MAX_SEQ))
-    with pytest.raises(DataRaceError) as info:
-        run_strict(ex, STEPS[:2], source=source)
-    report = info.value.report
-    assert "WARNING: ThreadSanitizer: data race" in report
-    assert re.search(r"\bop_\w+|rms_normalize|run_instructions", report), report[:4000]
+    assert_race_reported(tiny, without_acquire)

@@ -33,7 +33,7 @@ ACTIVATIONS = ("residual", "q", "k_raw", "attn_o", "attn_ml", "ffn_h", "logits",
 # out_tokens before the kernel writes them: the host's poll tells "not yet" from any token (-1
 # is a NaN step)
 NO_TOKEN = -2
-# A multi-step launch that makes no token for this long (beyond the kernel's watchdog) is hung.
+# A multi-step launch that finishes no step for this long beyond the kernel's watchdog is hung.
 PROGRESS_GRACE_S = 5.0
 
 
@@ -383,7 +383,7 @@ class KernelExecutor(Executor):
         """The device work of one step: one cooperative launch of the megakernel, or one launch
         per op (replayed from a captured graph when ``graph``). Reads everything it needs
         (token, position, step) from device memory, so it can be repeated as it is."""
-        self.launches += 1
+        self.launches += len(self._op_params) if self.multi and not self.graph else 1
         if not self.multi:
             self.device.launch(self.module, "megakernel", self.blocks, self.params,
                                cooperative=True)
@@ -395,8 +395,6 @@ class KernelExecutor(Executor):
             self._launch_ops()
 
     def _launch_ops(self) -> None:
-        if not self.graph:
-            self.launches += len(self._op_params) - 1  # run_launches counted one
         for name, pp in self._op_params:
             self.device.launch(self.module, name, self.blocks, pp, cooperative=False,
                                pdl=self.pdl)

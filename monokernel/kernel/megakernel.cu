@@ -1115,9 +1115,9 @@ __device__ void prefetch_weights(const Params& P, const int* w) {
 // ================================================================================================
 // One step: false if the launch is being aborted (an error).
 template <int ONLY>
-__device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin, int end) {
+__device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin, int end,
+                         long long deadline_ns) {
   const int len = st[S_PROGRAM_LEN];
-  const long long deadline_ns = (long long)st[S_WATCHDOG_MS] * 1000000LL;
   const int target_scale = st[S_STEP] + 1;  // counters are monotonic across steps
   for (int i = begin; i < end; ++i) {
     const int* ins = P.program + ((size_t)blockIdx.x * len + i) * MK_WIDTH;
@@ -1195,7 +1195,7 @@ __device__ void run_instructions(const Params& P, int begin, int end) {
   load_state(P, st, steps);
   const long long deadline_ns = (long long)st[S_WATCHDOG_MS] * 1000000LL;
   for (int k = 1;; ++k) {
-    if (!run_step<ONLY>(P, s, st, begin, end) || k >= steps) return;
+    if (!run_step<ONLY>(P, s, st, begin, end, deadline_ns) || k >= steps) return;
     if (!wait_counter(P, st[S_STEP_COUNTER], st[S_STEP] + 1, st[S_PROGRAM_LEN], OP_NOOP,
                       deadline_ns))
       return;
