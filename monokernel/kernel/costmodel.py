@@ -168,6 +168,11 @@ class KernelDesign:
     o_proj_merge_trips_per_split: float = 1.0  # v1: every O_PROJ block merges every split
     # design 2: the merge's loads issued a chunk of splits at a time: rounds = ceil(S / chunk)
     o_proj_merge_chunk: int = 0  # 0: v1's per-split trips above
+    # design 5: when a step uses at least the program's merge_ticket_min splits, the last unit
+    # of each KV group to draw the group's ticket (an acq_rel atomic) merges the group once
+    # (into `attn`), and O_PROJ reads the merged vector (one L2 round). False: every O_PROJ
+    # block merges every used split itself
+    o_proj_merge_ticket: bool = False
     qk_norm_whole_heads: bool = True  # v1: Qwen3's q/k-norm needs a whole head per tile
     # hop: signal = bar + (MEMBAR.SC + CCTL | release atomic); poll = loads + timer + sleep
     signal_sc_fence: bool = True
@@ -196,6 +201,13 @@ class KernelDesign:
     # late q/k (QK_NORM models): ATTENTION norms and ropes its queries and the new key, O_PROJ
     # caches the key; False: RMS_QKV_ROPE does it (whole-head or row-pair tiles)
     late_qk: bool = False
+    # ... and warp_qk_norm_rope issues its vector, norm-weight and RoPE loads together, the
+    # weights and the RoPE row prefetched into L2 before the wait (False: three dependent
+    # trips, the weights from HBM)
+    late_qk_one_trip: bool = False
+    # ATTENTION prefetches its units' K/V rows of the positions cached before this step into L2
+    # before its wait (the cache never depends on this step's counters but for the new row)
+    attn_kv_prefetch: bool = False
     # SAMPLE as a separate serial op: thread 0 walks the partials, dependent L2 loads each.
     # False: the LM head's last block reduces them (a v1 program's SAMPLE slot is then skipped)
     sample_op: bool = True
@@ -276,8 +288,15 @@ V3 = V2.replace(name="v3", signal_sc_fence=False, poll_loads=1, poll_sleep=False
 # greedy tokens (a longer prompt in the same launch only shares it further).
 GENERATION_STEPS = 64
 V4 = V3.replace(name="v4", steps_per_launch=GENERATION_STEPS)
+# V5 = V4 + three latency cuts of ATTENTION and O_PROJ (benchmarks/NOTES.md, "Kernel v2 part 1,
+# third session"): the K/V rows cached before the step prefetched into L2 before ATTENTION's
+# wait; late q/k's loads in one trip (weights and RoPE row prefetched); and, from the
+# program's merge_ticket_min used splits on (isa.merge_ticket_min_splits), the O_PROJ merge
+# done once per KV group by the last unit to draw the group's ticket.
+V5 = V4.replace(name="v5", attn_kv_prefetch=True, late_qk_one_trip=True,
+                o_proj_merge_ticket=True)
 # Every design a prediction can name (`monokernel plan --design`).
-DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2, v3=V3, v4=V4)
+DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2, v3=V3, v4=V4, v5=V5)
 
 
 def design_for(program, sync: int = 2, multi_step: bool = True) -> KernelDesign:
@@ -448,8 +467,14 @@ def _splits_used(program, n_pos: int) -> int:
     return min(program.attn_splits, -(-n_pos // _split_chunk(program, n_pos)))
 
 
-def _unit_positions(b: OpBatch) -> tuple[np.ndarray, np.ndarray]:
-    """(instruction index, positions) of every attention unit: units cover
+def _merge_by_ticket(b: OpBatch, d: KernelDesign, used: int) -> bool:
+    """megakernel.cu merge_by_ticket: the step merges the splits by ticket in ATTENTION."""
+    least = getattr(b.program, "merge_ticket_min", 0)
+    return d.o_proj_merge_ticket and least > 0 and used >= least
+
+
+def _unit_positions(b: OpBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(instruction index, first position, positions) of every attention unit: units cover
     [split * chunk, (split + 1) * chunk) of the context + 1 positions."""
     splits = b.program.attn_splits
     n_pos = b.context + 1
@@ -460,7 +485,7 @@ def _unit_positions(b: OpBatch) -> tuple[np.ndarray, np.ndarray]:
     split = units % splits
     t0 = split * chunk
     cnt = np.clip(np.minimum(n_pos, t0 + chunk) - t0, 0, None)
-    return idx, cnt
+    return idx, t0, cnt
 
 
 def _issue_us(g: GPU, d: KernelDesign, instructions_per_warp):
@@ -524,7 +549,7 @@ def _attention_tile_isa(n: np.ndarray, g: GPU, d: KernelDesign, G: int, D: int):
 def ATTENTION(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     c = b.program.config
     T_TILE, G, D = d.attn_tile, c.group_size, c.head_dim
-    idx, cnt = _unit_positions(b)
+    idx, t0, cnt = _unit_positions(b)
     ntile = -(-cnt // T_TILE)
     full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * T_TILE
     unit_hbm = np.zeros(len(idx))
@@ -539,8 +564,9 @@ def ATTENTION(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
             # warp_sum, then the q/k-norm weights (HBM: evicted since the last token), then the
             # RoPE row (L2: every layer reads the same position's row), a barrier; the unit
             # holding the new position scores it from shared memory (barrier, warp_sum)
-            unit_hbm += 1.0
-            unit_l2 += 1.0
+            if not d.late_qk_one_trip:
+                unit_hbm += 1.0
+                unit_l2 += 1.0
             unit_other += 5 * g.shfl + g.bar_sync
             n_pos = b.context + 1
             splits = b.program.attn_splits
@@ -565,14 +591,27 @@ def ATTENTION(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
         softmax = ntile * (10 * g.shfl + 4 * g.bar_sync + 0.02)
         unit_other = k_compute + softmax + 3 * g.bar_sync
     n = len(b.lo)
+    used = _splits_used(b.program, b.context + 1)
+    if _merge_by_ticket(b, d, used):
+        # every unit: a barrier, the ticket (fence + a returning atomic: one L2 round trip);
+        # the last of its group (charged to all: the group's last one ends the op) loads the
+        # used splits' partials in one round, merges them and stores the merged vector
+        mb = used * G * (D + 2) * 4.0
+        l2_share = g.l2_bw / g.sms
+        unit_l2 = unit_l2 + 2.0
+        unit_other = unit_other + 2 * g.bar_sync + g.release + mb / l2_share + G * D * 4 / l2_share
     other = np.bincount(idx, unit_other, n)
-    # K/V rounds go to HBM (the cache is not prefetched); the bytes bound the rate
+    # K/V rounds go to HBM; with attn_kv_prefetch the rows cached before this step were
+    # brought into L2 during the wait (the prefetch share of the rounds then hits L2)
     rounds = np.bincount(idx, (k_rounds + v_rounds).astype(np.float64), n)
     l2 = np.bincount(idx, unit_l2, n)
     hbm = np.bincount(idx, unit_hbm, n)
     sbytes = np.bincount(idx, cnt * 2 * D * 2.0, n)
-    z = b.zeros()
-    return Phases(l2, hbm, other, rounds, sbytes, z.copy())
+    pref = b.zeros()
+    if d.attn_kv_prefetch:  # K and V: a range each, positions before the new one
+        old = np.clip(np.minimum(cnt, b.context - t0), 0, None)
+        pref = np.bincount(idx, 2 * np.minimum(old * D * 2.0, d.prefetch_max_bytes), n)
+    return Phases(l2, hbm, other, rounds, sbytes, pref)
 
 
 @op_model
@@ -581,8 +620,11 @@ def O_PROJ_RESIDUAL(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     S = b.program.attn_splits
     busy = (b.n > 0).astype(np.float64)
     l2, hbm = _trips(d, "O_PROJ_RESIDUAL", busy)
-    if d.o_proj_merge_chunk:  # design 2 merges only the splits the context uses
-        used = _splits_used(b.program, b.context + 1)
+    used = _splits_used(b.program, b.context + 1)
+    if _merge_by_ticket(b, d, used):
+        l2 = l2 + busy  # ATTENTION merged the groups: read the merged vector, one round
+        share = c.head_dim / (S * (c.head_dim + 2))  # of the partials' bytes: q_dim floats
+    elif d.o_proj_merge_chunk:  # design 2 merges only the splits the context uses
         l2 = l2 + busy * -(-used // d.o_proj_merge_chunk)
         share = used / S
     else:
@@ -596,7 +638,7 @@ def O_PROJ_RESIDUAL(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
         # warp per head, warp_qk_norm_rope of k_raw (L2), then the k-norm weights and the RoPE
         # row (both in L2: ATTENTION read them this layer), a barrier
         owner = np.array([float(len(a) > 3 and a[3] > a[2]) for a in b.args])
-        l2 = l2 + 3 * owner
+        l2 = l2 + (1 if d.late_qk_one_trip else 3) * owner
         other = other + owner * (5 * g.shfl + g.bar_sync)
     rounds = _stream_rounds(-(-b.n // d.warps), c.q_dim, d).astype(np.float64)
     pref = _prefetch(d, b.n * c.q_dim * 2)

@@ -29,7 +29,8 @@ from .scheduler import DEFAULT_DESIGN, Program, schedule
 SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
 # Buffers the kernel writes during a step; poisoned with NaN by tests.
-ACTIVATIONS = ("residual", "q", "k_raw", "attn_o", "attn_ml", "ffn_h", "logits", "lm_part")
+ACTIVATIONS = ("residual", "q", "k_raw", "attn_o", "attn_ml", "attn", "ffn_h", "logits",
+               "lm_part")
 # out_tokens before the kernel writes them: the host's poll tells "not yet" from any token (-1
 # is a NaN step)
 NO_TOKEN = -2
@@ -240,7 +241,7 @@ class KernelExecutor(Executor):
                  trace: bool = False, program: Program | None = None, name: str | None = None,
                  design: int = DEFAULT_DESIGN, attn_min_chunk: int | None = None,
                  multi_step: bool = True, steps_per_launch: int = 0,
-                 sync: int | None = None):
+                 sync: int | None = None, merge_ticket_min: int | None = None):
         super().__init__(model, max_seq_len)
         self.device = device or EmulatorDevice()
         if pdl and not multi:
@@ -267,7 +268,8 @@ class KernelExecutor(Executor):
         self.trace_enabled = trace
         c = self.config
         self.program = program or schedule(c, blocks, max_seq_len, attn_splits, design=design,
-                                           attn_min_chunk=attn_min_chunk)
+                                           attn_min_chunk=attn_min_chunk,
+                                           merge_ticket_min=merge_ticket_min)
         self.blocks = self.program.num_blocks
         # the kernel is built for the program's design (v1 = 1: the A/B twin of v2)
         defines = {"MK_PREFETCH": "1" if prefetch else "0",
@@ -328,7 +330,7 @@ class KernelExecutor(Executor):
     def poison(self) -> None:
         """Fill every activation buffer with NaN (tests: unwritten elements must show)."""
         for name in ACTIVATIONS:
-            if name in self.buffers:  # k_raw exists only where the kernel uses it
+            if name in self.buffers:  # k_raw and attn exist only where the kernel uses them
                 self.device.fill(self.buffers[name], np.nan)
 
     # ---- steps ----------------------------------------------------------------------------

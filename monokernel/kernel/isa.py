@@ -41,7 +41,10 @@ class Word(IntEnum):
     ARG1 = 8  # ATTENTION / O_PROJ_RESIDUAL: minimum positions per split; RMS_LM_HEAD: ticket
     ARG2 = 9  # RMS_LM_HEAD: tickets per step (0: no ticket, design 1);
     #           O_PROJ_RESIDUAL (QK_NORM, design 2): first KV head whose K this block caches
-    ARG3 = 10  # O_PROJ_RESIDUAL (QK_NORM, design 2): one past the last such KV head
+    #           ATTENTION: ticket counter of its KV group (merge by ticket, design 2)
+    ARG3 = 10  # O_PROJ_RESIDUAL (QK_NORM, design 2): one past the last such KV head;
+    #           ATTENTION: tickets of its KV group per step (0: never merges by ticket)
+    ARG4 = 11  # ATTENTION / O_PROJ_RESIDUAL: fewest used splits that merge by ticket (0: never)
 
 
 WIDTH = len(Word)
@@ -135,6 +138,7 @@ PARAMS: list[tuple[str, str, str]] = [
     ("k_raw", "float*", "[KV_DIM] the step's keys before q/k-norm and RoPE (QK_NORM, design 2)"),
     ("attn_o", "float*", "[KV_HEADS, max_splits, GROUP, HEAD_DIM] unnormalised partial outputs"),
     ("attn_ml", "float*", "[KV_HEADS, max_splits, GROUP, 2] partial (max, sum of exp)"),
+    ("attn", "float*", "[Q_DIM] the merged attention output (a step that merges by ticket)"),
     ("ffn_h", "float*", "[FFN] silu(gate) * up"),
     ("logits", "float*", "[VOCAB]"),
     ("lm_part", "float*", "[max_partials, 2] (best score, its token id as float bits)"),
@@ -174,6 +178,21 @@ def attn_round_positions(head_dim: int) -> int:
     """Positions one block reads per round (megakernel.cu: KV_SLOTS * KV_UNROLL): a K/V row is
     head_dim / 8 lanes of 16-byte loads, so a warp covers 256 / head_dim positions per load."""
     return (NUM_THREADS // 32) * (32 // (head_dim // 8)) * KV_UNROLL
+
+
+# ATTENTION -> O_PROJ (design 2): when a per-block merge would read at least this many bytes of
+# partial outputs (every O_PROJ block reads all used splits), the splits are merged once per KV
+# group instead, by the last unit of the group to draw its ticket; O_PROJ then reads the merged
+# vector. Below it the per-block merge is cheaper than the ticket's chain on attention's path
+# (cost model, benchmarks/NOTES.md "Kernel v2 part 1, third session").
+MERGE_TICKET_BYTES = 64 * 1024
+
+
+def merge_ticket_min_splits(cfg: ModelConfig) -> int:
+    """Fewest used splits whose per-block merge reads MERGE_TICKET_BYTES of partials: (max,
+    sum) and head_dim outputs per (KV head, split, query head), float32."""
+    per_split = cfg.num_kv_heads * cfg.group_size * (cfg.head_dim + 2) * 4
+    return max(2, -(-MERGE_TICKET_BYTES // per_split))
 
 
 def params_dtype():

@@ -289,18 +289,23 @@ __device__ __forceinline__ float gumbel(unsigned seed, unsigned pos, unsigned to
   return -logf(-logf(u));
 }
 
-// Issue L2 prefetches for [p, p + bytes), one 128-byte line per thread per pass. The emulator
-// reads one byte per line instead, so AddressSanitizer checks every prefetched address.
-__device__ __forceinline__ void prefetch_l2(const unsigned short* p, size_t bytes) {
+// An L2 prefetch of the 128-byte line holding p. The emulator reads one byte instead, so
+// AddressSanitizer checks every prefetched address (and the strict build that no prefetch reads
+// memory another block may be writing).
+__device__ __forceinline__ void prefetch_line(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#elif !defined(__CUDACC__)
+  (void)*reinterpret_cast<const volatile char*>(p);
+#endif
+}
+
+// Issue L2 prefetches for [p, p + bytes), one 128-byte line per thread per pass.
+__device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
   if (bytes > PREFETCH_MAX_BYTES) bytes = PREFETCH_MAX_BYTES;
-  for (size_t off = (size_t)threadIdx.x * 128; off < bytes; off += (size_t)MK_THREADS * 128) {
-#if defined(__CUDA_ARCH__)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
-#elif !defined(__CUDACC__)
-    (void)*reinterpret_cast<const volatile char*>(c + off);
-#endif
-  }
+  for (size_t off = (size_t)threadIdx.x * 128; off < bytes; off += (size_t)MK_THREADS * 128)
+    prefetch_line(c + off);
 }
 
 // ================================================================================================
@@ -345,6 +350,33 @@ __device__ __forceinline__ void red_add_release(int* p, int v) {
   *p += v;
 #else
   emu::red_add_release(p, v);
+#endif
+}
+
+// A ticket: returns *p, then *p += v, as an acq_rel RMW at gpu scope (MK_SYNC=2): a release of
+// this block's stores issued before it (after a barrier, as a signal) and, for the drawer of the
+// last ticket, an acquire of every earlier drawer's (each RMW continues the release sequence of
+// the ones before it). MK_SYNC=1: the v1 pattern, fence + relaxed atomicAdd, then an acquire
+// load of the counter.
+__device__ __forceinline__ int ticket_add(int* p, int v) {
+#if MK_SYNC >= 2
+#ifdef __CUDA_ARCH__
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v)
+               : "memory");
+  return old;
+#elif defined(__CUDACC__)
+  const int old = *p;
+  *p += v;
+  return old;
+#else
+  return emu::atom_add_acq_rel(p, v);
+#endif
+#else
+  __threadfence();
+  const int old = atomicAdd(p, v);
+  (void)load_acquire(p);
+  return old;
 #endif
 }
 
@@ -445,28 +477,39 @@ __device__ void op_embed(const Params& P, const int* ins, const int* st) {
 // (a few hundred values, redundant across splits), and O_PROJ caches the key afterwards.
 #define LATE_QK (MK_QK_NORM && MK_DESIGN >= 2)
 
-// One warp: out = rope(rmsnorm(x) * w) of one head vector at position pos; tmp is D floats of
-// scratch the warp owns (x and out may be global or shared).
+// One warp: out = rope(rmsnorm(x) * w) of one head vector at position pos (x may be global or
+// shared). Every load - x, the norm weights w and the RoPE row - is issued before the first use:
+// one round trip after the wait (the weights and the RoPE row were prefetched into L2 before
+// it: prefetch_weights). Lane l owns the rotation pairs (j, j + HALF) for j = l + 32 k.
 __device__ __forceinline__ void warp_qk_norm_rope(const Params& P, const float* x,
-                                                  const unsigned short* w, int pos, float* tmp,
-                                                  float* out) {
+                                                  const unsigned short* w, int pos, float* out) {
+  constexpr int PAIRS = (HALF + 31) / 32;
   const int lane = threadIdx.x & 31;
-  float ss = 0.f;
-  for (int d = lane; d < D; d += 32) {
-    const float v = x[d];
-    tmp[d] = v;
-    ss += v * v;
+  float a[PAIRS], c[PAIRS], wa[PAIRS], wc[PAIRS], cs[PAIRS], sn[PAIRS];
+#pragma unroll
+  for (int k = 0; k < PAIRS; ++k) {
+    const int j = min(lane + 32 * k, HALF - 1);  // clamped: unpredicated loads; unused past HALF
+    a[k] = x[j];
+    c[k] = x[j + HALF];
+    wa[k] = bf16_to_f32(__ldg(w + j));
+    wc[k] = bf16_to_f32(__ldg(w + j + HALF));
+    cs[k] = __ldg(P.rope_cos + (size_t)pos * HALF + j);
+    sn[k] = __ldg(P.rope_sin + (size_t)pos * HALF + j);
   }
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < PAIRS; ++k)
+    if (lane + 32 * k < HALF) ss += a[k] * a[k] + c[k] * c[k];
   ss = warp_sum(ss);
   const float r = 1.0f / sqrtf(ss / (float)D + MK_RMS_EPS);
-  for (int d = lane; d < D; d += 32) tmp[d] = tmp[d] * r * bf16_to_f32(__ldg(w + d));
-  __syncwarp();
-  for (int j = lane; j < HALF; j += 32) {
-    const float cs = __ldg(P.rope_cos + (size_t)pos * HALF + j);
-    const float sn = __ldg(P.rope_sin + (size_t)pos * HALF + j);
-    const float a = tmp[j], c = tmp[j + HALF];
-    out[j] = a * cs - c * sn;
-    out[j + HALF] = c * cs + a * sn;
+#pragma unroll
+  for (int k = 0; k < PAIRS; ++k) {
+    const int j = lane + 32 * k;
+    if (j < HALF) {
+      const float na = a[k] * r * wa[k], nc = c[k] * r * wc[k];
+      out[j] = na * cs[k] - nc * sn[k];
+      out[j + HALF] = nc * cs[k] + na * sn[k];
+    }
   }
   __syncwarp();
 }
@@ -686,6 +729,114 @@ __device__ __forceinline__ int splits_used(int n_pos, int splits, int min_chunk)
                          split_chunk(n_pos, splits, min_chunk));
 }
 
+// ---- The split merge (O_PROJ_RESIDUAL's, or by ticket at ATTENTION's end) ------------------
+// Design 2: the merge of the splits in one or two rounds. A thread owns 8 consecutive output
+// elements of one (KV group, query head) and loads, for MERGE_CHUNK splits at once, their
+// (max, sum) and two float4s of partial outputs before using any (v1: every load of the merge
+// waited for the one before it: ~8 dependent L2 round trips per O_PROJ). With WAYS > 1, WAYS
+// adjacent lanes share an output chunk, lane k taking splits k, k + WAYS, ...: up to
+// WAYS * MERGE_CHUNK splits in one round, then the lanes' (max, sum, outputs) are combined by
+// shuffles. out[idx] for the output elements idx of chunks [t_begin, t_end).
+#define MERGE_CHUNK 4
+static_assert(MK_HEAD_DIM % 8 == 0, "the merge reads 8 output elements per thread");
+
+template <int WAYS>
+__device__ void merge_splits(const Params& P, float* out, int t_begin, int t_end, int splits,
+                             int used) {
+  static_assert(WAYS >= 1 && WAYS <= 32 && (WAYS & (WAYS - 1)) == 0, "WAYS: a power of 2");
+  const int n = (t_end - t_begin) * WAYS;
+  const int n_warps = (n + 31) / 32 * 32;  // whole warps run the loop (the shuffles)
+  for (int i = threadIdx.x; i < n_warps; i += MK_THREADS) {
+    const int t = t_begin + min(i, n - 1) / WAYS, way = i % WAYS;
+    const int idx = t * 8;
+    const int g = idx / (MK_GROUP * D), h = (idx / D) % MK_GROUP, d = idx % D;
+    float M = NEG_INF, L = 0.f, acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    // splits >= used are empty; so is everything of a padding lane (i >= n)
+    const int last = i < n ? used : 0;
+    for (int sp0 = way; sp0 < last; sp0 += WAYS * MERGE_CHUNK) {
+      float m[MERGE_CHUNK], l[MERGE_CHUNK];
+      float4 o0[MERGE_CHUNK], o1[MERGE_CHUNK];
+#pragma unroll
+      for (int k = 0; k < MERGE_CHUNK; ++k) {  // every load of the chunk first
+        const int sp = sp0 + k * WAYS;
+        const bool ok = sp < last;
+        const size_t unit = (size_t)g * splits + sp;
+        const float* ml = P.attn_ml + (unit * MK_GROUP + h) * 2;
+        const float* o = P.attn_o + (unit * MK_GROUP + h) * D + d;
+        m[k] = ok ? ml[0] : NEG_INF;
+        l[k] = ok ? ml[1] : 0.f;
+        o0[k] = ok ? *reinterpret_cast<const float4*>(o) : make_float4(0.f, 0.f, 0.f, 0.f);
+        o1[k] = ok ? *reinterpret_cast<const float4*>(o + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      float Mn = M;
+#pragma unroll
+      for (int k = 0; k < MERGE_CHUNK; ++k) Mn = fmaxf(Mn, m[k]);
+      if (Mn == NEG_INF) continue;  // only empty splits so far
+      const float sc = M == NEG_INF ? 0.f : expf(M - Mn);
+      L *= sc;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] *= sc;
+#pragma unroll
+      for (int k = 0; k < MERGE_CHUNK; ++k) {
+        if (m[k] == NEG_INF) continue;  // an empty split
+        const float w = expf(m[k] - Mn);
+        L += l[k] * w;
+        const float o[8] = {o0[k].x, o0[k].y, o0[k].z, o0[k].w, o1[k].x, o1[k].y, o1[k].z, o1[k].w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] += o[e] * w;
+      }
+      M = Mn;
+    }
+#pragma unroll
+    for (int o = 1; o < WAYS; o <<= 1) {  // the WAYS lanes of one output chunk
+      const float M2 = __shfl_xor_sync(FULL_MASK, M, o), L2 = __shfl_xor_sync(FULL_MASK, L, o);
+      float a2[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) a2[e] = __shfl_xor_sync(FULL_MASK, acc[e], o);
+      const float Mn = fmaxf(M, M2);
+      if (Mn == NEG_INF) continue;  // both empty
+      const float wa = M == NEG_INF ? 0.f : expf(M - Mn), wb = M2 == NEG_INF ? 0.f : expf(M2 - Mn);
+      L = L * wa + L2 * wb;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = acc[e] * wa + a2[e] * wb;
+      M = Mn;
+    }
+    if (i < n && way == 0) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[idx + e] = acc[e] / L;
+    }
+  }
+}
+
+// A step that uses at least `least` splits merges them by ticket (the program's
+// merge_ticket_min, Word ARG4; 0: never): ATTENTION's instructions of a KV group each draw the
+// group's ticket after their units, and the drawer of the last merges the group's used splits
+// into P.attn (one round: MERGE_WAYS lanes per output chunk) before its block signals; O_PROJ
+// then reads the merged vector (one round of Q_DIM floats) instead of every block merging every
+// split. The last drawer resets the ticket for the next step: every later draw comes after
+// this block's signal (the next step's ATTENTION waits, through the layer's ops, on it).
+#define MERGE_WAYS 8
+__device__ __forceinline__ bool merge_by_ticket(int used, int least) {
+  return least > 0 && used >= least;
+}
+
+__device__ void attention_ticket(const Params& P, int ticket, int tickets, int g, int splits,
+                                 int used) {
+  __shared__ int s_last;
+  __syncthreads();  // every thread's partial stores are issued
+  if (threadIdx.x == 0) {
+    const int last = ticket_add(&P.counters[ticket], 1) == tickets - 1;
+    if (last) atomicExch(&P.counters[ticket], 0);
+    s_last = last;
+  }
+  __syncthreads();
+  if (s_last)
+    merge_splits<MERGE_WAYS>(P, P.attn, g * MK_GROUP * D / 8, (g + 1) * MK_GROUP * D / 8, splits,
+                             used);
+}
+
 __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[W_ARG0];
@@ -701,10 +852,9 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
     static_assert(MK_GROUP + 1 <= NWARPS, "late q/k gives each head vector a warp");
     if (warp < MK_GROUP)
       warp_qk_norm_rope(P, P.q + (g * MK_GROUP + warp) * D, P.q_norm + (size_t)layer * D,
-                        st[S_POS], s.vec + warp * D, s.q + warp * D);
+                        st[S_POS], s.q + warp * D);
     else if (warp == MK_GROUP)
-      warp_qk_norm_rope(P, P.k_raw + g * D, P.k_norm + (size_t)layer * D, st[S_POS],
-                        s.vec + warp * D, s.row);
+      warp_qk_norm_rope(P, P.k_raw + g * D, P.k_norm + (size_t)layer * D, st[S_POS], s.row);
     for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) s.o[i] = 0.f;
 #else
     for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) {
@@ -794,64 +944,17 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
     }
     __syncthreads();  // s.q / s.o are reused by the next unit
   }
+#if MK_DESIGN >= 2
+  const int used = splits_used(n_pos, splits, ins[W_ARG1]);
+  if (ins[W_ARG3] > 0 && merge_by_ticket(used, ins[W_ARG4]))  // units of one KV group
+    attention_ticket(P, ins[W_ARG2], ins[W_ARG3], b / splits, splits, used);
+#endif
 }
 
 // ================================================================================================
 // Op: O_PROJ_RESIDUAL - merge the attention splits (every block, into shared memory), then
 // residual[r] += Wo[r] . attn for the tile's rows.
 // ================================================================================================
-// Design 2: the merge of the splits in one or two rounds. A thread owns 8 consecutive output
-// elements of one (KV group, query head) and loads, for MERGE_CHUNK splits at once, their
-// (max, sum) and two float4s of partial outputs before using any (v1: every load of the merge
-// waited for the one before it: ~8 dependent L2 round trips per O_PROJ).
-#define MERGE_CHUNK 4
-static_assert(MK_HEAD_DIM % 8 == 0, "the merge reads 8 output elements per thread");
-
-__device__ void merge_splits(const Params& P, OpShared& s, int splits, int used) {
-  for (int t = threadIdx.x; t < MK_Q_DIM / 8; t += MK_THREADS) {
-    const int idx = t * 8;
-    const int g = idx / (MK_GROUP * D), h = (idx / D) % MK_GROUP, d = idx % D;
-    float M = NEG_INF, L = 0.f, acc[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-    for (int sp0 = 0; sp0 < used; sp0 += MERGE_CHUNK) {  // splits >= used are empty
-      float m[MERGE_CHUNK], l[MERGE_CHUNK];
-      float4 o0[MERGE_CHUNK], o1[MERGE_CHUNK];
-#pragma unroll
-      for (int k = 0; k < MERGE_CHUNK; ++k) {  // every load of the chunk first
-        const bool ok = sp0 + k < used;
-        const size_t unit = (size_t)g * splits + sp0 + k;
-        const float* ml = P.attn_ml + (unit * MK_GROUP + h) * 2;
-        const float* o = P.attn_o + (unit * MK_GROUP + h) * D + d;
-        m[k] = ok ? ml[0] : NEG_INF;
-        l[k] = ok ? ml[1] : 0.f;
-        o0[k] = ok ? *reinterpret_cast<const float4*>(o) : make_float4(0.f, 0.f, 0.f, 0.f);
-        o1[k] = ok ? *reinterpret_cast<const float4*>(o + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-      float Mn = M;
-#pragma unroll
-      for (int k = 0; k < MERGE_CHUNK; ++k) Mn = fmaxf(Mn, m[k]);
-      if (Mn == NEG_INF) continue;  // only empty splits so far
-      const float sc = M == NEG_INF ? 0.f : expf(M - Mn);
-      L *= sc;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] *= sc;
-#pragma unroll
-      for (int k = 0; k < MERGE_CHUNK; ++k) {
-        if (m[k] == NEG_INF) continue;  // an empty split
-        const float w = expf(m[k] - Mn);
-        L += l[k] * w;
-        const float o[8] = {o0[k].x, o0[k].y, o0[k].z, o0[k].w, o1[k].x, o1[k].y, o1[k].z, o1[k].w};
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += o[e] * w;
-      }
-      M = Mn;
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) s.vec[idx + e] = acc[e] / L;
-  }
-}
-
 __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[W_ARG0];
@@ -860,18 +963,23 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, pos = st[S_POS];
     for (int kvh = ins[W_ARG2] + warp; kvh < ins[W_ARG3]; kvh += NWARPS) {
       float* out = s.vec + warp * D;  // scratch: the merge below rewrites s.vec after a barrier
-      warp_qk_norm_rope(P, P.k_raw + kvh * D, P.k_norm + (size_t)layer * D, pos,
-                        s.vec + (NWARPS + warp) * D, out);
+      warp_qk_norm_rope(P, P.k_raw + kvh * D, P.k_norm + (size_t)layer * D, pos, out);
       const size_t at = (((size_t)layer * MK_MAX_SEQ + pos) * MK_KV_HEADS + kvh) * D;
       for (int d = lane; d < D; d += 32) P.k_cache[at + d] = f32_to_bf16(out[d]);
     }
     __syncthreads();
   }
-  static_assert(!LATE_QK || 2 * NWARPS * MK_HEAD_DIM <= VEC_MAX, "late q/k scratch in s.vec");
+  static_assert(!LATE_QK || NWARPS * MK_HEAD_DIM <= VEC_MAX, "late q/k scratch in s.vec");
 #endif
   if (b >= e) return;
 #if MK_DESIGN >= 2
-  merge_splits(P, s, splits, splits_used(st[S_POS] + 1, splits, ins[W_ARG1]));
+  const int used = splits_used(st[S_POS] + 1, splits, ins[W_ARG1]);
+  if (merge_by_ticket(used, ins[W_ARG4])) {  // ATTENTION merged it: read it, one round
+    for (int i = threadIdx.x; i < MK_Q_DIM / 4; i += MK_THREADS)
+      reinterpret_cast<float4*>(s.vec)[i] = reinterpret_cast<const float4*>(P.attn)[i];
+  } else {
+    merge_splits<1>(P, s.vec, 0, MK_Q_DIM / 8, splits, used);
+  }
 #else
   for (int idx = threadIdx.x; idx < MK_Q_DIM; idx += MK_THREADS) {
     const int g = idx / (MK_GROUP * D), h = (idx / D) % MK_GROUP, d = idx % D;
@@ -983,20 +1091,15 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
 }
 
 // Design 2: SAMPLE folded into the LM head. Every block takes a ticket after its partial is
-// written (fence, then atomicAdd: a signal); the block that draws the step's last ticket
+// written (ticket_add: a release, as a signal); the block that draws the step's last ticket
 // acquires (as a wait would: its L1 is invalidated) and reduces all partials with one warp, in
 // one round trip, while the other blocks go on. No hop, no serial walk over the partials.
 __device__ void lm_head_ticket(const Params& P, OpShared& s, const int* st, int ticket,
                                int tickets) {
   __shared__ int s_last;
   __syncthreads();  // every thread's partial stores are issued
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const int drawn = atomicAdd(&P.counters[ticket], 1);
-    const int last = drawn == tickets * (st[S_STEP] + 1) - 1;
-    if (last) (void)load_acquire(&P.counters[ticket]);  // acquire the other blocks' partials
-    s_last = last;
-  }
+  if (threadIdx.x == 0)  // the last drawer acquires the other blocks' partials (ticket_add)
+    s_last = ticket_add(&P.counters[ticket], 1) == tickets * (st[S_STEP] + 1) - 1;
   __syncthreads();
   if (!s_last || threadIdx.x >= 32) return;
   const int lane = threadIdx.x;
@@ -1077,7 +1180,8 @@ __device__ void op_sample(const Params& P, const int* ins, const int* st) {
 // ================================================================================================
 // Prefetch: the weight rows of one instruction (same tiling as the op sections above)
 // ================================================================================================
-__device__ void prefetch_weights(const Params& P, const int* w) {
+// st: the step's state words (ATTENTION's K/V rows follow the position)
+__device__ void prefetch_weights(const Params& P, const int* w, const int* st) {
   const int layer = w[W_LAYER], b = w[W_TILE_BEGIN], e = w[W_TILE_END];
   if (b >= e) return;
   switch (w[W_OP]) {
@@ -1089,6 +1193,32 @@ __device__ void prefetch_weights(const Params& P, const int* w) {
         prefetch_l2(W + (size_t)(head * D + HALF + j0) * H, (size_t)(j1 - j0) * H * 2);
         p += j1 - j0;
       }
+      break;
+    }
+    case OP_ATTENTION: {
+      // the units' K and V rows of the positions cached before this step (the new position's
+      // row is written during it), at most PREFETCH_MAX_BYTES of each per unit; late q/k: the
+      // norm weights and the position's RoPE row
+      constexpr int LINES = (D * 2 + 127) / 128;  // 128-byte lines per K or V row
+      const int splits = w[W_ARG0], n_pos = st[S_POS] + 1;
+      const int chunk = split_chunk(n_pos, splits, w[W_ARG1]);
+      for (int u = b; u < e; ++u) {
+        const int t0 = (u % splits) * chunk;
+        const int t1 = min(min(n_pos - 1, t0 + chunk), t0 + PREFETCH_MAX_BYTES / (D * 2));
+        const size_t kv0 = ((size_t)layer * MK_MAX_SEQ * MK_KV_HEADS + u / splits) * D;
+        for (int k = threadIdx.x; k < (t1 - t0) * 2 * LINES; k += MK_THREADS) {
+          const int t = t0 + k / (2 * LINES), r = k % (2 * LINES);
+          const unsigned short* row = (r < LINES ? P.k_cache : P.v_cache) + kv0 +
+                                      (size_t)t * MK_KV_DIM;
+          prefetch_line(row + (r % LINES) * 64);
+        }
+      }
+#if LATE_QK
+      prefetch_l2(P.q_norm + (size_t)layer * D, D * 2);
+      prefetch_l2(P.k_norm + (size_t)layer * D, D * 2);
+      prefetch_l2(P.rope_cos + (size_t)st[S_POS] * HALF, HALF * 4);
+      prefetch_l2(P.rope_sin + (size_t)st[S_POS] * HALF, HALF * 4);
+#endif
       break;
     }
     case OP_O_PROJ_RESIDUAL:
@@ -1134,7 +1264,7 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
     }
 #endif
 #if MK_PREFETCH
-    prefetch_weights(P, w);
+    prefetch_weights(P, w, st);
 #endif
     // norm weights never depend on counters: in registers before the wait
     float g[RMS_PER];
@@ -1241,7 +1371,9 @@ __device__ __forceinline__ void pdl_prologue(const Params& P) {
     if (w[W_OP] != ONLY) continue;  // NOOP padding; a wrong opcode is reported after the wait
     w[W_OP] = ONLY;  // a constant: only this op's case of prefetch_weights is compiled
 #if MK_PREFETCH
-    prefetch_weights(P, w);
+    // ATTENTION's prefetch follows the position, which the previous kernel writes: not before
+    // griddepcontrol.wait
+    if (ONLY != OP_ATTENTION) prefetch_weights(P, w, nullptr);
 #endif
     const int lay = w[W_LAYER];
     if (ONLY == OP_RMS_QKV_ROPE) prefetch_l2(P.in_norm + (size_t)lay * H, H * 2);

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..model.config import ModelConfig
 from ..errors import ProgramError
-from .isa import STATE_WORDS, WIDTH, Op, Word, attn_round_positions
+from .isa import STATE_WORDS, WIDTH, Op, Word, attn_round_positions, merge_ticket_min_splits
 
 # Bumped when verify() gains a check: on-disk proofs of older versions no longer count.
 VERIFY_VERSION = 2
@@ -98,6 +98,9 @@ class Program:
     lm_partials: int
     design: int = DEFAULT_DESIGN  # the kernel design it was built for (MK_DESIGN)
     attn_min_chunk: int = 1  # fewest positions per attention split
+    # a step using at least this many splits merges them once per KV group, by ticket, in
+    # ATTENTION (isa.merge_ticket_min_splits); 0: every O_PROJ block merges them itself
+    merge_ticket_min: int = 0
 
     @property
     def max_len(self) -> int:
@@ -136,6 +139,7 @@ class Program:
             "residual": c.hidden_size, "q": c.q_dim,
             "attn_o": c.num_kv_heads * self.attn_splits * c.group_size * c.head_dim,
             "attn_ml": c.num_kv_heads * self.attn_splits * c.group_size * 2,
+            **({"attn": c.q_dim} if self.merge_ticket_min else {}),
             "ffn_h": c.intermediate_size, "logits": c.vocab_size,
             "lm_part": self.lm_partials * 2, "out_tokens": self.max_seq_len,
             **({"k_raw": c.kv_dim} if c.qk_norm and self.design >= 2 else {}),
@@ -189,9 +193,11 @@ class Program:
                 if ins.ticket is None:
                     vq.append(ins)
                     continue
+                # the instruction's own signal (ATTENTION's; the LM head has none) comes
+                # after its tail: the group's merge is done before its last unit signals
                 counter, count = ins.ticket
                 vq.append(replace(ins, signal=counter, ticket=None, at=i))
-                vq.append(replace(ins, wait=(counter, count), signal=None, ticket=None, at=i,
+                vq.append(replace(ins, wait=(counter, count), ticket=None, at=i,
                                   reads=list(ins.tail_reads), writes=list(ins.tail_writes),
                                   part=" [ticket tail]", exclusive=counter))
             out.append(vq)
@@ -424,12 +430,15 @@ _VERIFIED_MAX = 16
 
 def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
              attn_splits: int | None = None, design: int = DEFAULT_DESIGN,
-             attn_min_chunk: int | None = None) -> Program:
+             attn_min_chunk: int | None = None, merge_ticket_min: int | None = None) -> Program:
     """Build and verify the decode-step program for ``num_blocks`` persistent blocks.
 
     ``attn_splits``: position splits per KV head (default: the design's policy);
     ``attn_min_chunk``: fewest positions per split (default: one round of K/V loads with the
-    default splits, 1 - exact splits - when ``attn_splits`` is given).
+    default splits, 1 - exact splits - when ``attn_splits`` is given);
+    ``merge_ticket_min``: fewest used splits a step merges by ticket (design 2; default
+    isa.merge_ticket_min_splits, 0: never, the per-block merge of every O_PROJ block). It
+    applies only where no attention instruction holds units of two KV groups.
 
     Memoised: the same arguments return the same (shared) Program. Never edit a returned
     Program in place; ``copy.deepcopy`` it first (the tests that break programs do)."""
@@ -440,10 +449,15 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     if attn_min_chunk is None:
         attn_min_chunk = 1 if attn_splits else default_min_chunk(cfg, design)
     splits = attn_splits or default_attn_splits(cfg, num_blocks, max_seq_len, design)
-    key = (cfg, num_blocks, max_seq_len, splits, design, attn_min_chunk)
+    if merge_ticket_min is None:
+        merge_ticket_min = merge_ticket_min_splits(cfg)
+    if merge_ticket_min < 0:
+        raise ProgramError(f"merge_ticket_min must be >= 0, got {merge_ticket_min}")
+    key = (cfg, num_blocks, max_seq_len, splits, design, attn_min_chunk, merge_ticket_min)
     prog = _VERIFIED.get(key)
     if prog is None:
-        prog = _build(cfg, num_blocks, max_seq_len, splits, design, attn_min_chunk)
+        prog = _build(cfg, num_blocks, max_seq_len, splits, design, attn_min_chunk,
+                      merge_ticket_min)
         prog.verify()
         if len(_VERIFIED) >= _VERIFIED_MAX:
             _VERIFIED.pop(next(iter(_VERIFIED)))
@@ -452,7 +466,7 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
 
 
 def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int,
-           design: int, min_chunk: int) -> Program:
+           design: int, min_chunk: int, least: int) -> Program:
     c = cfg
     B = num_blocks
     H, F, D, half = c.hidden_size, c.intermediate_size, c.head_dim, c.head_dim // 2
@@ -491,6 +505,17 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
     emit(embed, None, cnt)
     prev = cnt
     n_heads_total = c.num_heads + 2 * c.num_kv_heads
+    # attention units over the blocks (the same tiles every layer), and whether the splits can
+    # be merged by ticket: design 2, a merge large enough to be worth it (isa), and no
+    # instruction holding units of two KV groups (one ticket per instruction)
+    units = split_even(c.num_kv_heads * S, B)
+    gd = c.group_size * D
+    merge_min = least if (design >= 2 and 0 < least <= S and
+                          all(hi <= lo or lo // S == (hi - 1) // S for lo, hi in units)) else 0
+    group_tickets = [sum(1 for lo, hi in units if hi > lo and lo // S == g)
+                     for g in range(c.num_kv_heads)]
+    # O_PROJ reads the merged vector in the steps that merge by ticket, the partials otherwise
+    merged = [("attn", 0, c.q_dim)] if merge_min else []
     for layer in range(c.num_layers):
         # RMS_QKV_ROPE: tiles are row pairs; whole heads when q/k-norm needs the head's norm
         cnt = counter(f"L{layer}.RMS_QKV_ROPE")
@@ -520,12 +545,13 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
         emit(qkv, prev, cnt)
         prev = cnt
 
-        # ATTENTION: units (KV head, split)
+        # ATTENTION: units (KV head, split); with merge by ticket, one ticket counter per KV
+        # group, drawn once per step by every instruction holding units of the group
         cnt = counter(f"L{layer}.ATTENTION")
-        units = split_even(c.num_kv_heads * S, B)
-        gd = c.group_size * D
+        tickets = ([counter(f"L{layer}.ATTENTION.ticket{g}") for g in range(c.num_kv_heads)]
+                   if merge_min else [])
 
-        def attn(b, layer=layer, units=units):
+        def attn(b, layer=layer, tickets=tickets):
             lo, hi = units[b]
             reads: list[Region] = []
             writes: list[Region] = []
@@ -538,8 +564,17 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
                     reads.append(("k_raw", g * D, (g + 1) * D))
                 writes += [("attn_o", u * gd, (u + 1) * gd),
                            ("attn_ml", u * c.group_size * 2, (u + 1) * c.group_size * 2)]
-            return Instruction(Op.ATTENTION, layer, (lo, hi), args=(S, min_chunk), reads=reads,
-                               writes=writes)
+            ins = Instruction(Op.ATTENTION, layer, (lo, hi), args=(S, min_chunk, -1, 0, 0),
+                              reads=reads, writes=writes)
+            if merge_min and hi > lo:  # the units lie in one KV group (merge_min's condition)
+                g = lo // S
+                ins.args = (S, min_chunk, tickets[g], group_tickets[g], merge_min)
+                ins.ticket = (tickets[g], group_tickets[g])
+                ins.tail_reads = [("attn_o", g * S * gd, (g + 1) * S * gd),
+                                  ("attn_ml", g * S * c.group_size * 2,
+                                   (g + 1) * S * c.group_size * 2)]
+                ins.tail_writes = [("attn", g * gd, (g + 1) * gd)]
+            return ins
         emit(attn, prev, cnt)
         prev = cnt
 
@@ -557,7 +592,7 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
             cache = ([("k_raw", k0 * D, k1 * D),
                       ("k_cache", layer * c.kv_dim + k0 * D, layer * c.kv_dim + k1 * D)]
                      if k1 > k0 else [])
-            args = (S, min_chunk, k0, k1)
+            args = (S, min_chunk, k0, k1, merge_min)
             if hi <= lo:
                 return Instruction(Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=args,
                                    reads=cache[:1], writes=cache[1:])
@@ -565,7 +600,7 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
                 Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=args,
                 reads=[("attn_o", 0, c.num_kv_heads * S * gd),
                        ("attn_ml", 0, c.num_kv_heads * S * c.group_size * 2),
-                       ("residual", lo, hi)] + cache[:1],
+                       ("residual", lo, hi)] + cache[:1] + merged,
                 writes=[("residual", lo, hi)] + cache[1:], weight_bytes=2 * (hi - lo) * c.q_dim)
         emit(oproj, prev, cnt)
         prev = cnt
@@ -634,5 +669,5 @@ def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int
             first.reads = first.reads + [("state", 0, STATE_WORDS)]
     prog = Program(config=cfg, num_blocks=B, max_seq_len=max_seq_len, queues=queues,
                    counter_names=counters, attn_splits=S, lm_partials=B, design=design,
-                   attn_min_chunk=min_chunk)
+                   attn_min_chunk=min_chunk, merge_ticket_min=merge_min)
     return prog

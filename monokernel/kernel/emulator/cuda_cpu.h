@@ -703,6 +703,13 @@ inline void red_add_release(int* p, int v) {
   std::atomic_ref<int>(*p).fetch_add(v, std::memory_order_release);
 }
 
+// Returns *p, then *p += v, as an acq_rel read-modify-write (megakernel.cu ticket_add:
+// atom.acq_rel.gpu).
+inline int atom_add_acq_rel(int* p, int v) {
+  if (detail::tl_block) detail::check_abort(detail::tl_block);
+  return std::atomic_ref<int>(*p).fetch_add(v, std::memory_order_acq_rel);
+}
+
 // Per-block buffer for what CUDA calls dynamic shared memory (extern __shared__). Every thread
 // of a block gets the same pointer; the size may not grow within a launch.
 inline void* dynamic_shared(std::size_t bytes) {

@@ -253,6 +253,13 @@ inline void red_add_release(int* p, int v) {
   std::atomic_ref<int>(*p).fetch_add(v, std::memory_order_release);
 }
 
+// Returns *p, then *p += v, as an acq_rel read-modify-write (megakernel.cu ticket_add:
+// atom.acq_rel.gpu).
+inline int atom_add_acq_rel(int* p, int v) {
+  if (detail::tl_thread) detail::check_abort(detail::tl_thread->block);
+  return std::atomic_ref<int>(*p).fetch_add(v, std::memory_order_acq_rel);
+}
+
 // Per-block buffer for dynamic shared memory; the size may not grow within a launch.
 inline void* dynamic_shared(std::size_t bytes) {
   detail::Thread* t = detail::current_thread();
