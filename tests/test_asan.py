@@ -1,6 +1,7 @@
 """The megakernel under AddressSanitizer: the emulator build with sanitize="address" runs the tiny
 models (persistent and multi-kernel, several grids, every position up to the last KV-cache slot)
-in a subprocess started with asan_preload_env(), and must match the reference with no ASan report.
+in a subprocess started with asan_preload_env(), and must match the reference with no ASan report;
+one grid merges the attention splits by ticket.
 
 Every buffer the kernel touches is a separately malloc'd NumPy array in that process (PYTHONMALLOC
 =malloc), so ASan's redzones sit right after each one: an index one past a buffer's end (the last
@@ -29,9 +30,14 @@ MAX_SEQ = 11
 path = sys.argv[1]
 m = load_model(path, progress=False)
 worst = 0.0
-for blocks, splits, multi in [(3, 5, False), (8, None, True), (1, 3, False)]:
+# (blocks, splits, multi, merge_ticket_min): the last, the split merge by ticket from 2 used
+# splits on (attention_ticket, its 8-lane merge into attn, O_PROJ reading attn)
+for blocks, splits, multi, ticket in [(3, 5, False, None), (8, None, True, None),
+                                      (1, 3, False, None), (2, 3, False, 2)]:
     ex = KernelExecutor(m, MAX_SEQ, blocks=blocks, attn_splits=splits, multi=multi,
-                        device=EmulatorDevice(sanitize="address"))
+                        device=EmulatorDevice(sanitize="address"), merge_ticket_min=ticket,
+                        attn_min_chunk=1 if ticket else None)
+    assert ex.program.merge_ticket_min == (ticket or 0)
     ref = ReferenceModel(m.config, m.weights, MAX_SEQ)
     ex.reset()
     tok = 999  # the last row of the embedding

@@ -162,3 +162,43 @@ def test_negative_control_missing_threadfence_is_reported(tiny):
 @needs_tsan
 def test_negative_control_missing_acquire_is_reported(tiny):
     assert_race_reported(tiny, without_acquire)
+
+
+def ticket_executor(model) -> KernelExecutor:
+    """Two attention splits on the two blocks, merged by ticket from two used splits: position
+    0 uses one split (every O_PROJ block merges), positions 1.. both (the ticket's last drawer
+    merges, O_PROJ reads `attn`)."""
+    ex = KernelExecutor(model, MAX_SEQ, blocks=BLOCKS, attn_splits=2, attn_min_chunk=1,
+                        merge_ticket_min=2)
+    assert ex.program.merge_ticket_min == 2
+    ex.poison()
+    return ex
+
+
+@needs_tsan
+def test_strict_tsan_merge_by_ticket_no_race_matches_reference(tiny):
+    """The ticket (acq_rel), the last drawer's merge of the other block's partials, the reset
+    for the next step and O_PROJ's read of the merged vector: race-free, one step a launch and
+    four chained steps in one launch."""
+    steps = STEPS + [(23, 3)]
+    want = reference_logits(tiny, steps)
+    _controls, logits, report = run_strict(ticket_executor(tiny), steps)
+    assert report == ""
+    assert float(np.abs(logits - want).max()) <= 2e-3 * float(np.abs(want).max())
+    _controls, logits, report = run_strict(ticket_executor(tiny), steps, chained=True)
+    assert report == ""
+    assert float(np.abs(logits[0] - want[-1]).max()) <= 2e-3 * float(np.abs(want[-1]).max())
+
+
+@needs_tsan
+def test_negative_control_relaxed_ticket_is_reported(tiny):
+    """ticket_add as a relaxed add: the last drawer's merge reads the other block's partials
+    with nothing ordering them; TSan must see it in the merge."""
+    ex = ticket_executor(tiny)
+    source = kernel_source(tiny.config, MAX_SEQ)
+    old = "return emu::atom_add_acq_rel(p, v);"
+    assert source.count(old) == 1, "ticket_add's emulator body not found in the kernel source"
+    source = source.replace(old, "return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);")
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, STEPS[:2], source=source)
+    assert "merge_splits" in info.value.report, info.value.report[:4000]

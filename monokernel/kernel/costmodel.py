@@ -293,23 +293,25 @@ V4 = V3.replace(name="v4", steps_per_launch=GENERATION_STEPS)
 # wait; late q/k's loads in one trip (weights and RoPE row prefetched); and, from the
 # program's merge_ticket_min used splits on (isa.merge_ticket_min_splits), the O_PROJ merge
 # done once per KV group by the last unit to draw the group's ticket.
-V5 = V4.replace(name="v5", attn_kv_prefetch=True, late_qk_one_trip=True,
-                o_proj_merge_ticket=True)
+# They do not depend on the hop: design_for applies them to every design-2 kernel.
+_V5_KNOBS = {"attn_kv_prefetch": True, "late_qk_one_trip": True, "o_proj_merge_ticket": True}
+V5 = V4.replace(name="v5", **_V5_KNOBS)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2, v3=V3, v4=V4, v5=V5)
 
 
 def design_for(program, sync: int = 2, multi_step: bool = True) -> KernelDesign:
     """The design megakernel.cu implements for this program: its scheduler design (MK_DESIGN)
-    1 is V1; 2 is V4 with the default hop (MK_SYNC=2) and many steps per launch, V3 with one
-    launch per step (backend cuda-1step), V2 with the v1 hop (MK_SYNC=1, backend cuda-sync1).
-    A kernel change updates these (or adds a design) in the same commit."""
+    1 is V1; 2 is V5 with the default hop (MK_SYNC=2) and many steps per launch, V3's hop with
+    V5's attention with one launch per step (backend cuda-1step), V2's hop with it (MK_SYNC=1,
+    backend cuda-sync1). A kernel change updates these (or adds a design) in the same commit."""
     if getattr(program, "design", 1) < 2:
         return V1
-    d = V3 if sync >= 2 else V2
-    if not multi_step:
-        return d
-    return V4 if d is V3 else d.replace(name=d.name + "+r6", steps_per_launch=GENERATION_STEPS)
+    if sync >= 2 and multi_step:
+        return V5
+    d = (V3 if sync >= 2 else V2).replace(**_V5_KNOBS)
+    d = d.replace(name="v5" + ("" if sync >= 2 else "-sync1") + ("" if multi_step else "-1step"))
+    return d.replace(steps_per_launch=GENERATION_STEPS) if multi_step else d
 
 
 def program_design(d: KernelDesign) -> int:
@@ -599,7 +601,8 @@ def ATTENTION(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
         mb = used * G * (D + 2) * 4.0
         l2_share = g.l2_bw / g.sms
         unit_l2 = unit_l2 + 2.0
-        unit_other = unit_other + 2 * g.bar_sync + g.release + mb / l2_share + G * D * 4 / l2_share
+        ticket = g.fence if d.signal_sc_fence else g.release  # MK_SYNC=1: fence + atomicAdd
+        unit_other = unit_other + 2 * g.bar_sync + ticket + mb / l2_share + G * D * 4 / l2_share
     other = np.bincount(idx, unit_other, n)
     # K/V rounds go to HBM; with attn_kv_prefetch the rows cached before this step were
     # brought into L2 during the wait (the prefetch share of the rounds then hits L2)

@@ -288,4 +288,11 @@ KNOWN_SHAPES: dict[str, ModelConfig] = {
         num_kv_heads=1, head_dim=128, vocab_size=1000, max_position_embeddings=512,
         rms_norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True, tie_word_embeddings=True,
         bos_token_id=None, eos_token_ids=(2,), name="qwen3-tiny"),
+    # several KV groups of two query heads (the tiny shapes above have one KV head): attention
+    # units of different groups, the merge by ticket per group
+    "qwen3-gqa-tiny": ModelConfig(
+        arch="qwen3", hidden_size=96, intermediate_size=160, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_ids=(2,), name="qwen3-gqa-tiny"),
 }
