@@ -148,6 +148,8 @@ else
     EXTRA=""
     # the L2-prefetch A/B and the hop A/B (MK_SYNC=1: fence + atomicAdd)
     [ "$SHAPE" = smollm2-135m ] && EXTRA=",cuda-1step,cuda-noprefetch,cuda-sync1"
+    # the merge-by-ticket A/B (Qwen3 merges by ticket from 8 used splits: context 512 does)
+    [ "$SHAPE" = qwen3-0.6b ] && EXTRA=",cuda-block-merge"
     step "bench_$SHAPE" 60 "$PY" -m monokernel bench --shape "$SHAPE" \
       --backends "cuda$EXTRA,cuda-multi,cuda-multi-graph,cuda-multi-graph-pdl$HF" \
       --context 16,512 \

@@ -98,8 +98,9 @@ def test_import_registers_executors_without_cupy():
                          timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == ("['cuda', 'cuda-1step', 'cuda-multi', 'cuda-multi-graph', "
-                        "'cuda-multi-graph-pdl', 'cuda-noprefetch', 'cuda-sync1', 'cuda-v1']")
+    assert lines[0] == ("['cuda', 'cuda-1step', 'cuda-block-merge', 'cuda-multi', "
+                        "'cuda-multi-graph', 'cuda-multi-graph-pdl', 'cuda-noprefetch', "
+                        "'cuda-sync1', 'cuda-v1']")
     assert lines[1].startswith("BackendUnavailableError CuPy is not installed: pip install")
 
 

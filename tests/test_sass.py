@@ -212,14 +212,17 @@ def poll_loop_loads(sass: str) -> list[int]:
 def test_hop_signal_is_a_release_add_and_the_poll_one_load(tmp_path):
     """PERFORMANCE.md 5, 'cost of a hop': no MEMBAR.SC in the signal, one load per poll. The
     signal of MK_SYNC=2 is BAR.SYNC, MEMBAR.ALL.GPU (what red.release.gpu compiles to), REDG;
-    the LM-head ticket (lm_head_ticket, still fence + atomicAdd) is the one SC add left."""
+    the two tickets (ticket_add: attention's merge by ticket and the LM head's) are
+    atom.acq_rel.gpu: MEMBAR.ALL.GPU, ATOMG, no SC fence either."""
     sass = megakernel_sass(tmp_path, "smollm2-135m")
     fences = signal_fences(sass)
     print("adds to counters, with their fences:", fences)
     reds = [f for f in fences if f[-1].startswith("REDG")]
     assert reds and all("MEMBAR.SC.GPU" not in f and "CCTL.IVALL" not in f for f in reds), fences
     assert all("MEMBAR.ALL.GPU" in f for f in reds), fences
-    assert sum(1 for f in fences if "MEMBAR.SC.GPU" in f) <= 1, fences  # the ticket
+    tickets = [f for f in fences if f[-1].startswith("ATOMG")]
+    assert len(tickets) == 2 and all(f[0] == "MEMBAR.ALL.GPU" for f in tickets), fences
+    assert not any("MEMBAR.SC.GPU" in f for f in fences), fences
     loads = poll_loop_loads(sass)
     assert loads and all(n == 1 for n in loads), loads
 
@@ -228,6 +231,6 @@ def test_hop_sync1_is_the_negative_control(tmp_path):
     sass = megakernel_sass(tmp_path, "smollm2-135m", "-DMK_SYNC=1")
     fences = signal_fences(sass)
     assert not any(f[-1].startswith("REDG") for f in fences), fences
-    assert sum(1 for f in fences if "MEMBAR.SC.GPU" in f) >= 2, fences  # signal + ticket
+    assert sum(1 for f in fences if "MEMBAR.SC.GPU" in f) >= 3, fences  # signal + 2 tickets
     loads = poll_loop_loads(sass)
     assert loads and all(n == 2 for n in loads), loads

@@ -517,8 +517,17 @@ def _cuda_sync1(model, max_seq_len, **options) -> KernelExecutor:
     return _cuda_executor(model, max_seq_len, sync=1, name="cuda-sync1", **options)
 
 
+def _cuda_block_merge(model, max_seq_len, **options) -> KernelExecutor:
+    """The megakernel with every O_PROJ block merging the attention splits itself at every
+    context (merge_ticket_min=0): the A/B twin of the merge by ticket until a GPU has measured
+    both (benchmarks/NOTES.md)."""
+    return _cuda_executor(model, max_seq_len, merge_ticket_min=0, name="cuda-block-merge",
+                          **options)
+
+
 # backend name -> factory(model, max_seq_len, **options), read by runtime.make_executor
 BACKENDS = {"cuda": _cuda_executor, "cuda-noprefetch": _cuda_noprefetch, "cuda-v1": _cuda_v1,
             "cuda-1step": _cuda_1step, "cuda-sync1": _cuda_sync1,
+            "cuda-block-merge": _cuda_block_merge,
             "cuda-multi": _cuda_multi, "cuda-multi-graph": _cuda_multi_graph,
             "cuda-multi-graph-pdl": _cuda_multi_graph_pdl}

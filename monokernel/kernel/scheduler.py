@@ -23,7 +23,7 @@ from ..errors import ProgramError
 from .isa import STATE_WORDS, WIDTH, Op, Word, attn_round_positions, merge_ticket_min_splits
 
 # Bumped when verify() gains a check: on-disk proofs of older versions no longer count.
-VERIFY_VERSION = 2
+VERIFY_VERSION = 3
 # Kernel designs (MK_DESIGN in megakernel.cu): 1 is v1 (SAMPLE as its own op in block 0, one
 # row per warp pass); 2 (default) folds SAMPLE into the LM head by an atomic ticket.
 DESIGNS = (1, 2)

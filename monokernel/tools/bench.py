@@ -44,7 +44,7 @@ from ..model.loader import LoadedModel
 from ..kernel.base import wall_times
 
 KERNEL_BACKENDS = ("cuda", "cuda-1step", "cuda-noprefetch", "cuda-v1", "cuda-sync1",
-                   "cuda-multi", "cuda-multi-graph", "cuda-multi-graph-pdl", "emulator",
+                   "cuda-block-merge", "cuda-multi", "cuda-multi-graph", "cuda-multi-graph-pdl", "emulator",
                    "emulator-multi", "emulator-v1")
 BACKENDS = KERNEL_BACKENDS + ("numpy", "hf", "hf-compile")
 GPU_COPY_BYTES = 1 << 30
