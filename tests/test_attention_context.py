@@ -30,12 +30,29 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
+@pytest.fixture(scope="module")
+def gqa(synth_dir):
+    return load_model(synth_dir("qwen3-gqa-tiny"), progress=False)
+
+
 @pytest.mark.parametrize("n_pos", [1, 2, 127, 128, 129, 1024, 4096])
 @pytest.mark.parametrize("splits,min_chunk", [(1, 1), (3, 1), (8, 1), (16, 128), (None, None)],
                          ids=["s1", "s3", "s8", "s16-min128", "default"])
 def test_one_step_over_a_filled_cache(tiny, n_pos, splits, min_chunk):
     """min_chunk 128 with 16 splits: 129 positions use two splits, 4096 use 16 of 256; the
     default is the scheduler's policy for a 4096-position cache."""
+    one_step_over_a_filled_cache(tiny, n_pos, splits, min_chunk, blocks=3)
+
+
+@pytest.mark.parametrize("n_pos", [2, 129, 1024, 4096])
+@pytest.mark.parametrize("splits,min_chunk", [(4, 1), (16, 64)], ids=["s4", "s16-min64"])
+def test_one_step_over_a_filled_cache_merged_by_ticket(gqa, n_pos, splits, min_chunk):
+    """Two KV groups on 4 blocks (2 or 8 units of one group per block), the splits merged by
+    ticket from 2 used splits on (tests/test_merge_ticket.py): long contexts too."""
+    one_step_over_a_filled_cache(gqa, n_pos, splits, min_chunk, blocks=4, merge_ticket_min=2)
+
+
+def one_step_over_a_filled_cache(tiny, n_pos, splits, min_chunk, blocks, merge_ticket_min=None):
     cfg = tiny.config
     pos = n_pos - 1
     rng = np.random.default_rng(n_pos * 10 + (splits or 0))
@@ -46,7 +63,9 @@ def test_one_step_over_a_filled_cache(tiny, n_pos, splits, min_chunk):
     ref.k_cache[:] = k
     ref.v_cache[:] = v
     want = ref.forward([7], pos)[0]
-    ex = KernelExecutor(tiny, MAX_SEQ, blocks=3, attn_splits=splits, attn_min_chunk=min_chunk)
+    ex = KernelExecutor(tiny, MAX_SEQ, blocks=blocks, attn_splits=splits,
+                        attn_min_chunk=min_chunk, merge_ticket_min=merge_ticket_min)
+    assert ex.program.merge_ticket_min == (merge_ticket_min or 0)
     if min_chunk is None:
         assert ex.program.attn_min_chunk > 1  # the default policy reads whole rounds
     ex.reset()
@@ -55,6 +74,8 @@ def test_one_step_over_a_filled_cache(tiny, n_pos, splits, min_chunk):
     ex.buffers["v_cache"][...] = bf16_bits(v)
     got = ex.step(7, pos).logits
     assert np.isfinite(got).all()
+    if merge_ticket_min:  # every case uses >= 2 splits: the merged vector was written
+        assert np.isfinite(ex.read_buffer("attn")).all()
     err = float(np.max(np.abs(got.astype(np.float64) - want)) / np.max(np.abs(want)))
     assert err <= RTOL_OF_MAX, f"context {n_pos}, {splits} splits: rel error {err:.3g}"
     # the step wrote position pos of the cache as the reference did (within a bf16 step)
