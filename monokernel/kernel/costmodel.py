@@ -594,20 +594,22 @@ def ATTENTION(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
         unit_other = k_compute + softmax + 3 * g.bar_sync
     n = len(b.lo)
     used = _splits_used(b.program, b.context + 1)
+    other = np.bincount(idx, unit_other, n)
+    l2 = np.bincount(idx, unit_l2, n)
     if _merge_by_ticket(b, d, used):
-        # every unit: a barrier, the ticket (fence + a returning atomic: one L2 round trip);
-        # the last of its group (charged to all: the group's last one ends the op) loads the
-        # used splits' partials in one round, merges them and stores the merged vector
+        # every instruction with units (one KV group's): a barrier, the ticket (an acq_rel
+        # returning atomic, MK_SYNC=1: fence + atomicAdd; one L2 round trip); the last of its
+        # group (charged to all: the group's last one ends the op) loads the used splits'
+        # partials in one round, merges them and stores the merged vector
+        busy = (b.n > 0).astype(np.float64)
         mb = used * G * (D + 2) * 4.0
         l2_share = g.l2_bw / g.sms
-        unit_l2 = unit_l2 + 2.0
-        ticket = g.fence if d.signal_sc_fence else g.release  # MK_SYNC=1: fence + atomicAdd
-        unit_other = unit_other + 2 * g.bar_sync + ticket + mb / l2_share + G * D * 4 / l2_share
-    other = np.bincount(idx, unit_other, n)
+        ticket = g.fence if d.signal_sc_fence else g.release
+        l2 = l2 + 2.0 * busy
+        other = other + busy * (2 * g.bar_sync + ticket + mb / l2_share + G * D * 4 / l2_share)
     # K/V rounds go to HBM; with attn_kv_prefetch the rows cached before this step were
     # brought into L2 during the wait (the prefetch share of the rounds then hits L2)
     rounds = np.bincount(idx, (k_rounds + v_rounds).astype(np.float64), n)
-    l2 = np.bincount(idx, unit_l2, n)
     hbm = np.bincount(idx, unit_hbm, n)
     sbytes = np.bincount(idx, cnt * 2 * D * 2.0, n)
     pref = b.zeros()
