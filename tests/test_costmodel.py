@@ -76,7 +76,8 @@ def test_design_for_follows_the_program():
     assert cm.predict(program("smollm2-135m")).design is cm.V1
     v2 = program("smollm2-135m", design=2)
     assert cm.design_for(v2) is cm.V5  # MK_SYNC=2 and many steps per launch, the defaults
-    v5_knobs = {"attn_kv_prefetch": True, "late_qk_one_trip": True, "o_proj_merge_ticket": True}
+    v5_knobs = {"attn_kv_prefetch": True, "late_qk_one_trip": True, "o_proj_merge_ticket": True,
+                "o_proj_merge_ways": True}
     one = cm.design_for(v2, multi_step=False)  # cuda-1step
     assert one == cm.V3.replace(name="v5-1step", **v5_knobs)
     sync1 = cm.design_for(v2, sync=1, multi_step=False)  # cuda-sync1, one step a launch

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CostModelError
-from .isa import KV_UNROLL, NUM_THREADS, Op, attn_round_positions
+from .isa import KV_UNROLL, NUM_THREADS, Op, attn_round_positions, merge_block_ways
 
 # ================================================================================================
 # The GPU's constants: ONE table. name -> (unit, {gpu: (value, low, high)}, source)
@@ -173,6 +173,10 @@ class KernelDesign:
     # (into `attn`), and O_PROJ reads the merged vector (one L2 round). False: every O_PROJ
     # block merges every used split itself
     o_proj_merge_ticket: bool = False
+    # the per-block merge shares an output chunk's splits among isa.merge_block_ways(config)
+    # lanes (threads that would idle otherwise): ceil(used / (chunk x ways)) rounds. False: one
+    # lane per chunk
+    o_proj_merge_ways: bool = False
     qk_norm_whole_heads: bool = True  # v1: Qwen3's q/k-norm needs a whole head per tile
     # hop: signal = bar + (MEMBAR.SC + CCTL | release atomic); poll = loads + timer + sleep
     signal_sc_fence: bool = True
@@ -292,9 +296,11 @@ V4 = V3.replace(name="v4", steps_per_launch=GENERATION_STEPS)
 # third session"): the K/V rows cached before the step prefetched into L2 before ATTENTION's
 # wait; late q/k's loads in one trip (weights and RoPE row prefetched); and, from the
 # program's merge_ticket_min used splits on (isa.merge_ticket_min_splits), the O_PROJ merge
-# done once per KV group by the last unit to draw the group's ticket.
+# done once per KV group by the last unit to draw the group's ticket; below it, the per-block
+# merge shares each output chunk's splits among idle lanes (isa.merge_block_ways).
 # They do not depend on the hop: design_for applies them to every design-2 kernel.
-_V5_KNOBS = {"attn_kv_prefetch": True, "late_qk_one_trip": True, "o_proj_merge_ticket": True}
+_V5_KNOBS = {"attn_kv_prefetch": True, "late_qk_one_trip": True, "o_proj_merge_ticket": True,
+             "o_proj_merge_ways": True}
 V5 = V4.replace(name="v5", **_V5_KNOBS)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2, v3=V3, v4=V4, v5=V5)
@@ -630,7 +636,8 @@ def O_PROJ_RESIDUAL(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
         l2 = l2 + busy  # ATTENTION merged the groups: read the merged vector, one round
         share = c.head_dim / (S * (c.head_dim + 2))  # of the partials' bytes: q_dim floats
     elif d.o_proj_merge_chunk:  # design 2 merges only the splits the context uses
-        l2 = l2 + busy * -(-used // d.o_proj_merge_chunk)
+        ways = merge_block_ways(c) if d.o_proj_merge_ways else 1
+        l2 = l2 + busy * -(-used // (d.o_proj_merge_chunk * ways))
         share = used / S
     else:
         l2 = l2 + busy * d.o_proj_merge_trips_per_split * S

@@ -195,6 +195,16 @@ def merge_ticket_min_splits(cfg: ModelConfig) -> int:
     return max(2, -(-MERGE_TICKET_BYTES // per_split))
 
 
+def merge_block_ways(cfg: ModelConfig) -> int:
+    """Lanes per output chunk of O_PROJ's per-block split merge (megakernel.cu merge_splits):
+    the largest power of 2 <= 8 with Q_DIM / 8 chunks x ways <= NUM_THREADS (idle threads
+    share a chunk's splits, so a merge of S used splits takes ceil(S / (4 x ways)) rounds)."""
+    ways = 1
+    while ways < 8 and (cfg.q_dim // 8) * ways * 2 <= NUM_THREADS:
+        ways *= 2
+    return ways
+
+
 def params_dtype():
     """numpy mirror of struct Params (C layout: align=True), to pack a launch's argument."""
     import numpy as np
@@ -211,6 +221,7 @@ def model_constants(cfg: ModelConfig, max_seq_len: int) -> dict[str, int | str]:
     return {
         "MK_THREADS": NUM_THREADS,
         "MK_KV_UNROLL": KV_UNROLL,
+        "MK_MERGE_WAYS": merge_block_ways(cfg),
         "MK_HIDDEN": cfg.hidden_size,
         "MK_FFN": cfg.intermediate_size,
         "MK_LAYERS": cfg.num_layers,

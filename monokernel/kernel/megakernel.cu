@@ -978,7 +978,9 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
     for (int i = threadIdx.x; i < MK_Q_DIM / 4; i += MK_THREADS)
       reinterpret_cast<float4*>(s.vec)[i] = reinterpret_cast<const float4*>(P.attn)[i];
   } else {
-    merge_splits<1>(P, s.vec, 0, MK_Q_DIM / 8, splits, used);
+    // MK_MERGE_WAYS (isa.merge_block_ways) lanes per output chunk: the block's threads in one pass
+    static_assert(MK_Q_DIM / 8 * MK_MERGE_WAYS <= MK_THREADS, "merge_block_ways: one pass");
+    merge_splits<MK_MERGE_WAYS>(P, s.vec, 0, MK_Q_DIM / 8, splits, used);
   }
 #else
   for (int idx = threadIdx.x; idx < MK_Q_DIM; idx += MK_THREADS) {
