@@ -464,3 +464,20 @@ def test_each_v5_latency_cut_is_predicted_to_help_qwen3_at_long_context(knob):
     assert s.merge_ticket_min == 0
     assert cm.predict(s, "h200", cm.V5, 1024).total_us == \
         cm.predict(s, "h200", cm.V5.replace(o_proj_merge_ticket=False), 1024).total_us
+
+
+def test_the_per_block_merge_with_idle_lanes_is_predicted_to_help_smollm2_at_long_context():
+    """isa.merge_block_ways: SmolLM2's 72 output chunks share their splits between 2 lanes (2
+    merge rounds instead of 4 at 16 used splits); the 2048-wide q of Qwen3 and Llama leaves no
+    idle lane (1 way, no change)."""
+    from monokernel.kernel.isa import NUM_THREADS, merge_block_ways
+
+    for name, ways in [("smollm2-135m", 2), ("qwen3-0.6b", 1), ("llama-3.2-1b", 1)]:
+        c = ModelConfig.from_name(name)
+        assert merge_block_ways(c) == ways and c.q_dim // 8 * ways <= NUM_THREADS
+    p = _merge_program("smollm2-135m", 1024)
+    on = cm.predict(p, "h200", cm.V5, 1024)
+    off = cm.predict(p, "h200", cm.V5.replace(o_proj_merge_ways=False), 1024)
+    assert on.total_us < off.total_us - 3
+    trips = {r["op"]: r["trips"] for r in on.op_rows()}
+    assert trips["O_PROJ_RESIDUAL"] == 2
