@@ -384,6 +384,22 @@ def test_gpu_matches_reference(gpu_case, shape, backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-3.2-1b"])
+def test_gpu_merge_by_ticket_matches_reference(gpu_case, shape):
+    """The split merge by ticket on the real grid (8 KV groups x 16 splits on 132 blocks), from
+    2 used splits on: every step past the first few merges by ticket (the default threshold
+    is 8 used splits, past these short steps' contexts). Same compiled kernel: the threshold
+    and the splits are instruction words."""
+    from monokernel.runtime import make_executor
+
+    m, fed, ref_logits = gpu_case(shape)
+    ex = make_executor("cuda", m, GPU_MAX_SEQ, attn_splits=16, attn_min_chunk=1,
+                       merge_ticket_min=2)
+    assert ex.program.merge_ticket_min == 2
+    check_against_reference(ex, fed, ref_logits, f"cuda {shape}, merge by ticket")
+
+
+@pytest.mark.gpu
 def test_gpu_pdl_matches_reference_without_spills(gpu_case):
     """The strong baseline (graph + programmatic dependent launch) on the shape with the most
     launches per step (152): a griddepcontrol.wait in the wrong place would show as a race."""
