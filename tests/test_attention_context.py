@@ -17,6 +17,8 @@ from monokernel.kernel.executor import KernelExecutor
 from monokernel.model.loader import load_model
 from monokernel.model.reference import ReferenceModel, bf16_round
 
+from test_kernel_emulator import used_splits
+
 MAX_SEQ = 4096
 RTOL_OF_MAX = 2e-3  # as tests/test_kernel_emulator.py
 
@@ -75,10 +77,9 @@ def one_step_over_a_filled_cache(tiny, n_pos, splits, min_chunk, blocks, merge_t
     got = ex.step(7, pos).logits
     assert np.isfinite(got).all()
     if merge_ticket_min:  # the merged vector is written exactly when the ticket merges
-        chunk = max(min_chunk, -(-n_pos // splits))
-        used = -(-n_pos // chunk)
         attn = ex.read_buffer("attn")
-        assert np.isfinite(attn).all() if used >= merge_ticket_min else np.isnan(attn).all()
+        ticket = used_splits(n_pos, splits, min_chunk) >= merge_ticket_min
+        assert np.isfinite(attn).all() if ticket else np.isnan(attn).all()
     err = float(np.max(np.abs(got.astype(np.float64) - want)) / np.max(np.abs(want)))
     assert err <= RTOL_OF_MAX, f"context {n_pos}, {splits} splits: rel error {err:.3g}"
     # the step wrote position pos of the cache as the reference did (within a bf16 step)

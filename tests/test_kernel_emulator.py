@@ -78,6 +78,11 @@ def split_ranges(n_pos: int, splits: int, min_chunk: int = 1) -> list[tuple[int,
     return [(s * chunk, min(n_pos, (s + 1) * chunk)) for s in range(splits)]
 
 
+def used_splits(n_pos: int, splits: int, min_chunk: int = 1) -> int:
+    """Splits with at least one position (megakernel.cu splits_used)."""
+    return sum(1 for t0, t1 in split_ranges(n_pos, splits, min_chunk) if t1 > t0)
+
+
 def reference_run(model, tokens: list[int], n_steps: int, max_seq_len: int):
     """Feed ``tokens`` one per step, then the reference's own greedy token, for ``n_steps`` steps.
     Returns (the token fed at each step, the reference's logits [n_steps, vocab], the model)."""

@@ -24,7 +24,7 @@ from monokernel.kernel.scheduler import schedule
 from monokernel.model.config import ModelConfig
 
 from test_kernel_emulator import (MAX_SEQ, assert_logits_match, reference_run, run_kernel,
-                                  split_ranges)
+                                  used_splits)
 
 PROMPT = [1, 999, 5, 0, 517, 998, 77]
 N_STEPS = 20
@@ -43,8 +43,9 @@ def reference(synth_model):
     return get
 
 
-def used_splits(n_pos: int, splits: int, min_chunk: int) -> int:
-    return sum(1 for t0, t1 in split_ranges(n_pos, splits, min_chunk) if t1 > t0)
+def ticket_counters(program) -> list[int]:
+    """Indices of ATTENTION's ticket counters (scheduler: L<layer>.ATTENTION.ticket<group>)."""
+    return [k for k, n in enumerate(program.counter_names) if ".ATTENTION.ticket" in n]
 
 
 # (arch, blocks, splits): one unit per instruction with empty instructions (8 units on 10
@@ -88,8 +89,7 @@ def test_the_ticket_step_writes_the_merged_vector_and_resets_its_tickets(synth_m
     ex = KernelExecutor(synth_model(arch), MAX_SEQ, blocks=8, attn_splits=splits,
                         attn_min_chunk=1, merge_ticket_min=3)
     c, prog = ex.config, ex.program
-    tickets = [k for k, n in enumerate(prog.counter_names) if ".ticket" in n
-               and n.startswith("L")]
+    tickets = ticket_counters(prog)
     assert len(tickets) == c.num_layers * c.num_kv_heads
     ex.reset()
     seen = set()
@@ -170,5 +170,5 @@ def test_many_steps_in_one_launch_with_the_merge_by_ticket(synth_model):
     assert got == want and ex.launches == 1
     # the last step's logits (a step merged by ticket after 16 chained ones): the reference's
     assert_logits_match(ex.read_buffer("logits")[None], last[None], "last chained step")
-    tickets = [k for k, n in enumerate(ex.program.counter_names) if ".ATTENTION.ticket" in n]
+    tickets = ticket_counters(ex.program)
     assert tickets and (ex.read_buffer("counters")[tickets] == 0).all()

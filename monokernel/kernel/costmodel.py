@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CostModelError
-from .isa import KV_UNROLL, NUM_THREADS, Op, attn_round_positions, merge_block_ways
+from .isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, NUM_THREADS, Op,
+                  attn_round_positions, merge_block_ways)
 
 # ================================================================================================
 # The GPU's constants: ONE table. name -> (unit, {gpu: (value, low, high)}, source)
@@ -280,7 +281,7 @@ V2 = V1.replace(
            "O_PROJ_RESIDUAL": (0, 0), "RMS_GATE_UP": (1, 0), "DOWN_RESIDUAL": (1, 0),
            "RMS_LM_HEAD": (1, 0), "SAMPLE": (0, 0)},
     attn_load_bytes=16, attn_isa_loop=True, attn_k_interleaved=True,
-    o_proj_merge_chunk=4, qk_norm_whole_heads=False, late_qk=True, sample_op=False)
+    o_proj_merge_chunk=MERGE_CHUNK, qk_norm_whole_heads=False, late_qk=True, sample_op=False)
 # V3 = V2 + the cheaper hop of PERFORMANCE.md R4 (megakernel.cu MK_SYNC=2): the signal is the
 # block barrier, then one `red.release.gpu.global.add` by thread 0 (no MEMBAR.SC, no CCTL); the
 # wait polls ONE `ld.acquire.gpu` per trip, the error word and the timer only every few trips,
@@ -576,12 +577,7 @@ def ATTENTION(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
                 unit_hbm += 1.0
                 unit_l2 += 1.0
             unit_other += 5 * g.shfl + g.bar_sync
-            n_pos = b.context + 1
-            splits = b.program.attn_splits
-            chunk = _split_chunk(b.program, n_pos)
-            units = np.concatenate([np.arange(lo, hi) for lo, hi in
-                                    zip(b.lo.tolist(), b.hi.tolist())] or [np.zeros(0, int)])
-            holds = (units % splits) == (n_pos - 1) // chunk
+            holds = (t0 <= b.context) & (b.context < t0 + cnt)  # the new position's unit
             unit_other += holds * (g.bar_sync + 6 * g.shfl)
     else:
         per_k = d.warps * d.attn_positions_per_warp
@@ -606,12 +602,13 @@ def ATTENTION(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
         # every instruction with units (one KV group's): a barrier, the ticket (an acq_rel
         # returning atomic, MK_SYNC=1: fence + atomicAdd; one L2 round trip); the last of its
         # group (charged to all: the group's last one ends the op) loads the used splits'
-        # partials in one round, merges them and stores the merged vector
+        # partials (MERGE_CHUNK x MERGE_TICKET_WAYS a round), merges them and stores the
+        # merged vector
         busy = (b.n > 0).astype(np.float64)
         mb = used * G * (D + 2) * 4.0
         l2_share = g.l2_bw / g.sms
         ticket = g.fence if d.signal_sc_fence else g.release
-        l2 = l2 + 2.0 * busy
+        l2 = l2 + busy * (1 + -(-used // (MERGE_CHUNK * MERGE_TICKET_WAYS)))
         other = other + busy * (2 * g.bar_sync + ticket + mb / l2_share + G * D * 4 / l2_share)
     # K/V rounds go to HBM; with attn_kv_prefetch the rows cached before this step were
     # brought into L2 during the wait (the prefetch share of the rounds then hits L2)
@@ -632,18 +629,18 @@ def O_PROJ_RESIDUAL(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     busy = (b.n > 0).astype(np.float64)
     l2, hbm = _trips(d, "O_PROJ_RESIDUAL", busy)
     used = _splits_used(b.program, b.context + 1)
+    # the merge reads every split's partial outputs from L2 (v1: all S splits, each a trip)
+    partial_bytes = c.num_kv_heads * c.group_size * (c.head_dim + 2) * 4  # per split
     if _merge_by_ticket(b, d, used):
         l2 = l2 + busy  # ATTENTION merged the groups: read the merged vector, one round
-        share = c.head_dim / (S * (c.head_dim + 2))  # of the partials' bytes: q_dim floats
+        merge_bytes = busy * c.q_dim * 4
     elif d.o_proj_merge_chunk:  # design 2 merges only the splits the context uses
         ways = merge_block_ways(c) if d.o_proj_merge_ways else 1
         l2 = l2 + busy * -(-used // (d.o_proj_merge_chunk * ways))
-        share = used / S
+        merge_bytes = busy * partial_bytes * used
     else:
         l2 = l2 + busy * d.o_proj_merge_trips_per_split * S
-        share = d.o_proj_merge_trips_per_split
-    # the merge reads every split's partial outputs from L2
-    merge_bytes = busy * c.num_kv_heads * S * c.group_size * (c.head_dim + 2) * 4 * share
+        merge_bytes = busy * partial_bytes * S * d.o_proj_merge_trips_per_split
     other = busy * (g.bar_sync + merge_bytes / (g.l2_bw / g.sms))
     if d.late_qk and c.qk_norm:
         # before the merge, the blocks that own KV heads (ARG2..ARG3) cache their keys: one

@@ -195,12 +195,19 @@ def merge_ticket_min_splits(cfg: ModelConfig) -> int:
     return max(2, -(-MERGE_TICKET_BYTES // per_split))
 
 
+# The split merge (megakernel.cu merge_splits): a lane loads MERGE_CHUNK splits' partials at
+# once, and `ways` lanes share an output chunk of 8 elements, so S used splits take
+# ceil(S / (MERGE_CHUNK * ways)) dependent rounds; the merge by ticket uses MERGE_TICKET_WAYS.
+MERGE_CHUNK = 4
+MERGE_TICKET_WAYS = 8
+
+
 def merge_block_ways(cfg: ModelConfig) -> int:
-    """Lanes per output chunk of O_PROJ's per-block split merge (megakernel.cu merge_splits):
-    the largest power of 2 <= 8 with Q_DIM / 8 chunks x ways <= NUM_THREADS (idle threads
-    share a chunk's splits, so a merge of S used splits takes ceil(S / (4 x ways)) rounds)."""
+    """Lanes per output chunk of O_PROJ's per-block split merge: the largest power of 2 <=
+    MERGE_TICKET_WAYS with Q_DIM / 8 chunks x ways <= NUM_THREADS (threads that would idle
+    share a chunk's splits)."""
     ways = 1
-    while ways < 8 and (cfg.q_dim // 8) * ways * 2 <= NUM_THREADS:
+    while ways < MERGE_TICKET_WAYS and (cfg.q_dim // 8) * ways * 2 <= NUM_THREADS:
         ways *= 2
     return ways
 
@@ -221,7 +228,9 @@ def model_constants(cfg: ModelConfig, max_seq_len: int) -> dict[str, int | str]:
     return {
         "MK_THREADS": NUM_THREADS,
         "MK_KV_UNROLL": KV_UNROLL,
+        "MK_MERGE_CHUNK": MERGE_CHUNK,
         "MK_MERGE_WAYS": merge_block_ways(cfg),
+        "MK_MERGE_TICKET_WAYS": MERGE_TICKET_WAYS,
         "MK_HIDDEN": cfg.hidden_size,
         "MK_FFN": cfg.intermediate_size,
         "MK_LAYERS": cfg.num_layers,

@@ -737,7 +737,7 @@ __device__ __forceinline__ int splits_used(int n_pos, int splits, int min_chunk)
 // adjacent lanes share an output chunk, lane k taking splits k, k + WAYS, ...: up to
 // WAYS * MERGE_CHUNK splits in one round, then the lanes' (max, sum, outputs) are combined by
 // shuffles. out[idx] for the output elements idx of chunks [t_begin, t_end).
-#define MERGE_CHUNK 4
+#define MERGE_CHUNK MK_MERGE_CHUNK  // isa.MERGE_CHUNK
 static_assert(MK_HEAD_DIM % 8 == 0, "the merge reads 8 output elements per thread");
 
 template <int WAYS>
@@ -813,11 +813,10 @@ __device__ void merge_splits(const Params& P, float* out, int t_begin, int t_end
 // A step that uses at least `least` splits merges them by ticket (the program's
 // merge_ticket_min, Word ARG4; 0: never): ATTENTION's instructions of a KV group each draw the
 // group's ticket after their units, and the drawer of the last merges the group's used splits
-// into P.attn (one round: MERGE_WAYS lanes per output chunk) before its block signals; O_PROJ
-// then reads the merged vector (one round of Q_DIM floats) instead of every block merging every
-// split. The last drawer resets the ticket for the next step: every later draw comes after
+// into P.attn (MK_MERGE_TICKET_WAYS lanes per output chunk: one round up to 32 splits) before
+// its block signals; O_PROJ then reads the merged vector (one round of Q_DIM floats) instead of
+// every block merging every split. The last drawer resets the ticket for the next step: every later draw comes after
 // this block's signal (the next step's ATTENTION waits, through the layer's ops, on it).
-#define MERGE_WAYS 8
 __device__ __forceinline__ bool merge_by_ticket(int used, int least) {
   return least > 0 && used >= least;
 }
@@ -833,8 +832,8 @@ __device__ void attention_ticket(const Params& P, int ticket, int tickets, int g
   }
   __syncthreads();
   if (s_last)
-    merge_splits<MERGE_WAYS>(P, P.attn, g * MK_GROUP * D / 8, (g + 1) * MK_GROUP * D / 8, splits,
-                             used);
+    merge_splits<MK_MERGE_TICKET_WAYS>(P, P.attn, g * MK_GROUP * D / 8,
+                                       (g + 1) * MK_GROUP * D / 8, splits, used);
 }
 
 __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const int* st) {
