@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import CostModelError
 from .isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, NUM_THREADS, Op,
-                  attn_round_positions, merge_block_ways)
+                  attn_round_positions, merge_block_ways, pair_rows, row_shape)
 
 # ================================================================================================
 # The GPU's constants: ONE table. name -> (unit, {gpu: (value, low, high)}, source)
@@ -64,9 +64,15 @@ CONSTANTS: dict[str, tuple[str, dict[str, tuple[float, float, float]], str]] = {
               "MEMBAR.SC.GPU (waits for every outstanding store of the SM): the rest of "
               "PERFORMANCE.md's ~1.07 us per v1 hop once the parts below are counted; fitted by "
               "`monokernel calibrate` from a GPU trace"),
-    "release": ("us", {"h200": (0.15, 0.1, 0.3), "h100": (0.15, 0.1, 0.3)},
-                "red.release.gpu in place of MEMBAR.SC + atomic (R4); assumed ~ one L2 trip "
-                "less than the SC fence (fence + relaxed atomic ~ release atomic, mscclpp PR 505)"),
+    "release": ("us", {"h200": (0.3, 0.2, 0.45), "h100": (0.3, 0.2, 0.45)},
+                "red.release.gpu (R4): on sm_90 it compiles to MEMBAR.ALL.GPU + REDG (SASS of "
+                "4b0e6fe), so it drains the block's stores, >= one L2 round trip (0.13-0.3 us) "
+                "after the last store, before the add; was assumed 0.15 before the SASS was read "
+                "(fence + relaxed atomic ~ release atomic: mscclpp PR 505)"),
+    "ticket": ("us", {"h200": (0.5, 0.4, 0.6), "h100": (0.5, 0.4, 0.6)},
+               "atom.acq_rel.gpu (ticket_add): MEMBAR.ALL.GPU; ATOMG.E.ADD (a returning atomic: "
+               "one L2 round trip); CCTL.IVALL (SASS of 4b0e6fe): the store drain, the round "
+               "trip and the L1 invalidate (PERFORMANCE.md 0)"),
     "cctl": ("us", {"h200": (0.02, 0.01, 0.05), "h100": (0.02, 0.01, 0.05)},
              "CCTL.IVALL (L1 invalidate after an acquire, NVIDIA/cutlass issue 3117); assumed "
              "~40 cycles"),
@@ -83,6 +89,25 @@ CONSTANTS: dict[str, tuple[str, dict[str, tuple[float, float, float]], str]] = {
                    "warp schedulers per SM, each issuing one warp instruction per clock (Hopper "
                    "SM: four partitions; NVIDIA H100 whitepaper). Turns instruction counts of "
                    "the SASS into issue time"),
+    "gemv_bw": ("TB/s", {"h200": (3.8, 3.6, 4.3), "h100": (2.7, 2.5, 3.0)},
+                "the weight stream's achieved rate in a GEMV: below the copy rate (a read-only "
+                "stream with FMAs behind it, one block per SM); 3.6-4.0 TB/s on an H200 in the "
+                "independent SASS model (PERFORMANCE.md 0), up to the copy rate; H100 scaled"),
+    "hbm_loaded_latency": ("us", {"h200": (0.7, 0.6, 1.5), "h100": (0.7, 0.6, 1.5)},
+                           "a lone dependent load that misses L2 while the other SMs stream "
+                           "weights (HBM queues full): 0.6-1.5 us (PERFORMANCE.md 0); program "
+                           "words and late norm weights pay it"),
+    "fetch_miss": ("", {"h200": (0.75, 0.5, 1.0), "h100": (0.75, 0.5, 1.0)},
+                   "share of an instruction's word fetches that miss L2: the program is re-read "
+                   "every step after 0.27-2.5 GB of weights passed the 50 MB L2 (~3 in 4, "
+                   "PERFORMANCE.md 0)"),
+    "pcie_read": ("us", {"h200": (1.3, 0.9, 2.0), "h100": (1.3, 0.9, 2.0)},
+                  "LDG.E.STRONG.SYS of mapped host memory (finish_step's host stop flag): a "
+                  "PCIe round trip, ~1-2 us (PERFORMANCE.md 0); assumed"),
+    "sys_fence": ("us", {"h200": (0.8, 0.4, 1.5), "h100": (0.8, 0.4, 1.5)},
+                  "MEMBAR.SC.SYS (__threadfence_system after the step's token store to host "
+                  "memory): drains the store over PCIe; assumed (PERFORMANCE.md 0: the host "
+                  "read and this fence 1-3 us per step together)"),
     "launch": ("us", {"h200": (8.0, 5.0, 12.0), "h100": (8.0, 5.0, 12.0)},
                "host submit + cooperative launch + drain per launch; assumed so that R6 (N steps "
                "per launch) saves 7-8 us per token, as PERFORMANCE.md 3 predicts"),
@@ -102,12 +127,18 @@ class GPU:
     l2_bw: float  # bytes/us
     fence: float
     release: float
+    ticket: float
     cctl: float
     bar_sync: float
     shfl: float
     timer: float
     nanosleep: float
     schedulers: int
+    gemv_bw: float  # bytes/us
+    hbm_loaded_latency: float
+    fetch_miss: float
+    pcie_read: float
+    sys_fence: float
     launch: float
 
     def replace(self, **changes) -> "GPU":
@@ -125,6 +156,7 @@ def gpu(name: str) -> GPU:
     vals = {c: row[1][key][0] for c, row in CONSTANTS.items()}
     vals["hbm_bw"] *= _TB_S
     vals["l2_bw"] *= _TB_S
+    vals["gemv_bw"] *= _TB_S
     vals["sms"] = int(vals["sms"])
     vals["schedulers"] = int(vals["schedulers"])
     return GPU(name=key, **vals)
@@ -222,7 +254,40 @@ class KernelDesign:
     prefetch_max_bytes: int = 64 * 1024
     # decode steps per launch (launch overhead amortised; chained steps add one hop each)
     steps_per_launch: int = 1
-    instruction_fetch_trips: int = 1  # the instruction's words (L2)
+    # ---- the kernel as compiled (issue 15, V5 on): what the sm_90 SASS shows and the earlier
+    # designs did not charge. The defaults keep those designs' figures.
+    # The instruction's words: dependent loads before its prefetch and wait (v5: the opcode, a
+    # branch on NOOP, then the other 11 words: 2; 0: fetched ahead, off the path), at L2
+    # latency, or with fetch_misses the share `fetch_miss` of them at HBM's loaded latency.
+    instruction_fetch_trips: int = 1
+    fetch_misses: bool = False
+    # mat-vec passes from isa.row_shape (loads per lane per pass, rows per pass, chunks) instead
+    # of the loads_in_flight_per_lane / rows_per_warp knobs above
+    row_geometry: bool = False
+    # issue slots per 16-byte weight load once it arrives (bf16 unpack, FFMA, x's LDS) on the
+    # SM's schedulers, and the pass's warp sums (5 dependent SHFL + FADD); 0: not charged
+    matvec_issue_per_load: float = 0.0
+    # copies into shared memory of a vector other blocks wrote (DOWN's ffn_h, O_PROJ's merged
+    # attention): 0, one round (all loads first); u > 0, as nvcc compiles a strided loop
+    # unrolled u times: (n mod u) single loads, then n // u rounds of u (n: the busiest
+    # thread's elements)
+    copy_unroll: int = 0
+    # the step's end (finish_step, by the LM head's last ticket drawer): the host's stop flag
+    # read over PCIe before the release; MEMBAR.SC.SYS after the token's store
+    step_end_host_read: bool = False
+    step_end_sys_fence: bool = False
+    # tickets (attention's merge, the LM head's) cost the constant `ticket` (acq_rel as
+    # compiled: drain, round trip, L1 invalidate), every drawer; the last LM-head drawer's
+    # reduction and finish_step's loads end the step (False: spread over the instructions)
+    ticket_as_compiled: bool = False
+    # the weight stream at the achieved GEMV rate (gemv_bw) instead of the copy rate, and its
+    # first bytes one latency after it starts (a ramp per op)
+    gemv_rate: bool = False
+    stream_ramp: bool = False
+    # RMS ops load their norm weights just before the wait, so on a block whose wait returns at
+    # once (the last one, on the critical path) their loaded HBM latency is not hidden behind
+    # the residual's L2 trip. False: they are in L2 or registers before they are needed
+    norm_weights_late: bool = False
 
     @property
     def bytes_in_flight_per_sm(self) -> int:
@@ -302,22 +367,47 @@ V4 = V3.replace(name="v4", steps_per_launch=GENERATION_STEPS)
 # They do not depend on the hop: design_for applies them to every design-2 kernel.
 _V5_KNOBS = {"attn_kv_prefetch": True, "late_qk_one_trip": True, "o_proj_merge_ticket": True,
              "o_proj_merge_ways": True}
-V5 = V4.replace(name="v5", **_V5_KNOBS)
+# V5 as compiled (issue 15 section 3): what the sm_90 SASS of commit 4b0e6fe does and the
+# model did not charge before (benchmarks/NOTES.md, "The cost model tells the truth"). These
+# are v5's own numbers, kept so that `plan --design v5` predicts v5; the kernel as built now
+# (V6) takes the knobs the kernel fixes from its compiled SASS (sass_facts).
+_V5_AS_COMPILED = {
+    "instruction_fetch_trips": 2,  # LDG the opcode, ISETP + BRA on NOOP, then 11 LDG
+    "fetch_misses": True,
+    "row_geometry": True,
+    "matvec_issue_per_load": 17.0,  # unpack + FFMA + LDS of x per LDG.E.128 (~17 slots)
+    "copy_unroll": 4,  # DOWN's ffn_h: a peel, then 4 x LDG -> 4 x STS per iteration
+    "step_end_host_read": True,  # LDG.E.STRONG.SYS of the host flag before the release
+    "step_end_sys_fence": True,  # MEMBAR.SC.SYS after the token's store
+    "ticket_as_compiled": True,  # MEMBAR.ALL.GPU; ATOMG.E.ADD; CCTL.IVALL
+    "gemv_rate": True,
+    "stream_ramp": True,
+    "norm_weights_late": True,
+}
+V5 = V4.replace(name="v5", **_V5_KNOBS, **_V5_AS_COMPILED)
+# V6 = V5 with a leaner step (issue 15 section 4): every instruction's words fetched during
+# the previous one (off the path), DOWN's and O_PROJ's copies in one round (all loads first),
+# the host's stop flag read before the LM head's wait and no system fence at the step's end,
+# the next instruction's norm weights prefetched into L2 during the current one. Knobs the
+# compiled kernel fixes come from sass_facts (design_for).
+_V6_KNOBS = {"instruction_fetch_trips": 0, "copy_unroll": 0, "step_end_host_read": False,
+             "step_end_sys_fence": False, "norm_weights_late": False}
+V6 = V5.replace(name="v6", **_V6_KNOBS)
 # Every design a prediction can name (`monokernel plan --design`).
-DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2, v3=V3, v4=V4, v5=V5)
+DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2, v3=V3, v4=V4, v5=V5, v6=V6)
 
 
 def design_for(program, sync: int = 2, multi_step: bool = True) -> KernelDesign:
     """The design megakernel.cu implements for this program: its scheduler design (MK_DESIGN)
-    1 is V1; 2 is V5 with the default hop (MK_SYNC=2) and many steps per launch, V3's hop with
-    V5's attention with one launch per step (backend cuda-1step), V2's hop with it (MK_SYNC=1,
+    1 is V1; 2 is V6 with the default hop (MK_SYNC=2) and many steps per launch, V3's hop with
+    V6's knobs with one launch per step (backend cuda-1step), V2's hop with them (MK_SYNC=1,
     backend cuda-sync1). A kernel change updates these (or adds a design) in the same commit."""
     if getattr(program, "design", 1) < 2:
         return V1
     if sync >= 2 and multi_step:
-        return V5
-    d = (V3 if sync >= 2 else V2).replace(**_V5_KNOBS)
-    d = d.replace(name="v5" + ("" if sync >= 2 else "-sync1") + ("" if multi_step else "-1step"))
+        return V6
+    d = (V3 if sync >= 2 else V2).replace(**_V5_KNOBS, **_V5_AS_COMPILED, **_V6_KNOBS)
+    d = d.replace(name="v6" + ("" if sync >= 2 else "-sync1") + ("" if multi_step else "-1step"))
     return d.replace(steps_per_launch=GENERATION_STEPS) if multi_step else d
 
 
@@ -371,6 +461,63 @@ def _stream_rounds(rows_per_warp: np.ndarray, n: int, d: KernelDesign, dots: int
     return dots * np.where(groups > 0, (groups - 1) * per_group + last_rounds, 0)
 
 
+def _matvec(rows: np.ndarray, n: int, g: GPU, d: KernelDesign,
+            pairs: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(rounds, issue us) of the busiest warp of block_dot_rows (or block_dot_row_pairs: gate
+    and up) over ``rows`` rows of n bf16 each, vectorised over instructions. With row_geometry
+    the passes follow isa.row_shape (megakernel.cu RowShape<n>): warp w takes passes of R rows
+    (R' row pairs), each ceil(L / K) chunks of R x K loads per lane, every chunk one round;
+    after its data, a pass costs its loads' issue slots (matvec_issue_per_load each, the SM's
+    schedulers shared by its warps) and the rows' warp sums (5 SHFL + FADD, side by side)."""
+    rows = np.asarray(rows)
+    if not d.row_geometry:
+        rr = _stream_rounds(-(-rows // d.warps), n, d, dots=2 if pairs else 1)
+        return rr.astype(np.float64), np.zeros(rows.shape)
+    L, K, R = row_shape(n)
+    per_pass = pair_rows(R) if pairs else R
+    passes = -(-rows // (d.warps * per_pass))
+    rounds = passes * -(-L // K)
+    issue = 0.0
+    if d.matvec_issue_per_load:
+        loads = per_pass * (2 if pairs else 1) * L  # per lane per pass
+        issue = _issue_us(g, d, loads * d.matvec_issue_per_load) + 5 * g.shfl
+    return rounds.astype(np.float64), passes * issue
+
+
+def _copy_rounds(n: int, d: KernelDesign) -> int:
+    """Dependent rounds of a copy loop whose busiest thread moves n elements (copy_unroll)."""
+    if not d.copy_unroll:
+        return 1
+    return n % d.copy_unroll + n // d.copy_unroll
+
+
+def _fetch_us(g: GPU, d: KernelDesign) -> float:
+    """An instruction's word fetch before its prefetch and wait (instruction_fetch_trips): the
+    first trip, with fetch_misses, misses L2 in the share fetch_miss of the steps (HBM's
+    loaded latency); the later ones read the line the first brought in (L2)."""
+    if d.instruction_fetch_trips <= 0:
+        return 0.0
+    first = g.l2_latency
+    if d.fetch_misses:
+        first = g.fetch_miss * g.hbm_loaded_latency + (1 - g.fetch_miss) * g.l2_latency
+    return first + (d.instruction_fetch_trips - 1) * g.l2_latency
+
+
+def step_end_us(g: GPU, d: KernelDesign) -> float:
+    """After the last LM-head instruction ends: with ticket_as_compiled its last drawer's
+    reduction (one L2 round of the partials, a warp's shuffles) and finish_step (the fed token
+    or the stop mask: one L2 round; the host flag over PCIe; the system fence). The step
+    counter's release is the next step's hop (its signal)."""
+    t = 0.0
+    if d.ticket_as_compiled:
+        t += 2 * g.l2_latency + 10 * g.shfl
+    if d.step_end_host_read:
+        t += g.pcie_read
+    if d.step_end_sys_fence:
+        t += g.sys_fence
+    return t
+
+
 # ================================================================================================
 # One entry per op, named like its section in megakernel.cu
 # ================================================================================================
@@ -384,6 +531,13 @@ class Phases:
     rounds: np.ndarray  # weight stream: rounds of dependent loads of the busiest warp
     stream_bytes: np.ndarray  # weight (or KV) bytes streamed by the block
     prefetch_bytes: np.ndarray  # of those, issued as L2 prefetches before the wait
+    # loads from HBM issued at the instruction's start that the op needs with its first L2
+    # trip (norm_weights_late): their latency past the wait and that trip is on the path
+    early: np.ndarray | None = None
+    # issue time of the stream's compute once each round's data is there (mat-vecs with
+    # matvec_issue_per_load): on the path of a latency-bound stream, hidden under a
+    # bandwidth-bound one (the other warps' loads keep the memory pipe busy meanwhile)
+    issue: np.ndarray | None = None
 
 
 @dataclass
@@ -429,6 +583,11 @@ def _trips(d: KernelDesign, op: str, busy: np.ndarray) -> tuple[np.ndarray, np.n
     return busy * float(l2), busy * float(hbm)
 
 
+def _late_norm(busy: np.ndarray, d: KernelDesign) -> np.ndarray | None:
+    """RMS ops: their norm weights, one load per thread issued just before the wait."""
+    return busy.copy() if d.norm_weights_late else None
+
+
 @op_model
 def EMBED(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     busy = (b.n > 0).astype(np.float64)
@@ -458,13 +617,15 @@ def RMS_QKV_ROPE(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     idx, n = np.array(seg_ins, np.int64), np.array(seg_n, np.int64)
     normed = np.array(seg_normed, bool) & d.qk_norm_whole_heads
     m = len(b.lo)
-    rounds = np.bincount(idx, _stream_rounds(-(-2 * n // d.warps), H, d), m)
+    seg_rounds, seg_issue = _matvec(2 * n, H, g, d)
+    rounds = np.bincount(idx, seg_rounds, m)
     seg_other = 2 * g.bar_sync + normed * (block_sum_us(g) + g.bar_sync)
     other = busy * block_sum_us(g) + np.bincount(idx, seg_other, m)
     hbm = hbm + np.bincount(idx, normed + float(c.attention_bias), m)  # q/k-norm weights, bias
     pref = np.bincount(idx, 2.0 * np.minimum(n * H * 2, d.prefetch_max_bytes), m) \
         if d.l2_prefetch else b.zeros()
-    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)
+    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref,
+                  _late_norm(busy, d), np.bincount(idx, seg_issue, m))
 
 
 def _split_chunk(program, n_pos: int) -> int:
@@ -607,7 +768,8 @@ def ATTENTION(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
         busy = (b.n > 0).astype(np.float64)
         mb = used * G * (D + 2) * 4.0
         l2_share = g.l2_bw / g.sms
-        ticket = g.fence if d.signal_sc_fence else g.release
+        ticket = g.ticket if d.ticket_as_compiled else (g.fence if d.signal_sc_fence
+                                                         else g.release)
         l2 = l2 + busy * (1 + -(-used // (MERGE_CHUNK * MERGE_TICKET_WAYS)))
         other = other + busy * (2 * g.bar_sync + ticket + mb / l2_share + G * D * 4 / l2_share)
     # K/V rounds go to HBM; with attn_kv_prefetch the rows cached before this step were
@@ -632,7 +794,9 @@ def O_PROJ_RESIDUAL(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     # the merge reads every split's partial outputs from L2 (v1: all S splits, each a trip)
     partial_bytes = c.num_kv_heads * c.group_size * (c.head_dim + 2) * 4  # per split
     if _merge_by_ticket(b, d, used):
-        l2 = l2 + busy  # ATTENTION merged the groups: read the merged vector, one round
+        # ATTENTION merged the groups: read the merged vector (Q_DIM / 4 float4s over the
+        # threads: one round, or as the copy loop compiles)
+        l2 = l2 + busy * _copy_rounds(-(-c.q_dim // (4 * d.threads)), d)
         merge_bytes = busy * c.q_dim * 4
     elif d.o_proj_merge_chunk:  # design 2 merges only the splits the context uses
         ways = merge_block_ways(c) if d.o_proj_merge_ways else 1
@@ -649,9 +813,10 @@ def O_PROJ_RESIDUAL(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
         owner = np.array([float(len(a) > 3 and a[3] > a[2]) for a in b.args])
         l2 = l2 + (1 if d.late_qk_one_trip else 3) * owner
         other = other + owner * (5 * g.shfl + g.bar_sync)
-    rounds = _stream_rounds(-(-b.n // d.warps), c.q_dim, d).astype(np.float64)
+    rounds, issue = _matvec(b.n, c.q_dim, g, d)
     pref = _prefetch(d, b.n * c.q_dim * 2)
-    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)
+    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref,
+                  issue=busy * issue)
 
 
 @op_model
@@ -659,10 +824,11 @@ def RMS_GATE_UP(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     c = b.program.config
     busy = (b.n > 0).astype(np.float64)
     l2, hbm = _trips(d, "RMS_GATE_UP", busy)
+    rounds, issue = _matvec(b.n, c.hidden_size, g, d, pairs=True)
     other = busy * block_sum_us(g)
-    rounds = _stream_rounds(-(-b.n // d.warps), c.hidden_size, d, dots=2).astype(np.float64)
     pref = _prefetch(d, b.n * c.hidden_size * 2, b.n * c.hidden_size * 2)
-    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)
+    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref,
+                  _late_norm(busy, d), busy * issue)
 
 
 @op_model
@@ -670,10 +836,14 @@ def DOWN_RESIDUAL(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     c = b.program.config
     busy = (b.n > 0).astype(np.float64)
     l2, hbm = _trips(d, "DOWN_RESIDUAL", busy)
+    # the first of its trips is the copy of ffn_h into shared memory, one element per thread a
+    # round or as the copy loop compiles
+    l2 = l2 + busy * (_copy_rounds(-(-c.intermediate_size // d.threads), d) - 1)
+    rounds, issue = _matvec(b.n, c.intermediate_size, g, d)
     other = busy * g.bar_sync
-    rounds = _stream_rounds(-(-b.n // d.warps), c.intermediate_size, d).astype(np.float64)
     pref = _prefetch(d, b.n * c.intermediate_size * 2)
-    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)
+    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref,
+                  issue=busy * issue)
 
 
 @op_model
@@ -683,12 +853,15 @@ def RMS_LM_HEAD(b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
     l2, hbm = _trips(d, "RMS_LM_HEAD", busy)
     # the block's best of its warps: thread 0 walks NWARPS shared-memory partials
     other = busy * block_sum_us(g) + g.bar_sync + d.warps * 0.01
-    if not d.sample_op:  # the last block (atomic ticket, a warp's loads, warp reductions)
+    if not d.sample_op and d.ticket_as_compiled:
+        other = other + g.ticket  # every block draws; the last one's reduction: step_end_us
+    elif not d.sample_op:  # the last block (atomic ticket, a warp's loads, warp reductions)
         l2 = l2 + 3.0 / len(b.lo)  # reduces all partials: spread over the instructions
         other = other + 10 * g.shfl / len(b.lo)
-    rounds = _stream_rounds(-(-b.n // d.warps), c.hidden_size, d).astype(np.float64)
+    rounds, issue = _matvec(b.n, c.hidden_size, g, d)
     pref = _prefetch(d, b.n * c.hidden_size * 2)
-    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref)
+    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref,
+                  _late_norm(busy, d), busy * issue)
 
 
 @op_model
@@ -790,7 +963,7 @@ class Static:
         B, L = program.num_blocks, program.max_len
         self.shape = (B, L)
         self.fields = {k: np.zeros((B, L)) for k in
-                       ("l2", "hbm", "other", "rounds", "bytes", "pref")}
+                       ("l2", "hbm", "other", "rounds", "bytes", "pref", "early", "issue")}
         for op, (where, batch) in _batches(program, context).items():
             if op not in OP_MODELS:
                 raise CostModelError(f"the cost model has no entry for op {op.name}: add one "
@@ -801,6 +974,9 @@ class Static:
             f["l2"][bi], f["hbm"][bi], f["other"][bi] = ph.l2_trips, ph.hbm_trips, ph.other_us
             f["rounds"][bi], f["bytes"][bi] = ph.rounds, ph.stream_bytes
             f["pref"][bi] = np.minimum(ph.prefetch_bytes, ph.stream_bytes)
+            for name in ("early", "issue"):
+                if getattr(ph, name) is not None:
+                    f[name][bi] = getattr(ph, name)
 
 
 def predict(program, g: GPU | str = "h200", d: KernelDesign | None = None, context: int = 16,
@@ -816,25 +992,32 @@ def predict(program, g: GPU | str = "h200", d: KernelDesign | None = None, conte
 
 
 def busy_constants(g: GPU, d: KernelDesign, num_blocks: int) -> tuple[float, ...]:
-    """What ``busy_us`` needs of the GPU and design: (HBM share per SM, L2 share per SM, L2
-    latency, HBM latency, signal cost, barrier)."""
-    return (g.hbm_bw / min(num_blocks, g.sms), g.l2_bw / min(num_blocks, g.sms), g.l2_latency,
-            g.hbm_latency, hop_parts(g, d)["signal"], g.bar_sync)
+    """What ``busy_us`` needs of the GPU and design: (HBM share per SM (at the GEMV rate with
+    gemv_rate), L2 share per SM, L2 latency, HBM latency, signal cost, barrier, loaded HBM
+    latency, 1.0 with stream_ramp else 0.0)."""
+    bw = g.gemv_bw if d.gemv_rate else g.hbm_bw
+    return (bw / min(num_blocks, g.sms), g.l2_bw / min(num_blocks, g.sms), g.l2_latency,
+            g.hbm_latency, hop_parts(g, d)["signal"], g.bar_sync, g.hbm_loaded_latency,
+            float(d.stream_ramp))
 
 
 def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, lead, signals,
-            mn=min, mx=max):
+            mn=min, mx=max, early=0.0, issue=0.0):
     """Ready -> end of one instruction (or of arrays of them: pass ``mn=np.minimum,
     mx=np.maximum``): its dependent round trips and fixed work, then its weight stream at
     min(bytes in flight / latency, the SM's HBM share), then its signal. ``k`` is
-    ``busy_constants``; ``lead``: how long its L2 prefetch has run when the wait returns. The
-    one formula the simulation and the calibration share."""
-    share, l2_share, L2, HBM, sig, bar = k
-    fixed = l2 * L2 + hbm * HBM + other
+    ``busy_constants``; ``lead``: how long its L2 prefetch has run when the wait returns;
+    ``early``: HBM loads issued at the start that its first L2 trip needs (their loaded
+    latency past the lead and that trip is on the path); ``issue``: the stream's compute after
+    its data (on the path of a latency-bound stream only). The one formula the simulation and
+    the calibration share."""
+    share, l2_share, L2, HBM, sig, bar, HBM_loaded, ramp = k
+    fixed = l2 * L2 + hbm * HBM + other + early * mx(HBM_loaded - lead - L2, 0.0)
     hits = mn(pref, share * (lead + fixed))  # the prefetch ran from the start until the stream
     h = hits / mx(nbytes, 1.0)
     lat = h * L2 + (1 - h) * HBM  # the prefetched share of the rounds hits L2
-    stream = mx(rounds * lat, (nbytes - hits) / share + hits / l2_share)
+    first = ramp * lat * (nbytes > 0)  # stream_ramp: the first bytes a latency after the start
+    stream = mx(rounds * lat + issue, first + (nbytes - hits) / share + hits / l2_share)
     return fixed + stream + signals * sig + (1 - signals) * bar
 
 
@@ -849,7 +1032,7 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> P
     issue = _prefetch_issue_us(st.fields["pref"], d).tolist()
     parts = hop_parts(g, d)
     propagate, detect = parts["propagate"], parts["detect"]
-    fetch = d.instruction_fetch_trips * g.l2_latency
+    fetch = _fetch_us(g, d)
     check = g.l2_latency + g.bar_sync  # the first acquire load finds the count already there
     k = busy_constants(g, d, program.num_blocks)
 
@@ -916,7 +1099,8 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> P
                 sig = ins.signal is not None
                 e = r + busy_us(k, f["l2"][b][i], f["hbm"][b][i], f["other"][b][i],
                                 f["rounds"][b][i], f["bytes"][b][i], f["pref"][b][i],
-                                r - s, 1.0 if sig else 0.0)
+                                r - s, 1.0 if sig else 0.0, early=f["early"][b][i],
+                                issue=f["issue"][b][i])
                 start[b][i], ready[b][i], end[b][i], bound[b][i] = s, r, e, bnd
                 if sig:
                     sig_ends[ins.signal].append((e, b, i))
@@ -945,7 +1129,8 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> P
     st_a = np.array(start, np.float64)
     trips = st.fields["l2"] + st.fields["hbm"] + st.fields["rounds"]
     return Prediction(program, g, d, context, st_a, np.array(ready, np.float64), end_a, trips,
-                      float(np.nanmax(end_a)), g.launch / d.steps_per_launch, chain, hops)
+                      float(np.nanmax(end_a)) + step_end_us(g, d), g.launch / d.steps_per_launch,
+                      chain, hops)
 
 
 def with_row_pair_tiles(program):
@@ -965,6 +1150,30 @@ def with_row_pair_tiles(program):
         queues.append([dataclasses.replace(ins, tile=(lo, hi), weight_bytes=wbytes)
                        if ins.op == Op.RMS_QKV_ROPE else ins for ins in q])
     return dataclasses.replace(program, queues=queues)
+
+
+# Constants whose HIGH end makes a step faster (rates, counts); for every other one the low end does.
+_FASTER_WHEN_HIGH = frozenset({"sms", "clock_ghz", "hbm_bw", "l2_bw", "gemv_bw", "schedulers"})
+
+
+def corner(gpu_name: str, fast: bool) -> GPU:
+    """The GPU with every constant at the end of its range that makes a step faster (``fast``)
+    or slower: the ends of `plan --predict`'s low / high range."""
+    base = gpu(gpu_name)
+    vals = {}
+    for c in CONSTANTS:
+        lo, hi = constant_range(base.name, c)
+        v = hi if (c in _FASTER_WHEN_HIGH) == fast else lo
+        vals[c] = v * _TB_S if c in ("hbm_bw", "l2_bw", "gemv_bw") else v
+    vals["sms"], vals["schedulers"] = int(vals["sms"]), int(vals["schedulers"])
+    return base.replace(**vals)
+
+
+def predict_range(program, gpu_name: str, d: KernelDesign, context: int) -> tuple[float, float]:
+    """(low, high) us/token: every constant at its fast end, then at its slow end. A band, not
+    a confidence interval: the ends assume every constant errs the same way at once."""
+    return tuple(predict(program, corner(gpu_name, fast), d, context).total_us
+                 for fast in (True, False))
 
 
 def sensitivity(program, g: GPU | str, d: KernelDesign, context: int,

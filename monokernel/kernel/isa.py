@@ -169,6 +169,26 @@ PARAMS: list[tuple[str, str, str]] = [
 
 # Threads per block of the persistent kernel (8 warps).
 NUM_THREADS = 256
+# Mat-vecs (megakernel.cu RowShape<N>, design 2): 16-byte weight loads per lane a warp pass
+# keeps in flight where the row allows; see row_shape.
+MATVEC_LOADS = 8
+
+
+def row_shape(n: int) -> tuple[int, int, int]:
+    """megakernel.cu RowShape<n> (design 2) of a bf16 row of n elements: (L, K, R), L the
+    16-byte loads of the busiest lane for the whole row, K of them per row per chunk, R rows per
+    warp pass; a chunk issues R x K loads per lane before its first FMA (>= MATVEC_LOADS)."""
+    v = n // 8
+    L = -(-v // 32)
+    K = min(L, MATVEC_LOADS)
+    R = 1 if L >= MATVEC_LOADS else -(-MATVEC_LOADS // L)
+    return L, K, R
+
+
+def pair_rows(R: int) -> int:
+    """megakernel.cu block_dot_row_pairs: row pairs (gate, up) per warp pass for RowShape R."""
+    return R // 2 + R % 2 if R > 1 else 1
+
 # ATTENTION (design 2): K/V loads in flight per lane; a block reads
 # attn_round_positions(head_dim) positions of a unit per HBM round.
 KV_UNROLL = 4
@@ -227,6 +247,7 @@ def _float_literal(x: float) -> str:
 def model_constants(cfg: ModelConfig, max_seq_len: int) -> dict[str, int | str]:
     return {
         "MK_THREADS": NUM_THREADS,
+        "MK_MATVEC_LOADS": MATVEC_LOADS,
         "MK_KV_UNROLL": KV_UNROLL,
         "MK_MERGE_CHUNK": MERGE_CHUNK,
         "MK_MERGE_WAYS": merge_block_ways(cfg),

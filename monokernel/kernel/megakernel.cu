@@ -150,9 +150,9 @@ struct RowShape {
   static_assert(N % 8 == 0, "rows are read 8 bf16 at a time");
   static constexpr int V = N / 8;            // 16-byte vectors per row
   static constexpr int L = (V + 31) / 32;    // per lane, whole row
-#if MK_DESIGN >= 2
-  static constexpr int K = L < 8 ? L : 8;    // per lane per row per chunk
-  static constexpr int R = L >= 8 ? 1 : (8 + L - 1) / L;  // rows per warp pass
+#if MK_DESIGN >= 2  // isa.row_shape
+  static constexpr int K = L < MK_MATVEC_LOADS ? L : MK_MATVEC_LOADS;  // per lane per row per chunk
+  static constexpr int R = L >= MK_MATVEC_LOADS ? 1 : (MK_MATVEC_LOADS + L - 1) / L;  // rows per pass
 #else
   static constexpr int K = L < 2 ? L : 2;
   static constexpr int R = 1;
@@ -226,7 +226,7 @@ template <int N, class Emit>
 __device__ __forceinline__ void block_dot_row_pairs(int n, const unsigned short* A,
                                                     const unsigned short* B, const float* x,
                                                     Emit emit) {
-  constexpr int R = RowShape<N>::R > 1 ? RowShape<N>::R / 2 + RowShape<N>::R % 2 : 1;
+  constexpr int R = RowShape<N>::R > 1 ? RowShape<N>::R / 2 + RowShape<N>::R % 2 : 1;  // isa.pair_rows
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int k0 = warp * R; k0 < n; k0 += NWARPS * R) {
     const int m = min(R, n - k0);

@@ -149,7 +149,8 @@ class Fit:
         a = self.arrays
         k = cm.busy_constants(g, self.d, self.program.num_blocks)
         return cm.busy_us(k, a["l2"], a["hbm"], a["other"], a["rounds"], a["bytes"], a["pref"],
-                          self.lead, self.signals, np.minimum, np.maximum)
+                          self.lead, self.signals, np.minimum, np.maximum, early=a["early"],
+                          issue=a["issue"])
 
     def predicted_gap(self, g: cm.GPU) -> float:
         p = cm.hop_parts(g, self.d)

@@ -54,6 +54,7 @@ def predict_report(prog, gpu_name: str, design_name: str | None, context: int) -
     """Per-op predicted times, the critical path, the sensitivity to L2 and HBM latency, and
     last the line ``predicted on <gpu>: <N> us/token (<X>x floor)``."""
     from ..kernel import costmodel as cm
+    from ..kernel.isa import row_shape
 
     t0 = time.perf_counter()
     g = cm.gpu(gpu_name)
@@ -61,13 +62,22 @@ def predict_report(prog, gpu_name: str, design_name: str | None, context: int) -
     st = cm.Static(prog, context, g, d)
     p = cm.predict(prog, g, d, context, st)
     sens = cm.sensitivity(prog, g, d, context, st)
+    low, high = cm.predict_range(prog, gpu_name, d, context)
     t_model = time.perf_counter() - t0
     hp = cm.hop_parts(g, d)
+    c = prog.config
+    inflight = (f"{d.bytes_in_flight_per_sm // 1024} KB in flight per SM" if not d.row_geometry
+                else "mat-vec loads in flight per lane: " + ", ".join(
+                    f"{what} {R * K}" for what, (L, K, R) in
+                    (("H", row_shape(c.hidden_size)), ("FFN", row_shape(c.intermediate_size)),
+                     ("Q", row_shape(c.q_dim)))))
+    lo_bw, hi_bw = cm.constant_range(g.name, "gemv_bw")
+    gemv = (f" (weight streams at {g.gemv_bw / 1e6:.2f}, band {lo_bw:.1f}-{hi_bw:.1f})"
+            if d.gemv_rate else "")
     lines = [f"cost model (a PREDICTION, not a measurement): {g.name}, kernel design {d.name}, "
              f"context {context}, {prog.num_blocks} blocks",
-             f"constants: HBM {g.hbm_bw / 1e6:.2f} TB/s, HBM latency {g.hbm_latency:.2f} us, "
-             f"L2 latency {g.l2_latency:.2f} us; {d.bytes_in_flight_per_sm // 1024} KB in flight "
-             f"per SM; hop {sum(hp.values()):.2f} us (signal {hp['signal']:.2f} + propagate "
+             f"constants: HBM {g.hbm_bw / 1e6:.2f} TB/s{gemv}, HBM latency {g.hbm_latency:.2f} us, "
+             f"L2 latency {g.l2_latency:.2f} us; {inflight}; hop {sum(hp.values()):.2f} us (signal {hp['signal']:.2f} + propagate "
              f"{hp['propagate']:.2f} + detect {hp['detect']:.2f})", "",
              f"{'op':<16} {'instr':>6} {'busy us':>8} {'max us':>8} {'wait us':>8} "
              f"{'trips':>6} {'path us':>8} {'share':>6}"]
@@ -76,6 +86,10 @@ def predict_report(prog, gpu_name: str, design_name: str | None, context: int) -
         lines.append(f"{r['op']:<16} {r['instructions']:>6} {r['busy_mean_us']:>8.2f} "
                      f"{r['busy_max_us']:>8.2f} {r['wait_mean_us']:>8.2f} {r['trips']:>6.0f} "
                      f"{r['critical_us']:>8.1f} {r['critical_us'] / p.total_us:>6.1%}")
+    tail = cm.step_end_us(g, d)
+    if tail:
+        lines.append(f"{'step end':<16} {'':>6} {'':>8} {'':>8} {'':>8} {'':>6} {tail:>8.1f} "
+                     f"{tail / p.total_us:>6.1%}")
     lines.append(f"{'launch':<16} {'':>6} {'':>8} {'':>8} {'':>8} {'':>6} {p.launch_us:>8.1f} "
                  f"{p.launch_us / p.total_us:>6.1%}")
     lines.append("(busy: ready -> end per instruction, mean and max; wait: start -> ready; "
@@ -90,6 +104,8 @@ def predict_report(prog, gpu_name: str, design_name: str | None, context: int) -
               + " us/token",
               f"floor: {prog.config.weight_bytes_per_token() / 1e6:.1f} MB weights / "
               f"{g.hbm_bw / 1e6:.2f} TB/s = {p.floor_us:.1f} us; modelled in {t_model:.1f} s",
+              f"range: low {low:.0f} / nominal {p.total_us:.0f} / high {high:.0f} us/token "
+              "(every constant at its fast / table / slow end at once)",
               f"predicted on {g.name}: {p.total_us:.0f} us/token ({p.x_floor:.2f}x floor)"]
     return "\n".join(lines)
 
