@@ -227,7 +227,7 @@ def test_only_weights_are_read_through_the_non_coherent_path(built, shape):
 # Mutants of the source that read data written during the launch through the read-only path:
 # the check must flag exactly the mutated buffer. (Negative controls for the tracer.)
 MUTANTS = {
-    "ffn_h": ("for (int i = threadIdx.x; i < MK_FFN; i += MK_THREADS) s.vec[i] = P.ffn_h[i];",
+    "ffn_h": ("copy_to_shared<MK_FFN>(s.vec, P.ffn_h);",
               "for (int i = threadIdx.x; i < MK_FFN; i += MK_THREADS) s.vec[i] = __ldg(P.ffn_h + i);"),
     "k_cache": ("  return *reinterpret_cast<const uint4*>(p);  // the KV cache: plain loads",
                 "  return __ldg(reinterpret_cast<const uint4*>(p));  // the KV cache: plain loads"),
@@ -328,9 +328,12 @@ def test_pdl_build_has_no_spills_and_sm_80_and_plain_builds_have_no_griddepcontr
 def test_pdl_sass_has_the_grid_dependency_instructions(built_pdl):
     """In the SASS (cuobjdump, as tests/test_sass.py): launch_dependents is PREEXIT and
     griddepcontrol.wait is ACQBULK, once in each thin kernel, in that order."""
-    from test_sass import cuobjdump
+    from monokernel.kernel.sass_facts import SassToolMissing, cuobjdump
 
-    tool = cuobjdump()
+    try:
+        tool = cuobjdump()
+    except SassToolMissing as e:
+        pytest.skip(str(e))
     env = dict(os.environ, PATH=str(Path(tool).parent) + os.pathsep + os.environ.get("PATH", ""))
     out = subprocess.run([tool, "-sass", built_pdl["cubin"]], capture_output=True, text=True,
                          timeout=120, env=env)

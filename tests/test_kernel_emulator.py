@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from monokernel.errors import KernelError, NumericalError
-from monokernel.kernel.isa import State
+from monokernel.kernel.isa import STATE_WORDS, Err, ErrCode, State
 from monokernel.kernel.executor import ACTIVATIONS, KernelExecutor
 from monokernel.model.loader import BF16
 from monokernel.model.reference import ReferenceModel, bf16_round
@@ -411,6 +411,24 @@ def test_nan_final_norm_raises_on_device_and_host(model, multi):
     params = SamplingParams(max_new_tokens=4, temperature=0.8, top_k=5, seed=1)
     with pytest.raises(NumericalError, match="NaN"):
         list(Engine(ex).generate_ids([3, 4], params))
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["emulator", "emulator-multi"])
+def test_a_nan_steps_token_is_never_embedded(model, multi):
+    """A NaN step leaves -1 in the state (the host's sign of the NaN); the step launched again
+    as it is (the bench replays launches without the host) must not read the embedding table
+    at row -1: EMBED records BAD_TOKEN and every block stops."""
+    m = with_weight(model("tiny"), "model.norm.weight", lambda a: np.full_like(a, np.nan))
+    ex = KernelExecutor(m, MAX_SEQ, blocks=3, multi=multi)
+    ex.reset()
+    with pytest.raises(NumericalError):
+        ex.step(3, 0, DeviceSample(0.0, 0))
+    assert int(ex.read_buffer("control")[State.TOKEN]) == -1
+    with pytest.raises(KernelError, match=r"EMBED.* was given token -1, outside the vocabulary "
+                                          rf"\[0, {m.config.vocab_size}\)"):
+        ex.step(-1, 1, DeviceSample(0.0, 0))  # the state on the device as the NaN step left it
+    control = ex.read_buffer("control")
+    assert int(control[STATE_WORDS + Err.CODE]) == ErrCode.BAD_TOKEN
 
 
 @pytest.mark.parametrize("blocks,row", [(1, 0), (3, 999), (8, 500)])

@@ -12,78 +12,34 @@ second chunk and loads gate and up rows together: up to 6).
 
 from __future__ import annotations
 
-import os
-import re
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from monokernel.kernel import costmodel as cm
-from monokernel.kernel.isa import KV_UNROLL, NUM_THREADS
-from monokernel.kernel.executor import kernel_source
+from monokernel.kernel import sass_facts as sf
+from monokernel.kernel.isa import KV_UNROLL, NUM_THREADS, row_shape
+from monokernel.kernel.sass_facts import (SassToolMissing, kv_loads_in_flight, load_runs,
+                                          poll_loop_loads, signal_fences)
 from monokernel.model.config import ModelConfig
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH (CUDA toolkit needed)")
 MAT_VEC_SITES = 5  # RMS_QKV_ROPE, O_PROJ_RESIDUAL, RMS_GATE_UP, DOWN_RESIDUAL, RMS_LM_HEAD
-
-
-def cuobjdump() -> str:
-    try:
-        import nvidia.cu13  # the nvidia-cuda-cuobjdump wheel (CUDA 13)
-
-        for base in nvidia.cu13.__path__:
-            path = Path(base) / "bin" / "cuobjdump"
-            if path.is_file():
-                return str(path)
-    except ImportError:
-        pass
-    found = shutil.which("cuobjdump")
-    if not found:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    return found
-
-
-def load_runs(sass: str) -> list[int]:
-    """Lengths of the runs of 16-byte read-only global loads between floating-point ops."""
-    runs, cur = [], 0
-    for line in sass.splitlines():
-        if re.search(r"\bLDG\.E\.128(\.CONSTANT)?\b", line):
-            cur += 1
-        elif re.search(r"\b(FFMA|FMUL|FADD)\b", line):
-            if cur:
-                runs.append(cur)
-            cur = 0
-    return runs
-
+SHAPES = list(sf.SHAPES)
 
 _SASS: dict[tuple, str] = {}
 
 
-def megakernel_sass(tmp_path: Path, shape: str, *defines: str) -> str:
+def megakernel_sass(tmp_path, shape: str, *defines: str) -> str:
     """The megakernel's sm_90 SASS; compiled once per (shape, defines) in this module."""
     key = (shape, defines)
     if key not in _SASS:
-        _SASS[key] = _compile_sass(tmp_path, shape, *defines)
+        try:
+            _SASS[key] = sf.compile_sass(shape, *defines)
+        except SassToolMissing as e:
+            pytest.skip(str(e))
     return _SASS[key]
-
-
-def _compile_sass(tmp_path: Path, shape: str, *defines: str) -> str:
-    src = tmp_path / f"{shape}.cu"
-    src.write_text(kernel_source(ModelConfig.from_name(shape), 1024))
-    cubin = tmp_path / f"{shape}.cubin"
-    proc = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-std=c++17", *defines, str(src), "-o",
-                           str(cubin)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    tool = cuobjdump()
-    # cuobjdump runs nvdisasm, which the nvidia-cuda-nvdisasm wheel puts beside it
-    env = dict(os.environ, PATH=str(Path(tool).parent) + os.pathsep + os.environ.get("PATH", ""))
-    out = subprocess.run([tool, "-sass", "-fun", "megakernel", str(cubin)],
-                         capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
 
 
 @pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"])
@@ -102,37 +58,6 @@ def test_v1_design_is_the_negative_control(tmp_path):
     assert runs and max(runs) < 8, sorted(runs, reverse=True)
 
 
-_SASS_INS = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;")
-_PLAIN_LDG128 = re.compile(r"^(?:@!?P\d\s+)?LDG\.E\.128 (R\d+), ")
-# the first use of a K/V load: a bf16 unpack of its words (bf_lo: << 16, bf_hi: & 0xffff0000)
-_BF16_UNPACK = re.compile(r"\b(LOP3\.LUT .*0xffff0000|IMAD\.U32 .*0x10000|SHF\.L\.U32 .*0x10\b|PRMT)")
-
-
-def kv_loads_in_flight(sass: str) -> list[int]:
-    """The attention loops' K/V loads (plain 16-byte loads whose results are first used by a
-    bf16 unpack; the mat-vecs' weight loads are LDG.E.128.CONSTANT, the merge's float4 loads are
-    first used by float ops): per group, in SASS order, how many are issued before the first
-    instruction that reads the first one's result, i.e. in flight together."""
-    ins = [m.group(1) for m in map(_SASS_INS.match, sass.splitlines()) if m]
-    out, n = [], 0
-    while n < len(ins):
-        m = _PLAIN_LDG128.match(ins[n])
-        if not m or "CONSTANT" in ins[n]:
-            n += 1
-            continue
-        reg = re.compile(rf"\b{m.group(1)}\b")
-        use = next((k for k in range(n + 1, len(ins))
-                    if reg.search(ins[k].split(" ", 1)[-1].split(",", 1)[-1])), None)
-        if use is None:
-            break
-        group = [k for k in range(n, use)
-                 if _PLAIN_LDG128.match(ins[k]) and "CONSTANT" not in ins[k]]
-        if _BF16_UNPACK.search(ins[use]):
-            out.append(len(group))
-        n = group[-1] + 1
-    return out
-
-
 @pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"])
 def test_attention_loads_in_flight_are_the_cost_models(tmp_path, shape):
     """ATTENTION's K loop (attention_scores) and V loop (attention_values), in that order, keep
@@ -140,8 +65,6 @@ def test_attention_loads_in_flight_are_the_cost_models(tmp_path, shape):
     head_dim 64 used to keep one: its predicated loads were issued one after the previous row's
     dot product). When this fails, the compiled loop changed: update the model (and
     benchmarks/NOTES.md) with it."""
-    from monokernel.model.config import ModelConfig
-
     c = ModelConfig.from_name(shape)
     found = kv_loads_in_flight(megakernel_sass(tmp_path, shape))
     k_want = dict(cm.V2.attn_k_in_flight).get(c.head_dim, KV_UNROLL)
@@ -163,52 +86,6 @@ def test_attention_detector_sees_serialised_loads():
 
 
 # ---- the hop (megakernel.cu's Synchronisation section, MK_SYNC) -------------------------------
-_ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-
-
-def sass_instructions(sass: str) -> list[tuple[int, str]]:
-    return [(int(m.group(1), 16), m.group(2)) for m in map(_ADDR.search, sass.splitlines()) if m]
-
-
-def signal_fences(sass: str) -> list[list[str]]:
-    """For every atomic add (REDG: signal_counter with MK_SYNC=2; ATOMG: the v1 signal and the
-    LM-head ticket): the fences and L1 invalidations between the barrier before it and it, then
-    the add itself."""
-    ins = sass_instructions(sass)
-    out = []
-    for i, (_, text) in enumerate(ins):
-        if re.match(r"(REDG|ATOMG)\.E\.ADD\b", text):
-            j = i - 1
-            while j >= 0 and not ins[j][1].startswith("BAR.SYNC"):
-                j -= 1
-            out.append([t.split()[0] for _, t in ins[j + 1:i] if re.match(r"(MEMBAR|CCTL\.IVALL)", t)]
-                       + [text.split()[0]])
-    return out
-
-
-def poll_loop_loads(sass: str) -> list[int]:
-    """Per wait loop (a backward branch around a NANOSLEEP, at most 64 instructions: not the VM
-    loop around it): the strong global loads on its every-trip path, i.e. not inside a stretch
-    of the loop that a forward branch skips."""
-    ins = sass_instructions(sass)
-    out = []
-    for at, text in ins:
-        m = re.match(r"@!?P\d BRA (0x[0-9a-f]+)$", text)
-        if not m or int(m.group(1), 16) >= at:
-            continue
-        lo, hi = int(m.group(1), 16), at
-        body = [(a, t) for a, t in ins if lo <= a <= hi]
-        if len(body) > 64 or not any(t.startswith("NANOSLEEP") for _, t in body):
-            continue
-        skipped = set()
-        for a, t in body:
-            f = re.match(r"@!?P\d BRA (0x[0-9a-f]+)$", t)
-            if f and a < int(f.group(1), 16) <= hi:
-                skipped.update(x for x, _ in body if a < x < int(f.group(1), 16))
-        out.append(sum(1 for a, t in body if a not in skipped and t.startswith("LDG.E.STRONG.GPU")))
-    return out
-
-
 def test_hop_signal_is_a_release_add_and_the_poll_one_load(tmp_path):
     """PERFORMANCE.md 5, 'cost of a hop': no MEMBAR.SC in the signal, one load per poll. The
     signal of MK_SYNC=2 is BAR.SYNC, MEMBAR.ALL.GPU (what red.release.gpu compiles to), REDG;
@@ -234,3 +111,78 @@ def test_hop_sync1_is_the_negative_control(tmp_path):
     assert sum(1 for f in fences if "MEMBAR.SC.GPU" in f) >= 3, fences  # signal + 2 tickets
     loads = poll_loop_loads(sass)
     assert loads and all(n == 2 for n in loads), loads
+
+
+# ---- the knobs the cost model reads off the SASS (kernel/sass_facts.py) -----------------------
+def _snippet(lines: list[str]) -> str:
+    return "\n".join(f"        /*{16 * a:04x}*/  {t} ;" for a, t in enumerate(lines))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_checked_in_sass_facts_are_the_kernels(tmp_path, shape):
+    """costmodel.design_for takes the kernel's knobs from kernel/sass_facts.json: it must be
+    what the kernel compiles to now. When this fails, regenerate it (python -m
+    monokernel.kernel.sass_facts), then read what changed in `plan --predict` and NOTES.md."""
+    found = sf.measure(shape, megakernel_sass(tmp_path, shape))
+    assert found == sf.load()[shape], {k: (found[k], sf.load()[shape].get(k)) for k in found
+                                       if found[k] != sf.load()[shape].get(k)}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_no_program_word_load_on_an_instructions_path(tmp_path, shape):
+    """Issue 15 section 4 / PERFORMANCE.md proxy 'dependent program-word loads between a wait's
+    end and the op's first request': 0. The VM loop never branches on a word just loaded from
+    the program (v5 loaded the opcode, compared it with NOOP and branched, then loaded the other
+    11 words); the words reach it through the shared-memory ring, whose loads are first read
+    by their stores into it (the launch's first two instructions and the one after next)."""
+    sass = megakernel_sass(tmp_path, shape)
+    assert sf.program_word_branches(sass) == 0
+    assert sf.ring_word_stores(sass) >= 2
+    assert cm.V6.instruction_fetch_trips == 0 == sf.compiled_knobs()["instruction_fetch_trips"]
+
+
+def test_program_word_detector_sees_v5s_fetch():
+    """Negative control: v5's fetch as compiled (commit 4b0e6fe, SmolLM2)."""
+    v5 = _snippet(["LDG.E.CONSTANT R30, desc[UR8][R28.64]", "BSSY B2, 0x1ab50",
+                   "ISETP.NE.AND P0, PT, R30, RZ, PT", "@!P0 BRA 0x1ab40",
+                   "LDG.E.CONSTANT R110, desc[UR8][R28.64+0x8]",
+                   "LDG.E.CONSTANT R89, desc[UR8][R28.64+0xc]",
+                   "ISETP.GT.AND P0, PT, R89, R110, PT", "@!P0 BRA 0x2e90",
+                   "LDG.E.CONSTANT R90, desc[UR8][R30.64]", "FMUL R1, R90, R2"])
+    # the opcode (the NOOP branch) and the tile's bounds (the prefetch's branch)
+    assert sf.program_word_branches(v5) == 3 and sf.ring_word_stores(v5) == 0
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_copies_into_shared_memory_are_one_round(tmp_path, shape):
+    """DOWN's ffn_h and O_PROJ's merged attention (copy_to_shared): each thread issues every
+    float4 load of its share before its first store (v5's strided loops: 3 dependent rounds for
+    SmolLM2's ffn_h, 8 for Llama's, 2 for the merged read)."""
+    c = ModelConfig.from_name(shape)
+    per_thread = sorted(-(-n // 4 // NUM_THREADS) for n in (c.q_dim, c.intermediate_size))
+    assert sf.copy_runs(megakernel_sass(tmp_path, shape)) == per_thread
+    assert cm.V6.copy_unroll == 0
+
+
+def test_copy_detector_sees_a_strided_copy():
+    """Negative control: a copy that stores each load before issuing the next."""
+    strided = _snippet(["LDG.E.128 R28, desc[UR8][R22.64]", "STS.128 [R0], R28",
+                        "LDG.E.128 R28, desc[UR8][R22.64+0x1000]", "STS.128 [R0+0x1000], R28"])
+    assert sf.copy_runs(strided) == [1, 1]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_step_end_has_no_system_fence_and_matvecs_are_row_shape(tmp_path, shape):
+    """No MEMBAR.*.SYS (v5 ended every step with __threadfence_system after the token's store);
+    the mat-vecs' loads per chunk are isa.row_shape's (R rows x K loads), and the issue slots
+    per load the cost model charges are the SASS's."""
+    sass = megakernel_sass(tmp_path, shape)
+    assert sf.system_fences(sass) == 0
+    c = ModelConfig.from_name(shape)
+    chunks = {K * R for L, K, R in (row_shape(n) for n in
+                                    (c.hidden_size, c.intermediate_size, c.q_dim))}
+    runs = load_runs(sass)
+    assert chunks <= set(runs), (chunks, sorted(runs, reverse=True))
+    per_load = sf.matvec_issue_per_load(sass, chunks)
+    assert 15 <= per_load <= 20, per_load  # 8 FFMA + ~8 bf16 unpacks + x's LDS per 16 bytes
+    assert abs(cm.V6.matvec_issue_per_load - per_load) <= 1.0

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CostModelError
+from . import sass_facts
 from .isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, NUM_THREADS, Op,
                   attn_round_positions, merge_block_ways, pair_rows, row_shape)
 
@@ -388,10 +389,12 @@ V5 = V4.replace(name="v5", **_V5_KNOBS, **_V5_AS_COMPILED)
 # V6 = V5 with a leaner step (issue 15 section 4): every instruction's words fetched during
 # the previous one (off the path), DOWN's and O_PROJ's copies in one round (all loads first),
 # the host's stop flag read before the LM head's wait and no system fence at the step's end,
-# the next instruction's norm weights prefetched into L2 during the current one. Knobs the
-# compiled kernel fixes come from sass_facts (design_for).
-_V6_KNOBS = {"instruction_fetch_trips": 0, "copy_unroll": 0, "step_end_host_read": False,
-             "step_end_sys_fence": False, "norm_weights_late": False}
+# the next instruction's norm weights prefetched into L2 during the current one. The knobs the
+# compiled kernel fixes (the fetch's trips, the copies' rounds, the system fence, the mat-vec
+# issue slots per load) are read off its SASS: sass_facts.compiled_knobs, from the checked-in
+# sass_facts.json that tests/test_sass.py holds to the kernel.
+_V6_KNOBS = {"step_end_host_read": False, "norm_weights_late": False,
+             **sass_facts.compiled_knobs()}
 V6 = V5.replace(name="v6", **_V6_KNOBS)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = dict(LADDER, v2=V2, v3=V3, v4=V4, v5=V5, v6=V6)
@@ -406,7 +409,7 @@ def design_for(program, sync: int = 2, multi_step: bool = True) -> KernelDesign:
         return V1
     if sync >= 2 and multi_step:
         return V6
-    d = (V3 if sync >= 2 else V2).replace(**_V5_KNOBS, **_V5_AS_COMPILED, **_V6_KNOBS)
+    d = (V3 if sync >= 2 else V2).replace(**{**_V5_KNOBS, **_V5_AS_COMPILED, **_V6_KNOBS})
     d = d.replace(name="v6" + ("" if sync >= 2 else "-sync1") + ("" if multi_step else "-1step"))
     return d.replace(steps_per_launch=GENERATION_STEPS) if multi_step else d
 

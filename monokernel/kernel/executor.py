@@ -532,6 +532,10 @@ class KernelExecutor(Executor):
             return (f"{self.name}: watchdog: {where} waited {self.watchdog_ms} ms for counter "
                     f"{r.counter} ({cname}) to reach {r.expected}, saw {r.seen}; "
                     "every block stopped")
+        if r.code == ErrCode.BAD_TOKEN:
+            return (f"{self.name}: {where} was given token {r.seen}, outside the vocabulary "
+                    f"[0, {r.expected}) (-1: the previous step's logits were NaN); every block "
+                    "stopped")
         if r.code == ErrCode.BAD_OPCODE:
             return (f"{self.name}: bad opcode {r.seen} in block {r.block} instruction #{r.instr} "
                     f"(the program scheduled {where} there); every block stopped")

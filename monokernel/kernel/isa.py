@@ -112,6 +112,7 @@ class ErrCode(IntEnum):
     OK = 0
     WATCHDOG = 1  # a wait passed its deadline
     BAD_OPCODE = 2  # an unknown opcode reached the VM loop
+    BAD_TOKEN = 3  # EMBED was given a token outside the vocabulary (a NaN step's -1): SEEN
 
 
 class TraceWord(IntEnum):

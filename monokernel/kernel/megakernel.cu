@@ -45,9 +45,12 @@ static_assert(MK_HEAD_DIM <= MK_THREADS, "RMS_QKV_ROPE gives each head element a
 static_assert(MK_HEADS % MK_KV_HEADS == 0, "GQA groups must be whole");
 
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
-// Longest vector a block keeps in shared memory: normed residual, attention output, or h; and
-// ATTENTION's per-warp V partials (design 2), which use the same space.
-#define VEC_MAX cmax(cmax(MK_HIDDEN, cmax(MK_FFN, MK_Q_DIM)), \
+// Whole rounds of copy_to_shared: n floats rounded up to float4s for every thread.
+#define COPY_SPAN(n) (((n) / 4 + MK_THREADS - 1) / MK_THREADS * MK_THREADS * 4)
+// Longest vector a block keeps in shared memory: normed residual, attention output, or h (as
+// copy_to_shared writes it: whole rounds); and ATTENTION's per-warp V partials (design 2),
+// which use the same space.
+#define VEC_MAX cmax(cmax(MK_HIDDEN, cmax(COPY_SPAN(MK_FFN), COPY_SPAN(MK_Q_DIM))), \
                      (MK_THREADS / 32) * cmax(MK_GROUP, 2) * MK_HEAD_DIM)
 static_assert(VEC_MAX * 4 + (2 * MK_GROUP * MK_HEAD_DIM + MK_GROUP * T_TILE) * 4 < 46 * 1024,
               "static shared memory budget (48 KB) exceeded for this model");
@@ -275,6 +278,27 @@ __device__ void rms_apply(const float* x, const float (&g)[RMS_PER], float* s_ou
   __syncthreads();
 }
 
+// s_dst[0, N) = src[0, N), a vector other blocks wrote during the launch (plain loads), in one
+// round: every float4 load of the thread is issued before its first store (a strided loop
+// compiles to a peel of single loads and rounds of 4: 3 dependent rounds for SmolLM2's FFN, 8
+// for Llama's). Loads and stores are unconditional - a thread past the end reads the last
+// float4 again and writes it past N, into s_dst's padding up to COPY_SPAN(N) - because with a
+// conditional store the compiler sank each load to its store (load, store, load, store: Qwen3's
+// merged read). The caller's barrier publishes it.
+template <int N>
+__device__ __forceinline__ void copy_to_shared(float* s_dst, const float* src) {
+  static_assert(N % 4 == 0, "copied as float4s");
+  static_assert(COPY_SPAN(N) <= VEC_MAX, "s_dst holds whole rounds");
+  constexpr int V = N / 4, PER = (V + MK_THREADS - 1) / MK_THREADS;
+  float4 r[PER];
+#pragma unroll
+  for (int k = 0; k < PER; ++k)
+    r[k] = reinterpret_cast<const float4*>(src)[min((int)threadIdx.x + k * MK_THREADS, V - 1)];
+#pragma unroll
+  for (int k = 0; k < PER; ++k)
+    reinterpret_cast<float4*>(s_dst)[threadIdx.x + k * MK_THREADS] = r[k];
+}
+
 // Counter-based RNG for Gumbel-max sampling: a hash of (seed, position, token) -> (0, 1).
 // Mirrored bit for bit by sampling.gumbel_noise on the host.
 __device__ __forceinline__ unsigned mix32(unsigned h) {
@@ -461,15 +485,24 @@ struct OpShared {
   float m[MK_GROUP], l[MK_GROUP], corr[MK_GROUP];
   float best[NWARPS];
   int best_id[NWARPS];
+  int words[3][MK_WIDTH];  // the VM loop's instruction words: this one, the next, the one after
 };
 
 // ================================================================================================
 // Op: EMBED - residual[b:e] = embed[token, b:e]
 // ================================================================================================
-__device__ void op_embed(const Params& P, const int* ins, const int* st) {
-  const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
-  const unsigned short* row = P.embed + (size_t)st[S_TOKEN] * H;
+// false (every block then stops) for a token outside the vocabulary: a NaN step leaves -1 in
+// the state (the host reads it as the NaN), and a launch repeated as it is (the bench's
+// replays) must not embed it from outside the table.
+__device__ bool op_embed(const Params& P, const int* ins, const int* st, int instr) {
+  const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], token = st[S_TOKEN];
+  if (token < 0 || token >= MK_VOCAB) {
+    if (threadIdx.x == 0) record_error(P, ERR_BAD_TOKEN, instr, OP_EMBED, -1, MK_VOCAB, token);
+    return false;
+  }
+  const unsigned short* row = P.embed + (size_t)token * H;
   for (int i = b + threadIdx.x; i < e; i += MK_THREADS) P.residual[i] = bf16_to_f32(__ldg(row + i));
+  return true;
 }
 
 // Late q/k (design 2 with QK_NORM): RMS_QKV_ROPE tiles are row pairs as for every model and
@@ -974,8 +1007,7 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
 #if MK_DESIGN >= 2
   const int used = splits_used(st[S_POS] + 1, splits, ins[W_ARG1]);
   if (merge_by_ticket(used, ins[W_ARG4])) {  // ATTENTION merged it: read it, one round
-    for (int i = threadIdx.x; i < MK_Q_DIM / 4; i += MK_THREADS)
-      reinterpret_cast<float4*>(s.vec)[i] = reinterpret_cast<const float4*>(P.attn)[i];
+    copy_to_shared<MK_Q_DIM>(s.vec, P.attn);
   } else {
     // MK_MERGE_WAYS (isa.merge_block_ways) lanes per output chunk: the block's threads in one pass
     static_assert(MK_Q_DIM / 8 * MK_MERGE_WAYS <= MK_THREADS, "merge_block_ways: one pass");
@@ -1031,7 +1063,7 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
 __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   if (b >= e) return;
-  for (int i = threadIdx.x; i < MK_FFN; i += MK_THREADS) s.vec[i] = P.ffn_h[i];
+  copy_to_shared<MK_FFN>(s.vec, P.ffn_h);
   __syncthreads();
   const unsigned short* W = P.wd + ((size_t)layer * H + b) * MK_FFN;
   block_dot_rows<MK_FFN>(
@@ -1059,13 +1091,22 @@ __device__ __forceinline__ void best_of(float& v, int& id, float ov, int oid) {
 // sampled one, -1 if a logit was NaN) goes to out_tokens, where the host polls it, and to the
 // state with the next position and step and whether the launch goes on (StopReason). Then the
 // step counter moves (a release by the thread that wrote all of it: a signal), and a multi-step
-// launch's blocks acquire it before their next step. The system-scope fence after it pushes the token
-// to the host's memory without holding the other blocks back.
+// launch's blocks acquire it before their next step. host_stop is the host's stop flag as read
+// before the LM head's wait (read_host_stop: its PCIe round trip off the step's path; a stop
+// asked later ends the launch one step later). The token's store to mapped host memory is a
+// volatile (strong, system-scope) store with no fence after it: nothing on the GPU waits for
+// the host to see it, and the host polls until it does (a system fence here held the next step).
 __device__ __forceinline__ bool stop_token(const Params& P, int token) {
   return (P.stop_mask[token >> 5] >> (token & 31)) & 1u;
 }
 
-__device__ __forceinline__ void finish_step(const Params& P, const int* st, int token) {
+// The host's stop flag (mapped host memory, written while the launch runs): one PCIe read.
+__device__ __forceinline__ int read_host_stop(const Params& P) {
+  return *reinterpret_cast<volatile int*>(P.host_flags + H_STOP);
+}
+
+__device__ __forceinline__ void finish_step(const Params& P, const int* st, int token,
+                                            int host_stop) {
   const int pos = st[S_POS], next_pos = pos + 1;
   const bool prompt = next_pos < st[S_FEED_END];
   const int next = prompt ? P.feed[next_pos] : token;
@@ -1074,7 +1115,7 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
   else if (!prompt && stop_token(P, token)) reason = STOP_TOKEN;
   else if ((st[S_STOP_POS] > 0 && next_pos >= st[S_STOP_POS]) || next_pos >= MK_MAX_SEQ)
     reason = STOP_POSITION;
-  else if (*reinterpret_cast<volatile int*>(P.host_flags + H_STOP) != 0) reason = STOP_HOST;
+  else if (host_stop != 0) reason = STOP_HOST;
   else if (st[S_STEPS] <= 1) reason = STOP_BUDGET;
   *reinterpret_cast<volatile int*>(P.out_tokens + pos) = next;
   P.state[S_TOKEN] = next;
@@ -1088,7 +1129,6 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
   __threadfence();
   atomicAdd(&P.counters[st[S_STEP_COUNTER]], 1);
 #endif
-  __threadfence_system();
 }
 
 // Design 2: SAMPLE folded into the LM head. Every block takes a ticket after its partial is
@@ -1096,7 +1136,7 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
 // acquires (as a wait would: its L1 is invalidated) and reduces all partials with one warp, in
 // one round trip, while the other blocks go on. No hop, no serial walk over the partials.
 __device__ void lm_head_ticket(const Params& P, OpShared& s, const int* st, int ticket,
-                               int tickets) {
+                               int tickets, int host_stop) {
   __shared__ int s_last;
   __syncthreads();  // every thread's partial stores are issued
   if (threadIdx.x == 0)  // the last drawer acquires the other blocks' partials (ticket_add)
@@ -1114,11 +1154,12 @@ __device__ void lm_head_ticket(const Params& P, OpShared& s, const int* st, int 
     const int oid = __shfl_xor_sync(FULL_MASK, best_id, o);
     best_of(best, best_id, ov, oid);
   }
-  if (lane == 0) finish_step(P, st, best == best ? best_id : -1);
+  if (lane == 0) finish_step(P, st, best == best ? best_id : -1, host_stop);
 }
 
+// host_stop: read_host_stop() by thread 0 before the wait (only thread 0 ends a step).
 __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, const int* st,
-                               const float (&g)[RMS_PER]) {
+                               const float (&g)[RMS_PER], int host_stop) {
   const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], slot = ins[W_ARG0];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float temp = __int_as_float(st[S_TEMPERATURE]);
@@ -1155,7 +1196,7 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
     P.lm_part[slot * 2 + 1] = __int_as_float(best_id);
   }
   const int ticket = ins[W_ARG1], tickets = ins[W_ARG2];
-  if (tickets > 0) lm_head_ticket(P, s, st, ticket, tickets);
+  if (tickets > 0) lm_head_ticket(P, s, st, ticket, tickets, host_stop);
 }
 
 // ================================================================================================
@@ -1175,7 +1216,7 @@ __device__ void op_sample(const Params& P, const int* ins, const int* st) {
     if (v != v) { nan = true; break; }
     if (best_id < 0 || v > best || (v == best && id < best_id)) { best = v; best_id = id; }
   }
-  finish_step(P, st, nan ? -1 : best_id);
+  finish_step(P, st, nan ? -1 : best_id, read_host_stop(P));
 }
 
 // ================================================================================================
@@ -1240,23 +1281,69 @@ __device__ void prefetch_weights(const Params& P, const int* w, const int* st) {
   }
 }
 
+// The next instruction's norm weights into L2 while this one runs, so that its register loads
+// before its wait (rms_load_weights) hit L2 on every block, the last one too (whose wait
+// returns at once: HBM's latency was on the step's path).
+__device__ __forceinline__ void prefetch_norm(const Params& P, const int* w) {
+  const int op = w[W_OP], lay = w[W_LAYER];
+  if (op == OP_RMS_QKV_ROPE) prefetch_l2(P.in_norm + (size_t)lay * H, H * 2);
+  else if (op == OP_RMS_GATE_UP) prefetch_l2(P.post_norm + (size_t)lay * H, H * 2);
+  else if (op == OP_RMS_LM_HEAD) prefetch_l2(P.final_norm, H * 2);
+}
+
 // ================================================================================================
 // The VM loop: run this block's instructions [begin, end). ONLY != OP_NOOP compiles a loop that
 // knows a single op (the multi-kernel baseline's thin kernels).
 // ================================================================================================
-// One step: false if the launch is being aborted (an error).
+// Instruction words reach the loop through a ring of three shared-memory slots (OpShared::
+// words), n counting the instructions this launch has run: slot n % 3 holds this instruction's
+// words, (n + 1) % 3 the next one's (whose norm weights are prefetched now), and threads
+// 0..WIDTH-1 load the words of the one after that before this one's wait and store them into
+// slot (n + 2) % 3 at its end, before its last barrier (whose reader, instruction n - 1, read
+// it before its own last barrier). So no program word is loaded between one instruction's end
+// and the next one's first request: v5 loaded the opcode, branched on NOOP, then loaded the
+// other words, two dependent trips on every instruction, mostly L2 misses (the program is
+// re-read every step after the weights have streamed through L2). Every step runs the same
+// queue, so the instructions after the last are the next step's first.
+__device__ __forceinline__ int program_word(const Params& P, int len, int i, int k) {
+  return __ldg(P.program + ((size_t)blockIdx.x * len + i) * MK_WIDTH + k);
+}
+
+// The slot `ahead` instructions after slot i of [begin, end), wrapping to the next step.
+__device__ __forceinline__ int slot_ahead(int i, int ahead, int begin, int end) {
+  return begin + (i - begin + ahead) % (end - begin);
+}
+
+// The launch's first two instructions' words into ring slots 0 and 1 (begin < end).
+__device__ void fetch_first(const Params& P, OpShared& s, int len, int begin, int end) {
+  if (threadIdx.x < MK_WIDTH) {
+    s.words[0][threadIdx.x] = program_word(P, len, begin, threadIdx.x);
+    s.words[1][threadIdx.x] = program_word(P, len, slot_ahead(begin, 1, begin, end), threadIdx.x);
+  }
+  __syncthreads();
+}
+
+// One step: false if the launch is being aborted (an error). n: instructions run so far in
+// this launch (the word ring's position), advanced by every instruction.
 template <int ONLY>
 __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin, int end,
-                         long long deadline_ns) {
+                         long long deadline_ns, int& n) {
   const int len = st[S_PROGRAM_LEN];
   const int target_scale = st[S_STEP] + 1;  // counters are monotonic across steps
-  for (int i = begin; i < end; ++i) {
-    const int* ins = P.program + ((size_t)blockIdx.x * len + i) * MK_WIDTH;
+  for (int i = begin; i < end; ++i, ++n) {
     int w[MK_WIDTH];
 #pragma unroll
-    for (int k = 0; k < MK_WIDTH; ++k) w[k] = __ldg(ins + k);
+    for (int k = 0; k < MK_WIDTH; ++k) w[k] = s.words[n % 3][k];
+    // the words of the instruction after the next: in flight during this one
+    const int later = threadIdx.x < MK_WIDTH
+        ? program_word(P, len, slot_ahead(i, 2, begin, end), threadIdx.x) : 0;
+    int* later_slot = s.words[(n + 2) % 3];
     const int op = w[W_OP];
-    if (op == OP_NOOP) continue;
+    if (op == OP_NOOP) {
+      if (threadIdx.x < MK_WIDTH) later_slot[threadIdx.x] = later;
+      __syncthreads();
+      continue;
+    }
 #ifdef MK_TRACE
     unsigned long long* tr = P.trace + ((size_t)blockIdx.x * len + i) * MK_TRACE_WORDS;
     if (threadIdx.x == 0) {
@@ -1266,13 +1353,17 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
 #endif
 #if MK_PREFETCH
     prefetch_weights(P, w, st);
+    prefetch_norm(P, s.words[(n + 1) % 3]);
 #endif
-    // norm weights never depend on counters: in registers before the wait
+    // norm weights never depend on counters: in registers before the wait (from L2: the
+    // previous instruction prefetched them)
     float g[RMS_PER];
     const int lay = w[W_LAYER];
     if (op == OP_RMS_QKV_ROPE) rms_load_weights(P.in_norm + (size_t)lay * H, g);
     else if (op == OP_RMS_GATE_UP) rms_load_weights(P.post_norm + (size_t)lay * H, g);
     else if (op == OP_RMS_LM_HEAD) rms_load_weights(P.final_norm, g);
+    // the host's stop flag for the block that will end the step: its PCIe trip under the wait
+    const int host_stop = op == OP_RMS_LM_HEAD && threadIdx.x == 0 ? read_host_stop(P) : 0;
     if (w[W_WAIT_COUNTER] >= 0 &&
         !wait_counter(P, w[W_WAIT_COUNTER], w[W_WAIT_COUNT] * target_scale, i, op, deadline_ns))
       return false;
@@ -1284,18 +1375,21 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
       return false;
     }
     switch (ONLY == OP_NOOP ? op : ONLY) {
-      case OP_EMBED: op_embed(P, w, st); break;
+      case OP_EMBED:
+        if (!op_embed(P, w, st, i)) return false;
+        break;
       case OP_RMS_QKV_ROPE: op_rms_qkv_rope(P, s, w, st, g); break;
       case OP_ATTENTION: op_attention(P, s, w, st); break;
       case OP_O_PROJ_RESIDUAL: op_o_proj_residual(P, s, w, st); break;
       case OP_RMS_GATE_UP: op_rms_gate_up(P, s, w, st, g); break;
       case OP_DOWN_RESIDUAL: op_down_residual(P, s, w, st); break;
-      case OP_RMS_LM_HEAD: op_rms_lm_head(P, s, w, st, g); break;
+      case OP_RMS_LM_HEAD: op_rms_lm_head(P, s, w, st, g, host_stop); break;
       case OP_SAMPLE: op_sample(P, w, st); break;
       default:
         if (threadIdx.x == 0) record_error(P, ERR_BAD_OPCODE, i, op, -1, -1, op);
         return false;
     }
+    if (threadIdx.x < MK_WIDTH) later_slot[threadIdx.x] = later;
     if (w[W_SIGNAL_COUNTER] >= 0) signal_counter(P, w[W_SIGNAL_COUNTER]);
     else __syncthreads();  // shared memory is reused by the next instruction
 #ifdef MK_TRACE
@@ -1325,8 +1419,11 @@ __device__ void run_instructions(const Params& P, int begin, int end) {
   const int steps = ONLY == OP_NOOP ? max(P.state[S_STEPS], 1) : 1;
   load_state(P, st, steps);
   const long long deadline_ns = (long long)st[S_WATCHDOG_MS] * 1000000LL;
+  if (end <= begin) return;
+  fetch_first(P, s, st[S_PROGRAM_LEN], begin, end);
+  int n = 0;  // instructions run (the word ring's position)
   for (int k = 1;; ++k) {
-    if (!run_step<ONLY>(P, s, st, begin, end, deadline_ns) || k >= steps) return;
+    if (!run_step<ONLY>(P, s, st, begin, end, deadline_ns, n) || k >= steps) return;
     if (!wait_counter(P, st[S_STEP_COUNTER], st[S_STEP] + 1, st[S_PROGRAM_LEN], OP_NOOP,
                       deadline_ns))
       return;
@@ -1376,10 +1473,7 @@ __device__ __forceinline__ void pdl_prologue(const Params& P) {
     // griddepcontrol.wait
     if (ONLY != OP_ATTENTION) prefetch_weights(P, w, nullptr);
 #endif
-    const int lay = w[W_LAYER];
-    if (ONLY == OP_RMS_QKV_ROPE) prefetch_l2(P.in_norm + (size_t)lay * H, H * 2);
-    if (ONLY == OP_RMS_GATE_UP) prefetch_l2(P.post_norm + (size_t)lay * H, H * 2);
-    if (ONLY == OP_RMS_LM_HEAD) prefetch_l2(P.final_norm, H * 2);
+    prefetch_norm(P, w);
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #else

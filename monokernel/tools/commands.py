@@ -2,7 +2,7 @@
 measured speed, and its timeline.
 
     monokernel plan  [--model DIR|FILE.gguf | --shape NAME] [--blocks 132] [--context 1024]
-                     [--predict h200|h100 [--design v1|r1|r2|issue8]]
+                     [--predict h200|h100 [--design NAME]]
     monokernel calibrate TRACE.json [--model DIR | --shape NAME] [--gpu h200] [--design v1]
     monokernel bench [--model DIR | --shape NAME[,NAME...]] [--backends LIST]
                      [--context 16,512,2048] [--steps N] [--warmup N] [--blocks N] [--out DIR]
@@ -31,6 +31,8 @@ CPU_DEFAULTS = {"backends": "numpy,emulator", "context": "16", "steps": 5, "warm
 
 
 def add_commands(sub) -> None:
+    from ..kernel.costmodel import DESIGNS
+
     p = sub.add_parser("plan", help="schedule the decode step and print its instruction program")
     _add_model_or_shape(p)
     p.add_argument("--blocks", type=int, default=H200_SMS,
@@ -41,8 +43,9 @@ def add_commands(sub) -> None:
                    help="also predict the step's time with the cost model on this GPU "
                         "(h200, h100); a prediction, not a measurement")
     p.add_argument("--design", default=None,
-                   help="kernel design for --predict: v1, r1, r2, issue8 (default: the design "
-                        "the kernel implements now, costmodel.design_for)")
+                   help=f"kernel design for --predict: {', '.join(DESIGNS)} (default: the "
+                        "design the kernel implements now, costmodel.design_for; v5: the "
+                        "kernel before issue 15's leaner step, as compiled)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("calibrate", help="fit the cost model's constants to a GPU trace "
