@@ -68,7 +68,8 @@ class Server:
     def __init__(self, llm, model_name: str | None = None, max_queue: int = 64, *,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS,
                  request_timeout_s: float | None = REQUEST_TIMEOUT_S,
-                 api_key: str | None = None, replica: str | None = None):
+                 api_key: str | None = None, replica: str | None = None,
+                 echo_request_id: bool = True):
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
         self.llm = llm
@@ -82,6 +83,7 @@ class Server:
         self.default_max_tokens = default_max_tokens
         self.api_key = api_key or None
         self.replica = replica or f"{socket.gethostname()}:{os.getpid()}"
+        self.echo_request_id = echo_request_id
         self.metrics = Metrics(self.worker)
         self.draining = False
         self.active = 0  # HTTP requests in the middleware (their responses not yet ended)
@@ -175,9 +177,12 @@ def usage(c) -> dict[str, Any]:
 def create_app(llm, *, model_name: str | None = None, max_queue: int = 64,
                default_max_tokens: int = DEFAULT_MAX_TOKENS,
                request_timeout_s: float | None = REQUEST_TIMEOUT_S, api_key: str | None = None,
-               allowed_origins: tuple[str, ...] | list[str] = (), replica: str | None = None):
+               allowed_origins: tuple[str, ...] | list[str] = (), replica: str | None = None,
+               echo_request_id: bool = True):
     """The app for one loaded ``LLM``. Its lifespan starts the engine thread and stops it.
-    ``allowed_origins``: the browser origins CORS lets in ("*": any)."""
+    ``allowed_origins``: the browser origins CORS lets in ("*": any). ``replica``: the name
+    in the x-monokernel-replica header (default host:pid). ``echo_request_id``: False behind
+    a proxy that echoes x-request-id itself (Ray Serve's)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -187,7 +192,8 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64,
     from starlette.middleware.cors import CORSMiddleware
 
     srv = Server(llm, model_name, max_queue, default_max_tokens=default_max_tokens,
-                 request_timeout_s=request_timeout_s, api_key=api_key, replica=replica)
+                 request_timeout_s=request_timeout_s, api_key=api_key, replica=replica,
+                 echo_request_id=echo_request_id)
 
     @asynccontextmanager
     async def lifespan(app):

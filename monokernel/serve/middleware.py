@@ -54,8 +54,9 @@ class RequestMiddleware:
         scope["monokernel"] = info
         refusal = refusal or self.refusal(info.path, headers)
         status: list[int] = []
-        extra = [(REQUEST_ID_HEADER.encode(), rid.encode()),
-                 (REPLICA_HEADER.encode(), self.srv.replica.encode())]
+        extra = [(REPLICA_HEADER.encode(), self.srv.replica.encode())]
+        if self.srv.echo_request_id:
+            extra.append((REQUEST_ID_HEADER.encode(), rid.encode()))
 
         async def send_with_headers(message):
             if message["type"] == "http.response.start":
