@@ -20,7 +20,8 @@ REPO = PKG.parent
 # Optional packages: extras, or absent on the GPU machine (gguf). The core must not need them
 # to import; the functions that do need one import it lazily and say what to install.
 OPTIONAL = ("cupy", "cupyx", "torch", "transformers", "matplotlib", "gguf", "fastapi", "uvicorn",
-            "starlette", "pydantic", "openai", "httpx", "cuda", "sentencepiece", "google")
+            "starlette", "pydantic", "openai", "httpx", "cuda", "sentencepiece", "google",
+            "prometheus_client", "ray")
 
 
 def modules() -> dict[str, Path]:

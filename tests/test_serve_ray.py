@@ -123,6 +123,25 @@ def ray_serve(bundled_dir, tmp_path_factory):
         rs.stop()
 
 
+def test_the_application_builder_asks_one_gpu_per_replica_on_a_gpu_backend():
+    """serve/ray_app.py's builder (a Serve config's or a KubeRay RayService's import_path):
+    no cluster needed to build the application."""
+    from monokernel.errors import MonokernelError
+    from monokernel.serve.ray_app import build
+
+    gpu = build({"replicas": 3, "backend": "cuda", "max_queue": 8})._bound_deployment
+    assert gpu.num_replicas == 3 and gpu.ray_actor_options["num_gpus"] == 1
+    assert gpu.max_ongoing_requests == 9  # the replica's queue and its running request
+    cpu = build({"backend": "numpy"})._bound_deployment
+    assert cpu.num_replicas == 1 and not cpu.ray_actor_options.get("num_gpus")
+    with pytest.raises(MonokernelError, match="replica"):
+        build({"replica": 2})
+    with pytest.raises(MonokernelError, match="MONOKERNEL_API_KEY"):
+        build({"api_key": "in-the-manifest"})
+    with pytest.raises(MonokernelError, match="--replicas"):
+        build({"replicas": 0})
+
+
 def test_requests_spread_over_both_replicas(ray_serve):
     client = openai.OpenAI(base_url=f"{ray_serve.url}/v1", api_key="unused", max_retries=0,
                            timeout=120.0)

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 import sys
@@ -113,25 +112,18 @@ def app_options(args: argparse.Namespace) -> dict:
             "allowed_origins": tuple(args.allowed_origins)}
 
 
-def setup_request_log(level: str) -> None:
-    """One JSON line per request on stderr (observe.py), at --log-level info or debug."""
-    log = logging.getLogger("monokernel.serve.requests")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        log.addHandler(handler)
-    log.setLevel(level.upper())
-    log.propagate = False
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     _, uvicorn = require_serve_extra()  # before the model loads: fail fast
     check_serve_args(args)
+    from .observe import setup_request_log
+
     setup_request_log(args.log_level)
     if args.replicas is not None:
         from .replicas import serve_replicas
 
-        return serve_replicas(args)
+        if args.ray_address is None:  # a local Ray instance: a port in use fails now
+            listen_socket(args.host, args.port).close()
+        return serve_replicas(args, app_options(args))
     from ..llm import LLM
     from .app import create_app
     from .runner import graceful_server

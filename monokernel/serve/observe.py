@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,3 +141,15 @@ def request_line(info: RequestInfo, status: int | None, replica: str,
 
 def log_request(line: dict[str, Any]) -> None:
     LOG.info(json.dumps(line, ensure_ascii=False))
+
+
+def setup_request_log(level: str) -> None:
+    """The request log on stderr, at ``level`` (``monokernel serve --log-level``: info and
+    debug show it). Its own handler, not propagated: uvicorn's and Ray's logging setups leave
+    the root logger to others."""
+    LOG.setLevel(level.upper())
+    if not LOG.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        LOG.addHandler(handler)
+    LOG.propagate = False

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -378,10 +377,6 @@ def chat_logprobs(entries: list[TokenLogprob], tt: TokenText) -> dict[str, Any]:
 
     return {"content": [dict(one(e.token_id, e.logprob),
                              top_logprobs=[one(t, lp) for t, lp in e.top]) for e in entries]}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def envelope(rid: str, obj: str, model: str, created: int | None = None) -> dict[str, Any]:

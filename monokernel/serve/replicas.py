@@ -50,16 +50,13 @@ def uses_gpu(backend: str, cluster_gpus: float) -> bool:
     return backend.startswith("cuda") or (backend == "auto" and cluster_gpus > 0)
 
 
-def deployment(args: argparse.Namespace, gpu: bool):
-    """The Ray Serve application: ``args.replicas`` copies of create_app's server."""
+def deployment(args: argparse.Namespace, options: dict, gpu: bool):
+    """The Ray Serve application: ``args.replicas`` copies of create_app(**options)."""
     from ray import serve
     from ray.serve.schema import LoggingConfig
 
-    from .cli import app_options
-
     model, backend, max_seq_len = args.model, args.backend, args.max_seq_len
     engine_options = {"blocks": args.blocks} if args.blocks is not None else {}
-    options = app_options(args)
     log_level = args.log_level
 
     def build_app():
@@ -70,7 +67,7 @@ def deployment(args: argparse.Namespace, gpu: bool):
 
         from monokernel.llm import LLM
         from monokernel.serve.app import create_app
-        from monokernel.serve.cli import setup_request_log
+        from monokernel.serve.observe import setup_request_log
 
         setup_request_log(log_level)
         replica_id = ray_serve.get_replica_context().replica_id.unique_id
@@ -96,15 +93,14 @@ def deployment(args: argparse.Namespace, gpu: bool):
     ).bind()
 
 
-def serve_replicas(args: argparse.Namespace) -> int:
+def serve_replicas(args: argparse.Namespace, options: dict) -> int:
+    """Deploy, wait for SIGTERM or SIGINT, take it all down. ``args``: the serve command's
+    flags; ``options``: create_app's keyword arguments."""
     ray, serve = require_ray()
     if args.model is not None and not Path(args.model).exists():
         raise MonokernelError(f"--model {args.model}: no such file or folder")
     local = args.ray_address is None
     if local:
-        from .cli import listen_socket
-
-        listen_socket(args.host, args.port).close()  # a port in use fails now, not in Ray
         # every replica of a CPU backend asks for one CPU: a small machine still runs N
         ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas), include_dashboard=False,
                  log_to_driver=True)
@@ -116,7 +112,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
     try:
         gpu = uses_gpu(args.backend, ray.cluster_resources().get("GPU", 0))
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(deployment(args, gpu), name=APP_NAME, route_prefix="/")
+        serve.run(deployment(args, options, gpu), name=APP_NAME, route_prefix="/")
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(f"monokernel: serving {args.replicas} replica{'s' if args.replicas > 1 else ''} "
               f"({args.backend}{', 1 GPU each' if gpu else ''}) on Ray Serve at "
