@@ -112,7 +112,11 @@ def serve_replicas(args: argparse.Namespace, options: dict) -> int:
     try:
         gpu = uses_gpu(args.backend, ray.cluster_resources().get("GPU", 0))
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(deployment(args, options, gpu), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(deployment(args, options, gpu), name=APP_NAME, route_prefix="/")
+        except RuntimeError as e:  # a replica's constructor failed (Ray logged its error)
+            raise MonokernelError(f"the replicas did not start: {e} (the replica's own error "
+                                  "is in Ray's log lines above)") from None
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(f"monokernel: serving {args.replicas} replica{'s' if args.replicas > 1 else ''} "
               f"({args.backend}{', 1 GPU each' if gpu else ''}) on Ray Serve at "
