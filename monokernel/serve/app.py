@@ -91,8 +91,7 @@ class Server:
     async def drain(self, drain_s: float = DRAIN_S) -> None:
         """The graceful shutdown, before the HTTP server closes: refuse new requests and the
         queue (503), give the running request ``drain_s`` seconds, end it after that, and
-        wait (bounded) until every response has been written to the end. A second call
-        ends the running request now."""
+        wait (bounded) until every response has been written to the end."""
         self.draining = True
         self.worker.begin_shutdown(drain_s)
         await asyncio.to_thread(self.worker.join, drain_s + 10.0)
