@@ -194,7 +194,7 @@ def test_signal_drains_the_command(bundled_dir, sig):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     p = serve_command("--model", str(bundled_dir), "--backend", "numpy", "--port", str(port),
-                      "--drain-timeout", "1.5", "--log-level", "warning")
+                      "--drain-timeout", "3", "--log-level", "warning")
     queued: dict = {}
     try:
         wait_up(p, url)
@@ -216,7 +216,7 @@ def test_signal_drains_the_command(bundled_dir, sig):
                 p.send_signal(sig)
                 for t in ts:
                     t.join(10)
-                assert time.monotonic() - t0 < 1.4  # at once, not after the drain
+                assert time.monotonic() - t0 < 2.5  # at once, not after the drain (3 s)
                 for n in "BC":
                     error_of(queued[n], 503, "shutting_down")
                 error_of(httpx.post(f"{url}/v1/completions", json=LONG, timeout=TIMEOUT), 503,
@@ -224,7 +224,7 @@ def test_signal_drains_the_command(bundled_dir, sig):
                 events = sse_events(lines)
                 took = time.monotonic() - t0
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down"
-        assert 1.4 < took < 15.0, took  # the drain deadline, then the next token
+        assert 2.9 < took < 20.0, took  # the drain deadline, then the next token
         err = stop(p, sig)
         assert p.returncode == 0, err
     finally:
@@ -395,4 +395,5 @@ def test_the_readme_client_snippet_finishes_in_seconds(bundled_llm):
         assert out.returncode == 0, out.stderr
         assert srv.worker.stats()["completed"] >= 1
     assert out.stdout.strip(), "the snippet printed nothing"
-    assert took < 20.0, f"the README's snippet took {took:.1f} s"
+    # ~5 s here (32 tokens); it ran 354 s when chat's default was the whole context
+    assert took < 30.0, f"the README's snippet took {took:.1f} s"
