@@ -316,8 +316,8 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64,
         ``on_done(c, state)`` -> the JSON body (not streaming) or the closing chunks
         (streaming)."""
         job = Job(lambda llm_: start(llm_, job), asyncio.get_running_loop())
+        srv.worker.submit(job)  # a full queue is a 503 here: no job to log then
         request.scope["monokernel"].job = job
-        srv.worker.submit(job)
         try:
             kind, value = await next_event(job, request)  # "started", or the prompt's error
             if kind == "error":
