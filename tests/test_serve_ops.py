@@ -361,6 +361,21 @@ def test_api_key_from_the_environment_and_flag_checks(monkeypatch):
             parsed(*bad)
 
 
+def test_replicas_without_ray_say_what_to_install():
+    blocker = ("import importlib.abc, sys\n"
+               "class Block(importlib.abc.MetaPathFinder):\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] == 'ray':\n"
+               "            raise ModuleNotFoundError('blocked by the test', name=name)\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "from monokernel.cli import main\n"
+               "sys.exit(main(['serve', '--replicas', '2', '--port', '0']))\n")
+    r = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "pip install 'monokernel[ray]'" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_cors(tiny_llm):
     allowed = "https://app.example"
     preflight = {"Access-Control-Request-Method": "POST",
