@@ -32,6 +32,8 @@ def valid_request_id(rid: str) -> bool:
 
 
 class RequestMiddleware:
+    """Wraps the FastAPI app; ``server`` is its app.Server (key, replica, metrics, drain)."""
+
     def __init__(self, app, server):
         self.app = app
         self.srv = server  # app.Server
