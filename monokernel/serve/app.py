@@ -202,8 +202,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64,
         finally:
             await asyncio.to_thread(srv.worker.close)
 
-    app = FastAPI(title="monokernel", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="monokernel", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = srv
     # the last added is the outermost: CORS answers a preflight before the key is checked
     app.add_middleware(RequestMiddleware, server=srv)
