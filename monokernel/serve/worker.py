@@ -160,7 +160,8 @@ class EngineWorker:
                 job.finish_reason = "error"
                 job.emit("error", e)
             finally:
-                job.ended_at = time.monotonic()
+                if job.ended_at is None:
+                    job.ended_at = time.monotonic()
                 with self._cv:
                     self._running = None
 
@@ -192,6 +193,7 @@ class EngineWorker:
                 c = stream.completion
                 job.finish_reason = getattr(c, "finish_reason", "stop")
                 job.completion_tokens = len(getattr(c, "token_ids", ())) or job.completion_tokens
+                job.ended_at = time.monotonic()  # before the event: the record is complete
                 self._count("completed")
                 job.emit("done", c)
         except Exception as e:  # the engine failed (NaN logits, a kernel error): tell the client
