@@ -26,6 +26,7 @@ pytest.importorskip("httpx", reason="httpx is not installed")
 class Running:
     port: int
     app: Any
+    server: Any  # runner.graceful_server's: request_shutdown() drains, as SIGTERM does
 
     @property
     def url(self) -> str:
@@ -43,17 +44,18 @@ def port_is_closed(port: int) -> bool:
 
 
 @contextmanager
-def running_server(llm, **app_options) -> Iterator[Running]:
+def running_server(llm, drain_s: float = 2.0, **app_options) -> Iterator[Running]:
     import uvicorn
 
     from monokernel.serve.app import create_app
+    from monokernel.serve.runner import graceful_server
 
     app = create_app(llm, **app_options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+    server = graceful_server(app, config, drain_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
                               name=f"uvicorn-{port}")
     thread.start()
@@ -63,7 +65,7 @@ def running_server(llm, **app_options) -> Iterator[Running]:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
-        yield Running(port, app)
+        yield Running(port, app, server)
     finally:
         server.should_exit = True
         thread.join(20)

@@ -21,6 +21,7 @@ REPO = PKG.parent
 # to import; the functions that do need one import it lazily and say what to install.
 OPTIONAL = ("cupy", "cupyx", "torch", "transformers", "matplotlib", "gguf", "fastapi", "uvicorn",
             "starlette", "pydantic", "openai", "httpx", "cuda", "sentencepiece", "google",
+            "prometheus_client", "ray",
             "nvidia")  # nvidia: the cuobjdump wheel, read by kernel/sass_facts.py
 
 

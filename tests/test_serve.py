@@ -411,6 +411,10 @@ def test_full_queue_answers_503_at_once(bundled_llm):
                 tb.join(30)
         assert got["b"].status_code == 200, got["b"].text
         assert got["b"].json()["usage"]["completion_tokens"] == 2
+        # the metrics count A (its client left) as cancelled, and C (refused) not at all
+        m = a.get("/metrics").text
+        assert 'monokernel_request_cancellations_total{reason="cancelled"} 1.0' in m, m
+        assert 'monokernel_requests_total{route="/v1/completions",status="503"} 1.0' in m
 
 
 def test_disconnect_cancels_and_the_next_request_runs(bundled_llm):

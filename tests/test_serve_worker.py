@@ -142,3 +142,63 @@ def test_errors_reach_the_request_and_close_answers_503():
         assert e.value.status == 503
 
     run(main())
+
+
+def test_drain_lets_the_running_job_finish_then_ends_it_at_the_deadline():
+    """begin_shutdown: the waiting job gets 503 at once; the running one goes on while the
+    drain lasts; a deadline that has passed ends it with an error event and closes it."""
+    async def main():
+        log: list = []
+        w = EngineWorker(llm=None, max_queue=4)
+        w.start()
+        loop = asyncio.get_running_loop()
+        a, b = FakeStream("A", 3, log), FakeStream("B", 1, log)
+        ja, jb = Job(lambda llm: a, loop), Job(lambda llm: b, loop)
+        w.submit(ja)
+        assert await event(ja) == ("started", None)
+        w.submit(jb)
+        w.begin_shutdown(60.0)
+        kind, err = await event(jb)
+        assert kind == "error" and err.status == 503 and err.code == "shutting_down"
+        assert jb.finish_reason == "shutdown" and "B start" not in log
+        with pytest.raises(APIError):
+            w.submit(Job(lambda llm: b, loop))
+        a.release()
+        assert await event(ja) == ("delta", "A0")  # still running: the drain lasts 60 s
+        w.begin_shutdown(0.0)  # the deadline now: A ends before its next piece
+        a.release()
+        kind, err = await event(ja)
+        assert kind == "error" and err.code == "shutting_down" and err.status == 503
+        assert ja.finish_reason == "shutdown"
+        assert await asyncio.to_thread(w.join, STEP_TIMEOUT) and a.closed
+
+    run(main())
+
+
+def test_request_timeout_ends_the_running_job():
+    async def main():
+        log: list = []
+        w = EngineWorker(llm=None, max_queue=4, request_timeout_s=0.2)
+        w.start()
+        loop = asyncio.get_running_loop()
+        a, b = FakeStream("A", 5, log), FakeStream("B", 1, log)
+        ja, jb = Job(lambda llm: a, loop), Job(lambda llm: b, loop)
+        try:
+            w.submit(ja)
+            w.submit(jb)
+            assert await event(ja) == ("started", None)
+            a.release()
+            assert await event(ja) == ("delta", "A0")
+            await asyncio.sleep(0.3)  # past the limit: A's next piece is not sent
+            a.release()
+            kind, err = await event(ja)
+            assert kind == "error" and err.status == 504 and err.code == "request_timeout"
+            assert ja.finish_reason == "timeout" and a.closed
+            assert await event(jb) == ("started", None)  # the engine went on to B
+            b.release()
+            assert (await event(jb))[0] == "delta" and (await event(jb))[0] == "done"
+            assert w.stats()["timed_out"] == 1
+        finally:
+            w.close()
+
+    run(main())

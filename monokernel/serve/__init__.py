@@ -14,7 +14,11 @@ in OpenAI's chunk format, ending with ``data: [DONE]``), /v1/models, /health, an
 stop_token_ids, ignore_eos, min_tokens, chat_template_kwargs, return_token_ids.
 
 protocol.py reads requests and writes responses (OpenAI's JSON, chunks and errors) and needs no
-web framework; worker.py runs every generation on one engine thread, FIFO; app.py is the FastAPI
-app; cli.py the command. FastAPI and uvicorn are the ``serve`` extra, imported only when a server
-is built, so this package imports without them.
+web framework; worker.py runs every generation on one engine thread, FIFO, each bounded in time;
+app.py is the FastAPI app; middleware.py gives every request its id, checks the API key and
+writes its log line and metrics (observe.py: /metrics, the request log); runner.py is uvicorn
+with a graceful drain on SIGTERM/SIGINT; cli.py the command; replicas.py serves N copies behind
+Ray Serve (ray_app.py: the same as a Serve config's application builder). FastAPI, uvicorn and
+prometheus-client are the ``serve`` extra, Ray Serve the ``ray`` extra, imported only when a
+server is built, so this package imports without them.
 """

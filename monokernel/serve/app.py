@@ -1,5 +1,7 @@
 """The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, vLLM's
-/tokenize and /detokenize, and /health, over one LLM run by one engine thread (worker.py).
+/tokenize and /detokenize, /health and Prometheus' /metrics, over one LLM run by one engine
+thread (worker.py). middleware.py gives every request its id, checks the API key and writes
+its log line and metrics (observe.py); Starlette's CORSMiddleware answers browsers.
 
 Every request is read and checked here first (protocol.py), so a bad field is a 400 before it
 queues; the prompt itself is tokenized and checked on the engine thread, and the response (the
@@ -7,20 +9,35 @@ stream's headers included) is only sent once the engine has accepted it, so a pr
 for the context is a 400 too, streaming or not. Anything unexpected is a 500 with OpenAI's error
 JSON: the connection is never dropped without an answer.
 
+Every generation is bounded: ``max_tokens`` past what the context leaves is a 400, a request
+that leaves it out gets ``default_max_tokens``, and one that runs past ``request_timeout_s``
+ends with an error. ``Server.drain`` is the graceful shutdown (runner.py calls it on SIGTERM
+or SIGINT): new requests and the queue get 503 ``shutting_down`` at once, the running request
+may finish within the drain deadline, and is ended with an error event otherwise.
+
 (No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations, and
 ``Request`` is imported inside ``create_app``, where a string annotation could not find it.)
 """
 
 import asyncio
+import os
+import socket
 import time
 from typing import Any, AsyncIterator
 
 from ..errors import MonokernelError, NumericalError, KernelError
 from . import protocol as P
+from .middleware import REPLICA_HEADER, REQUEST_ID_HEADER, RequestMiddleware
+from .observe import Metrics
 from .worker import EngineWorker, Job
 
 MAX_BODY_BYTES = 16 << 20  # a request body past this is refused (413) before it is parsed
 POLL_S = 0.1  # how often a request waiting for the engine checks that its client is still there
+# a request without max_tokens: ~17 s of SmolLM2 on the CPU's numpy backend, well under 1 s
+# on a GPU; OpenAI's "until the context is full" let one chat request hold the engine minutes
+DEFAULT_MAX_TOKENS = 256
+REQUEST_TIMEOUT_S = 600.0  # no request holds the engine longer (the queue waits behind it)
+DRAIN_S = 30.0  # on shutdown, how long the running request may go on
 
 
 class ClientGone(Exception):
@@ -45,17 +62,42 @@ def to_api_error(e: BaseException, param: str | None = None) -> P.APIError:
 
 
 class Server:
-    """The state behind the routes: the LLM, its name, its worker and token texts."""
+    """The state behind the routes: the LLM, its name, its worker and token texts, the
+    limits, the API key, the metrics, and whether it drains."""
 
-    def __init__(self, llm, model_name: str | None = None, max_queue: int = 64):
+    def __init__(self, llm, model_name: str | None = None, max_queue: int = 64, *,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS,
+                 request_timeout_s: float | None = REQUEST_TIMEOUT_S,
+                 api_key: str | None = None, replica: str | None = None,
+                 echo_request_id: bool = True):
+        if default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
         self.llm = llm
         self.model_name = model_name or getattr(llm, "model_name", None) or llm.config.name
-        self.worker = EngineWorker(llm, max_queue)
+        self.worker = EngineWorker(llm, max_queue, request_timeout_s)
         self.tokens = P.TokenText(llm.tokenizer)
         self.created = int(time.time())
         gen = getattr(llm.model, "generation_config", None) or {}
         self.defaults = {k: gen.get(k) for k in ("temperature", "top_p", "top_k",
                                                   "repetition_penalty", "min_p")}
+        self.default_max_tokens = default_max_tokens
+        self.api_key = api_key or None
+        self.replica = replica or f"{socket.gethostname()}:{os.getpid()}"
+        self.echo_request_id = echo_request_id
+        self.metrics = Metrics(self.worker)
+        self.draining = False
+        self.active = 0  # HTTP requests in the middleware (their responses not yet ended)
+
+    async def drain(self, drain_s: float = DRAIN_S) -> None:
+        """The graceful shutdown, before the HTTP server closes: refuse new requests and the
+        queue (503), give the running request ``drain_s`` seconds, end it after that, and
+        wait (bounded) until every response has been written to the end."""
+        self.draining = True
+        self.worker.begin_shutdown(drain_s)
+        await asyncio.to_thread(self.worker.join, drain_s + 10.0)
+        deadline = time.monotonic() + 5.0
+        while self.active > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     @property
     def max_seq_len(self) -> int:
@@ -131,16 +173,26 @@ def usage(c) -> dict[str, Any]:
     return {**c.usage(), "prompt_tokens_details": {"cached_tokens": c.reused_prompt_tokens}}
 
 
-def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
-    """The app for one loaded ``LLM``. Its lifespan starts the engine thread and stops it."""
+def create_app(llm, *, model_name: str | None = None, max_queue: int = 64,
+               default_max_tokens: int = DEFAULT_MAX_TOKENS,
+               request_timeout_s: float | None = REQUEST_TIMEOUT_S, api_key: str | None = None,
+               allowed_origins: tuple[str, ...] | list[str] = (), replica: str | None = None,
+               echo_request_id: bool = True):
+    """The app for one loaded ``LLM``. Its lifespan starts the engine thread and stops it.
+    ``allowed_origins``: the browser origins CORS lets in ("*": any). ``replica``: the name
+    in the x-monokernel-replica header (default host:pid). ``echo_request_id``: False behind
+    a proxy that echoes x-request-id itself (Ray Serve's)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
+    from starlette.middleware.cors import CORSMiddleware
 
-    srv = Server(llm, model_name, max_queue)
+    srv = Server(llm, model_name, max_queue, default_max_tokens=default_max_tokens,
+                 request_timeout_s=request_timeout_s, api_key=api_key, replica=replica,
+                 echo_request_id=echo_request_id)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -152,6 +204,11 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
 
     app = FastAPI(title="monokernel", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = srv
+    # the last added is the outermost: CORS answers a preflight before the key is checked
+    app.add_middleware(RequestMiddleware, server=srv)
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                       allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                       expose_headers=[REQUEST_ID_HEADER, REPLICA_HEADER])
 
     def error(e: P.APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
@@ -176,9 +233,16 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
     @app.get("/health")
     async def health():
         stats = srv.worker.stats()
+        if srv.draining:
+            return JSONResponse({"status": "shutting_down", **stats}, status_code=503)
         if not srv.worker.alive:
             return JSONResponse({"status": "stopped", **stats}, status_code=503)
         return {"status": "ok", **stats}
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = srv.metrics.render()
+        return Response(body, media_type=content_type)
 
     def model_card() -> dict[str, Any]:
         return {"id": srv.model_name, "object": "model", "created": srv.created,
@@ -203,7 +267,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
         if body.get("messages") is not None:
             req = P.parse_chat({"messages": body["messages"],
                                 "chat_template_kwargs": body.get("chat_template_kwargs")},
-                               {}, srv.max_seq_len)
+                               {}, srv.default_max_tokens)
             gen_prompt = P.bool_field(body, "add_generation_prompt", True)
 
             def encode():
@@ -235,12 +299,24 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
             raise to_api_error(e, "tokens") from None
 
     # ---- generation -----------------------------------------------------------------------
+    def begin(llm_, job: Job, req: P.Request, ids: list[int], params):
+        """Start the generation of ``ids`` (on the engine thread), its max_tokens bounded by
+        the context (a 400 naming both numbers when the request asked for more)."""
+        job.prompt_tokens = len(ids)
+        n = P.check_max_tokens(params.max_new_tokens, req.max_tokens_given, len(ids),
+                               srv.max_seq_len)
+        if n != params.max_new_tokens:
+            params = params.replace(max_new_tokens=n)
+        return llm_.stream(ids, params)
+
     async def run(request, req: P.Request, start, on_done, on_delta, first_chunks, what: str):
-        """Queue ``start`` on the engine; answer with the whole result or a stream of chunks.
-        ``on_delta(text, ids, entries, state)`` -> a chunk or None; ``on_done(c, state)`` -> the
-        JSON body (not streaming) or the closing chunks (streaming)."""
-        job = Job(start, asyncio.get_running_loop())
-        srv.worker.submit(job)
+        """Queue ``start(llm, job)`` on the engine; answer with the whole result or a stream of
+        chunks. ``on_delta(text, ids, entries, state)`` -> a chunk or None;
+        ``on_done(c, state)`` -> the JSON body (not streaming) or the closing chunks
+        (streaming)."""
+        job = Job(lambda llm_: start(llm_, job), asyncio.get_running_loop())
+        srv.worker.submit(job)  # a full queue is a 503 here: no job to log then
+        request.scope["monokernel"].job = job
         try:
             kind, value = await next_event(job, request)  # "started", or the prompt's error
             if kind == "error":
@@ -308,15 +384,15 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_body(request)
-        req = P.parse_completion(body, srv.defaults)
+        req = P.parse_completion(body, srv.defaults, srv.default_max_tokens)
         srv.check_model(req.model)
         params = srv.params(req.sampling)
-        rid, created = P.new_id("cmpl"), int(time.time())
+        rid, created = f"cmpl-{request.scope['monokernel'].request_id}", int(time.time())
         prompt = req.prompt
         tt = srv.tokens
 
-        def start(llm_):
-            return llm_.stream(prompt, params)
+        def start(llm_, job):
+            return begin(llm_, job, req, llm_.encode(prompt), params)
 
         def choice(text: str, finish: str | None, ids, entries, offset: int,
                    c=None) -> dict[str, Any]:
@@ -381,15 +457,15 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64):
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_body(request)
-        req = P.parse_chat(body, srv.defaults, srv.max_seq_len)
+        req = P.parse_chat(body, srv.defaults, srv.default_max_tokens)
         srv.check_model(req.model)
         params = srv.params(req.sampling)
-        rid, created = P.new_id("chatcmpl"), int(time.time())
+        rid, created = f"chatcmpl-{request.scope['monokernel'].request_id}", int(time.time())
         tt = srv.tokens
 
-        def start(llm_):
-            return llm_.chat(req.messages, params, stream=True,
-                             chat_template_kwargs=req.chat_template_kwargs or None)
+        def start(llm_, job):
+            ids = llm_.chat_prompt_ids(req.messages, True, req.chat_template_kwargs or None)
+            return begin(llm_, job, req, ids, params)
 
         def chunk(delta: dict[str, Any], finish: str | None, entries=None, ids=None,
                   c=None) -> dict[str, Any]:

@@ -1,12 +1,17 @@
-"""``monokernel serve``: load the model, then serve it over HTTP until Ctrl-C."""
+"""``monokernel serve``: load the model, then serve it over HTTP until SIGTERM or Ctrl-C
+(which drain it: runner.py). ``--replicas N`` serves N copies behind Ray Serve instead
+(replicas.py)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 
 from ..errors import MonokernelError
+
+API_KEY_ENV = "MONOKERNEL_API_KEY"
 
 
 class ServeExtraMissing(MonokernelError):
@@ -17,10 +22,12 @@ def require_serve_extra():
     """(fastapi, uvicorn), or a project error saying what to install."""
     try:
         import fastapi
+        import prometheus_client  # noqa: F401  (/metrics)
         import uvicorn
     except ImportError as e:
-        raise ServeExtraMissing(f"`monokernel serve` needs FastAPI and uvicorn ({e.name} is not "
-                                "installed): pip install monokernel[serve]") from None
+        raise ServeExtraMissing(f"`monokernel serve` needs FastAPI, uvicorn and "
+                                f"prometheus-client ({e.name} is not installed): "
+                                "pip install monokernel[serve]") from None
     return fastapi, uvicorn
 
 
@@ -42,36 +49,100 @@ def add_serve_command(sub) -> None:
                    help="the model name clients send (default: the model's own name)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for the engine; past that, 503 (default 64)")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of a request that gives none (default 256; always cut to "
+                   "what the context leaves)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may hold the engine; then it ends with an error "
+                   "(default 600)")
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="on SIGTERM/Ctrl-C, seconds the running request may go on before it "
+                   "is ended (default 30)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require `Authorization: Bearer KEY` on every route but /health "
+                   f"(default: ${API_KEY_ENV}; unset: no key)")
+    p.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
+                   help="browser origins CORS lets in, e.g. https://app.example.com or '*' "
+                   "(repeatable or comma-separated; default: none)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="serve N copies of the engine behind Ray Serve (pip install "
+                   "'monokernel[ray]'); one GPU each on a GPU backend")
+    p.add_argument("--ray-address", default=None,
+                   help="the Ray cluster to deploy on (e.g. ray://head:10001 or auto; "
+                   "default: start a local one)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    _, uvicorn = require_serve_extra()  # before the model loads: fail fast
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Every flag's range, before anything loads; fills in the defaults and the API key."""
+    from .app import DEFAULT_MAX_TOKENS, DRAIN_S, REQUEST_TIMEOUT_S
+
     if not 0 <= args.port <= 65535:
         raise MonokernelError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 1:
         raise MonokernelError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.default_max_tokens is None:
+        args.default_max_tokens = DEFAULT_MAX_TOKENS
+    elif args.default_max_tokens < 1:
+        raise MonokernelError(f"--default-max-tokens must be >= 1, got "
+                              f"{args.default_max_tokens}")
+    for name, default in (("request_timeout", REQUEST_TIMEOUT_S), ("drain_timeout", DRAIN_S)):
+        v = getattr(args, name)
+        if v is None:
+            setattr(args, name, default)
+        elif not (v > 0 and v < float("inf")):
+            raise MonokernelError(f"--{name.replace('_', '-')} must be a number of seconds "
+                                  f"> 0, got {v}")
+    if args.replicas is not None and args.replicas < 1:
+        raise MonokernelError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.ray_address is not None and args.replicas is None:
+        raise MonokernelError("--ray-address needs --replicas N")
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    args.allowed_origins = [o.strip() for v in args.allowed_origins or () for o in v.split(",")
+                            if o.strip()]
+
+
+def app_options(args: argparse.Namespace) -> dict:
+    """create_app's keyword arguments from the flags (the same for one server or replicas)."""
+    return {"model_name": args.served_model_name, "max_queue": args.max_queue,
+            "default_max_tokens": args.default_max_tokens,
+            "request_timeout_s": args.request_timeout, "api_key": args.api_key,
+            "allowed_origins": tuple(args.allowed_origins)}
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _, uvicorn = require_serve_extra()  # before the model loads: fail fast
+    check_serve_args(args)
+    from .observe import setup_request_log
+
+    setup_request_log(args.log_level)
+    if args.replicas is not None:
+        from .replicas import serve_replicas
+
+        if args.ray_address is None:  # a local Ray instance: a port in use fails now
+            listen_socket(args.host, args.port).close()
+        return serve_replicas(args, app_options(args))
     from ..llm import LLM
     from .app import create_app
+    from .runner import graceful_server
 
     sock = listen_socket(args.host, args.port)  # a port in use fails now, not after the load
     with sock:
         options = {"blocks": args.blocks} if args.blocks is not None else {}
         llm = LLM(args.model, backend=args.backend, max_seq_len=args.max_seq_len, **options)
-        app = create_app(llm, model_name=args.served_model_name, max_queue=args.max_queue)
+        app = create_app(llm, **app_options(args))
         name = app.state.server.model_name
         host, port = sock.getsockname()[:2]
         host = f"[{host}]" if ":" in host else host
         print(f"monokernel: serving {name!r} ({llm.backend}) on http://{host}:{port}/v1",
               file=sys.stderr, flush=True)
-        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
-        try:
-            uvicorn.Server(config).run(sockets=[sock])
-        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a normal stop
-            pass
-    print("monokernel: server stopped", file=sys.stderr)
+        # the request log replaces uvicorn's access lines (it has the same and more)
+        config = uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                                timeout_graceful_shutdown=5)
+        graceful_server(app, config, args.drain_timeout).run(sockets=[sock])
+    print("monokernel: server stopped", file=sys.stderr, flush=True)
     return 0
 
 

@@ -7,7 +7,9 @@ guess) and refuses the OpenAI fields monokernel cannot honour (``n > 1``, ``logi
 
 Defaults follow vLLM: a field the request leaves out takes the model's generation_config.json
 value when it has one (temperature, top_p, top_k, repetition_penalty, min_p), else OpenAI's
-(temperature 1, top_p 1; ``max_tokens`` 16 for completions, the rest of the context for chat).
+(temperature 1, top_p 1). ``max_tokens`` left out is the server's default (``monokernel serve
+--default-max-tokens``), cut to what the context leaves after the prompt; a ``max_tokens``
+given past what the context leaves is a 400 (see ``check_max_tokens``), as in vLLM.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +157,7 @@ class Request:
     echo: bool = False
     messages: list[dict[str, Any]] | None = None  # chat
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_tokens_given: bool = False  # False: sampling's max_new_tokens is the server's default
 
 
 def _common(body: dict, defaults: dict[str, Any]) -> Request:
@@ -197,13 +199,33 @@ def _common(body: dict, defaults: dict[str, Any]) -> Request:
                    return_token_ids=bool_field(body, "return_token_ids"))
 
 
-def parse_completion(body: dict, defaults: dict[str, Any]) -> Request:
+def _max_tokens(req: Request, max_tokens: int | None, default: int) -> None:
+    req.max_tokens_given = max_tokens is not None
+    req.sampling["max_new_tokens"] = default if max_tokens is None else max_tokens
+
+
+def check_max_tokens(max_tokens: int, given: bool, prompt_tokens: int, max_seq_len: int
+                     ) -> int:
+    """The tokens a request may generate: ``max_tokens`` when the context has room for it
+    after the prompt; the server's default is cut to that room; a ``max_tokens`` the request
+    gave past it is a 400 naming both numbers. (A prompt that fills the context is the
+    engine's error, raised when the generation starts.)"""
+    room = max_seq_len - prompt_tokens
+    if room < 1 or max_tokens <= room:
+        return max_tokens
+    if not given:
+        return room
+    raise bad_request(f"`max_tokens` is {max_tokens}, but the context of {max_seq_len} tokens "
+                      f"leaves {room} after the prompt's {prompt_tokens}: ask for at most "
+                      f"{room}", "max_tokens", code="max_tokens_exceeds_context")
+
+
+def parse_completion(body: dict, defaults: dict[str, Any], default_max_tokens: int) -> Request:
     req = _common(body, defaults)
     req.prompt = prompt_field(body.get("prompt"))
     _refuse(body, "suffix", bool(body.get("suffix")), "is not supported (no fill-in-the-middle)")
     req.echo = bool_field(body, "echo")
-    max_tokens = int_field(body, "max_tokens", 1)
-    req.sampling["max_new_tokens"] = 16 if max_tokens is None else max_tokens  # OpenAI's default
+    _max_tokens(req, int_field(body, "max_tokens", 1), default_max_tokens)
     req.logprobs = int_field(body, "logprobs", 0, MAX_LOGPROBS)
     if req.logprobs is not None:
         req.sampling["logprobs"] = req.logprobs
@@ -232,7 +254,7 @@ def prompt_field(p: Any) -> str | list[int]:
                       + (" (empty)" if p == [] else ""), "prompt")
 
 
-def parse_chat(body: dict, defaults: dict[str, Any], max_seq_len: int) -> Request:
+def parse_chat(body: dict, defaults: dict[str, Any], default_max_tokens: int) -> Request:
     req = _common(body, defaults)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -258,8 +280,7 @@ def parse_chat(body: dict, defaults: dict[str, Any], max_seq_len: int) -> Reques
     max_tokens = int_field(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = int_field(body, "max_tokens", 1)
-    # no limit but the context (OpenAI's default); the engine stops when the context is full
-    req.sampling["max_new_tokens"] = max_seq_len if max_tokens is None else max_tokens
+    _max_tokens(req, max_tokens, default_max_tokens)
     top = int_field(body, "top_logprobs", 0, MAX_LOGPROBS)
     if bool_field(body, "logprobs"):
         req.logprobs = top or 0
@@ -356,10 +377,6 @@ def chat_logprobs(entries: list[TokenLogprob], tt: TokenText) -> dict[str, Any]:
 
     return {"content": [dict(one(e.token_id, e.logprob),
                              top_logprobs=[one(t, lp) for t, lp in e.top]) for e in entries]}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def envelope(rid: str, obj: str, model: str, created: int | None = None) -> dict[str, Any]:
