@@ -10,11 +10,11 @@ from .errors import (BackendUnavailableError, CacheError, CheckpointError, Confi
                      GGUFError, KernelError, MonokernelError, NumericalError, ParameterError,
                      ProgramError, PromptError, TensorMismatchError, TokenizerError,
                      UnsupportedArchitectureError)
-from .llm import LLM, Completion, CompletionOutput, Delta, Stream, TokenLogprob
+from .llm import LLM, Completion, CompletionOutput, Delta, Logprob, Stream, TokenLogprob
 from .sampling import SamplingParams
 
 __all__ = [
-    "LLM", "Completion", "CompletionOutput", "Delta", "Stream", "TokenLogprob",
+    "LLM", "Completion", "CompletionOutput", "Delta", "Stream", "TokenLogprob", "Logprob",
     "SamplingParams", "ModelConfig",
     "MonokernelError", "ConfigError", "UnsupportedArchitectureError", "CheckpointError",
     "TensorMismatchError", "GGUFError", "TokenizerError", "PromptError", "NumericalError",

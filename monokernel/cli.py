@@ -75,7 +75,7 @@ def cmd_generate(args) -> int:
         s = llm.stream(args.prompt, params)
     if not args.no_stream:
         print(args.prompt if not args.chat else "", end="", flush=True)
-    for piece in s:
+    for piece in _after_prefill(s):
         if not args.no_stream:
             print(piece, end="", flush=True)
     c = s.completion
@@ -84,6 +84,20 @@ def cmd_generate(args) -> int:
     print()
     print(_summary(c), file=sys.stderr)
     return 0
+
+
+def _after_prefill(stream):
+    """The stream's pieces; while the prompt is read (seconds for a long one on a CPU
+    backend: the first piece comes only after it), a line on stderr says so."""
+    from .progress import waiting
+
+    n = len(getattr(stream, "prompt_token_ids", ()))
+    it = iter(stream)
+    with waiting(f"reading the prompt ({n} tokens)"):
+        first = next(it, None)
+    if first is not None:
+        yield first
+        yield from it
 
 
 def cmd_chat(args) -> int:
@@ -144,7 +158,7 @@ def chat_loop(llm, params, system: str | None = None, *, read=input, out=None,
         s = None
         try:
             s = llm.chat(messages, params, stream=True)
-            for piece in s:
+            for piece in _after_prefill(s):
                 print(piece, end="", flush=True, file=out)
         except KeyboardInterrupt:
             if s is not None:

@@ -19,7 +19,7 @@ from .control_tokens import ControlTokens, content_spans
 from .errors import ParameterError, PromptError, TokenizerError
 from .model.chat_template import render_chat_template
 from .model.loader import LoadedModel, load_model
-from .results import Completion, CompletionOutput, Delta, TokenLogprob
+from .results import Completion, CompletionOutput, Delta, Logprob, TokenLogprob
 from .runtime import Engine, Generation, Sampled, make_executor
 from .sampling import SamplingParams
 from .streaming import TextStream
@@ -48,6 +48,10 @@ class Stream:
 
     def __iter__(self) -> "Stream":
         return self
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._ids
 
     def __next__(self) -> str:
         while True:
@@ -293,7 +297,7 @@ class LLM:
 
     def _token_logprob(self, s: Sampled) -> TokenLogprob:
         return TokenLogprob(s.token, self._token_text(s.token), float(s.logprob),
-                            [(i, self._token_text(i), lp) for i, lp in (s.top or [])])
+                            [(i, self._token_text(i), lp) for i, lp in (s.top or [])], s.rank)
 
     # ---- chat templates -------------------------------------------------------------------
     def _messages(self, messages: Any) -> list[dict[str, Any]]:
@@ -399,7 +403,7 @@ class LLM:
         plp = None
         if gen.prompt_logprobs is not None:
             plp = [None] + [TokenLogprob(ids[i], self._token_text(ids[i]), e[0],
-                                         [(t, self._token_text(t), lp) for t, lp in e[1]])
+                                         [(t, self._token_text(t), lp) for t, lp in e[1]], e[2])
                             for i, e in enumerate(gen.prompt_logprobs[1:], start=1)
                             if e is not None]
         return Completion(
@@ -552,5 +556,5 @@ def fit_conversation(llm: Any, messages: list[dict[str, Any]], reserve: int
         dropped += k
 
 
-__all__ = ["LLM", "Completion", "CompletionOutput", "Stream", "Delta", "TokenLogprob",
+__all__ = ["LLM", "Completion", "CompletionOutput", "Stream", "Delta", "TokenLogprob", "Logprob",
            "Tokenizer", "fit_conversation"]

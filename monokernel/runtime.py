@@ -26,7 +26,7 @@ from .errors import (BackendUnavailableError, MonokernelError, NumericalError, P
                      PromptError)
 from .kernel.base import DeviceSample, Executor, StepResult
 from .model.loader import LoadedModel
-from .sampling import Sampler, SamplingParams, log_softmax, top_logprobs
+from .sampling import Sampler, SamplingParams, log_softmax, rank_of, top_logprobs
 
 
 class NumpyExecutor(Executor):
@@ -190,6 +190,7 @@ class Sampled:
     stop: bool
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+    rank: int | None = None  # 1-based, in the whole distribution (vLLM's Logprob.rank)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -202,7 +203,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class Generation:
     """An iterator of :class:`Sampled` for one request on an Engine. ``prompt_logprobs`` is set
     once the prompt has run (before the first token comes out): one entry per prompt token,
-    None for the first, else (logprob, top alternatives). ``close()`` cancels it: at once when
+    None for the first, else (logprob, top alternatives, rank). ``close()`` cancels it: at once when
     called between tokens, else before the next step (it may come from another thread)."""
 
     def __init__(self, engine: "Engine", ids: list[int], params: SamplingParams,
@@ -306,7 +307,8 @@ class Engine:
             if nlp is None:
                 return Sampled(tok, tok in stops)
             lp = log_softmax(logits)
-            return Sampled(tok, tok in stops, float(lp[tok]), top_logprobs(lp, nlp))
+            return Sampled(tok, tok in stops, float(lp[tok]), top_logprobs(lp, nlp),
+                           rank_of(lp, tok))
 
         history = list(ids)
         self.stats = st = g.stats
@@ -328,7 +330,8 @@ class Engine:
             logits = all_logits[-1]
             lps = log_softmax(all_logits[:-1])
             g.prompt_logprobs = [None] + [
-                (float(lps[i, ids[i + 1]]), top_logprobs(lps[i], params.prompt_logprobs))
+                (float(lps[i, ids[i + 1]]), top_logprobs(lps[i], params.prompt_logprobs),
+                 rank_of(lps[i], ids[i + 1]))
                 for i in range(len(ids) - 1)]
         else:
             logits = ex.prefill(ids[reuse:], reuse)
