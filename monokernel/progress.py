@@ -26,7 +26,7 @@ def progress_bar(*, total: float | None, desc: str, unit: str = "it", unit_scale
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, file=sys.stderr,
-                disable=not on(enabled), delay=delay, leave=False, dynamic_ncols=True,
+                disable=not on(enabled), delay=delay, leave=False,
                 bar_format=bar_format)
 
 
