@@ -47,21 +47,33 @@ class NumpyExecutor(Executor):
             raise ParameterError(
                 f"the numpy backend has no option {next(iter(options))!r} (its options: "
                 f"{', '.join(self.OPTIONS)}; blocks and the like apply to the kernel backends)")
+        asked = threads is not None
         source = "as asked"
         if threads is None:
             threads, source = default_threads()
         if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) \
                 or threads < 1:
             raise ParameterError(f"threads must be an integer >= 1, got {threads!r}")
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:  # a core dependency, but a machine without pip may lack it
+            ThreadpoolController = None
+            if asked:
+                raise BackendUnavailableError(
+                    "threads= needs the threadpoolctl package, which is not installed here: "
+                    "pip install threadpoolctl") from None
         super().__init__(model, max_seq_len)
-        from threadpoolctl import ThreadpoolController
-
         from .model.reference import ReferenceModel
 
         self.threads = int(threads)
-        self._blas = ThreadpoolController()
+        self._blas = ThreadpoolController() if ThreadpoolController is not None else None
         self.ref = ReferenceModel(model.config, model.weights, max_seq_len)
         self.forward_calls = 0  # lets the Engine notice use of the KV cache behind its back
+        if self._blas is None:
+            self.threads = None
+            print("monokernel: numpy backend: BLAS threads left as the library chose them "
+                  "(threadpoolctl is not installed: pip install threadpoolctl)", file=sys.stderr)
+            return
         libs = sorted({lib["internal_api"] for lib in self._blas.info()
                        if lib["user_api"] == "blas"}) or ["no BLAS library found"]
         print(f"monokernel: numpy backend: {self.threads} BLAS thread"
@@ -69,6 +81,8 @@ class NumpyExecutor(Executor):
               f"--threads N or LLM(..., threads=N))", file=sys.stderr)
 
     def _forward(self, tokens: list[int], start_pos: int) -> np.ndarray:
+        if self._blas is None:
+            return self.ref.forward(tokens, start_pos)
         with self._blas.limit(limits=self.threads, user_api="blas"):
             return self.ref.forward(tokens, start_pos)
 

@@ -637,9 +637,12 @@ def test_a_killed_conversions_folder_is_removed_by_the_next_run(tmp_path):
     for d in (dead, dead_old, live, mine, legacy):
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"x" * 100)
+    foreign = parent / f".tmp-notes-{_dead_pid()}-5a6b7c8d"  # not ours: it holds other files
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
     convert_gguf(src, parent / "hf", progress=False)
     assert sorted(p.name for p in parent.iterdir()) == sorted(
-        ["hf", live.name, mine.name, legacy.name])
+        ["hf", live.name, mine.name, legacy.name, foreign.name])
     os.utime(legacy, (1, 1))  # an hour old and more: no conversion takes that long
     convert_gguf(src, parent / "hf2", progress=False)
     assert not legacy.exists() and live.exists()

@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from threadpoolctl import threadpool_info
 
 from monokernel import LLM, ParameterError, SamplingParams
 from monokernel import runtime
+
+# a core dependency; the GPU machine (no pip) may lack it: skip there, never break collection
+threadpool_info = pytest.importorskip("threadpoolctl").threadpool_info
 
 GREEDY = SamplingParams(max_tokens=3, ignore_eos=True)
 
@@ -69,3 +71,18 @@ def test_cli_threads_flag(synth_dir):
                         str(synth_dir("tiny")), "--backend", "emulator", "--threads", "2"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and "backend 'emulator' has no option 'threads'" in r.stderr
+
+
+def test_without_threadpoolctl_it_says_so_and_an_explicit_request_fails(synth_dir, monkeypatch,
+                                                                        capsys):
+    """The GPU machine has no pip and may lack threadpoolctl: the reference still runs there,
+    saying the threads were left alone; asking for threads there is a clear error."""
+    from monokernel import BackendUnavailableError
+
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # import fails
+    llm = LLM(synth_dir("tiny"), backend="numpy", max_seq_len=32, progress=False)
+    assert "BLAS threads left as the library chose them (threadpoolctl is not installed" \
+        in capsys.readouterr().err
+    assert llm.generate("the cat", GREEDY).token_ids
+    with pytest.raises(BackendUnavailableError, match="pip install threadpoolctl"):
+        LLM(synth_dir("tiny"), backend="numpy", progress=False, threads=1)

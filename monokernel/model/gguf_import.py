@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -38,6 +39,7 @@ from .config import ModelConfig, RopeScaling
 from .gguf_header import content_key, read_header
 from .gguf_tokenizer import TOKEN_CONTROL, add_bos_default, build_tokenizer
 from ..errors import GGUFError, OutputExistsError, OutputWriteError
+from ..progress import progress_bar, waiting
 
 # 2: llama-bpe files without add_bos_token get llama.cpp's BOS; the marker keys on content
 CONVERTER_VERSION = 2
@@ -88,7 +90,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, unpermute: bool 
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise OutputExistsError(f"{out}: exists and is not empty; nothing was written. Pass "
                                 "--overwrite (overwrite=True) to replace it, or name a new folder")
-    reader = _open_gguf(src)
+    with waiting(f"reading {src.name}", enabled=progress):  # seconds for a big vocabulary
+        reader = _open_gguf(src)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(out.parent)
     # the owner's pid in the name: a later run removes the folder once that process is gone
@@ -96,7 +99,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, unpermute: bool 
     tmp.mkdir()
     try:
         cfg = read_config(reader, src)
-        tokenizer = build_tokenizer(tokenizer_metadata(reader), src)
+        with waiting(f"building the tokenizer of {src.name}", enabled=progress):
+            tokenizer = build_tokenizer(tokenizer_metadata(reader), src)
         try:
             _write_weights(reader, src, cfg, tmp / "model.safetensors", unpermute, progress)
             _write_json(tmp / "config.json", cfg.to_hf_dict())
@@ -129,25 +133,32 @@ def _write_error(e: OSError, out: Path, tmp: Path) -> OutputWriteError:
                             f"output was removed")
 
 
+# what a conversion writes: a partial folder holds nothing else
+_OUTPUT_FILES = {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json", "monokernel.json"}
+
+
 def remove_stale_partials(folder: Path, *, legacy_age_s: float = 3600.0) -> list[Path]:
     """Remove the ``.tmp-*`` / ``.old-*`` folders of conversions into ``folder`` whose process
-    is gone (killed with -9, a power cut): their name ends in ``-<pid>-<hex>``. A live
+    is gone (killed with -9, a power cut): their name ends in ``-<pid>-<8 hex>``. A live
     process's folder, a concurrent conversion's, is kept. Names from before the pid was
-    recorded (``-<hex>`` only) are removed once an hour old: a conversion takes seconds."""
+    recorded (``-<8 hex>`` only) are removed once an hour old (a conversion takes seconds).
+    Only folders holding nothing but a conversion's files are touched: ``folder`` may be any
+    folder of the user's (``monokernel convert x.gguf OUT``)."""
     removed = []
-    for p in folder.glob(".[to][ml][pd]-*"):
-        if not p.name.startswith((".tmp-", ".old-")):
-            continue
-        parts = p.name.rsplit("-", 2)
-        if len(parts) == 3 and parts[1].isdigit():
-            stale = not _alive(int(parts[1]))
-        else:
-            try:
-                stale = time.time() - p.stat().st_mtime > legacy_age_s
-            except OSError:
+    for p in [*folder.glob(".tmp-*"), *folder.glob(".old-*")]:
+        m = re.fullmatch(r"\.(?:tmp|old)-.+?(?:-(\d+))?-[0-9a-f]{8}", p.name)
+        try:
+            if not m or not p.is_dir() or not {c.name for c in p.iterdir()} <= _OUTPUT_FILES:
                 continue
+            if m.group(1) is not None:
+                stale = not _alive(int(m.group(1)))
+            else:
+                stale = time.time() - p.stat().st_mtime > legacy_age_s
+        except OSError:
+            continue
         if stale:
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
 
@@ -362,8 +373,6 @@ def _write_weights(reader, path: Path, cfg: ModelConfig, out: Path, unpermute: b
     SmolLM2 on a busy machine). The format: u64 header length, the JSON header padded with
     spaces to 8 bytes, the data in header order; safetensors.safe_open checks it on load."""
     import ml_dtypes
-
-    from ..progress import progress_bar
 
     permuted = cfg.arch == "llama" and unpermute
     plan = [(t, hf) for t in reader.tensors if (hf := _hf_name(t.name, path)) is not None]
