@@ -109,9 +109,9 @@ def chat_loop(llm, params, system: str | None = None, *, read=input, out=None,
               err=None) -> int:
     """The interactive chat: one reply per line read. Ctrl-C stops a reply (the part shown is
     kept as the assistant's turn) and returns to the prompt; Ctrl-C at the prompt asks before
-    leaving (a second Ctrl-C leaves); Ctrl-D or 'exit' leaves. When the conversation outgrows the context, the oldest turns are
-    dropped, with a notice. Turns after the first prefill only their new tokens (the Engine
-    keeps the K/V cache of the shared prefix)."""
+    leaving (a second Ctrl-C leaves); Ctrl-D or 'exit' leaves. When the conversation outgrows
+    the context, the oldest turns are dropped, with a notice. Turns after the first prefill
+    only their new tokens (the Engine keeps the K/V cache of the shared prefix)."""
     from .errors import PromptError
     from .llm import fit_conversation
 

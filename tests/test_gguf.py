@@ -663,7 +663,7 @@ def test_the_tmp_folder_names_its_process(tmp_path, monkeypatch):
     assert seen and all(n.startswith(f".tmp-hf-{os.getpid()}-") for n in seen)
 
 
-# ==== the conversion cache is keyed on content ======================================================
+# ==== the conversion cache is keyed on content ===================================================
 
 def test_the_same_file_under_another_name_is_converted_once(tmp_path, monkeypatch):
     from monokernel.model.loader import resolve_model_dir

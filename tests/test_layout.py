@@ -61,7 +61,8 @@ def imports_of(name: str, path: Path) -> set[str]:
 
 def rank(mod: str) -> int:
     """Where a module sits in the one-way flow face -> runtime -> kernel -> model -> config.
-    errors and progress are the shared leaves; sampling and streaming are leaf helpers the runtime uses."""
+    errors and progress are the shared leaves; sampling and streaming are leaf helpers the
+    runtime uses."""
     if mod in ("monokernel.errors", "monokernel.progress"):
         return 0
     if mod == "monokernel.model.config":

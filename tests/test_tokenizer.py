@@ -168,7 +168,7 @@ def test_unsupported_tokenizer_model_names_itself_and_the_supported(tmp_path, ki
     assert not (tmp_path / "hf").exists() and leftovers(tmp_path) == []
 
 
-# ==== GGUF edges, against llama.cpp's src/llama-vocab.cpp ===========================================
+# ==== GGUF edges, against llama.cpp's src/llama-vocab.cpp ========================================
 
 @pytest.mark.parametrize("pre, bos", [("llama-bpe", True), ("llama3", True), ("llama-v3", True),
                                       ("qwen2", False), ("smollm", False), ("gpt-2", False)])
