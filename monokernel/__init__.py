@@ -7,9 +7,9 @@
 
 from .model.config import ModelConfig
 from .errors import (BackendUnavailableError, CacheError, CheckpointError, ConfigError,
-                     GGUFError, KernelError, MonokernelError, NumericalError, ParameterError,
-                     ProgramError, PromptError, TensorMismatchError, TokenizerError,
-                     UnsupportedArchitectureError)
+                     GGUFError, KernelError, MonokernelError, NumericalError, OutputWriteError,
+                     ParameterError, ProgramError, PromptError, TensorMismatchError,
+                     TokenizerError, UnsupportedArchitectureError)
 from .llm import LLM, Completion, CompletionOutput, Delta, Logprob, Stream, TokenLogprob
 from .sampling import SamplingParams
 
@@ -19,6 +19,7 @@ __all__ = [
     "MonokernelError", "ConfigError", "UnsupportedArchitectureError", "CheckpointError",
     "TensorMismatchError", "GGUFError", "TokenizerError", "PromptError", "NumericalError",
     "ProgramError", "KernelError", "BackendUnavailableError", "ParameterError", "CacheError",
+    "OutputWriteError",
 ]
 try:  # one source of truth: pyproject.toml's version, as installed
     from importlib.metadata import PackageNotFoundError, version as _version

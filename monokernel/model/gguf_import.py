@@ -8,12 +8,19 @@ tokenizer. :func:`convert_gguf` turns one into the folder the rest of monokernel
 
 Accepted: tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 (:data:`TENSOR_TYPES`; so Q4_K_M, Q5_K_M and the other K-quant mixes); tokenizers ``gpt2``
-(byte-level BPE) and ``llama`` (SentencePiece), see :mod:`monokernel.model.gguf_tokenizer`;
+(byte-level BPE, with llama.cpp's BOS default and pre-tokenizer names) and ``llama``
+(SentencePiece), see :mod:`monokernel.model.gguf_tokenizer`;
 architectures llama, qwen2, qwen3. Anything else is refused by name, with the supported list.
 
 Invariants:
 - The folder appears whole or not at all: everything is written into a temporary sibling folder
-  that is renamed into place last, and removed on any failure, Ctrl-C included.
+  that is renamed into place last, and removed on any failure, Ctrl-C and a full disk included
+  (OutputWriteError). A process killed outright leaves it behind; its name holds the pid, and
+  the next conversion into the same parent removes it once that process is gone.
+- ``monokernel.json`` (:func:`source_marker`) identifies the source by content, not by name:
+  the whole metadata section and the first and last MiB of the weights
+  (:mod:`monokernel.model.gguf_header`), so a renamed copy is not converted again and an
+  in-place metadata edit is.
 - Nothing is guessed. A missing RoPE theta, an unknown pre-tokenizer or an unsupported tensor type
   is an error naming the file and the key, tensor or name.
 - llama.cpp permutes the Q and K rows of arch ``llama`` (its RoPE rotates adjacent pairs, HF's
