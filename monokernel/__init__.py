@@ -7,18 +7,19 @@
 
 from .model.config import ModelConfig
 from .errors import (BackendUnavailableError, CacheError, CheckpointError, ConfigError,
-                     GGUFError, KernelError, MonokernelError, NumericalError, ParameterError,
-                     ProgramError, PromptError, TensorMismatchError, TokenizerError,
-                     UnsupportedArchitectureError)
-from .llm import LLM, Completion, CompletionOutput, Delta, Stream, TokenLogprob
+                     GGUFError, KernelError, MonokernelError, NumericalError, OutputWriteError,
+                     ParameterError, ProgramError, PromptError, TensorMismatchError,
+                     TokenizerError, UnsupportedArchitectureError)
+from .llm import LLM, Completion, CompletionOutput, Delta, Logprob, Stream, TokenLogprob
 from .sampling import SamplingParams
 
 __all__ = [
-    "LLM", "Completion", "CompletionOutput", "Delta", "Stream", "TokenLogprob",
+    "LLM", "Completion", "CompletionOutput", "Delta", "Stream", "TokenLogprob", "Logprob",
     "SamplingParams", "ModelConfig",
     "MonokernelError", "ConfigError", "UnsupportedArchitectureError", "CheckpointError",
     "TensorMismatchError", "GGUFError", "TokenizerError", "PromptError", "NumericalError",
     "ProgramError", "KernelError", "BackendUnavailableError", "ParameterError", "CacheError",
+    "OutputWriteError",
 ]
 try:  # one source of truth: pyproject.toml's version, as installed
     from importlib.metadata import PackageNotFoundError, version as _version

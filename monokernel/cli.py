@@ -4,10 +4,11 @@ serve."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
-from .errors import MonokernelError
+from .errors import MonokernelError, PromptError
 from .serve.cli import add_serve_command
 
 
@@ -20,6 +21,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=int, default=None,
                    help="persistent blocks of the kernel backends (default: 4 on the emulator, "
                         "one per SM on a GPU)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="BLAS threads of the numpy backend (default: the CPUs this process may "
+                        "use; 1 is often faster on a busy machine)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -49,7 +53,8 @@ def _params(llm, args):
 def _llm(args):
     from .llm import LLM
 
-    options = {"blocks": args.blocks} if args.blocks is not None else {}
+    options = {k: getattr(args, k) for k in ("blocks", "threads")
+               if getattr(args, k) is not None}
     return LLM(args.model, backend=args.backend, max_seq_len=args.max_seq_len, **options)
 
 
@@ -70,7 +75,7 @@ def cmd_generate(args) -> int:
         s = llm.stream(args.prompt, params)
     if not args.no_stream:
         print(args.prompt if not args.chat else "", end="", flush=True)
-    for piece in s:
+    for piece in _after_prefill(s):
         if not args.no_stream:
             print(piece, end="", flush=True)
     c = s.completion
@@ -81,6 +86,20 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _after_prefill(stream):
+    """The stream's pieces; while the prompt is read (seconds for a long one on a CPU
+    backend: the first piece comes only after it), a line on stderr says so."""
+    from .progress import waiting
+
+    n = len(getattr(stream, "prompt_token_ids", ()))
+    it = iter(stream)
+    with waiting(f"reading the prompt ({n} tokens)"):
+        first = next(it, None)
+    if first is not None:
+        yield first
+        yield from it
+
+
 def cmd_chat(args) -> int:
     llm = _llm(args)
     return chat_loop(llm, _params(llm, args), args.system)
@@ -89,10 +108,10 @@ def cmd_chat(args) -> int:
 def chat_loop(llm, params, system: str | None = None, *, read=input, out=None,
               err=None) -> int:
     """The interactive chat: one reply per line read. Ctrl-C stops a reply (the part shown is
-    kept as the assistant's turn) and returns to the prompt; Ctrl-C or Ctrl-D at the prompt,
-    or 'exit', leaves. When the conversation outgrows the context, the oldest turns are
-    dropped, with a notice. Turns after the first prefill only their new tokens (the Engine
-    keeps the K/V cache of the shared prefix)."""
+    kept as the assistant's turn) and returns to the prompt; Ctrl-C at the prompt asks before
+    leaving (a second Ctrl-C leaves); Ctrl-D or 'exit' leaves. When the conversation outgrows
+    the context, the oldest turns are dropped, with a notice. Turns after the first prefill
+    only their new tokens (the Engine keeps the K/V cache of the shared prefix)."""
     from .errors import PromptError
     from .llm import fit_conversation
 
@@ -104,12 +123,23 @@ def chat_loop(llm, params, system: str | None = None, *, read=input, out=None,
     # room kept for the reply: max_new_tokens, but never more than half the context
     reserve = min(params.max_new_tokens, llm.max_seq_len // 2)
     print("monokernel chat - Ctrl-C stops a reply; Ctrl-D or 'exit' leaves", file=err)
+    asked = False  # Ctrl-C at the prompt asked "leave?"; a second one in a row answers yes
     while True:
         try:
             line = read("> ")
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             print(file=err)
             return 0
+        except KeyboardInterrupt:
+            # a Ctrl-C meant for a reply that had just ended must not drop the conversation
+            if asked:
+                print(file=err)
+                return 0
+            asked = True
+            print("\n[leave the chat? Ctrl-C again (or Ctrl-D, 'exit') leaves; type to go on]",
+                  file=err)
+            continue
+        asked = False
         if line.strip() in ("exit", "quit"):
             return 0
         if not line.strip():
@@ -128,7 +158,7 @@ def chat_loop(llm, params, system: str | None = None, *, read=input, out=None,
         s = None
         try:
             s = llm.chat(messages, params, stream=True)
-            for piece in s:
+            for piece in _after_prefill(s):
                 print(piece, end="", flush=True, file=out)
         except KeyboardInterrupt:
             if s is not None:
@@ -204,9 +234,39 @@ def _add_kernel_commands(sub) -> None:
     add_commands(sub)
 
 
+TEXT_ARGS = ("prompt", "stop", "system")  # the arguments that are tokenized
+
+
+def check_utf8_args(args: argparse.Namespace) -> None:
+    """Python decodes a command line that is not UTF-8 with 'surrogateescape' (byte 0xff
+    becomes the lone surrogate U+DCFF), which no tokenizer can take: name the argument and
+    the byte instead. Only the text arguments: a path may be any bytes on POSIX."""
+    for name in TEXT_ARGS:
+        value = getattr(args, name, None)
+        for v in value if isinstance(value, list) else [value]:
+            if not isinstance(v, str):
+                continue
+            if not any("\ud800" <= ch <= "\udfff" for ch in v):
+                continue
+            try:
+                raw = os.fsencode(v)  # the bytes as given
+                raw.decode("utf-8")
+                at = None
+            except UnicodeEncodeError:  # a surrogate that no byte became (main(argv) in Python)
+                at = None
+            except UnicodeDecodeError as e:
+                at = e.start
+            where = (f"byte 0x{raw[at]:02x} at byte {at}: {raw[max(0, at - 10):at + 10]!r}"
+                     if at is not None else "it holds a lone surrogate")
+            raise PromptError(f"the {name.replace('_', '-')} argument is not valid UTF-8 "
+                              f"({where}); pass UTF-8 text (check the terminal's or the "
+                              f"file's encoding)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_utf8_args(args)
         return args.func(args)
     except (MonokernelError, ValueError, OSError) as e:
         # a user error (bad input, a file that exists or cannot be written): one line, no

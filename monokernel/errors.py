@@ -32,6 +32,12 @@ class OutputExistsError(MonokernelError, FileExistsError):
     """The folder to write (``monokernel convert``) exists and is not empty; nothing was written."""
 
 
+class OutputWriteError(MonokernelError, OSError):
+    """A file monokernel writes (a converted model) could not be written: the disk is full or
+    the folder is not writable. The message names the folder and the space needed; the
+    partial output was removed."""
+
+
 class TokenizerError(MonokernelError):
     """The tokenizer cannot be built or loaded."""
 

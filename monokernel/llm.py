@@ -19,7 +19,7 @@ from .control_tokens import ControlTokens, content_spans
 from .errors import ParameterError, PromptError, TokenizerError
 from .model.chat_template import render_chat_template
 from .model.loader import LoadedModel, load_model
-from .results import Completion, CompletionOutput, Delta, TokenLogprob
+from .results import Completion, CompletionOutput, Delta, Logprob, TokenLogprob
 from .runtime import Engine, Generation, Sampled, make_executor
 from .sampling import SamplingParams
 from .streaming import TextStream
@@ -48,6 +48,10 @@ class Stream:
 
     def __iter__(self) -> "Stream":
         return self
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._ids
 
     def __next__(self) -> str:
         while True:
@@ -146,6 +150,19 @@ class Tokenizer:
 # ================================================================================================
 # LLM
 # ================================================================================================
+def check_text(text: str, what: str) -> str:
+    """``text`` unless it holds a lone surrogate (U+D800-U+DFFF: half of a UTF-16 pair, or a
+    byte Python could not decode as UTF-8 and escaped), which has no UTF-8 form and which the
+    tokenizer refuses with a bare TypeError: then a PromptError naming where it is."""
+    for i, ch in enumerate(text):
+        if "\ud800" <= ch <= "\udfff":
+            raise PromptError(f"{what} holds a lone surrogate U+{ord(ch):04X} at character {i} "
+                              f"({text[max(0, i - 10):i]!r} before it): not valid Unicode text. "
+                              f"Decode bytes with the right codec, or drop the half pair "
+                              f"(text.encode('utf-8', 'replace').decode())")
+    return text
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
@@ -198,6 +215,7 @@ class LLM:
         Hugging Face and vLLM, unless ``split_special_tokens`` (then they are plain text)."""
         if not isinstance(text, str):
             raise PromptError(f"tokenize takes a str, got {type(text).__name__}")
+        check_text(text, "the text")
         tok = self._control_tokens().plain if split_special_tokens else self.tokenizer
         return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -250,6 +268,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise PromptError("the prompt is empty")
+            check_text(prompt, "the prompt")
             return prompt, self.tokenize(prompt, add_special_tokens)
         if isinstance(prompt, (list, tuple, np.ndarray)):
             for i, t in enumerate(prompt):
@@ -278,7 +297,7 @@ class LLM:
 
     def _token_logprob(self, s: Sampled) -> TokenLogprob:
         return TokenLogprob(s.token, self._token_text(s.token), float(s.logprob),
-                            [(i, self._token_text(i), lp) for i, lp in (s.top or [])])
+                            [(i, self._token_text(i), lp) for i, lp in (s.top or [])], s.rank)
 
     # ---- chat templates -------------------------------------------------------------------
     def _messages(self, messages: Any) -> list[dict[str, Any]]:
@@ -309,17 +328,17 @@ class LLM:
         if c is None:
             return ""  # OpenAI: an assistant message with tool calls may have null content
         if isinstance(c, str):
-            return c
+            return check_text(c, f"message {i}")
         if isinstance(c, (list, tuple)):
             texts = []
             for j, part in enumerate(c):
                 if isinstance(part, str):
-                    texts.append(part)
+                    texts.append(check_text(part, f"message {i}, content part {j}"))
                 elif isinstance(part, Mapping) and part.get("type") == "text":
                     if not isinstance(part.get("text"), str):
                         raise PromptError(f"message {i}, content part {j}: 'text' must be a "
                                           f"str, got {part.get('text')!r}")
-                    texts.append(part["text"])
+                    texts.append(check_text(part["text"], f"message {i}, content part {j}"))
                 else:
                     kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                     raise PromptError(f"message {i}, content part {j}: type {kind!r} is not "
@@ -384,7 +403,7 @@ class LLM:
         plp = None
         if gen.prompt_logprobs is not None:
             plp = [None] + [TokenLogprob(ids[i], self._token_text(ids[i]), e[0],
-                                         [(t, self._token_text(t), lp) for t, lp in e[1]])
+                                         [(t, self._token_text(t), lp) for t, lp in e[1]], e[2])
                             for i, e in enumerate(gen.prompt_logprobs[1:], start=1)
                             if e is not None]
         return Completion(
@@ -537,5 +556,5 @@ def fit_conversation(llm: Any, messages: list[dict[str, Any]], reserve: int
         dropped += k
 
 
-__all__ = ["LLM", "Completion", "CompletionOutput", "Stream", "Delta", "TokenLogprob",
+__all__ = ["LLM", "Completion", "CompletionOutput", "Stream", "Delta", "TokenLogprob", "Logprob",
            "Tokenizer", "fit_conversation"]

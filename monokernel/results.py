@@ -1,21 +1,61 @@
 """What a generation returns: ``Completion`` (with vLLM's shape too: ``outputs[0].text``),
-``CompletionOutput``, the stream's ``Delta`` and ``TokenLogprob``."""
+``CompletionOutput``, the stream's ``Delta``, ``TokenLogprob`` and vLLM's ``Logprob``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 
-@dataclass
-class TokenLogprob:
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's ``Logprob``: one token's log-probability, its 1-based rank in the model's
+    distribution (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(eq=False)
+class TokenLogprob(Mapping):
     """One position's log-probabilities: the token there (``token`` is its text), its logprob
-    under the model's raw distribution, and the top-N alternatives (token_id, text, logprob),
-    best first (the token itself is among them when it ranks in the top N)."""
+    under the model's raw distribution and its rank in it (1: the most likely), and the top-N
+    alternatives (token_id, text, logprob), best first (the token itself is among them when it
+    ranks in the top N).
+
+    It also reads as vLLM's entry, a dict of token id -> :class:`Logprob` holding the token
+    and its alternatives, so that code written for vLLM runs as pasted:
+    ``out.logprobs[i][token_id].logprob``, ``.items()``, ``in``, ``len``."""
 
     token_id: int
     token: str
     logprob: float
     top: list[tuple[int, str, float]] = field(default_factory=list)
+    rank: int | None = None
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        if token_id == self.token_id:
+            return Logprob(self.logprob, self.rank, self.token)
+        for k, (t, text, lp) in enumerate(self.top):
+            if t == token_id:
+                return Logprob(lp, k + 1, text)
+        raise KeyError(f"token {token_id} is neither the token at this position "
+                       f"({self.token_id}) nor among its top {len(self.top)} alternatives")
+
+    def __iter__(self) -> Iterator[int]:  # vLLM's order: the token, then the alternatives
+        return iter(dict.fromkeys([self.token_id] + [t for t, _, _ in self.top]))
+
+    def __len__(self) -> int:
+        return len(dict.fromkeys([self.token_id] + [t for t, _, _ in self.top]))
+
+    def __eq__(self, other: object) -> bool:  # as a dataclass, not as a dict of Logprobs
+        if not isinstance(other, TokenLogprob):
+            return NotImplemented
+        return (self.token_id, self.token, self.logprob, self.top, self.rank) == \
+            (other.token_id, other.token, other.logprob, other.top, other.rank)
+
+    __hash__ = None  # mutable, as a dataclass with eq
 
 
 @dataclass

@@ -14,6 +14,7 @@ need no device support: the host then samples from the kernel's own Gumbel strea
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -21,27 +22,69 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .errors import BackendUnavailableError, MonokernelError, NumericalError, PromptError
+from .errors import (BackendUnavailableError, MonokernelError, NumericalError, ParameterError,
+                     PromptError)
 from .kernel.base import DeviceSample, Executor, StepResult
 from .model.loader import LoadedModel
-from .sampling import Sampler, SamplingParams, log_softmax, top_logprobs
+from .sampling import Sampler, SamplingParams, log_softmax, rank_of, top_logprobs
 
 
 class NumpyExecutor(Executor):
     """reference.py as an executor. ``reset()`` keeps the K/V cache: every position is written
-    before it is read, and the Engine reuses the cache of a shared prompt prefix."""
+    before it is read, and the Engine reuses the cache of a shared prompt prefix.
+
+    ``threads``: the BLAS threads its matrix products use (default: the CPUs this process may
+    run on). Set deliberately, through threadpoolctl, around every forward pass and said on
+    stderr at start: OpenBLAS's own default spun its worker threads against other work on a
+    busy 2-core machine and decode fell from 6-18 to 0.7-2.3 tokens/s, unnoticed."""
 
     name = "numpy"
+    OPTIONS = ("threads",)
 
-    def __init__(self, model: LoadedModel, max_seq_len: int, **options):
+    def __init__(self, model: LoadedModel, max_seq_len: int, *, threads: int | None = None,
+                 **options):
         if options:
-            raise ValueError(f"the numpy backend takes no options (got {', '.join(options)}); "
-                             "blocks and the like apply to the kernel backends")
+            raise ParameterError(
+                f"the numpy backend has no option {next(iter(options))!r} (its options: "
+                f"{', '.join(self.OPTIONS)}; blocks and the like apply to the kernel backends)")
+        asked = threads is not None
+        source = "as asked"
+        if threads is None:
+            threads, source = default_threads()
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) \
+                or threads < 1:
+            raise ParameterError(f"threads must be an integer >= 1, got {threads!r}")
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:  # a core dependency, but a machine without pip may lack it
+            ThreadpoolController = None
+            if asked:
+                raise BackendUnavailableError(
+                    "threads= needs the threadpoolctl package, which is not installed here: "
+                    "pip install threadpoolctl") from None
         super().__init__(model, max_seq_len)
         from .model.reference import ReferenceModel
 
+        self.threads = int(threads)
+        self._blas = ThreadpoolController() if ThreadpoolController is not None else None
         self.ref = ReferenceModel(model.config, model.weights, max_seq_len)
         self.forward_calls = 0  # lets the Engine notice use of the KV cache behind its back
+        if self._blas is None:
+            self.threads = None
+            print("monokernel: numpy backend: BLAS threads left as the library chose them "
+                  "(threadpoolctl is not installed: pip install threadpoolctl)", file=sys.stderr)
+            return
+        libs = sorted({lib["internal_api"] for lib in self._blas.info()
+                       if lib["user_api"] == "blas"}) or ["no BLAS library found"]
+        print(f"monokernel: numpy backend: {self.threads} BLAS thread"
+              f"{'s' if self.threads != 1 else ''} ({', '.join(libs)}, {source}; change with "
+              f"--threads N or LLM(..., threads=N))", file=sys.stderr)
+
+    def _forward(self, tokens: list[int], start_pos: int) -> np.ndarray:
+        if self._blas is None:
+            return self.ref.forward(tokens, start_pos)
+        with self._blas.limit(limits=self.threads, user_api="blas"):
+            return self.ref.forward(tokens, start_pos)
 
     def reset(self) -> None:
         self.forward_calls += 1
@@ -52,11 +95,31 @@ class NumpyExecutor(Executor):
     def prefill_all(self, tokens: list[int], start_pos: int = 0) -> np.ndarray:
         """float32 logits [len(tokens), vocab] of every prompt position."""
         self.forward_calls += 1
-        return self.ref.forward(tokens, start_pos)
+        return self._forward(tokens, start_pos)
 
     def step(self, token: int, pos: int, sample: DeviceSample | None = None) -> StepResult:
         self.forward_calls += 1
-        return StepResult(token=None, logits=self.ref.forward([token], pos)[0])
+        return StepResult(token=None, logits=self._forward([token], pos)[0])
+
+
+# Environment variables a user sets to choose BLAS threads; the first one set wins over the
+# CPU count, as it would for NumPy itself.
+THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def default_threads() -> tuple[int, str]:
+    """(threads, where the number came from): a thread variable of the environment when one is
+    set to a positive integer, else the CPUs this process may run on (its affinity mask, which
+    a container or ``taskset`` narrows, not the machine's count)."""
+    for var in THREAD_ENV:
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value), f"from {var}"
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows: no affinity call
+        n = os.cpu_count() or 1
+    return max(1, n), "the CPUs this process may use"
 
 
 def cuda_device_present() -> bool:
@@ -86,7 +149,14 @@ def make_executor(backend: str, model: LoadedModel, max_seq_len: int, **options)
     if backend not in EXECUTORS:
         raise BackendUnavailableError(
             f"unknown backend {backend!r} (available: auto, {', '.join(sorted(EXECUTORS))})")
-    return EXECUTORS[backend](model, max_seq_len, **options)
+    factory = EXECUTORS[backend]
+    valid = getattr(factory, "OPTIONS", None)  # what the backend declares it takes
+    unknown = [k for k in options if valid is not None and k not in valid]
+    if unknown:
+        raise ParameterError(
+            f"backend {backend!r} has no option {unknown[0]!r} (its options: "
+            f"{', '.join(valid) or 'none'})")
+    return factory(model, max_seq_len, **options)
 
 
 # Kernel executors live in kernel/; each module lists its factories in a BACKENDS dict. They are
@@ -134,6 +204,7 @@ class Sampled:
     stop: bool
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+    rank: int | None = None  # 1-based, in the whole distribution (vLLM's Logprob.rank)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -146,7 +217,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class Generation:
     """An iterator of :class:`Sampled` for one request on an Engine. ``prompt_logprobs`` is set
     once the prompt has run (before the first token comes out): one entry per prompt token,
-    None for the first, else (logprob, top alternatives). ``close()`` cancels it: at once when
+    None for the first, else (logprob, top alternatives, rank). ``close()`` cancels it: at once when
     called between tokens, else before the next step (it may come from another thread)."""
 
     def __init__(self, engine: "Engine", ids: list[int], params: SamplingParams,
@@ -250,7 +321,8 @@ class Engine:
             if nlp is None:
                 return Sampled(tok, tok in stops)
             lp = log_softmax(logits)
-            return Sampled(tok, tok in stops, float(lp[tok]), top_logprobs(lp, nlp))
+            return Sampled(tok, tok in stops, float(lp[tok]), top_logprobs(lp, nlp),
+                           rank_of(lp, tok))
 
         history = list(ids)
         self.stats = st = g.stats
@@ -272,7 +344,8 @@ class Engine:
             logits = all_logits[-1]
             lps = log_softmax(all_logits[:-1])
             g.prompt_logprobs = [None] + [
-                (float(lps[i, ids[i + 1]]), top_logprobs(lps[i], params.prompt_logprobs))
+                (float(lps[i, ids[i + 1]]), top_logprobs(lps[i], params.prompt_logprobs),
+                 rank_of(lps[i], ids[i + 1]))
                 for i in range(len(ids) - 1)]
         else:
             logits = ex.prefill(ids[reuse:], reuse)

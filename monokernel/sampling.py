@@ -315,6 +315,12 @@ def top_logprobs(lp: np.ndarray, n: int) -> list[tuple[int, float]]:
     return [(int(i), float(lp[i])) for i in idx]
 
 
+def rank_of(lp: np.ndarray, token: int) -> int:
+    """``token``'s 1-based rank in the distribution ``lp``: 1 + the tokens strictly more likely
+    (vLLM's rule, so ties share a rank)."""
+    return int(np.count_nonzero(lp > lp[token])) + 1
+
+
 def _mix32(h: np.ndarray) -> np.ndarray:
     h = h ^ (h >> np.uint32(16))
     h = h * np.uint32(0x85EBCA6B)

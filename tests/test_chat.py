@@ -228,11 +228,34 @@ def test_ctrl_c_stops_the_reply_and_returns_to_the_prompt():
                             {"role": "user", "content": "again"}]
 
 
-def test_ctrl_c_at_the_prompt_leaves():
+def script(*xs):
+    """A read() that plays ``xs``: a str is a line typed, KeyboardInterrupt a Ctrl-C; EOF after."""
+    it = iter(xs)
+
     def read(prompt):
-        raise KeyboardInterrupt
-    assert chat_loop(FakeLLM(), SamplingParams(), read=read, out=io.StringIO(),
-                     err=io.StringIO()) == 0
+        x = next(it, EOFError)
+        if isinstance(x, str):
+            return x
+        raise x
+    return read
+
+
+def test_ctrl_c_at_the_prompt_asks_and_a_second_one_leaves():
+    llm, err = FakeLLM(interrupt=False), io.StringIO()
+    read = script(KeyboardInterrupt, KeyboardInterrupt, "never read")
+    assert chat_loop(llm, SamplingParams(), read=read, out=io.StringIO(), err=err) == 0
+    assert "leave the chat? Ctrl-C again" in err.getvalue() and llm.calls == []
+
+
+def test_ctrl_c_at_the_prompt_then_typing_goes_on():
+    """A stray Ctrl-C (one meant for a reply that had just ended) keeps the conversation; the
+    question is asked again after every answer, not only the first time."""
+    llm, err = FakeLLM(interrupt=False), io.StringIO()
+    read = script(KeyboardInterrupt, "hello", KeyboardInterrupt, "again", KeyboardInterrupt)
+    assert chat_loop(llm, SamplingParams(max_tokens=10), read=read, out=io.StringIO(),
+                     err=err) == 0  # the EOF after the last Ctrl-C leaves
+    assert [c[-1]["content"] for c in llm.calls] == ["hello", "again"]
+    assert err.getvalue().count("leave the chat?") == 3
 
 
 def test_a_full_context_drops_the_oldest_turn_with_a_notice():

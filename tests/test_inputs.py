@@ -263,3 +263,66 @@ def test_a_content_that_looks_like_the_template_is_text(bundled_llm, content):
     assert tok.decode(ids, skip_special_tokens=False) == bundled_llm.apply_chat_template(msgs)
     # the template's tokens are where the template put them
     assert ids[0] == im_start and ids[-4:] == bundled_llm.tokenize("<|im_start|>assistant\n")
+
+
+# ==== text that is not Unicode, options that do not exist =========================================
+
+def test_invalid_utf8_on_the_command_line_is_named(synth_dir):
+    """Bytes that are not UTF-8 in argv (Python escapes them as lone surrogates) used to end
+    in tokenizers' 'TypeError: TextInputSequence must be str'."""
+    r = subprocess.run([sys.executable, "-m", "monokernel", "generate", b"caf\xe9 au lait",
+                        "--model", str(synth_dir("tiny")), "--backend", "numpy"],
+                       capture_output=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 2 and "Traceback" not in err and "TypeError" not in err, err
+    assert "PromptError: the prompt argument is not valid UTF-8 (byte 0xe9 at byte 3" in err
+    # a stop string too: every argument that is tokenized or matched as text
+    r = subprocess.run([sys.executable, "-m", "monokernel", "generate", "hello", "--stop",
+                        b"\xff", "--model", str(synth_dir("tiny")), "--backend", "numpy"],
+                       capture_output=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert r.returncode == 2 and b"the stop argument is not valid UTF-8 (byte 0xff" in r.stderr
+
+
+@pytest.mark.parametrize("call", ["generate", "stream", "tokenize", "chat", "chat-part",
+                                  "encode"])
+def test_a_lone_surrogate_in_the_api_is_a_prompt_error(tiny, call):
+    bad = "emoji half \ud83d here"
+    run = {"generate": lambda: tiny.generate(bad, GREEDY),
+           "stream": lambda: tiny.stream(bad, GREEDY),
+           "tokenize": lambda: tiny.tokenize(bad),
+           "encode": lambda: tiny.get_tokenizer().encode(bad),
+           "chat": lambda: tiny.chat([{"role": "user", "content": bad}], GREEDY),
+           "chat-part": lambda: tiny.chat([{"role": "user", "content": [
+               {"type": "text", "text": "ok"}, {"type": "text", "text": bad}]}], GREEDY)}[call]
+    with pytest.raises(PromptError, match=r"lone surrogate U\+D83D at character 11"):
+        run()
+    assert tiny.generate("emoji half \U0001F600 here", GREEDY).token_ids  # a whole pair is fine
+
+
+@pytest.mark.parametrize("backend, option", [("emulator", "dtype"), ("emulator-multi", "dtype"),
+                                             ("emulator-multi", "multi"), ("numpy", "blocks"),
+                                             ("numpy", "dtype")])
+def test_an_unknown_backend_option_is_named_with_the_valid_ones(synth_dir, backend, option):
+    """It used to leak ``KernelExecutor.__init__() got an unexpected keyword argument``."""
+    with pytest.raises(ParameterError) as e:
+        LLM(synth_dir("tiny"), backend=backend, progress=False, **{option: 1})
+    msg = str(e.value)
+    assert f"backend {backend!r} has no option {option!r}" in msg
+    valid = "threads" if backend == "numpy" else "blocks"
+    assert f"its options: " in msg and valid in msg and "__init__" not in msg
+
+
+def test_every_declared_kernel_option_is_accepted_by_the_executor():
+    """The declared lists are the executor's keywords: none names a keyword it lacks."""
+    import inspect
+
+    from monokernel.kernel import cuda_backend, executor
+
+    params = set(inspect.signature(executor.KernelExecutor.__init__).parameters)
+    for mod, extra in ((executor, {"sanitize"}), (cuda_backend, {"device_id"})):
+        for name, factory in mod.BACKENDS.items():
+            assert "blocks" in factory.OPTIONS and "device" not in factory.OPTIONS, name
+            assert set(factory.OPTIONS) <= params | extra, name
+    assert "multi" not in executor.BACKENDS["emulator-multi"].OPTIONS

@@ -63,8 +63,9 @@ def imports_of(name: str, path: Path) -> set[str]:
 
 def rank(mod: str) -> int:
     """Where a module sits in the one-way flow face -> runtime -> kernel -> model -> config.
-    errors is the shared leaf; sampling and streaming are leaf helpers the runtime uses."""
-    if mod in ("monokernel.errors",):
+    errors and progress are the shared leaves; sampling and streaming are leaf helpers the
+    runtime uses."""
+    if mod in ("monokernel.errors", "monokernel.progress"):
         return 0
     if mod == "monokernel.model.config":
         return 1

@@ -186,3 +186,42 @@ def test_one_seed_one_text_on_the_gpu(np_llm, synth_dir):
         np.testing.assert_allclose([t.logprob for t in got.logprobs], want_lp, rtol=0,
                                    atol=logprob_tol(want_lp, [t[2] for r in ref.logprobs
                                                               for t in r.top]))
+
+
+def test_vllm_shaped_logprobs(np_llm, monkeypatch):
+    """``output.logprobs[i][token_id].logprob``, as vLLM users index them (a dict of token id
+    -> Logprob(logprob, rank, decoded_token) per position), beside the attributes. Checked
+    against the very distributions the engine computed (a spy on its log_softmax)."""
+    from monokernel import Logprob, runtime
+
+    rows, real = [], runtime.log_softmax
+
+    def spy(x):
+        out = real(x)
+        rows.append(np.array(out))
+        return out
+
+    monkeypatch.setattr(runtime, "log_softmax", spy)
+    p = SamplingParams(max_tokens=5, temperature=HOT, seed=4, logprobs=3, ignore_eos=True)
+    out = np_llm.generate([PROMPT], p)[0].outputs[0]
+    assert len(rows) == len(out.logprobs) == 5
+    for tok, entry, row in zip(out.token_ids, out.logprobs, rows):
+        lp = entry[tok]
+        assert isinstance(lp, Logprob) and lp.logprob == entry.logprob  # the attribute still works
+        assert lp.rank == 1 + int(np.sum(row > row[tok])) == entry.rank  # in the whole vocabulary
+        assert lp.decoded_token == np_llm.detokenize([tok]) == entry.token
+        best = [int(t) for t in np.argsort(-row, kind="stable")[:3]]
+        assert list(entry) == list(dict.fromkeys([tok] + best)) and len(entry) == len(list(entry))
+        for r, t in enumerate(best, start=1):
+            assert t in entry and entry[t] == Logprob(float(row[t]), r, np_llm.detokenize([t]))
+        assert {k: v.logprob for k, v in entry.items()}[tok] == entry.logprob
+    assert any(e.rank > 3 for e in out.logprobs)  # HOT samples outside the top 3 too
+    missing = next(t for t in range(np_llm.config.vocab_size) if t not in out.logprobs[0])
+    with pytest.raises(KeyError, match="nor among its top 3"):
+        out.logprobs[0][missing]
+    # prompt logprobs too: None first, then a dict per prompt token
+    rows.clear()
+    plp = np_llm.generate([PROMPT], p.replace(prompt_logprobs=2))[0].prompt_logprobs
+    first = rows[0][0]  # the prompt's rows come in one call, before the sampled tokens'
+    assert plp[0] is None and plp[1][PROMPT[1]].logprob == plp[1].logprob
+    assert plp[1][PROMPT[1]].rank == 1 + int(np.sum(first > first[PROMPT[1]]))

@@ -77,3 +77,19 @@ def test_python_example_runs_and_prints_what_it_says(bundled_dir):
     first = printed.split("\n\nThe answer is:")[0]
     assert first.strip() == "Paris.", printed[:200]
     assert re.search(r"^The answer is: .* stop$", printed, re.M), printed[:300]
+
+
+def test_make_run_installs_what_bench_and_trace_draw_with():
+    """`make run` is the first command; bench and trace draw their PNGs with matplotlib, which
+    is the plot extra: the run target's install step must bring it (it used to install the
+    core only, and both commands then said "no PNG chart")."""
+    import tomllib
+
+    make = (REPO / "Makefile").read_text()
+    recipe = make.split("$(VENV)/.installed: pyproject.toml\n", 1)[1].split("\n\n", 1)[0]
+    installs = [ln for ln in recipe.splitlines() if "$(PIP) install -e" in ln]
+    assert installs and all("[plot" in ln or "plot]" in ln for ln in installs), recipe
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert any(d.startswith("matplotlib") for d in extras["plot"])
+    assert "run: install" in make and "install: $(VENV)/.installed" in make

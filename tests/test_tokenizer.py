@@ -166,3 +166,50 @@ def test_unsupported_tokenizer_model_names_itself_and_the_supported(tmp_path, ki
     with pytest.raises(TokenizerError, match=rf"'{kind}'.*supported: gpt2, llama"):
         convert_gguf(src, tmp_path / "hf", progress=False)
     assert not (tmp_path / "hf").exists() and leftovers(tmp_path) == []
+
+
+# ==== GGUF edges, against llama.cpp's src/llama-vocab.cpp ========================================
+
+@pytest.mark.parametrize("pre, bos", [("llama-bpe", True), ("llama3", True), ("llama-v3", True),
+                                      ("qwen2", False), ("smollm", False), ("gpt-2", False)])
+def test_bos_without_add_bos_token_follows_llamacpp(tmp_path, pre, bos):
+    """No tokenizer.ggml.add_bos_token: llama.cpp adds a BOS for its Llama-3 pre-tokenizers
+    (their branch sets add_bos = true), not for the other byte-level BPE ones."""
+    src = tmp_path / f"{pre}.gguf"
+    tiny_gguf(src, pre=pre, meta={"add_bos_token": None})
+    out = convert_gguf(src, tmp_path / "hf", progress=False)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert (tok.encode("the").ids[0] == 1) is bos
+    assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is bos
+    # the file's own flag wins
+    src2 = tmp_path / f"{pre}-said.gguf"
+    tiny_gguf(src2, pre=pre, meta={"add_bos_token": not bos})
+    tok2 = Tokenizer.from_file(str(convert_gguf(src2, tmp_path / "hf2", progress=False)
+                                   / "tokenizer.json"))
+    assert (tok2.encode("the").ids[0] == 1) is (not bos)
+
+
+@pytest.mark.parametrize("pre, words", [(None, "has no pre-tokenizer"),
+                                        ("default", "names the pre-tokenizer 'default'")])
+def test_a_missing_or_default_pre_tokenizer_is_refused_not_read_as_gpt2(tmp_path, pre, words):
+    src = tmp_path / "legacy.gguf"
+    tiny_gguf(src, pre=pre)
+    with pytest.raises(TokenizerError, match=rf"legacy\.gguf: {words} \(tokenizer\.ggml\.pre\)\. "
+                                             r"llama\.cpp reads that as its legacy") as e:
+        convert_gguf(src, tmp_path / "hf", progress=False)
+    assert "convert_hf_to_gguf.py" in str(e.value)
+    assert not (tmp_path / "hf").exists() and leftovers(tmp_path) == []
+
+
+def test_the_converters_spelling_gpt_2_is_gpt2s_regex(tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py writes "gpt-2" (llama-vocab.cpp reads it as its GPT2
+    pre-tokenizer); it used to be refused. It splits as our "gpt2" does."""
+    toks = {}
+    for pre in ("gpt-2", "gpt2"):
+        src = tmp_path / f"{pre}.gguf"
+        tiny_gguf(src, pre=pre)
+        toks[pre] = Tokenizer.from_file(str(convert_gguf(src, tmp_path / pre, progress=False)
+                                            / "tokenizer.json"))
+    for s in TINY_STRINGS + ["x12 the's  1234!!"]:
+        assert toks["gpt-2"].encode(s).ids == toks["gpt2"].encode(s).ids, s
+    assert toks["gpt-2"].encode("x12").tokens == ["x", "12"]

@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import BackendUnavailableError, KernelError
 from . import libcuda
 from .isa import NUM_THREADS
-from .executor import KernelExecutor
+from .executor import KernelExecutor, user_options
 
 CUPY_MISSING = "CuPy is not installed: pip install monokernel[cuda12] (or monokernel[cuda13])"
 # Reads up to this size are staged through pinned host memory (the per-step control words,
@@ -531,3 +531,12 @@ BACKENDS = {"cuda": _cuda_executor, "cuda-noprefetch": _cuda_noprefetch, "cuda-v
             "cuda-block-merge": _cuda_block_merge,
             "cuda-multi": _cuda_multi, "cuda-multi-graph": _cuda_multi_graph,
             "cuda-multi-graph-pdl": _cuda_multi_graph_pdl}
+
+# the options a user may give each (runtime.make_executor names any other)
+for _factory, _fixed in ((_cuda_executor, ()), (_cuda_noprefetch, ("prefetch", "name")),
+                         (_cuda_v1, ("design", "name")), (_cuda_1step, ("multi_step", "name")),
+                         (_cuda_sync1, ("sync", "name")),
+                         (_cuda_block_merge, ("merge_ticket_min", "name")),
+                         (_cuda_multi, ("multi",)), (_cuda_multi_graph, ("multi", "graph")),
+                         (_cuda_multi_graph_pdl, ("multi", "graph", "pdl"))):
+    _factory.OPTIONS = user_options(*_fixed, extra=("device_id",))

@@ -580,5 +580,21 @@ def _emulator_v1(model, max_seq_len, **kw):
     return _emulator(model, max_seq_len, design=1, name="emulator-v1", **kw)
 
 
+def user_options(*fixed: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The options a user may give a kernel backend (``LLM(backend=..., **options)``): the
+    executor's keywords less the device and those the backend's factory sets itself (``fixed``),
+    plus the factory's own (``extra``). runtime.make_executor checks a call against them, so a
+    misspelt option is named instead of leaking ``KernelExecutor.__init__()``'s TypeError."""
+    import inspect
+
+    params = inspect.signature(KernelExecutor.__init__).parameters
+    names = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY} - {"device", *fixed}
+    return tuple(sorted(names | set(extra)))
+
+
+_emulator.OPTIONS = user_options(extra=("sanitize",))
+_emulator_multi.OPTIONS = user_options("multi", extra=("sanitize",))
+_emulator_v1.OPTIONS = user_options("design", "name", extra=("sanitize",))
+
 # backend name -> factory(model, max_seq_len, **options), read by runtime.make_executor
 BACKENDS = {"emulator": _emulator, "emulator-multi": _emulator_multi, "emulator-v1": _emulator_v1}

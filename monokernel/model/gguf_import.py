@@ -8,12 +8,19 @@ tokenizer. :func:`convert_gguf` turns one into the folder the rest of monokernel
 
 Accepted: tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 (:data:`TENSOR_TYPES`; so Q4_K_M, Q5_K_M and the other K-quant mixes); tokenizers ``gpt2``
-(byte-level BPE) and ``llama`` (SentencePiece), see :mod:`monokernel.model.gguf_tokenizer`;
+(byte-level BPE, with llama.cpp's BOS default and pre-tokenizer names) and ``llama``
+(SentencePiece), see :mod:`monokernel.model.gguf_tokenizer`;
 architectures llama, qwen2, qwen3. Anything else is refused by name, with the supported list.
 
 Invariants:
 - The folder appears whole or not at all: everything is written into a temporary sibling folder
-  that is renamed into place last, and removed on any failure, Ctrl-C included.
+  that is renamed into place last, and removed on any failure, Ctrl-C and a full disk included
+  (OutputWriteError). A process killed outright leaves it behind; its name holds the pid, and
+  the next conversion into the same parent removes it once that process is gone.
+- ``monokernel.json`` (:func:`source_marker`) identifies the source by content, not by name:
+  the whole metadata section and the first and last MiB of the weights
+  (:mod:`monokernel.model.gguf_header`), so a renamed copy is not converted again and an
+  in-place metadata edit is.
 - Nothing is guessed. A missing RoPE theta, an unknown pre-tokenizer or an unsupported tensor type
   is an error naming the file and the key, tensor or name.
 - llama.cpp permutes the Q and K rows of arch ``llama`` (its RoPE rotates adjacent pairs, HF's
@@ -22,22 +29,27 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .config import ModelConfig, RopeScaling
+from .gguf_header import content_key, read_header
 from .gguf_tokenizer import TOKEN_CONTROL, add_bos_default, build_tokenizer
-from ..errors import GGUFError, OutputExistsError
+from ..errors import GGUFError, OutputExistsError, OutputWriteError
+from ..progress import progress_bar, waiting
 
-CONVERTER_VERSION = 1
+# 2: llama-bpe files without add_bos_token get llama.cpp's BOS; the marker keys on content
+CONVERTER_VERSION = 2
 
 # Tensor types imported, each dequantized to float32 by the gguf package's own decoders
 # (gguf.quants.dequantize), then rounded to bf16. The K-quants (256-value super-blocks) are what
@@ -85,25 +97,91 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, unpermute: bool 
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise OutputExistsError(f"{out}: exists and is not empty; nothing was written. Pass "
                                 "--overwrite (overwrite=True) to replace it, or name a new folder")
-    reader = _open_gguf(src)
+    with waiting(f"reading {src.name}", enabled=progress):  # seconds for a big vocabulary
+        reader = _open_gguf(src)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{secrets.token_hex(4)}"
+    remove_stale_partials(out.parent)
+    # the owner's pid in the name: a later run removes the folder once that process is gone
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
         cfg = read_config(reader, src)
-        tokenizer = build_tokenizer(tokenizer_metadata(reader), src)
-        _write_weights(reader, src, cfg, tmp / "model.safetensors", unpermute, progress)
-        _write_json(tmp / "config.json", cfg.to_hf_dict())
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        _write_json(tmp / "tokenizer_config.json", _tokenizer_config(reader, cfg))
-        _write_json(tmp / "generation_config.json", _generation_config(reader, cfg))
-        # Last, so a folder with a marker is a folder that was finished.
-        _write_json(tmp / "monokernel.json", source_marker(src))
+        with waiting(f"building the tokenizer of {src.name}", enabled=progress):
+            tokenizer = build_tokenizer(tokenizer_metadata(reader), src)
+        try:
+            _write_weights(reader, src, cfg, tmp / "model.safetensors", unpermute, progress)
+            _write_json(tmp / "config.json", cfg.to_hf_dict())
+            _write_text(tmp / "tokenizer.json", tokenizer.to_str())
+            _write_json(tmp / "tokenizer_config.json", _tokenizer_config(reader, cfg))
+            _write_json(tmp / "generation_config.json", _generation_config(reader, cfg))
+            # Last, so a folder with a marker is a folder that was finished.
+            _write_json(tmp / "monokernel.json", source_marker(src))
+        except OSError as e:
+            raise _write_error(e, out, tmp) from None
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _write_error(e: OSError, out: Path, tmp: Path) -> OutputWriteError:
+    """A write that failed (a full disk, a quota, a read-only folder), said with the space."""
+    need = sum(p.stat().st_size for p in tmp.iterdir() if p.is_file())
+    try:
+        free = shutil.disk_usage(tmp).free
+    except OSError:
+        free = None
+    what = e.strerror or str(e)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what += (f": {need / 1e6:.0f} MB were written before it"
+                 + (f", {free / 1e6:.0f} MB are free there" if free is not None else ""))
+    return OutputWriteError(f"{out}: cannot write the converted model ({what}); the partial "
+                            f"output was removed")
+
+
+# what a conversion writes: a partial folder holds nothing else
+_OUTPUT_FILES = {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json", "monokernel.json"}
+
+
+def remove_stale_partials(folder: Path, *, legacy_age_s: float = 3600.0) -> list[Path]:
+    """Remove the ``.tmp-*`` / ``.old-*`` folders of conversions into ``folder`` whose process
+    is gone (killed with -9, a power cut): their name ends in ``-<pid>-<8 hex>``. A live
+    process's folder, a concurrent conversion's, is kept. Names from before the pid was
+    recorded (``-<8 hex>`` only) are removed once an hour old (a conversion takes seconds).
+    Only folders holding nothing but a conversion's files are touched: ``folder`` may be any
+    folder of the user's (``monokernel convert x.gguf OUT``)."""
+    removed = []
+    for p in [*folder.glob(".tmp-*"), *folder.glob(".old-*")]:
+        m = re.fullmatch(r"\.(?:tmp|old)-.+?(?:-(\d+))?-[0-9a-f]{8}", p.name)
+        try:
+            if not m or not p.is_dir() or not {c.name for c in p.iterdir()} <= _OUTPUT_FILES:
+                continue
+            if m.group(1) is not None:
+                stale = not _alive(int(m.group(1)))
+            else:
+                stale = time.time() - p.stat().st_mtime > legacy_age_s
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    except OSError:
+        return True  # cannot tell: keep it
+    return True
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -119,17 +197,20 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def source_marker(gguf_path: str | Path) -> dict[str, Any]:
-    """Identifies a GGUF cheaply: name, size, sha256 of the first and last MiB, converter version."""
+    """What a conversion was made from (``monokernel.json``, the cache marker): the file's
+    name (for people), its size and content key (``gguf_header.content_key``: the whole
+    metadata section and the first and last MiB of the weights) and the converter version."""
     path = Path(gguf_path)
-    size = path.stat().st_size
-    h = hashlib.sha256()
-    mib = 1 << 20
-    with path.open("rb") as f:
-        h.update(f.read(mib))
-        f.seek(max(0, size - mib))
-        h.update(f.read(mib))
-    return {"source": path.name, "size": size, "sha256_head_tail": h.hexdigest(),
+    return {"source": path.name, "size": path.stat().st_size, "content_sha256": content_key(path),
             "converter_version": CONVERTER_VERSION}
+
+
+def marker_matches(folder: Path, want: dict[str, Any]) -> bool:
+    """Whether ``folder`` holds a finished conversion of the content ``want`` describes (any
+    file name: the same content under another name is the same model)."""
+    have = _read_marker(folder)
+    drop = lambda d: {k: v for k, v in d.items() if k != "source"}  # noqa: E731
+    return have is not None and drop(have) == drop(want)
 
 
 # ==== reading the file ===========================================================================
@@ -142,16 +223,22 @@ def _open_gguf(path: Path):
                         "installed here: pip install 'gguf>=0.10'") from None
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
+    # Truncation first, from the header: GGUFReader would report a file cut inside the
+    # weights as a numpy reshape error
+    header = read_header(path)
+    for t in header.tensors:
+        try:
+            block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)]
+        except (ValueError, KeyError):
+            continue  # a type the gguf package does not know: named later, by _dequantize
+        end = header.data_start + t.offset + int(np.prod(t.dims, dtype=np.int64)) // block * nbytes
+        if end > header.size:
+            raise GGUFError(f"{path}: truncated: tensor {t.name!r} ends at byte {end} of a "
+                            f"{header.size}-byte file (an interrupted download or copy?)")
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, IndexError, OSError... on a bad file
         raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + int(t.n_bytes) > size:
-            raise GGUFError(f"{path}: truncated: tensor {t.name!r} ends at byte "
-                            f"{t.data_offset + int(t.n_bytes)} of a {size}-byte file")
-    return reader
 
 
 def _field(reader, key: str, default: Any = None, *, path: Path | None = None) -> Any:
@@ -286,24 +373,42 @@ def _dequantize(t, path: Path) -> np.ndarray:
 
 def _write_weights(reader, path: Path, cfg: ModelConfig, out: Path, unpermute: bool,
                    progress: bool) -> None:
+    """model.safetensors, written tensor by tensor as each is dequantized: the header first
+    (every shape is known from the GGUF's tensor table), then the bf16 bytes. So memory holds
+    one tensor, not the model twice, and the bar counts the bytes as they reach the disk (the
+    safetensors package's save_file wrote everything in one silent call at the end, ~13 s for
+    SmolLM2 on a busy machine). The format: u64 header length, the JSON header padded with
+    spaces to 8 bytes, the data in header order; safetensors.safe_open checks it on load."""
     import ml_dtypes
-    from safetensors.numpy import save_file
-    from tqdm import tqdm
 
     permuted = cfg.arch == "llama" and unpermute
-    tensors: dict[str, np.ndarray] = {}
-    for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor",
-                  disable=not progress, file=sys.stderr):
-        hf = _hf_name(t.name, path)
-        if hf is None:
-            continue
-        w = _dequantize(t, path)
-        if permuted and ".attn_q." in t.name:
-            w = unpermute_qk(w, cfg.num_heads)
-        elif permuted and ".attn_k." in t.name:
-            w = unpermute_qk(w, cfg.num_kv_heads)
-        tensors[hf] = w.astype(ml_dtypes.bfloat16)
-    save_file(tensors, str(out), metadata={"format": "pt", "source": path.name})
+    plan = [(t, hf) for t in reader.tensors if (hf := _hf_name(t.name, path)) is not None]
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": path.name}}
+    offset = 0
+    for t, hf in plan:
+        shape = [int(d) for d in reversed(t.shape)]  # HF's [out, in]
+        n = int(np.prod(shape, dtype=np.int64)) * 2
+        header[hf] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(out, "wb") as f, progress_bar(total=offset, desc=f"converting {path.name}",
+                                            unit="B", unit_scale=True, enabled=progress) as bar:
+        _write_bytes(f, len(blob).to_bytes(8, "little") + blob)
+        for t, hf in plan:
+            w = _dequantize(t, path)
+            if permuted and ".attn_q." in t.name:
+                w = unpermute_qk(w, cfg.num_heads)
+            elif permuted and ".attn_k." in t.name:
+                w = unpermute_qk(w, cfg.num_kv_heads)
+            data = np.ascontiguousarray(w.astype(ml_dtypes.bfloat16)).tobytes()
+            _write_bytes(f, data)
+            bar.update(len(data))
+
+
+def _write_bytes(f, data: bytes) -> None:
+    """Every byte of a conversion goes through here (a test makes it fail as a full disk)."""
+    f.write(data)
 
 
 # ==== tokenizer ==================================================================================
@@ -329,7 +434,8 @@ def _tokenizer_config(reader, cfg: ModelConfig) -> dict[str, Any]:
         "pad_token": _token(tokens, reader, "padding_token_id"),
         "unk_token": _token(tokens, reader, "unknown_token_id"),
         "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token",
-                                     add_bos_default(_field(reader, "tokenizer.ggml.model")))),
+                                     add_bos_default(_field(reader, "tokenizer.ggml.model"),
+                                                     _field(reader, "tokenizer.ggml.pre")))),
         "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": cfg.max_position_embeddings,
@@ -366,7 +472,12 @@ def _generation_config(reader, cfg: ModelConfig) -> dict[str, Any]:
 # ==== files ======================================================================================
 
 def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    _write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "wb") as f:
+        _write_bytes(f, text.encode("utf-8"))
 
 
 def _read_marker(folder: Path) -> dict[str, Any] | None:
@@ -380,7 +491,7 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     """Rename the finished ``tmp`` to ``out``; an old ``out`` is moved aside first, then removed."""
     old = None
     if out.exists():
-        old = out.parent / f".old-{out.name}-{secrets.token_hex(4)}"
+        old = out.parent / f".old-{out.name}-{os.getpid()}-{secrets.token_hex(4)}"
         os.replace(out, old)
     try:
         os.replace(tmp, out)

@@ -37,7 +37,16 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS = ("smollm", "gpt2", "default", "llama-bpe", "llama3", "llama-v3", "qwen2")
+# The pre-tokenizers (tokenizer.ggml.pre) of byte-level BPE files, by the names llama.cpp's
+# src/llama-vocab.cpp gives them. "gpt-2" is what llama.cpp's convert_hf_to_gguf.py writes for
+# GPT-2's regex; "gpt2" is an older spelling some converters wrote, read the same way.
+LLAMA3_PRES = ("llama-bpe", "llama3", "llama-v3")
+PRE_TOKENIZERS = ("smollm", "gpt-2", "gpt2") + LLAMA3_PRES + ("qwen2",)
+# llama.cpp reads a missing tokenizer.ggml.pre, and "default", as its legacy pre-tokenizer
+# (LLAMA_VOCAB_PRE_TYPE_DEFAULT: four regexes in turn, not GPT-2's), warning "GENERATION
+# QUALITY WILL BE DEGRADED! CONSIDER REGENERATING THE MODEL". We refuse such a file rather
+# than guess which pre-tokenizer the model was trained with.
+LEGACY_PRE = "default"
 
 # llama.cpp's token types (tokenizer.ggml.token_type), the same numbers as SentencePiece's.
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -71,15 +80,26 @@ def build_tokenizer(meta: Mapping[str, Any], path: Path):
     return tok
 
 
-def add_bos_default(kind: str) -> bool:
-    """llama.cpp adds a BOS to a SentencePiece vocabulary whose file does not say otherwise."""
-    return kind == "llama"
+def add_bos_default(kind: str, pre: str | None = None) -> bool:
+    """Whether llama.cpp adds a BOS when the file has no ``tokenizer.ggml.add_bos_token``:
+    for a SentencePiece vocabulary, and for the Llama-3 pre-tokenizers (llama-vocab.cpp sets
+    ``add_bos = true`` in their branch; Llama-3 GGUFs converted before the key existed rely on
+    it); not for the other byte-level BPE ones."""
+    return kind == "llama" or (kind == "gpt2" and pre in LLAMA3_PRES)
 
 
 def _byte_level_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int], path: Path):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    pre = meta.get("pre", "default")
+    pre = meta.get("pre")
+    if pre is None or pre == LEGACY_PRE:
+        what = ("has no pre-tokenizer (tokenizer.ggml.pre)" if pre is None
+                else "names the pre-tokenizer 'default' (tokenizer.ggml.pre)")
+        raise TokenizerError(
+            f"{path}: {what}. llama.cpp reads that as its legacy pre-tokenizer and warns that "
+            f"generation quality will be degraded; monokernel does not guess which one the model "
+            f"was trained with. Re-convert the model with a current llama.cpp "
+            f"convert_hf_to_gguf.py (supported: {', '.join(PRE_TOKENIZERS)})")
     if pre not in PRE_TOKENIZERS:
         raise TokenizerError(f"{path}: pre-tokenizer {pre!r} is not supported "
                              f"(supported: {', '.join(PRE_TOKENIZERS)})")
@@ -90,7 +110,7 @@ def _byte_level_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int]
     try:
         pairs = [tuple(m.split(" ")) for m in merges]
         bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False,
-                         ignore_merges=pre in ("llama-bpe", "llama3", "llama-v3"))
+                         ignore_merges=pre in LLAMA3_PRES)
     except Exception as e:
         raise TokenizerError(f"{path}: cannot build the BPE model ({e})") from None
     tok = Tokenizer(bpe)
@@ -98,7 +118,7 @@ def _byte_level_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int]
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    elif pre in ("gpt2", "default"):
+    elif pre in ("gpt-2", "gpt2"):
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
         split = QWEN2_SPLIT if pre == "qwen2" else LLAMA3_SPLIT
@@ -173,7 +193,7 @@ def _post_processor(tok, meta: Mapping[str, Any], tokens: list[str], path: Path)
     """BOS (and EOS) around each sequence, as the file's add_bos_token/add_eos_token say."""
     from tokenizers import processors
 
-    add_bos = bool(meta.get("add_bos_token", add_bos_default(meta["model"])))
+    add_bos = bool(meta.get("add_bos_token", add_bos_default(meta["model"], meta.get("pre"))))
     add_eos = bool(meta.get("add_eos_token", False))
     ends = []
     for flag, key in ((add_bos, "bos_token_id"), (add_eos, "eos_token_id")):

@@ -237,7 +237,7 @@ def resolve_model_dir(model: str | Path | None, progress: bool = True) -> Path:
         from . import gguf_import
 
         out = gguf_cache_dir(path)
-        if not (out / "config.json").is_file():
+        if not gguf_import.marker_matches(out, gguf_import.source_marker(path)):
             with _cache_writes():
                 gguf_import.convert_gguf(path, out, progress=progress, overwrite=True)
         return out

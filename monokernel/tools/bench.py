@@ -42,6 +42,7 @@ from ..errors import BackendUnavailableError, KernelError
 from ..kernel.isa import State
 from ..model.loader import LoadedModel
 from ..kernel.base import wall_times
+from ..progress import progress_bar, ticking
 
 KERNEL_BACKENDS = ("cuda", "cuda-1step", "cuda-noprefetch", "cuda-v1", "cuda-sync1",
                    "cuda-block-merge", "cuda-multi", "cuda-multi-graph", "cuda-multi-graph-pdl", "emulator",
@@ -395,9 +396,28 @@ def run_bench(models: list[tuple[str, LoadedModel]], backends: list[str], contex
         if on_row is not None:
             on_row(doc)
 
+    # a row is minutes on the emulator: a bar over the rows, its clock kept moving, the row
+    # being measured as its label
+    bar = progress_bar(total=len(models) * len(backends) * len(contexts), desc="bench",
+                       unit="row")
+    say = log
+
+    def log(msg: str) -> None:
+        with bar.external_write_mode(file=sys.stderr):  # the bar steps aside for the line
+            say(msg)
+
+    with bar, ticking(bar):
+        _run_rows(models, backends, contexts, steps, warmup, blocks, max_seq_len, resources,
+                  setups, add, log, bar)
+    return doc
+
+
+def _run_rows(models, backends, contexts, steps, warmup, blocks, max_seq_len, resources, setups,
+              add, log, bar) -> None:
     for shape, model in models:
         hf = None
         for backend in backends:
+            bar.set_description(f"bench {shape} {backend}")
             where = device_class(backend)
             e2e = None
             try:
@@ -427,9 +447,11 @@ def run_bench(models: list[tuple[str, LoadedModel]], backends: list[str], contex
             except Exception as e:  # record and go on: one broken backend must not lose the run
                 for c in contexts:
                     add(Result(backend, shape, c, where, error=_err(e)))
+                    bar.update(1)
                 log(f"{shape} {backend}: ERROR {_err(e)}")
                 continue
             for c in contexts:
+                bar.set_description(f"bench {shape} {backend} context {c}")
                 r = Result(backend, shape, c, where, blocks=nb)
                 try:
                     times, r.timing = run(c)
@@ -443,7 +465,7 @@ def run_bench(models: list[tuple[str, LoadedModel]], backends: list[str], contex
                     r.error = _err(e)
                     log(f"{shape} {backend} context {c}: ERROR {r.error}")
                 add(r)
-    return doc
+                bar.update(1)
 
 
 def _err(e: BaseException) -> str:

@@ -40,7 +40,10 @@ def cmd_plan(args) -> int:
     # the program an LLM runs: built for a 2048-position cache (the default max_seq_len), or
     # the context if longer; the split policy depends on it (scheduler.default_attn_splits)
     max_seq = max(args.context + 1, min(2048, cfg.max_position_embeddings))
-    prog = schedule(cfg, args.blocks, max_seq, design=design)
+    from ..progress import waiting
+
+    with waiting(f"scheduling and verifying the program of {label} on {args.blocks} blocks"):
+        prog = schedule(cfg, args.blocks, max_seq, design=design)
     t_sched = time.perf_counter() - t0
     print(plan_report(label, prog, args.context))
     print(f"scheduled and verified in {t_sched:.1f} s")

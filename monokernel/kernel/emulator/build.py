@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ...errors import KernelError, MonokernelError
+from ...progress import waiting
 
 SHIM_PATH = Path(__file__).with_name("cuda_cpu.h")
 COMMON_SHIM_PATH = SHIM_PATH.with_name("cuda_cpu_common.h")  # included by cuda_cpu.h
@@ -199,8 +200,10 @@ def build(
     so_path = out_dir / f"{stem}-{key}{'-asan' if sanitize else ''}.so"
 
     cache_hit = so_path.is_file()
-    if not cache_hit:
-        compile_unit(unit, flags, so_path, f"{filename} for the CPU emulator")
+    if not cache_hit:  # the first build of a source takes a while (a minute on 2 cores)
+        with waiting(f"building {Path(filename).name} for the CPU emulator (g++, once per "
+                     f"source)"):
+            compile_unit(unit, flags, so_path, f"{filename} for the CPU emulator")
     if sanitize == "address" and "libasan" not in os.environ.get("LD_PRELOAD", ""):
         raise EmulatorBuildError(
             f"{so_path} (an AddressSanitizer build of {filename}) can only be loaded into a process started "
