@@ -83,6 +83,48 @@ class RayServe:
                 pass
 
 
+def session_sockets(sid: int) -> list[tuple[str, str, str]]:
+    """(state, local address, remote address) of every TCP socket a process of session
+    ``sid`` holds, from /proc/<pid>/fd and /proc/net/tcp{,6} (addresses in the kernel's hex)."""
+    inodes = set()
+    for pid in session_pids(sid):
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    out = []
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[9] in inodes:
+                out.append((f[3], f[1].split(":")[0], f[2].split(":")[0]))
+    return out
+
+
+def loopback(addr: str) -> bool:
+    """A /proc/net address in hex (32-bit words, each printed little-endian: 127.0.0.1 is
+    0100007F): 127.0.0.0/8, ::1, or ::ffff:127.x.y.z."""
+    if len(addr) == 8:
+        return addr.endswith("7F")
+    return addr == "0" * 24 + "01000000" or (addr[:24] == "0" * 16 + "FFFF0000"
+                                             and addr.endswith("7F"))
+
+
+def wildcard(addr: str) -> bool:
+    return set(addr) == {"0"}
+
+
 def replica_of(headers) -> tuple[str, int]:
     """(the replica's name, its pid) from the x-monokernel-replica header id@host:pid."""
     name = headers["x-monokernel-replica"]
@@ -140,6 +182,21 @@ def test_the_application_builder_asks_one_gpu_per_replica_on_a_gpu_backend():
         build({"api_key": "in-the-manifest"})
     with pytest.raises(MonokernelError, match="--replicas"):
         build({"replicas": 0})
+
+
+def test_every_ray_process_talks_over_loopback_only(ray_serve):
+    """The local Ray instance (Ray's single-node mode, set by the command), its proxy, agents
+    and replicas: every TCP connection of the command's processes is between loopback
+    addresses, and every listening socket is bound to loopback (or, for the replicas' own
+    server, to every interface: it only accepts). Server tests talk only to 127.0.0.1; by
+    default Ray binds its agents to the machine's address and connects through it."""
+    httpx.get(f"{ray_serve.url}/v1/models", timeout=30.0).raise_for_status()
+    sockets = session_sockets(ray_serve.proc.pid)
+    listen = [(lo, rem) for st, lo, rem in sockets if st == "0A"]
+    conns = [(lo, rem) for st, lo, rem in sockets if st != "0A" and not wildcard(rem)]
+    assert listen and conns, sockets  # the command's processes were found
+    assert all(loopback(lo) or wildcard(lo) for lo, _ in listen), listen
+    assert all(loopback(lo) and loopback(rem) for lo, rem in conns), conns
 
 
 def test_requests_spread_over_both_replicas(ray_serve):

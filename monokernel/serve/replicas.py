@@ -96,10 +96,16 @@ def deployment(args: argparse.Namespace, options: dict, gpu: bool):
 def serve_replicas(args: argparse.Namespace, options: dict) -> int:
     """Deploy, wait for SIGTERM or SIGINT, take it all down. ``args``: the serve command's
     flags; ``options``: create_app's keyword arguments."""
+    local = args.ray_address is None
+    if local:
+        # A local instance is one node: Ray's single-node mode keeps every Ray process on
+        # 127.0.0.1 (otherwise its agents bind to the machine's address and its processes talk
+        # through it). The switch is read when ray is imported, so it is set before; its name
+        # comes from the platforms where that mode is Ray's default.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray, serve = require_ray()
     if args.model is not None and not Path(args.model).exists():
         raise MonokernelError(f"--model {args.model}: no such file or folder")
-    local = args.ray_address is None
     if local:
         # every replica of a CPU backend asks for one CPU: a small machine still runs N
         ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas), include_dashboard=False,
