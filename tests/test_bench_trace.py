@@ -40,7 +40,8 @@ def test_bench_emulator_and_numpy(tmp_path, capsys):
     assert ppath.stem == jpath.stem
     assert_png(ppath)
     doc = json.loads(jpath.read_text())
-    for key in ("date", "device", "commit", "command", "method", "floors", "results",
+    for key in ("date", "device", "commit", "commit_source", "command", "method", "floors",
+                "results",
                 "resources", "weight_bytes_per_token", "backends"):
         assert key in doc, key
     assert doc["command"].startswith("monokernel bench --shape tiny --backends "
@@ -54,8 +55,9 @@ def test_bench_emulator_and_numpy(tmp_path, capsys):
     assert set(rows) == {(b, c) for b in ("emulator", "emulator-multi", "numpy") for c in (4, 16)}
     for r in rows.values():
         assert r["error"] is None
-        if r["backend"] == "emulator":  # many steps per launch: one launch of the 3 steps
-            assert r["n"] == 1 and "one launch of 3 steps" in r["timing"]["timer"]
+        if r["backend"] == "emulator":  # many steps per launch: launches of the 3 steps, 5 times
+            assert r["n"] == bench.CHAINED_REPEATS == 5 and len(r["times_us"]) == 5
+            assert "one launch of 3 steps" in r["timing"]["timer"]
         else:
             assert r["n"] == 3 and len(r["times_us"]) == 3
         assert 0 < r["p10_us"] <= r["median_us"] <= r["p90_us"]
@@ -69,8 +71,8 @@ def test_bench_emulator_and_numpy(tmp_path, capsys):
     assert "device_time" in doc["method"] and "end_to_end" in doc["method"]
     assert rows[("emulator", 4)]["blocks"] == 4
     assert doc["backends"]["tiny/emulator"]["critical_path_hops"] > 0
-    for b in ("emulator-multi", "numpy"):
-        assert re.search(rf"^{b}\s+tiny\s+16\s+[\d.]+\s", printed, re.M), printed
+    for b, n in (("emulator", 5), ("emulator-multi", 3), ("numpy", 3)):  # the n column
+        assert re.search(rf"^{b}\s+tiny\s+16\s+{n}\s+[\d.]+\s", printed, re.M), printed
 
 
 def test_bench_json_is_rewritten_after_every_row(tmp_path, monkeypatch):
@@ -127,7 +129,7 @@ def test_bench_unknown_backend(tmp_path, capsys):
 # ---- trace ----------------------------------------------------------------------------------
 def test_trace_cli(tmp_path, capsys):
     rc = main(["trace", "--shape", "tiny", "--backend", "emulator", "--context", "5",
-               "--out", str(tmp_path)])
+               "--max-seq", "24", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     (jpath,) = tmp_path.glob("trace-tiny-emulator-ctx5.json")
@@ -135,6 +137,8 @@ def test_trace_cli(tmp_path, capsys):
     doc = json.loads(jpath.read_text())
     meta = doc["otherData"]
     blocks, step_us = meta["blocks"], meta["step_us"]
+    # the timer's tick, measured before the step, for calibrate's check
+    assert meta["timer"] == "host steady clock (emulator)" and 1 <= meta["timer_tick_ns"] < 1000
     events = doc["traceEvents"]
     for e in events:
         assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e), e
