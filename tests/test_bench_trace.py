@@ -217,3 +217,18 @@ def test_plan_bundled_model(bundled_dir, capsys):
     out = capsys.readouterr().out
     assert "30 layers, hidden 576" in out
     assert "151 dependency hops" in out
+
+
+def test_commit_comes_from_the_environment_then_the_commit_file(tmp_path, monkeypatch):
+    """The GPU machine gets the tree without .git: MONOKERNEL_COMMIT, else .commit (written by
+    the caller before the run), else git; every result says which."""
+    monkeypatch.setattr(bench, "COMMIT_FILE", tmp_path / ".commit")
+    monkeypatch.setenv("MONOKERNEL_COMMIT", "abc1234")
+    (tmp_path / ".commit").write_text("0123456789abcdef0123456789abcdef01234567\n")
+    assert bench.commit_info() == ("abc1234", "$MONOKERNEL_COMMIT")
+    monkeypatch.delenv("MONOKERNEL_COMMIT")
+    assert bench.commit_info() == ("0123456789abcdef0123456789abcdef01234567", ".commit file")
+    assert bench.git_commit() == "0123456"
+    (tmp_path / ".commit").unlink()
+    commit, source = bench.commit_info()  # tmp_path is no git checkout
+    assert commit == "unknown" and "no .commit file" in source, (commit, source)
