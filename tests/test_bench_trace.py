@@ -232,3 +232,15 @@ def test_commit_comes_from_the_environment_then_the_commit_file(tmp_path, monkey
     (tmp_path / ".commit").unlink()
     commit, source = bench.commit_info()  # tmp_path is no git checkout
     assert commit == "unknown" and "no .commit file" in source, (commit, source)
+
+
+def test_max_seq_too_short_is_refused_before_any_work(tmp_path, capsys):
+    """--max-seq (the GPU check's one KV-cache length) must hold what the rows or the traced
+    step need: refused with the need, nothing written."""
+    with pytest.raises(SystemExit, match=r"--max-seq 20 is too short .* \(needs 25\)"):
+        main(["bench", "--shape", "tiny", "--backends", "numpy", "--context", "16",
+              "--steps", "6", "--warmup", "1", "--max-seq", "20", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--max-seq 5 leaves no position"):
+        main(["trace", "--shape", "tiny", "--context", "5", "--max-seq", "5",
+              "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())

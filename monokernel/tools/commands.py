@@ -189,15 +189,15 @@ def cmd_bench(args) -> int:
     if args.steps < 1 or args.warmup < 0 or not contexts or min(contexts) < 1:
         raise SystemExit("monokernel: error: need --steps >= 1, --warmup >= 0 and every "
                          "--context >= 1")
-    shapes = [s.strip() for s in args.shape.split(",")] if args.shape else [None]
-    models = [_load(args, s) for s in shapes]
-    command = bench_command_line(args)
     need = max(contexts) + args.warmup + args.steps + 2
     max_seq = getattr(args, "max_seq", None)
     if max_seq is not None and max_seq < need:
         raise SystemExit(f"monokernel: error: --max-seq {max_seq} is too short for context "
                          f"{max(contexts)} + {args.warmup} warmup + {args.steps} steps "
                          f"(needs {need})")
+    shapes = [s.strip() for s in args.shape.split(",")] if args.shape else [None]
+    models = [_load(args, s) for s in shapes]
+    command = bench_command_line(args)
     doc = run_bench(models, backends, contexts, args.steps, args.warmup, args.blocks,
                     log=lambda s: print(s, file=sys.stderr, flush=True),
                     on_row=lambda d: write_json(dict(d, command=command), args.out),
