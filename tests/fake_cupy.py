@@ -41,7 +41,8 @@ class FakeArray:
 class FakeCupy:
     """Just the CuPy surface cuda_backend uses, recording what it is asked to do."""
 
-    def __init__(self, num_sms=4, blocks_per_sm=1, hang=False, launch_mode="emulator"):
+    def __init__(self, num_sms=4, blocks_per_sm=1, hang=False, launch_mode="emulator",
+                 nvrtc=False):
         from monokernel.kernel.executor import EmulatorDevice
 
         fake = self
@@ -52,6 +53,11 @@ class FakeCupy:
         self.hang = hang
         self.streams: dict[int, object] = {}
         self.param_size = params_dtype().itemsize
+        # nvrtc=True: RawModule really compiles with NVRTC (cuda-bindings) on first
+        # get_function, behind an on-disk cache like CuPy's, so the GPU check's host side is
+        # timed with its compiles (scripts/gpu_check.sh --fake-cupy)
+        self.nvrtc = nvrtc
+        self.nvrtc_compiles: list[float] = []  # seconds of each real compile in this process
 
         class CompileException(Exception):
             def get_message(self):
@@ -137,7 +143,17 @@ class FakeCupy:
                     fake.module = fake.emulator.compile(code, KERNEL_NAMES, defines)
                     fake.emulated = set(KERNEL_NAMES)
 
+                self.code, self.options, self.compiled = code, options, False
+
             def get_function(self, name):
+                if fake.nvrtc and not self.compiled:
+                    try:
+                        seconds = nvrtc_compile_cached(self.code, self.options)
+                    except RuntimeError as e:
+                        raise CompileException(str(e)) from None
+                    if seconds is not None:
+                        fake.nvrtc_compiles.append(seconds)
+                    self.compiled = True
                 return RawKernel(name)
 
         self.functions: dict[int, str] = {}
@@ -162,8 +178,53 @@ class FakeCupy:
         self.copyto = lambda dst, src: np.copyto(dst.a, src.a)
         self.uint8, self.uint64 = np.uint8, np.uint64
         self.__version__ = "0.0-fake"
-        self.show_config = lambda: print("fake CuPy (tests/fake_cupy.py): launches are",
+        self.show_config = lambda: print("fake CuPy (tests/fake_cupy.py): NVRTC compiles",
+                                         "real (sm_90)" if nvrtc else "none", "; launches are",
                                          launch_mode)
+
+
+# What CuPy adds to a RawModule's options on an H200: its arch and -ftz=true.
+NVRTC_EXTRA = ("-arch=sm_90", "-ftz=true")
+
+
+def nvrtc_compile_cached(code: str, options) -> float | None:
+    """Compile ``code`` with NVRTC as CuPy would on an H200, unless a cubin of the same source
+    and options is in $CUPY_CACHE_DIR (CuPy's on-disk cache; default ~/.cupy/kernel_cache):
+    seconds the compile took, or None on a cache hit. RuntimeError with NVRTC's log when the
+    source does not compile."""
+    import hashlib
+    import os
+    import time
+    from pathlib import Path
+
+    from cuda.bindings import nvrtc
+
+    opts = [o.encode() for o in tuple(options) + NVRTC_EXTRA]
+    key = hashlib.sha256(b"\0".join([code.encode()] + opts)).hexdigest()
+    cache = Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
+    path = cache / f"fake-{key}.cubin"
+    if path.is_file():
+        return None
+    t0 = time.perf_counter()
+    err, prog = nvrtc.nvrtcCreateProgram(code.encode(), b"megakernel.cu", 0, [], [])
+    (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    ok = err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    if ok:
+        _, n = nvrtc.nvrtcGetCUBINSize(prog)
+        out = b" " * n
+        nvrtc.nvrtcGetCUBIN(prog, out)
+    else:
+        _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+        out = b" " * n
+        nvrtc.nvrtcGetProgramLog(prog, out)
+    nvrtc.nvrtcDestroyProgram(prog)
+    if not ok:
+        raise RuntimeError(out.decode(errors="replace"))
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(out)
+    tmp.replace(path)  # atomic: parallel compiles of one source never see half a file
+    return time.perf_counter() - t0
 
 
 class FakeLaunchEx:

@@ -40,7 +40,8 @@ def test_bench_emulator_and_numpy(tmp_path, capsys):
     assert ppath.stem == jpath.stem
     assert_png(ppath)
     doc = json.loads(jpath.read_text())
-    for key in ("date", "device", "commit", "command", "method", "floors", "results",
+    for key in ("date", "device", "commit", "commit_source", "command", "method", "floors",
+                "results",
                 "resources", "weight_bytes_per_token", "backends"):
         assert key in doc, key
     assert doc["command"].startswith("monokernel bench --shape tiny --backends "
@@ -54,8 +55,9 @@ def test_bench_emulator_and_numpy(tmp_path, capsys):
     assert set(rows) == {(b, c) for b in ("emulator", "emulator-multi", "numpy") for c in (4, 16)}
     for r in rows.values():
         assert r["error"] is None
-        if r["backend"] == "emulator":  # many steps per launch: one launch of the 3 steps
-            assert r["n"] == 1 and "one launch of 3 steps" in r["timing"]["timer"]
+        if r["backend"] == "emulator":  # many steps per launch: launches of the 3 steps, 5 times
+            assert r["n"] == bench.CHAINED_REPEATS == 5 and len(r["times_us"]) == 5
+            assert "one launch of 3 steps" in r["timing"]["timer"]
         else:
             assert r["n"] == 3 and len(r["times_us"]) == 3
         assert 0 < r["p10_us"] <= r["median_us"] <= r["p90_us"]
@@ -69,8 +71,8 @@ def test_bench_emulator_and_numpy(tmp_path, capsys):
     assert "device_time" in doc["method"] and "end_to_end" in doc["method"]
     assert rows[("emulator", 4)]["blocks"] == 4
     assert doc["backends"]["tiny/emulator"]["critical_path_hops"] > 0
-    for b in ("emulator-multi", "numpy"):
-        assert re.search(rf"^{b}\s+tiny\s+16\s+[\d.]+\s", printed, re.M), printed
+    for b, n in (("emulator", 5), ("emulator-multi", 3), ("numpy", 3)):  # the n column
+        assert re.search(rf"^{b}\s+tiny\s+16\s+{n}\s+[\d.]+\s", printed, re.M), printed
 
 
 def test_bench_json_is_rewritten_after_every_row(tmp_path, monkeypatch):
@@ -127,7 +129,7 @@ def test_bench_unknown_backend(tmp_path, capsys):
 # ---- trace ----------------------------------------------------------------------------------
 def test_trace_cli(tmp_path, capsys):
     rc = main(["trace", "--shape", "tiny", "--backend", "emulator", "--context", "5",
-               "--out", str(tmp_path)])
+               "--max-seq", "24", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     (jpath,) = tmp_path.glob("trace-tiny-emulator-ctx5.json")
@@ -135,6 +137,8 @@ def test_trace_cli(tmp_path, capsys):
     doc = json.loads(jpath.read_text())
     meta = doc["otherData"]
     blocks, step_us = meta["blocks"], meta["step_us"]
+    # the timer's tick, measured before the step, for calibrate's check
+    assert meta["timer"] == "host steady clock (emulator)" and 1 <= meta["timer_tick_ns"] < 1000
     events = doc["traceEvents"]
     for e in events:
         assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e), e
@@ -213,3 +217,30 @@ def test_plan_bundled_model(bundled_dir, capsys):
     out = capsys.readouterr().out
     assert "30 layers, hidden 576" in out
     assert "151 dependency hops" in out
+
+
+def test_commit_comes_from_the_environment_then_the_commit_file(tmp_path, monkeypatch):
+    """The GPU machine gets the tree without .git: MONOKERNEL_COMMIT, else .commit (written by
+    the caller before the run), else git; every result says which."""
+    monkeypatch.setattr(bench, "COMMIT_FILE", tmp_path / ".commit")
+    monkeypatch.setenv("MONOKERNEL_COMMIT", "abc1234")
+    (tmp_path / ".commit").write_text("0123456789abcdef0123456789abcdef01234567\n")
+    assert bench.commit_info() == ("abc1234", "$MONOKERNEL_COMMIT")
+    monkeypatch.delenv("MONOKERNEL_COMMIT")
+    assert bench.commit_info() == ("0123456789abcdef0123456789abcdef01234567", ".commit file")
+    assert bench.git_commit() == "0123456"
+    (tmp_path / ".commit").unlink()
+    commit, source = bench.commit_info()  # tmp_path is no git checkout
+    assert commit == "unknown" and "no .commit file" in source, (commit, source)
+
+
+def test_max_seq_too_short_is_refused_before_any_work(tmp_path, capsys):
+    """--max-seq (the GPU check's one KV-cache length) must hold what the rows or the traced
+    step need: refused with the need, nothing written."""
+    with pytest.raises(SystemExit, match=r"--max-seq 20 is too short .* \(needs 25\)"):
+        main(["bench", "--shape", "tiny", "--backends", "numpy", "--context", "16",
+              "--steps", "6", "--warmup", "1", "--max-seq", "20", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--max-seq 5 leaves no position"):
+        main(["trace", "--shape", "tiny", "--context", "5", "--max-seq", "5",
+              "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())

@@ -539,3 +539,32 @@ def test_the_per_block_merge_with_idle_lanes_is_predicted_to_help_smollm2_at_lon
     trips = [{r["op"]: r["trips"] for r in x.op_rows()}["O_PROJ_RESIDUAL"] for x in (on, off)]
     # 1025 positions in 128-position splits: 9 used; merge rounds ceil(9 / 4) -> ceil(9 / 8)
     assert trips[0] == trips[1] - 1, trips
+
+
+def test_calibrate_refuses_a_trace_whose_timer_is_too_coarse(tmp_path, capsys):
+    """The trace records its timer's tick (monokernel trace measures it first): a tick above
+    MAX_TICK_SHARE of the ops' median busy time is refused (a fit would describe the timer), a
+    fine one is fitted, and a trace without a tick is fitted with a note."""
+    import json
+
+    prog = program("smollm2-135m", 32, 17, design=2)
+    path = cal.write_synthetic_trace(cm.predict(prog, "h200", cm.V3, 16), tmp_path / "s.json",
+                                     "smollm2-135m")
+    doc = json.loads(path.read_text())
+    meta, events = cal.load_trace(path)
+    start, ready, end = cal.measured(prog, events, str(path))
+    busy = cal.Fit(prog, 16, cm.gpu("h200"), cm.V3, start, ready, end).busy
+    median_ns = float(np.median(busy[busy > 0])) * 1e3
+    for tick, ok in ((1, True), (int(0.05 * median_ns), True), (int(0.5 * median_ns), False),
+                     (1000, median_ns >= 10_000)):
+        doc["otherData"].update(timer="%globaltimer", timer_tick_ns=tick)
+        path.write_text(json.dumps(doc))
+        rc = main(["calibrate", str(path)])
+        err = capsys.readouterr().err
+        assert (rc == 0) == ok, (tick, median_ns, err)
+        if not ok:
+            assert f"ticks every {tick} ns, too coarse" in err, err
+    del doc["otherData"]["timer_tick_ns"]
+    path.write_text(json.dumps(doc))
+    assert main(["calibrate", str(path)]) == 0
+    assert "does not record its timer's tick" in capsys.readouterr().out

@@ -35,7 +35,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # differences are far below this; a bf16-rounding slip costs ~4e-3 (see test_kernel_emulator).
 RTOL_OF_MAX = 2e-3
 GPU_SHAPES = ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"]
-GPU_MAX_SEQ = 256
+# scripts/gpu_check.sh gives every step one KV-cache length (shared compiled kernels and proofs)
+GPU_MAX_SEQ = int(os.environ.get("MONOKERNEL_GPU_MAX_SEQ", "256"))
 PROMPT = [1, 999, 5, 0, 517, 998]  # spread over the vocabulary; fed one token per step
 DECODE_STEPS = 10  # 16 steps in all: every split boundary of 8 splits is crossed
 
@@ -365,8 +366,12 @@ def gpu_case():
 
     def get(shape: str):
         if shape not in cache:
+            from monokernel.model.reference import greedy_reference_run
+
             m = load_model(synthetic_checkpoint(shape), progress=False)
-            cache[shape] = (m, *reference_run(m, PROMPT, len(PROMPT) + DECODE_STEPS, GPU_MAX_SEQ))
+            # the GPU check's prepare step computed it (--reference): read from the cache
+            fed, logits = greedy_reference_run(m, PROMPT, len(PROMPT) + DECODE_STEPS)
+            cache[shape] = (m, fed, logits)
         return cache[shape]
 
     return get
@@ -553,3 +558,69 @@ def test_fake_cupy_time_steps_holds_the_stream_before_each_batch(fake_cupy):
     assert [n for n, _, _ in fake.launches] == ["mk_hold"] * 3
     assert calls[0] == 1 and calls[10] == 2 and calls[20] == 3  # the hold precedes each batch
     assert info["host_in_window"] == 0 and info["hold_ns"] >= 2_000_000
+
+
+def test_fake_cupy_time_steps_never_queues_more_than_its_limit(fake_cupy):
+    """A call that queues many launches (cuda-multi: one per op) gets small batches: never more
+    than MAX_QUEUED_LAUNCHES behind one hold; every step is timed and counted."""
+    from monokernel.kernel import cuda_backend
+    from monokernel.kernel.cuda_backend import MAX_QUEUED_LAUNCHES, CupyDevice
+
+    fake_cupy()
+    dev = CupyDevice()
+    queued = []  # launches queued since the last hold, after each call
+
+    def many_launches():
+        dev.launch_count += 150
+        queued.append(dev.launch_count - last_hold[0])
+
+    last_hold = [0]
+    real_hold = dev.hold
+
+    def hold(ns):
+        real_hold(ns)
+        last_hold[0] = dev.launch_count
+
+    dev.hold = hold
+    per_step, info = dev.time_steps(many_launches, 20, batch=10)
+    assert max(queued) <= MAX_QUEUED_LAUNCHES == 500
+    assert info["calls"] == 20 and info["launches_per_call"] == 150
+    assert info["most_queued"] == 450  # 3 calls a batch
+    assert len(per_step) == 7  # 3+3+3+3+3+3+2
+    assert per_step[-1] == pytest.approx(0.5e-3 / 2)
+    assert cuda_backend.HOLD_NS_MAX < dev.host_timeout_s * 1e9
+
+
+def test_fake_cupy_time_steps_hold_is_capped(fake_cupy, monkeypatch):
+    """A host too slow to queue a batch within the hold: the hold grows, but never past
+    HOLD_NS_MAX; the batch counts as host_in_window and its retries as calls (steps run)."""
+    from monokernel.kernel import cuda_backend
+    from monokernel.kernel.cuda_backend import CupyDevice
+
+    fake = fake_cupy()
+    monkeypatch.setattr(cuda_backend, "HOLD_NS_MAX", 4_000_000)
+    dev = CupyDevice()
+    per_step, info = dev.time_steps(lambda: time.sleep(0.005), 2, batch=2)
+    holds = [n for n, _, _ in fake.launches if n == "mk_hold"]
+    assert info["hold_ns"] == 4_000_000  # 2 ms, then capped at 4 ms (not 2 x 10 ms)
+    assert info["host_in_window"] == 1 and len(per_step) == 1
+    assert info["calls"] == 2 * len(holds) and len(holds) == 2  # gave up once at the cap
+
+
+def test_build_options_are_what_each_backend_compiles(fake_cupy, tiny):
+    """tools/prepare.py compiles each backend's kernel ahead of time from BUILD_OPTIONS: it
+    must be exactly what the backend's factory asks NVRTC for (a miss would cost the GPU
+    check a compile in a later step)."""
+    from monokernel.kernel.cuda_backend import BACKENDS, BUILD_OPTIONS
+    from monokernel.kernel.executor import KERNEL_NAMES, kernel_build
+    from monokernel.runtime import make_executor
+
+    assert set(BUILD_OPTIONS) == set(BACKENDS)
+    for backend, opts in BUILD_OPTIONS.items():
+        fake = fake_cupy(num_sms=3, launch_mode="noop")
+        for trace in (False, True):
+            ex = make_executor(backend, tiny[0], 160, trace=trace)
+            source, defines = kernel_build(tiny[0].config, 160, trace=trace, **opts)
+            assert fake.kernel_defines == defines, (backend, trace)
+            # the same (source, defines) is the executor's module: an in-process cache hit
+            assert ex.device.compile(source, KERNEL_NAMES, defines) is ex.module, backend

@@ -70,6 +70,22 @@ def test_require_gpu_turns_a_missing_device_into_a_failure():
     assert "MONOKERNEL_REQUIRE_GPU=1 but" in failed.stdout, failed.stdout[-2000:]
 
 
+def test_require_gpu_fails_every_gpu_test_none_skips():
+    """Every test marked gpu, in every file: under MONOKERNEL_REQUIRE_GPU=1 without a device
+    none skips (a test's own skipif or importorskip would run before conftest's check)."""
+    if "cupy" in sys.modules or _cupy_sees_a_device():
+        import pytest
+
+        pytest.skip("a CUDA device is present: the no-device behaviour cannot be shown here")
+    out = run_pytest("-m", "gpu", "-q", "-rA", "tests", env={"MONOKERNEL_REQUIRE_GPU": "1"})
+    outcomes = re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (tests/\S+)", out.stdout,
+                          re.M)
+    files = {re.sub(r"::.*$", "", t.split("/")[-1]) for _, t in outcomes}
+    assert {i.split("::")[0] for i in gpu_test_ids()} <= files, out.stdout[-3000:]
+    not_failed = [f"{o} {t}" for o, t in outcomes if o not in ("FAILED", "ERROR")]
+    assert outcomes and not not_failed, not_failed  # (whole modules skipped for gguf hold none)
+
+
 def _cupy_sees_a_device() -> bool:
     try:
         import cupy

@@ -187,6 +187,29 @@ def test_logits_every_step_match_reference(model, reference, arch, blocks, split
     print(f"{ex.name} {arch} blocks={blocks} splits={S}: max error {worst:.2e} of max|ref|")
 
 
+# The GPU check's shapes cut to one layer and 384 tokens (config.one_layer_copy): the kernel's
+# template instantiations of the real hidden size, FFN, head_dim and GQA group, so none of them
+# runs for the first time on a GPU. A few steps on a few blocks keep them cheap: (shape, blocks,
+# splits, merge_ticket_min, multi); the megakernel merges by ticket from 2 used splits (the real
+# grid does from 8), the multi-kernel baseline runs the per-block merge.
+FIRST_RUN = [("smollm2-135m-1layer", 3, 4, 2, False), ("smollm2-135m-1layer", 2, None, None, True),
+             ("qwen3-0.6b-1layer", 4, 4, 2, False), ("qwen3-0.6b-1layer", 3, None, None, True),
+             ("llama-3.2-1b-1layer", 4, 4, 2, False), ("llama-3.2-1b-1layer", 2, None, None, True)]
+FIRST_RUN_SEQ = 16
+
+
+@pytest.mark.parametrize("shape,blocks,splits,ticket,multi", FIRST_RUN,
+                         ids=[f"{s}-b{b}-{'multi' if m else 'mega'}" for s, b, _, _, m in FIRST_RUN])
+def test_gpu_shapes_run_first_on_the_emulator(model, shape, blocks, splits, ticket, multi):
+    m = model(shape)
+    fed, ref, _ = reference_run(m, [1, 383, 5, 200], 5, FIRST_RUN_SEQ)
+    ex = KernelExecutor(m, FIRST_RUN_SEQ, blocks=blocks, attn_splits=splits, multi=multi,
+                        attn_min_chunk=1, merge_ticket_min=ticket)
+    worst = assert_logits_match(run_kernel(ex, fed), ref, f"{ex.name} {shape}")
+    print(f"{ex.name} {shape} blocks={blocks} splits={ex.program.attn_splits}: max error "
+          f"{worst:.2e} of max|ref|")
+
+
 def test_attention_chunk_longer_than_a_score_tile(model, reference):
     """One split over 151 positions: the kernel scores T_TILE = 128 positions per pass, so the
     online softmax must rescale the first pass's output by the second pass's max."""

@@ -43,6 +43,10 @@ CUPY_MISSING = "CuPy is not installed: pip install monokernel[cuda12] (or monoke
 PINNED_READ_MAX = 1 << 20
 # Extra host-side patience beyond the kernel's own watchdog before a launch counts as hung.
 HOST_GRACE_S = 5.0
+# time_steps: launches queued behind one hold kernel at most, and the hold's start and bound
+MAX_QUEUED_LAUNCHES = 500
+HOLD_NS_START = 2_000_000
+HOLD_NS_MAX = 50_000_000
 PROBES_PATH = Path(__file__).with_name("probes.cu")
 
 # Compiled modules of this process, keyed by (device, hash of source and options). CuPy also
@@ -106,6 +110,7 @@ class CupyDevice:
         self._broken: str | None = None
         self._probe_module: CupyModule | None = None
         self._launch_ex: libcuda.LibcudaLaunchEx | None = None  # cuLaunchKernelEx, on first use
+        self.launch_count = 0  # launches queued (a graph replay is one), for time_steps
 
     def __repr__(self) -> str:
         return f"CupyDevice({self.device_id}: {self.gpu_name}, sm_{self.cc}, {self.num_sms} SMs)"
@@ -240,6 +245,7 @@ class CupyDevice:
             raise KernelError(f"cuda: launch of {label} failed: {type(e).__name__}: {e}") \
                 from None
         self._in_flight.append(label)
+        self.launch_count += 1
 
     def launch_ex(self) -> "libcuda.LibcudaLaunchEx":
         """The driver's cuLaunchKernelEx (libcuda.load_launch_ex), loaded on first use."""
@@ -343,6 +349,7 @@ class CupyDevice:
             raise KernelError(f"cuda: launching the captured graph failed: "
                               f"{type(e).__name__}: {e}") from None
         self._in_flight.append("captured graph of one step")
+        self.launch_count += 1
 
     def _probes(self) -> CupyModule:
         """probes.cu (hold and timer kernels), compiled on first use."""
@@ -356,6 +363,7 @@ class CupyDevice:
         with self.device:
             self.cp.cuda.driver.launchKernel(kernel.kernel.ptr, 1, 1, 1, 32, 1, 1, 0,
                                              self.stream.ptr, ptrs.ctypes.data, 0)
+        self.launch_count += 1
 
     def hold(self, ns: int) -> None:
         """Queue a kernel that keeps the stream busy for ``ns`` nanoseconds."""
@@ -373,34 +381,60 @@ class CupyDevice:
         return tick, distinct
 
     def time_steps(self, fn, steps: int, batch: int = 10) -> tuple[list[float], dict]:
-        """GPU seconds per call of ``fn`` (which only queues work), in batches of ``batch``
-        back-to-back calls: a hold kernel keeps the stream busy while the host queues the
-        batch, so the events around it see GPU work only. Returns (seconds per call, one value
-        per batch; info). A batch whose queueing outlasted the hold is retried with a longer
-        hold; ``info["host_in_window"]`` counts batches that stayed too slow to queue."""
+        """GPU seconds per call of ``fn`` (which only queues work), in batches of up to
+        ``batch`` back-to-back calls: a hold kernel keeps the stream busy while the host queues
+        the batch, so the events around it see GPU work only. Returns (seconds per call, one
+        value per batch; info).
+
+        A batch queues at most MAX_QUEUED_LAUNCHES launches: CUDA's queue of pending launches
+        is finite (about a thousand), and past it the host blocks inside the timed window. The
+        first batch finds out how many launches a call makes (one for the megakernel, one per
+        op for cuda-multi) and stops before the next call would pass the limit; later batches
+        are sized from it (down to one call). A batch whose queueing outlasted 80 % of the hold
+        is retried with a longer hold, at most HOLD_NS_MAX (far inside the host's bounded
+        wait); ``info["host_in_window"]`` counts batches that stayed too slow to queue, and
+        ``info["calls"]`` the calls of ``fn`` made, retries included (each call runs a
+        step)."""
         cp = self.cp
-        hold_ns, out, late = 2_000_000, [], 0
+        hold_ns, out, late, calls_made = HOLD_NS_START, [], 0, 0
+        per_call: int | None = None  # launches one call queues, once seen
+        most_queued = 0
         done = 0
         while done < steps:
-            n = min(batch, steps - done)
-            for attempt in range(3):
+            want = min(batch, steps - done)
+            if per_call:
+                want = max(1, min(want, MAX_QUEUED_LAUNCHES // per_call))
+            for _attempt in range(3):
                 start, end = cp.cuda.Event(), cp.cuda.Event()
                 t0 = time.perf_counter()
                 self.hold(hold_ns)
                 start.record(self.stream)
-                for _ in range(n):
+                l0, n = self.launch_count, 0
+                while n < want:
                     fn()
+                    n += 1
+                    queued = self.launch_count - l0
+                    if per_call is None and queued + -(-queued // n) > MAX_QUEUED_LAUNCHES:
+                        break  # the next call would pass the limit
                 end.record(self.stream)
                 queued_ns = (time.perf_counter() - t0) * 1e9
+                calls_made += n
+                most_queued = max(most_queued, self.launch_count - l0)
+                per_call = per_call or max(1, -(-(self.launch_count - l0) // n))
                 self.wait("timing")
                 if queued_ns < 0.8 * hold_ns:
                     break
-                hold_ns = int(2 * queued_ns)
+                if hold_ns >= HOLD_NS_MAX:
+                    late += 1
+                    break
+                hold_ns = min(HOLD_NS_MAX, int(2 * queued_ns))
             else:
                 late += 1
             out.append(cp.cuda.get_elapsed_time(start, end) / 1e3 / n)
             done += n
         return out, {"batch": batch, "hold_ns": hold_ns, "host_in_window": late,
+                     "launches_per_call": per_call, "most_queued": most_queued,
+                     "calls": calls_made,
                      "timer": "CUDA events around a batch queued behind a hold kernel"}
 
     def time(self, fn, repeat: int = 1) -> list[float]:
@@ -540,3 +574,11 @@ for _factory, _fixed in ((_cuda_executor, ()), (_cuda_noprefetch, ("prefetch", "
                          (_cuda_multi, ("multi",)), (_cuda_multi_graph, ("multi", "graph")),
                          (_cuda_multi_graph_pdl, ("multi", "graph", "pdl"))):
     _factory.OPTIONS = user_options(*_fixed, extra=("device_id",))
+
+# backend name -> the options of executor.kernel_build its factory passes (what decides the
+# compiled kernel): the GPU check's prepare step compiles each backend's kernel ahead of time.
+# test_cuda_backend checks it against the executors the factories build.
+BUILD_OPTIONS: dict[str, dict] = {
+    "cuda": {}, "cuda-noprefetch": {"prefetch": False}, "cuda-v1": {"design": 1},
+    "cuda-1step": {}, "cuda-sync1": {"sync": 1}, "cuda-block-merge": {},
+    "cuda-multi": {}, "cuda-multi-graph": {}, "cuda-multi-graph-pdl": {"pdl": True}}

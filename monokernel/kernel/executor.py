@@ -44,6 +44,22 @@ def kernel_source(cfg: ModelConfig, max_seq_len: int) -> str:
             + SOURCE_PATH.read_text())
 
 
+def kernel_build(cfg: ModelConfig, max_seq_len: int, *, design: int = DEFAULT_DESIGN,
+                 prefetch: bool = True, trace: bool = False, pdl: bool = False,
+                 sync: int | None = None) -> tuple[str, dict[str, str]]:
+    """(source, -D defines) of the kernel an executor with these options compiles: the one
+    place that decides them, so the GPU check's prepare step (tools/prepare.py) compiles
+    exactly what the executors will ask for."""
+    defines = {"MK_PREFETCH": "1" if prefetch else "0", "MK_DESIGN": str(design)}
+    if trace:
+        defines["MK_TRACE"] = "1"
+    if pdl:
+        defines["MK_PDL"] = "1"
+    if sync is not None:  # the hop (megakernel.cu MK_SYNC; default 2: release/acquire)
+        defines["MK_SYNC"] = str(sync)
+    return kernel_source(cfg, max_seq_len), defines
+
+
 # kernel_weights() per live model: every executor of one model uploads the same stacked arrays
 # (the GPU check builds a dozen; stacking a 1B model's layers takes seconds each time).
 _STACKED: dict[int, dict[str, np.ndarray]] = {}
@@ -173,7 +189,8 @@ class EmulatorDevice:
 
     def time_steps(self, fn, steps: int, batch: int = 10) -> tuple[list[float], dict]:
         """Seconds per call of ``fn``: on the emulator the host is the device, so wall time."""
-        return wall_times(fn, steps), {"timer": "time.perf_counter per call (host = device)"}
+        return wall_times(fn, steps), {"timer": "time.perf_counter per call (host = device)",
+                                       "calls": steps}
 
     def resources(self, module) -> dict:
         """Registers, shared and local (spill) bytes per kernel; the emulator has none."""
@@ -272,15 +289,9 @@ class KernelExecutor(Executor):
                                            merge_ticket_min=merge_ticket_min)
         self.blocks = self.program.num_blocks
         # the kernel is built for the program's design (v1 = 1: the A/B twin of v2)
-        defines = {"MK_PREFETCH": "1" if prefetch else "0",
-                   "MK_DESIGN": str(self.program.design)}
-        if trace:
-            defines["MK_TRACE"] = "1"
-        if pdl:
-            defines["MK_PDL"] = "1"
-        if sync is not None:  # the hop (megakernel.cu MK_SYNC; default 2: release/acquire)
-            defines["MK_SYNC"] = str(sync)
-        self.module = self.device.compile(kernel_source(c, max_seq_len), KERNEL_NAMES, defines)
+        source, defines = kernel_build(c, max_seq_len, design=self.program.design,
+                                       prefetch=prefetch, trace=trace, pdl=pdl, sync=sync)
+        self.module = self.device.compile(source, KERNEL_NAMES, defines)
         self._alloc_buffers(model)
         self._broken: str | None = None
         self._state_on_device: tuple | None = None

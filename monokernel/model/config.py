@@ -296,3 +296,19 @@ KNOWN_SHAPES: dict[str, ModelConfig] = {
         rms_norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True, tie_word_embeddings=True,
         bos_token_id=None, eos_token_ids=(2,), name="qwen3-gqa-tiny"),
 }
+
+
+def one_layer_copy(name: str, vocab_size: int = 384) -> ModelConfig:
+    """A real shape cut to one layer and a small vocabulary, everything else kept (hidden size,
+    FFN, head_dim, heads and GQA group, norms, RoPE, biases, tying): the same kernel template
+    instantiations as the real shape, cheap enough for the CPU emulator, so none of them runs
+    for the first time on a GPU (tests/test_kernel_emulator.py). Token ids 0..2 are special, as
+    in every synthetic vocabulary."""
+    return KNOWN_SHAPES[name].replace(num_layers=1, vocab_size=vocab_size, bos_token_id=1,
+                                      eos_token_ids=(2,), name=f"{name}-1layer")
+
+
+# The GPU check's three shapes, one layer each: ``--shape smollm2-135m-1layer`` etc.
+for _name in ("smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"):
+    KNOWN_SHAPES[f"{_name}-1layer"] = one_layer_copy(_name)
+del _name

@@ -143,3 +143,60 @@ class ReferenceModel:
             x = x + (silu(h @ L["wg"].T) * (h @ L["wu"].T)) @ L["wd"].T
         h = rms_norm(x, self.final_norm, c.rms_norm_eps)
         return (h @ self.lm_head.T).astype(np.float32)
+
+
+def greedy_reference_run(model, tokens: list[int], n_steps: int, *,
+                         cache: bool = True) -> tuple[list[int], np.ndarray]:
+    """Feed ``tokens`` one per step, then the reference's own greedy token, for ``n_steps``
+    steps: (the token fed at each step, the logits [n_steps, vocab]).
+
+    A pure function of the checkpoint, the tokens and this module; the GPU check computes it
+    once in its prepare step (building the float32 model of a 1B checkpoint touches ~5 GB) and
+    its later processes read it back from $MONOKERNEL_CACHE/reference/. The key covers the
+    config, each weight file's name, size and modification time, the tokens, the steps and the
+    source of this file and of the loader, so a changed checkpoint or reference is recomputed."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    path = None
+    if cache and getattr(model, "path", None) is not None:
+        from .cache import cache_dir
+
+        folder = Path(model.path)
+        h = hashlib.sha256()
+        for src in (Path(__file__), Path(__file__).with_name("loader.py")):
+            h.update(src.read_bytes())
+        h.update(json.dumps(model.config.to_hf_dict(), sort_keys=True).encode())
+        for f in sorted(folder.glob("*.safetensors")):
+            st = f.stat()
+            h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        h.update(repr((list(map(int, tokens)), int(n_steps))).encode())
+        path = cache_dir() / "reference" / f"{h.hexdigest()[:32]}.npz"
+        if path.is_file():
+            try:
+                with np.load(path) as z:
+                    return [int(t) for t in z["fed"]], z["logits"]
+            except (OSError, ValueError, KeyError):
+                pass  # unreadable: recompute and rewrite
+    ref = ReferenceModel(model.config, model.weights, max(n_steps, 1))
+    fed, logits = [], []
+    tok = int(tokens[0])
+    for pos in range(n_steps):
+        if pos < len(tokens):
+            tok = int(tokens[pos])
+        fed.append(tok)
+        logits.append(ref.forward([tok], pos)[0])
+        tok = int(np.argmax(logits[-1]))
+    out = np.stack(logits)
+    if path is not None:
+        import os
+
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.stem}.{os.getpid()}.npz")
+            np.savez(tmp, fed=np.array(fed, np.int64), logits=out)
+            tmp.replace(path)  # atomic: a reader never sees half a file
+        except OSError:
+            pass  # an unwritable cache costs the next process the run again
+    return fed, out

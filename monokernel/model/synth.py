@@ -54,6 +54,63 @@ def synth_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return {name: a for (name, _), a in zip(shapes, arrays)}
 
 
+# Values drawn at once when a checkpoint is written (16 MB of float32 per thread).
+CHUNK_VALUES = 1 << 22
+
+
+def write_synth_safetensors(cfg: ModelConfig, path: str | Path, seed: int = 0) -> None:
+    """``synth_weights(cfg, seed)`` as a safetensors file, bit for bit the same tensors, written
+    tensor by tensor and chunk by chunk (each tensor's seeded stream drawn in order, rows at a
+    time; threads write their tensors at their offsets). A 1B-parameter checkpoint then touches
+    a few chunk buffers instead of the float32 draw, the bf16 dict and the serialised file
+    (~10 GB for Llama-3.2-1B): first touches of memory are what writing it cost on small VMs
+    (benchmarks/NOTES.md, the GPU check's host side)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shapes = list(expected_tensors(cfg).items())
+    seeds = np.random.SeedSequence(seed).spawn(len(shapes))
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offsets, at = [], 0
+    for name, shape in shapes:
+        n = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [at, at + n]}
+        offsets.append(at)
+        at += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    base = 8 + len(head)
+    f32 = np.float32
+
+    def write(fd: int, k: int) -> None:
+        name, shape = shapes[k]
+        rng = np.random.default_rng(seeds[k])
+        row = int(np.prod(shape[1:]))
+        per = max(1, CHUNK_VALUES // max(row, 1))
+        pos = base + offsets[k]
+        for r0 in range(0, shape[0], per):
+            w = rng.standard_normal((min(per, shape[0] - r0),) + shape[1:], dtype=f32)
+            if name.endswith("norm.weight"):
+                w = f32(1.0) + f32(0.2) * w
+            elif name.endswith(".bias"):
+                w *= f32(0.5)
+            elif name != "model.embed_tokens.weight":
+                w *= f32(1.0 / np.sqrt(shape[1]))
+            data = w.astype(BF16).view(np.uint16).astype("<u2", copy=False)
+            os.pwrite(fd, memoryview(data).cast("B"), pos)
+            pos += data.nbytes
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, len(head).to_bytes(8, "little") + head, 0)
+        os.ftruncate(fd, base + at)
+        workers = min(8, os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for f in [pool.submit(write, fd, k) for k in range(len(shapes))]:
+                f.result()
+    finally:
+        os.close(fd)
+
+
 def synth_tokenizer_json(vocab_size: int) -> str:
     """Byte-level BPE: special tokens, the 256 byte symbols, a few merges, then filler tokens
     (``x123``) up to ``vocab_size`` so that every id the model can emit decodes to text."""
@@ -85,14 +142,18 @@ def synth_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
+def synthetic_config(cfg: ModelConfig | str) -> ModelConfig:
+    """The config a synthetic checkpoint of ``cfg`` (or a known shape name) is written with:
+    the shape's, with the synthetic vocabulary's special tokens."""
+    if isinstance(cfg, str):
+        cfg = ModelConfig.from_name(cfg)
+    return cfg.replace(bos_token_id=1, eos_token_ids=(2,))
+
+
 def write_synthetic(cfg: ModelConfig | str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write a seeded random checkpoint of ``cfg`` (or a known shape name) into ``out_dir``.
     Written into a temporary sibling and renamed, so an interrupted write leaves nothing."""
-    from safetensors.numpy import save_file
-
-    if isinstance(cfg, str):
-        cfg = ModelConfig.from_name(cfg)
-    cfg = cfg.replace(bos_token_id=1, eos_token_ids=(2,))
+    cfg = synthetic_config(cfg)
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir}: exists and is not empty")
@@ -100,8 +161,7 @@ def write_synthetic(cfg: ModelConfig | str, out_dir: str | Path, seed: int = 0) 
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-        save_file(synth_weights(cfg, seed), str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        write_synth_safetensors(cfg, tmp / "model.safetensors", seed)
         (tmp / "tokenizer.json").write_text(synth_tokenizer_json(cfg.vocab_size))
         (tmp / "tokenizer_config.json").write_text(json.dumps({
             "bos_token": SPECIAL_TOKENS[1], "eos_token": SPECIAL_TOKENS[2],

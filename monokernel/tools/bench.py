@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import re
 import subprocess
@@ -190,46 +191,60 @@ def time_kernel(ex, context: int, warmup: int, steps: int) -> tuple[list[float],
     """Device seconds per decode step: ``run_launches`` back to back (the step reads token and
     position from device memory and advances them itself), timed by ``device.time_steps``:
     on the GPU, CUDA events around batches queued behind a hold kernel, so the host's
-    submission is never inside the window."""
+    submission is never inside the window. ``info["calls"]`` of time_steps says how many steps
+    it ran (a batch retried with a longer hold runs its steps again)."""
     ex.reset()
     for pos, tok in enumerate(prompt_tokens(ex.config.vocab_size, context)):
         ex.launch_step(tok, pos, None)
+    ran = 0
     if warmup > 0:
-        ex.device.time_steps(ex.run_launches, warmup)
+        ran += ex.device.time_steps(ex.run_launches, warmup)[1].get("calls", warmup)
     times, info = ex.device.time_steps(ex.run_launches, steps)
+    ran += info.get("calls", steps)
     control = ex.read_buffer("control")
     ex._check_error(control)
-    want = context + warmup + steps
+    want = context + ran
     if int(control[State.POS]) != want:
         raise KernelError(f"{ex.name}: after the timed steps the position is "
                           f"{int(control[State.POS])}, expected {want}: steps did not run")
     return list(times), info
 
 
-def time_kernel_chained(ex, context: int, warmup: int, steps: int) -> tuple[list[float], dict]:
+# A one-launch row (many steps per launch) is one sample per launch: repeated this often, so
+# its median and spread mean something.
+CHAINED_REPEATS = 5
+
+
+def time_kernel_chained(ex, context: int, warmup: int, steps: int,
+                        repeats: int = CHAINED_REPEATS) -> tuple[list[float], dict]:
     """Device seconds per decode step when one launch runs them all (many steps per launch,
-    R6): the prompt and the warmup steps in one launch, then one launch of ``steps`` decode
-    steps timed by ``device.time`` (CUDA events around it on the GPU), divided by ``steps``:
-    the step-boundary hops are inside, the launch overhead once."""
+    R6), ``repeats`` times: each time the prompt and the warmup steps in one launch, then one
+    launch of ``steps`` decode steps timed by ``device.time`` (CUDA events around it on the
+    GPU), divided by ``steps``: the step-boundary hops are inside, the launch overhead once.
+    One value per repeat, every one at the same positions."""
     from ..kernel.base import DeviceSample
 
-    ex.reset()
     greedy = DeviceSample(0.0, 0)
-    list(ex.run_steps(prompt_tokens(ex.config.vocab_size, context), 0, greedy,
-                      stop_pos=context + warmup))
-    words = ex.read_buffer("control")[:]
-    words[State.STEPS], words[State.STOP_POS], words[State.FEED_END] = steps, 0, 0
-    ex.device.write(ex.buffers["control"], words)
-    n0 = ex.launches
-    (t,) = ex.device.time(ex.run_launches, 1)
-    control = ex.read_buffer("control")
-    ex._check_error(control)
-    want = context + warmup + steps
-    if int(control[State.POS]) != want or ex.launches - n0 != 1:
-        raise KernelError(f"{ex.name}: after one launch of {steps} steps the position is "
-                          f"{int(control[State.POS])}, expected {want}: steps did not run")
-    return [t / steps], {"timer": f"device.time around one launch of {steps} steps, divided "
-                                  "by the steps (many steps per launch)"}
+    prompt = prompt_tokens(ex.config.vocab_size, context)
+    out = []
+    for _ in range(repeats):
+        ex.reset()
+        list(ex.run_steps(prompt, 0, greedy, stop_pos=context + warmup))
+        words = ex.read_buffer("control")[:]
+        words[State.STEPS], words[State.STOP_POS], words[State.FEED_END] = steps, 0, 0
+        ex.device.write(ex.buffers["control"], words)
+        n0 = ex.launches
+        (t,) = ex.device.time(ex.run_launches, 1)
+        control = ex.read_buffer("control")
+        ex._check_error(control)
+        want = context + warmup + steps
+        if int(control[State.POS]) != want or ex.launches - n0 != 1:
+            raise KernelError(f"{ex.name}: after one launch of {steps} steps the position is "
+                              f"{int(control[State.POS])}, expected {want}: steps did not run")
+        out.append(t / steps)
+    return out, {"timer": f"device.time around one launch of {steps} steps, divided by the "
+                          f"steps (many steps per launch), {repeats} launches",
+                 "repeats": repeats}
 
 
 def time_numpy(ex, context: int, warmup: int, steps: int) -> tuple[list[float], dict]:
@@ -345,17 +360,24 @@ class HFRunner:
 # ================================================================================================
 def run_bench(models: list[tuple[str, LoadedModel]], backends: list[str], contexts: list[int],
               steps: int, warmup: int, blocks: int | None = None, log=print,
-              on_row=None) -> dict:
+              on_row=None, max_seq_len: int | None = None) -> dict:
     """Measure every (model, backend, context); return the results document (see module doc).
     ``on_row(doc)`` is called with the document so far after every row (the CLI rewrites its
-    JSON then, so a run stopped by a timeout keeps every row it finished)."""
+    JSON then, so a run stopped by a timeout keeps every row it finished). ``max_seq_len``:
+    the executors' KV-cache length (default: just what the rows need); the GPU check passes
+    one length for all its steps, so they share compiled kernels and verified programs."""
     check_backends(backends)
     if steps < 1 or warmup < 0 or not contexts or min(contexts) < 1:
         raise ValueError("need steps >= 1, warmup >= 0 and contexts >= 1 (the prompt the "
                          "timed steps follow)")
     # the end-to-end run needs context + steps + 1 positions; the device timing context +
     # warmup + steps
-    max_seq_len = max(contexts) + warmup + steps + 2
+    need = max(contexts) + warmup + steps + 2
+    if max_seq_len is None:
+        max_seq_len = need
+    elif max_seq_len < need:
+        raise ValueError(f"max_seq_len {max_seq_len} is too short for context {max(contexts)} + "
+                         f"{warmup} warmup + {steps} steps (needs {need})")
     results: list[Result] = []
     resources: dict[str, dict] = {}
     setups: dict[str, dict] = {}
@@ -372,6 +394,7 @@ def run_bench(models: list[tuple[str, LoadedModel]], backends: list[str], contex
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "device": device_name(),
         "commit": git_commit(),
+        "commit_source": commit_info()[1],
         "host": {"python": platform.python_version(), "platform": platform.platform(terse=True),
                  **_versions()},
         "method": {"warmup": warmup, "steps": steps, "contexts": contexts,
@@ -515,33 +538,61 @@ def device_name() -> str:
     return "CPU " + (platform.processor() or platform.machine())
 
 
-def git_commit() -> str:
+# The GPU machine gets the working tree without .git: the caller writes the commit first, into
+# MONOKERNEL_COMMIT or a file .commit at the repository's root (scripts/gpu_check.sh's header).
+COMMIT_ENV = "MONOKERNEL_COMMIT"
+COMMIT_FILE = Path(__file__).resolve().parents[2] / ".commit"
+
+
+def commit_info() -> tuple[str, str]:
+    """(commit, where it came from): $MONOKERNEL_COMMIT, else the repository's .commit file,
+    else ``git rev-parse``; ("unknown", why) when none says."""
+    env = os.environ.get(COMMIT_ENV, "").strip()
+    if env:
+        return env, f"${COMMIT_ENV}"
     try:
-        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                           text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+        text = COMMIT_FILE.read_text().strip()
+    except OSError:
+        text = ""
+    if text:
+        return text.split()[0], ".commit file"
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                           timeout=10, cwd=COMMIT_FILE.parent)
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else "unknown"
+        return "unknown", "no $MONOKERNEL_COMMIT, no .commit file, no git"
+    if r.returncode == 0 and r.stdout.strip():
+        return r.stdout.strip(), "git rev-parse HEAD"
+    return "unknown", "no $MONOKERNEL_COMMIT, no .commit file, not a git checkout"
+
+
+def git_commit() -> str:
+    """The commit as results record it (short form; see commit_info)."""
+    commit = commit_info()[0]
+    return commit[:7] if re.fullmatch(r"[0-9a-f]{40}", commit) else commit
 
 
 # ================================================================================================
 # Output: table, JSON, chart
 # ================================================================================================
 def format_table(doc: dict) -> str:
-    head = (f"{'backend':<17} {'shape':<14} {'context':>7} {'us/step':>10} {'p10-p90 us':>21} "
-            f"{'tokens/s':>9} {'GB/s':>8} {'x-floor':>8} {'e2e us/token':>13}")
+    head = (f"{'backend':<20} {'shape':<14} {'context':>7} {'n':>4} {'us/step':>10} "
+            f"{'p10-p90 us':>21} {'tokens/s':>9} {'GB/s':>8} {'x-floor':>8} "
+            f"{'e2e us/token':>13}")
     lines = [head, "-" * len(head)]
     for r in doc["results"]:
-        pre = f"{r['backend']:<17} {r['shape']:<14} {r['context']:>7} "
+        pre = f"{r['backend']:<20} {r['shape']:<14} {r['context']:>7} "
         if r.get("error"):
-            lines.append(pre + f"ERROR {r['error']}")
+            lines.append(pre + f"{'-':>4} ERROR {r['error']}")
             continue
         spread = f"{r['p10_us']:.1f}-{r['p90_us']:.1f}"
         xf = f"{r['x_floor']:.2f}" if r["x_floor"] is not None else "?"
         e2e = f"{r['e2e_us_per_token']:.1f}" if r.get("e2e_us_per_token") else "-"
-        lines.append(pre + f"{r['median_us']:>10.1f} {spread:>21} {r['tokens_per_s']:>9.1f} "
+        lines.append(pre + f"{r['n']:>4} {r['median_us']:>10.1f} {spread:>21} "
+                     f"{r['tokens_per_s']:>9.1f} "
                      f"{r['GBps']:>8.2f} {xf:>8} {e2e:>13}")
-    lines.append("us/step: device time per decode step (GPU work only); e2e: wall time per "
+    lines.append("n: timed samples (batches of back-to-back steps, or launches of many steps); "
+                 "us/step: device time per decode step (GPU work only); e2e: wall time per "
                  "generated token through the Engine (LLM.generate), host included")
     ok = {w: f for w, f in doc["floors"].items() if f["copy_bandwidth_GBps"]}
     for where, f in doc["floors"].items():

@@ -32,6 +32,9 @@ from ..kernel.isa import Op, TraceWord, TRACE_WORDS
 # The constants the fit moves; everything else keeps its table value.
 FIT = ("l2_latency", "hbm_latency", "hbm_bw", "fence", "nanosleep")
 BOUND = np.log(1e4)  # no constant moves more than 10^4x from the table's value
+# A timestamp is off by up to one tick of the trace's timer, a busy time (two stamps) by up to two:
+# the fit refuses a trace whose tick is more than this share of the fitted ops' median busy time.
+MAX_TICK_SHARE = 0.1
 _LABELS = {"l2_latency": ("L2 latency", "us", 1.0), "hbm_latency": ("HBM latency", "us", 1.0),
            "hbm_bw": ("HBM bandwidth", "TB/s", 1e-6), "fence": ("signal fence", "us", 1.0),
            "nanosleep": ("poll sleep", "us", 1.0)}
@@ -223,7 +226,8 @@ def write_synthetic_trace(pred: cm.Prediction, path: str | Path, model: str) -> 
     ex = SimpleNamespace(program=prog, name="costmodel")
     step_us = tr.step_time_ns(records) / 1e3
     meta = {"model": model, "backend": f"costmodel-{pred.gpu.name}-{pred.design.name}",
-            "blocks": prog.num_blocks, "context": pred.context, "step_us": step_us}
+            "blocks": prog.num_blocks, "context": pred.context, "step_us": step_us,
+            "timer": "cost model (rounded to ns)", "timer_tick_ns": 1}
     return tr.write_chrome_trace(path, tr.trace_events(ex, records), meta)
 
 
@@ -249,13 +253,34 @@ def _config(args, meta: dict, path: str):
                              "--model DIR (or --shape NAME) for it") from None
 
 
+def check_tick(fit: "Fit", meta: dict, path: str = "trace") -> str | None:
+    """Refuse (CostModelError) a trace whose timer tick is too coarse for the busy times it
+    fits; return a note when the trace does not say its tick (written before it was
+    recorded)."""
+    tick = meta.get("timer_tick_ns")
+    if tick is None:
+        return ("NOTE: this trace does not record its timer's tick (an older `monokernel "
+                "trace`): the busy times below may be quantised.")
+    busy = fit.busy[fit.busy > 0]
+    median_us = float(np.median(busy)) if busy.size else 0.0
+    tick_us = float(tick) / 1e3
+    if tick_us <= 0 or tick_us > MAX_TICK_SHARE * median_us:
+        raise CostModelError(
+            f"{path}: the trace's timer ({meta.get('timer', 'timer')}) ticks every {tick} ns, "
+            f"too coarse for ops whose median busy time is {median_us:.3f} us (a fit needs a "
+            f"tick <= {MAX_TICK_SHARE:.0%} of it): the fitted constants would describe the "
+            "timer, not the GPU")
+    return None
+
+
 def calibrate_report(program, context: int, g0: cm.GPU, d: cm.KernelDesign, start, ready, end,
-                     meta: dict) -> tuple[str, cm.GPU]:
+                     meta: dict, path: str = "trace") -> tuple[str, cm.GPU]:
     fit = Fit(program, context, g0, d, start, ready, end)
+    note = check_tick(fit, meta, path)
     t0 = time.perf_counter()
     g1 = fit.solve()
     t_fit = time.perf_counter() - t0
-    lines = []
+    lines = [note, ""] if note else []
     backend = str(meta.get("backend", "?"))
     if backend.startswith("emulator"):
         lines += ["NOTE: this trace comes from the CPU emulator: its timings are CPU timings, not "
@@ -306,6 +331,6 @@ def cmd_calibrate(args) -> int:
     start, ready, end = measured(prog, events, args.trace)
     print(f"{Path(args.trace).name}: {meta.get('model', cfg.name)} on {meta.get('backend', '?')}, "
           f"{blocks} blocks, context {context}; kernel design {d.name}", file=sys.stdout)
-    report, _g = calibrate_report(prog, context, g0, d, start, ready, end, meta)
+    report, _g = calibrate_report(prog, context, g0, d, start, ready, end, meta, args.trace)
     print(report)
     return 0

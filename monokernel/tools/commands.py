@@ -76,6 +76,9 @@ def add_commands(sub) -> None:
                         f"GPU, else {CPU_DEFAULTS['warmup']})")
     p.add_argument("--blocks", type=int, default=None,
                    help="persistent blocks (default: the backend's own, the SM count on a GPU)")
+    p.add_argument("--max-seq", type=int, default=None,
+                   help="the executors' KV-cache length (default: what the rows need; the GPU "
+                        "check gives every step one length, so they share compiled kernels)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
     p.set_defaults(func=cmd_bench)
 
@@ -87,6 +90,8 @@ def add_commands(sub) -> None:
                    help="persistent blocks (default: the backend's own)")
     p.add_argument("--context", type=int, default=16,
                    help="positions prefilled before the traced step (default 16)")
+    p.add_argument("--max-seq", type=int, default=None,
+                   help="the executor's KV-cache length (default: context + 1)")
     p.add_argument("--out", default="benchmarks/traces", help="folder for the JSON and PNG")
     p.set_defaults(func=cmd_trace)
 
@@ -160,6 +165,8 @@ def bench_command_line(args) -> str:
               "--warmup", str(args.warmup)]
     if args.blocks is not None:
         parts += ["--blocks", str(args.blocks)]
+    if getattr(args, "max_seq", None) is not None:
+        parts += ["--max-seq", str(args.max_seq)]
     parts += ["--out", _safe_path(args.out)]
     return shlex.join(parts)
 
@@ -185,12 +192,19 @@ def cmd_bench(args) -> int:
     if args.steps < 1 or args.warmup < 0 or not contexts or min(contexts) < 1:
         raise SystemExit("monokernel: error: need --steps >= 1, --warmup >= 0 and every "
                          "--context >= 1")
+    need = max(contexts) + args.warmup + args.steps + 2
+    max_seq = getattr(args, "max_seq", None)
+    if max_seq is not None and max_seq < need:
+        raise SystemExit(f"monokernel: error: --max-seq {max_seq} is too short for context "
+                         f"{max(contexts)} + {args.warmup} warmup + {args.steps} steps "
+                         f"(needs {need})")
     shapes = [s.strip() for s in args.shape.split(",")] if args.shape else [None]
     models = [_load(args, s) for s in shapes]
     command = bench_command_line(args)
     doc = run_bench(models, backends, contexts, args.steps, args.warmup, args.blocks,
                     log=lambda s: print(s, file=sys.stderr, flush=True),
-                    on_row=lambda d: write_json(dict(d, command=command), args.out))
+                    on_row=lambda d: write_json(dict(d, command=command), args.out),
+                    max_seq_len=max_seq)
     doc["command"] = command
     print(format_table(doc))
     jpath, ppath = write_results(doc, args.out)
@@ -208,8 +222,14 @@ def cmd_trace(args) -> int:
     from .bench import check_backends, make_kernel_executor, prompt_tokens
 
     check_backends([args.backend])
+    max_seq = getattr(args, "max_seq", None) or args.context + 1
+    if max_seq <= args.context:
+        raise SystemExit(f"monokernel: error: --max-seq {max_seq} leaves no position for the "
+                         f"traced step after context {args.context}")
     label, model = _load(args, args.shape)
-    ex = make_kernel_executor(args.backend, model, args.context + 1, args.blocks, trace=True)
+    ex = make_kernel_executor(args.backend, model, max_seq, args.blocks, trace=True)
+    # the timer's resolution first: calibrate refuses a trace whose tick is too coarse
+    tick_ns = tr.timer_tick_ns(ex)
     ex.reset()
     tokens = prompt_tokens(model.config.vocab_size, args.context + 1)
     for pos, tok in enumerate(tokens):  # the last step is the traced one
@@ -219,7 +239,7 @@ def cmd_trace(args) -> int:
     stem = f"trace-{label}-{ex.name}-ctx{args.context}"
     out = Path(args.out)
     meta = {"model": label, "backend": ex.name, "blocks": ex.blocks, "context": args.context,
-            "step_us": step_us}
+            "step_us": step_us, **tick_ns}
     print(f"{label} on {ex.name}, {ex.blocks} blocks, traced step at position {args.context}")
     print(tr.format_summary(tr.op_summary(ex, records), step_us))
     jpath = tr.write_chrome_trace(out / f"{stem}.json", tr.trace_events(ex, records), meta)

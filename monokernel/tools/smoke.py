@@ -1,10 +1,15 @@
-"""The GPU check's first step (ARCHITECTURE section 9): in well under a minute, prove that the
-kernel compiles for every shape, that one step of each agrees with the NumPy reference, that it
-fits (registers, shared memory, no spills), that the watchdog names a stuck instruction, where
+"""The GPU check's first GPU step (ARCHITECTURE section 9): in well under a minute, prove that
+the kernel compiles for every shape, that one step of each agrees with the NumPy reference, that
+it fits (registers, shared memory, no spills), that the watchdog names a stuck instruction, where
 the blocks run (%smid of every block) and how fine %globaltimer ticks. Nothing here is timed as
 a benchmark; it exists so that a broken build costs seconds of GPU time, not minutes.
 
+The cheap probes come first (timer tick, block placement, watchdog: one shape, one step each),
+then one step of every shape, and DIR/smoke.json is rewritten after every check, so a step
+stopped at its time limit still says what it proved.
+
     python -m monokernel.tools.smoke --out DIR [--backend cuda|emulator] [--shapes a,b,c]
+                                     [--max-seq N]
 
 Writes DIR/smoke.json (every check, pass or fail, with its numbers) and exits 1 if one failed.
 """
@@ -23,16 +28,17 @@ import numpy as np
 
 GPU_SHAPES = ("smollm2-135m", "qwen3-0.6b", "llama-3.2-1b")
 RTOL_OF_MAX = 2e-3  # as the GPU tests (tests/test_cuda_backend.py)
-MAX_SEQ = 64
+MAX_SEQ = 64  # default KV-cache length; the GPU check passes its one length (--max-seq)
 TOKEN = 517
 
 
 class Checks:
     """Runs named checks, records each outcome; one failing check does not stop the others."""
 
-    def __init__(self, log=print):
+    def __init__(self, log=print, on_row=None):
         self.rows: list[dict] = []
         self.log = log
+        self.on_row = on_row  # called after every check (smoke.json is rewritten)
 
     def run(self, name: str, fn) -> object:
         t0 = time.perf_counter()
@@ -47,6 +53,8 @@ class Checks:
         self.rows.append(row)
         detail = {k: v for k, v in row.items() if k not in ("check", "ok", "traceback")}
         self.log(f"{'PASS' if row['ok'] else 'FAIL'} {name}: {detail}")
+        if self.on_row is not None:
+            self.on_row()
         return row
 
     @property
@@ -54,19 +62,20 @@ class Checks:
         return all(r["ok"] for r in self.rows)
 
 
-def one_step(backend: str, model, blocks: int | None) -> dict:
+def one_step(backend: str, model, blocks: int | None,
+             max_seq: int = MAX_SEQ) -> dict:
     """Compile, run one step at position 0, compare the logits with the reference."""
     from ..kernel.base import DeviceSample
-    from ..model.reference import ReferenceModel
+    from ..model.reference import greedy_reference_run
     from ..runtime import make_executor
 
     t0 = time.perf_counter()
-    ex = make_executor(backend, model, MAX_SEQ, **({"blocks": blocks} if blocks else {}))
+    ex = make_executor(backend, model, max_seq, **({"blocks": blocks} if blocks else {}))
     t_build = time.perf_counter() - t0
     ex.reset()
     ex.poison()
     logits = ex.step(TOKEN, 0).logits
-    ref = ReferenceModel(model.config, model.weights, MAX_SEQ).forward([TOKEN], 0)[0]
+    ref = greedy_reference_run(model, [TOKEN], 1)[1][0]  # prepare's, from the cache
     if not np.isfinite(logits).all():
         raise AssertionError("non-finite logits")
     err = float(np.max(np.abs(logits.astype(np.float64) - ref)) / np.max(np.abs(ref)))
@@ -85,22 +94,23 @@ def one_step(backend: str, model, blocks: int | None) -> dict:
             "megakernel": mk, "kernels": len(res)}
 
 
-def watchdog(backend: str, model, blocks: int | None) -> dict:
+def watchdog(backend: str, model, blocks: int | None,
+             max_seq: int = MAX_SEQ) -> dict:
     """One wait made unsatisfiable (the LM head's, which no later instruction of the step
     waits on): the watchdog stops every block and the error names that instruction."""
     from ..errors import KernelError
     from ..kernel.scheduler import schedule
     from ..runtime import make_executor
 
-    probe = make_executor(backend, model, MAX_SEQ, **({"blocks": blocks} if blocks else {}))
-    prog = copy.deepcopy(schedule(model.config, probe.blocks, MAX_SEQ))
+    probe = make_executor(backend, model, max_seq, **({"blocks": blocks} if blocks else {}))
+    prog = copy.deepcopy(schedule(model.config, probe.blocks, max_seq))
     last = max((i, b) for b, q in enumerate(prog.queues) for i, ins in enumerate(q)
                if ins.wait is not None)
     i, b = last
     ins = prog.queues[b][i]
     ins.wait = (ins.wait[0], ins.wait[1] + 1)
     label = ins.label(b, i)
-    ex = make_executor(backend, model, MAX_SEQ, program=prog, watchdog_ms=300)
+    ex = make_executor(backend, model, max_seq, program=prog, watchdog_ms=300)
     t0 = time.perf_counter()
     try:
         ex.step(TOKEN, 0)
@@ -114,12 +124,13 @@ def watchdog(backend: str, model, blocks: int | None) -> dict:
     raise AssertionError("a stuck wait did not raise")
 
 
-def placement(backend: str, model, blocks: int | None) -> dict:
+def placement(backend: str, model, blocks: int | None,
+             max_seq: int = MAX_SEQ) -> dict:
     """%smid of every block of a traced step: one block per SM is the design."""
     from ..kernel.isa import Op, TraceWord
     from ..runtime import make_executor
 
-    ex = make_executor(backend, model, MAX_SEQ, trace=True,
+    ex = make_executor(backend, model, max_seq, trace=True,
                        **({"blocks": blocks} if blocks else {}))
     ex.reset()
     ex.step(TOKEN, 0)
@@ -153,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                          "emulator)")
     ap.add_argument("--blocks", type=int, default=None,
                     help="persistent blocks (default: one per SM on cuda, 3 on the emulator)")
+    ap.add_argument("--max-seq", type=int, default=MAX_SEQ,
+                    help=f"KV-cache length of every executor (default {MAX_SEQ}; the GPU check "
+                         "gives all its steps one length, so they share compiled kernels)")
     args = ap.parse_args(argv)
     from ..model.loader import load_model
     from .commands import synthetic_dir
@@ -160,24 +174,39 @@ def main(argv: list[str] | None = None) -> int:
     emu = args.backend == "emulator"
     shapes = args.shapes.split(",") if args.shapes else (["tiny"] if emu else list(GPU_SHAPES))
     blocks = args.blocks or (3 if emu else None)
-    checks = Checks(log=lambda s: print(s, flush=True))
-    models = {}
-    for shape in shapes:
-        row = checks.run(f"load {shape}", lambda s=shape: models.__setitem__(
-            s, load_model(synthetic_dir(s), progress=False)))
-        if row["ok"]:
-            checks.run(f"one step {shape}", lambda s=shape: one_step(args.backend, models[s],
-                                                                     blocks))
-    first = models.get(shapes[0])
-    if first is not None:
-        checks.run(f"watchdog {shapes[0]}", lambda: watchdog(args.backend, first, blocks))
-        checks.run(f"placement {shapes[0]}", lambda: placement(args.backend, first, blocks))
-    checks.run("timer tick", lambda: timer_tick(args.backend))
+    n = args.max_seq
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "smoke.json").write_text(json.dumps({"backend": args.backend, "shapes": shapes,
-                                                "ok": checks.ok, "checks": checks.rows},
-                                               indent=1, default=str))
+    checks = Checks(log=lambda s: print(s, flush=True))
+
+    def write() -> None:
+        """smoke.json as it stands, atomically (a reader never sees half a file)."""
+        tmp = out / ".smoke.json.tmp"
+        tmp.write_text(json.dumps({"backend": args.backend, "shapes": shapes, "max_seq": n,
+                                   "ok": checks.ok, "checks": checks.rows},
+                                  indent=1, default=str))
+        tmp.replace(out / "smoke.json")
+
+    checks.on_row = write
+    # the cheap probes first: a GPU whose timer, placement or watchdog is off is known in seconds
+    checks.run("timer tick", lambda: timer_tick(args.backend))
+    models = {}
+
+    def load(shape: str) -> bool:
+        row = checks.run(f"load {shape}", lambda: models.__setitem__(
+            shape, load_model(synthetic_dir(shape), progress=False)))
+        return row["ok"]
+
+    first = shapes[0]
+    if load(first):
+        m = models[first]
+        checks.run(f"placement {first}", lambda: placement(args.backend, m, blocks, n))
+        checks.run(f"watchdog {first}", lambda: watchdog(args.backend, m, blocks, n))
+    for shape in shapes:
+        if shape in models or (shape != first and load(shape)):
+            checks.run(f"one step {shape}", lambda s=shape: one_step(args.backend, models[s],
+                                                                     blocks, n))
+    write()
     print(f"smoke: {'all checks passed' if checks.ok else 'FAILED'} "
           f"({sum(r['ok'] for r in checks.rows)}/{len(checks.rows)}); wrote {out / 'smoke.json'}")
     return 0 if checks.ok else 1

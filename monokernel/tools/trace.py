@@ -20,6 +20,22 @@ import numpy as np
 from ..kernel.isa import Op, TraceWord
 
 
+def timer_tick_ns(executor) -> dict:
+    """The resolution of the clock the trace's timestamps come from, measured before the traced
+    step and written into the trace's metadata: ``monokernel calibrate`` refuses a trace whose
+    tick is too coarse for the ops it fits. On the GPU %globaltimer (its tick differs between
+    GPUs and drivers, often 32 ns or 1 us); on the emulator the host's steady clock."""
+    device = executor.device
+    if hasattr(device, "timer_tick_ns"):
+        tick, distinct = device.timer_tick_ns()
+        return {"timer": "%globaltimer", "timer_tick_ns": int(tick),
+                "timer_distinct_in_4096_reads": int(distinct)}
+    import time
+
+    res = time.get_clock_info("monotonic").resolution
+    return {"timer": "host steady clock (emulator)", "timer_tick_ns": max(1, int(res * 1e9))}
+
+
 def _recorded(executor, records: np.ndarray):
     """Yield (block, slot, instruction, start, ready, end) in ns relative to the step's start,
     for every non-NOOP instruction that ran in the traced step; ready == start when the

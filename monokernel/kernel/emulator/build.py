@@ -41,6 +41,21 @@ SANITIZERS = (None, "address")
 STUB_HEADERS = ("cuda.h", "cuda_runtime.h", "cuda_runtime_api.h", "device_launch_parameters.h")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+_SHARED_DECL = re.compile(
+    r"\b__shared__\s+(?P<type>[A-Za-z_][\w:]*(?:\s+[A-Za-z_][\w:]*)*?)\s+(?P<name>[A-Za-z_]\w*)"
+    r"\s*(?P<dims>(?:\[[^\[\];]*\]\s*)*);")
+
+
+def rewrite_shared(source: str) -> str:
+    """``__shared__ T name[dims];`` -> ``EMU_SHARED(T, name, [dims]);`` (line numbers kept).
+    Both emulator builds use it (EMU_SHARED poisons the variable at each block's start);
+    ``extern __shared__`` (dynamic shared memory, sized at launch) is left as it is."""
+    def one(m: re.Match) -> str:
+        if re.search(r"\bextern\s*$", source[max(0, m.start() - 20):m.start()]):
+            return m.group(0)
+        dims = re.sub(r"\s+", "", m["dims"])
+        return f"EMU_SHARED({m['type']}, {m['name']}, {dims});" + "\n" * m.group(0).count("\n")
+    return _SHARED_DECL.sub(one, source)
 
 
 class EmulatorBuildError(MonokernelError):
@@ -190,7 +205,9 @@ def build(
     if src_dir is not None:
         flags += ["-I", str(src_dir)]
     driver = driver_source(names)
-    unit = f'#line 1 "{_c_string(filename)}"\n{text}\n#line 1 "<emulator driver>"\n{driver}'
+    # __shared__ declarations become EMU_SHARED: poisoned at each block's start (cuda_cpu.h)
+    unit = (f'#line 1 "{_c_string(filename)}"\n{rewrite_shared(text)}\n'
+            f'#line 1 "<emulator driver>"\n{driver}')
 
     key = cache_key(SHIM_PATH.read_text(), COMMON_SHIM_PATH.read_text(), unit, "\0".join(flags),
                     compiler_version(), *(p + "\0" + body for p, body in _local_includes(text, src_dir, set())))

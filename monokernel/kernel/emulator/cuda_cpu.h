@@ -260,6 +260,7 @@ struct Block : BarrierState {
   bool pass_aborting = false;        // the current scheduling pass resumes every fiber to unwind
   int resumed = 0, progressed = 0;   // fibers resumed in this pass / resumed for a reason not a spin
   std::size_t dyn_smem_handed = 0;  // bytes of dynamic shared memory handed out in this launch
+  std::uint64_t serial = 0;         // next_block_serial(): this block of this launch
 #if !defined(__x86_64__)
   ucontext_t sched_uc;
 #endif
@@ -676,6 +677,7 @@ inline void run_block(Launch* L, int bidx) {
 #endif
     prepare_fiber(&f);
   }
+  b.serial = next_block_serial();
   tl_block = &b;
   schedule(&b);
   tl_block = nullptr;
@@ -764,6 +766,32 @@ inline int launch(void (*kernel)(const void*), int grid, int block, const void* 
 #define blockIdx (static_cast<const ::uint3&>(::emu::detail::tl_block->idx))
 #define blockDim (static_cast<const ::dim3&>(::emu::detail::tl_block->dim))
 #define gridDim (static_cast<const ::dim3&>(::emu::detail::tl_block->grid))
+
+namespace emu::detail {
+// The storage behind EMU_SHARED: the block's OS thread owns it (thread_local, as __shared__ was),
+// and the first fiber of a block to reach the declaration poisons it (fibers switch only at
+// yield points, so no other fiber of the block has used it yet). Trivial, so the thread_local
+// needs no initialisation guard.
+template <class T>
+struct PoisonedShared {
+  T value;
+  std::uint64_t serial;
+  T& get() {
+    const std::uint64_t now = tl_block->serial;
+    if (serial != now) {
+      std::memset(static_cast<void*>(&value), kSharedPoison, sizeof(T));
+      serial = now;
+    }
+    return value;
+  }
+};
+}  // namespace emu::detail
+
+// `__shared__ T NAME DIMS;` as rewritten by build.py: this OS thread's (this block's) instance,
+// poisoned at the block's start.
+#define EMU_SHARED(T, NAME, DIMS)                                           \
+  static thread_local ::emu::detail::PoisonedShared<T DIMS> emu_shared_##NAME; \
+  T(&NAME) DIMS = emu_shared_##NAME.get()
 
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }

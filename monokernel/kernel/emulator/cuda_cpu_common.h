@@ -28,6 +28,16 @@ namespace detail {
 
 inline thread_local std::string tl_last_error;
 
+// Shared memory holds garbage when a block starts on a GPU. Both runtimes fill each __shared__
+// variable with this byte when a block first reaches its declaration (build.py and strict.py
+// rewrite `__shared__ T name[dims];` into EMU_SHARED), so a kernel that reads shared memory it
+// did not write sees NaN (float) or -1 (int), not a zero or a value left by an earlier block.
+constexpr unsigned char kSharedPoison = 0xFF;
+
+// A number for every block of every launch, so a block's shared variables know they are stale.
+inline std::atomic<std::uint64_t> g_block_serial{0};
+inline std::uint64_t next_block_serial() { return g_block_serial.fetch_add(1, std::memory_order_relaxed) + 1; }
+
 inline std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
 inline std::string fmt(const char* f, ...) {
   char buf[1024];

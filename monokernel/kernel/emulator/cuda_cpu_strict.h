@@ -56,6 +56,8 @@ struct Block : BarrierState {
   int live = 0, exited = 0;
   void* dyn_smem = nullptr;
   std::size_t dyn_smem_bytes = 0;
+  std::uint64_t serial = 0;  // next_block_serial(): this block of this launch
+  std::mutex poison_mu;      // the first of the block's threads to reach a __shared__ poisons it
   ~Block() { std::free(dyn_smem); }
 };
 
@@ -227,11 +229,27 @@ inline void run_thread(Launch* L, Block* b, unsigned int tid) {
 
 // One static instance of T per block index: the storage behind EMU_SHARED. Zero-initialised
 // static storage needs no guard (T has no constructor, as __shared__ variables may not), so no
-// lock is taken on first use, which would order blocks that the kernel does not order.
+// lock is taken on first use, which would order blocks that the kernel does not order. The
+// first of a block's threads to reach the declaration fills the slot with kSharedPoison, under
+// the block's own poison lock; the others see its release of `serial` (acquire) and skip it, so
+// the poisoning happens before their accesses and is no race, while their accesses to the slot
+// stay unordered by it.
 template <class T>
 struct PerBlock {
   T slot[kMaxBlocks];
-  T& get() { return slot[current_thread()->block->idx.x]; }
+  std::atomic<std::uint64_t> serial[kMaxBlocks];
+  T& get() {
+    Block* b = current_thread()->block;
+    const unsigned i = b->idx.x;
+    if (serial[i].load(std::memory_order_acquire) != b->serial) {
+      std::lock_guard<std::mutex> lk(b->poison_mu);
+      if (serial[i].load(std::memory_order_relaxed) != b->serial) {
+        std::memset(static_cast<void*>(&slot[i]), kSharedPoison, sizeof(T));
+        serial[i].store(b->serial, std::memory_order_release);
+      }
+    }
+    return slot[i];
+  }
 };
 
 }  // namespace detail
@@ -292,6 +310,7 @@ inline int launch(void (*kernel)(const void*), int grid, int block, const void* 
   for (int bi = 0; bi < grid; ++bi) {
     Block& b = L->blocks[bi];
     b.launch = L.get();
+    b.serial = next_block_serial();
     b.idx = ::uint3{static_cast<unsigned int>(bi), 0, 0};
     b.dim = ::dim3(block, 1, 1);
     b.grid = ::dim3(grid, 1, 1);

@@ -30,7 +30,7 @@ import numpy as np
 from ...errors import KernelError
 from ..isa import ERROR_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, State
 from .build import (COMMON_SHIM_PATH, CXX, SHIM_PATH, _c_string, cache_key, compile_unit, compiler_version,
-                    default_cache_dir)
+                    default_cache_dir, rewrite_shared)
 
 STRICT_SHIM_PATH = SHIM_PATH.with_name("cuda_cpu_strict.h")
 DRIVER_PATH = SHIM_PATH.with_name("strict_driver.cpp")
@@ -44,9 +44,6 @@ BLOB_MAGIC, OUT_MAGIC, VERSION = b"MKSTRICT", b"MKSTROUT", 1
 BLOB_HEADER = struct.Struct("<8s6I10Qd")
 OUT_HEADER = struct.Struct("<8s2I")
 ALIGN = 64
-_SHARED_DECL = re.compile(
-    r"\b__shared__\s+(?P<type>[A-Za-z_][\w:]*(?:\s+[A-Za-z_][\w:]*)*?)\s+(?P<name>[A-Za-z_]\w*)"
-    r"\s*(?P<dims>(?:\[[^\[\];]*\]\s*)*);")
 _TSAN_WARNING = re.compile(r"^WARNING: ThreadSanitizer: (?P<kind>.+?) \(pid=\d+\)", re.MULTILINE)
 _TSAN_SUMMARY = re.compile(r"^SUMMARY: ThreadSanitizer: .*$", re.MULTILINE)
 
@@ -58,14 +55,6 @@ class DataRaceError(KernelError):
     def __init__(self, message: str, report: str):
         super().__init__(message)
         self.report = report
-
-
-def rewrite_shared(source: str) -> str:
-    """``__shared__ T name[dims];`` -> ``EMU_SHARED(T, name, [dims]);`` (line numbers kept)."""
-    def one(m: re.Match) -> str:
-        dims = re.sub(r"\s+", "", m["dims"])
-        return f"EMU_SHARED({m['type']}, {m['name']}, {dims});" + "\n" * m.group(0).count("\n")
-    return _SHARED_DECL.sub(one, source)
 
 
 def tsan_available() -> str | None:

@@ -1,0 +1,200 @@
+"""The GPU check's prepare step (scripts/gpu_check.sh): everything the later steps would each
+pay for again, done once and in parallel before any of them runs.
+
+- every kernel variant the steps will build (shape x backend options, one KV-cache length),
+  compiled by NVRTC in parallel processes into CuPy's on-disk cache ($CUPY_CACHE_DIR), so a
+  later process loads the cubin instead of compiling (~5-10 s per variant saved each time);
+- the verified programs of those builds on one block per SM (the scheduler's proofs in
+  $MONOKERNEL_CACHE/verified);
+- meanwhile, in this process, the synthetic checkpoints of the shapes
+  ($MONOKERNEL_CACHE/synth/<shape>, where ``--shape`` finds them);
+- then the reference's greedy runs the smoke step and the GPU tests compare with
+  ($MONOKERNEL_CACHE/reference: one float32 model per shape, built once, not in every step).
+
+    python -m monokernel.tools.prepare --max-seq N --build SHAPE:BACKEND[:trace] [...]
+                                       [--program SHAPE[,KEY=N...] ...]
+                                       [--reference TOKENS:STEPS ...] [--jobs N]
+
+A build the steps ask for but this step did not make still works (the step compiles it and
+pays for it): the GPU check's per-step time limits, measured in CI on the fake CuPy with the
+real NVRTC, are what catch such a miss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+
+def parse_build(spec: str) -> tuple[str, str, bool]:
+    """"smollm2-135m:cuda" or "smollm2-135m:cuda:trace" -> (shape, backend, trace)."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "trace"):
+        raise SystemExit(f"monokernel prepare: error: --build {spec!r}: expected "
+                         "SHAPE:BACKEND or SHAPE:BACKEND:trace")
+    from ..kernel.cuda_backend import BUILD_OPTIONS
+
+    if parts[1] not in BUILD_OPTIONS:
+        raise SystemExit(f"monokernel prepare: error: --build {spec!r}: unknown backend "
+                         f"{parts[1]!r} (known: {', '.join(BUILD_OPTIONS)})")
+    return parts[0], parts[1], len(parts) == 3
+
+
+def _compile(label: str, source: str, defines: dict[str, str]) -> tuple[str, float]:
+    """In a worker process: one NVRTC build through CupyDevice.compile (CuPy keeps the cubin on
+    disk for every later process)."""
+    from ..kernel.cuda_backend import CupyDevice
+    from ..kernel.executor import KERNEL_NAMES
+
+    t0 = time.perf_counter()
+    CupyDevice().compile(source, KERNEL_NAMES, defines)
+    return label, time.perf_counter() - t0
+
+
+def _reference(shape: str, runs: list[tuple[list[int], int]]) -> tuple[str, float]:
+    """In a worker process: the reference's greedy runs the later steps compare with, into
+    $MONOKERNEL_CACHE/reference (one float32 model per shape, built once for all steps)."""
+    from ..model.loader import load_model
+    from ..model.reference import greedy_reference_run
+    from .commands import synthetic_dir
+
+    t0 = time.perf_counter()
+    model = load_model(synthetic_dir(shape), progress=False)
+    for tokens, steps in runs:
+        greedy_reference_run(model, tokens, steps)
+    return f"reference {shape} ({len(runs)} run(s))", time.perf_counter() - t0
+
+
+def parse_reference(spec: str) -> tuple[list[int], int]:
+    """"1,999,5:16" -> ([1, 999, 5], 16)."""
+    tokens, _, steps = spec.partition(":")
+    try:
+        out = [int(t) for t in tokens.split(",")], int(steps)
+    except ValueError:
+        out = ([], 0)
+    if not out[0] or out[1] < 1:
+        raise SystemExit(f"monokernel prepare: error: --reference {spec!r}: expected "
+                         "TOKEN[,TOKEN...]:STEPS")
+    return out
+
+
+def _verify(label: str, cfg, max_seq: int, options: dict) -> tuple[str, float]:
+    """In a worker process: schedule and verify a program on one block per SM (the proof is
+    remembered in $MONOKERNEL_CACHE/verified; a 132-block program takes seconds to prove)."""
+    from ..kernel.cuda_backend import CupyDevice
+    from ..kernel.scheduler import schedule
+
+    t0 = time.perf_counter()
+    schedule(cfg, CupyDevice().num_sms, max_seq, **options)
+    return label, time.perf_counter() - t0
+
+
+PROGRAM_OPTIONS = ("attn_splits", "attn_min_chunk", "merge_ticket_min", "design")
+
+
+def parse_program(spec: str) -> tuple[str, dict]:
+    """"qwen3-0.6b,attn_splits=16,merge_ticket_min=2" -> (shape, schedule options)."""
+    shape, *rest = spec.split(",")
+    options = {}
+    for item in rest:
+        key, _, value = item.partition("=")
+        if key not in PROGRAM_OPTIONS or not value.isdigit():
+            raise SystemExit(f"monokernel prepare: error: --program {spec!r}: expected "
+                             f"SHAPE[,KEY=N...] with KEY one of {', '.join(PROGRAM_OPTIONS)}")
+        options[key] = int(value)
+    return shape, options
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m monokernel.tools.prepare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-seq", type=int, required=True,
+                    help="the KV-cache length every later step uses")
+    ap.add_argument("--build", action="append", default=[], metavar="SHAPE:BACKEND[:trace]",
+                    help="a kernel the later steps build (repeat the option)")
+    ap.add_argument("--program", action="append", default=[],
+                    metavar="SHAPE[,attn_splits=N][,attn_min_chunk=N][,merge_ticket_min=N]",
+                    help="a program the later steps schedule besides the builds' default ones "
+                         "(repeat the option)")
+    ap.add_argument("--reference", action="append", default=[], metavar="TOKENS:STEPS",
+                    help="a greedy reference run the later steps compare with, for every shape "
+                         "(repeat the option; e.g. 517:1)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="parallel NVRTC processes (default: the CPU count)")
+    args = ap.parse_args(argv)
+    from ..kernel.cuda_backend import BUILD_OPTIONS
+    from ..kernel.executor import kernel_build
+    from ..kernel.scheduler import DEFAULT_DESIGN
+    from ..model.config import ModelConfig
+    from ..model.synth import synthetic_config
+    from .commands import synthetic_dir
+
+    builds = [parse_build(b) for b in args.build]
+    shapes = list(dict.fromkeys(s for s, _, _ in builds))
+    # the kernels need only the configs: they compile while the checkpoints are written
+    configs = {shape: synthetic_config(shape) for shape in shapes}
+    compiles: dict[tuple, tuple[str, str, dict]] = {}  # one per distinct (source, defines)
+    proofs: dict[tuple, tuple[str, object, int, dict]] = {}
+    for shape, backend, trace in builds:
+        opts = dict(BUILD_OPTIONS[backend], trace=trace)
+        source, defines = kernel_build(configs[shape], args.max_seq, **opts)
+        key = (source, tuple(sorted(defines.items())))
+        label = f"{shape}:{backend}" + (":trace" if trace else "")
+        if key in compiles:
+            compiles[key] = (compiles[key][0] + f" = {label}",) + compiles[key][1:]
+        else:
+            compiles[key] = (label, source, defines)
+        design = opts.get("design", DEFAULT_DESIGN)
+        if (shape, design) not in proofs:
+            proofs[(shape, design)] = (f"program {shape} design {design}", configs[shape],
+                                       args.max_seq, {"design": design})
+    for spec in args.program:
+        shape, options = parse_program(spec)
+        if shape not in configs:
+            shapes.append(shape)
+            configs[shape] = synthetic_config(shape)
+        proofs[(shape, tuple(sorted(options.items())))] = (
+            f"program {spec}", configs[shape], args.max_seq, options)
+    jobs = max(1, min(args.jobs, len(compiles) + len(proofs)))
+    print(f"compiling {len(compiles)} kernel variant(s) and verifying {len(proofs)} program(s) "
+          f"at max_seq {args.max_seq} in {jobs} process(es), while writing {len(shapes)} "
+          "checkpoint(s)", flush=True)
+    import multiprocessing as mp
+
+    t0 = time.perf_counter()
+    failed = 0
+    # spawn: a worker must not inherit a parent's CUDA state (none is made here, but CuPy and
+    # the fake CuPy are imported fresh in each worker either way)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(_compile, *v) for v in compiles.values()]
+        futures += [pool.submit(_verify, *v) for v in proofs.values()]
+        runs = [parse_reference(r) for r in args.reference]
+        for shape in shapes:
+            t = time.perf_counter()
+            written = ModelConfig.from_hf(synthetic_dir(shape))
+            print(f"checkpoint {shape}: {time.perf_counter() - t:.1f} s", flush=True)
+            if written != configs[shape]:  # then the steps build other kernels than these
+                failed += 1
+                print(f"  FAILED: the checkpoint of {shape} has another config than "
+                      "synthetic_config gives", flush=True)
+            if runs:  # needs the checkpoint: queued behind the compiles
+                futures.append(pool.submit(_reference, shape, runs))
+        t_ckpt = time.perf_counter() - t0
+        for f in as_completed(futures):
+            try:
+                label, seconds = f.result()
+                print(f"  {label}: {seconds:.1f} s", flush=True)
+            except Exception as e:  # one broken build must not hide the others
+                failed += 1
+                print(f"  FAILED: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    t_all = time.perf_counter() - t0
+    print(f"prepare: {len(shapes)} checkpoint(s) {t_ckpt:.1f} s, with {len(compiles)} "
+          f"compile(s) + {len(proofs)} proof(s) {t_all:.1f} s wall; {failed} failed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
