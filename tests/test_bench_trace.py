@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from monokernel.tools import bench
+from monokernel.tools import bench, trace
 from monokernel.cli import main
 from monokernel.model.config import ModelConfig
 from monokernel.kernel.isa import Op
@@ -244,3 +244,35 @@ def test_max_seq_too_short_is_refused_before_any_work(tmp_path, capsys):
         main(["trace", "--shape", "tiny", "--context", "5", "--max-seq", "5",
               "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())
+
+
+def test_times_within_a_block_come_from_the_cycle_counter():
+    """trace.timestamps: a %globaltimer that ticks every 1 us (as on some drivers) quantises a
+    0.3 us op to 0 or 1 us; the cycle counter (2 cycles per ns here), scaled by the block's own
+    timer span, gives it to the ns, and blocks stay aligned by their first START's timer."""
+    from monokernel.kernel.isa import TRACE_WORDS, TraceWord as W
+
+    epoch, tick, ghz = 1_700_000_000_000_000_000, 1000, 2.0
+    true = {0: [(0, 100, 400), (400, 2_000, 2_300), (2_300, 2_300, 50_000)],
+            1: [(5_000, 5_200, 5_500), (5_500, 9_000, 9_350), (9_350, 9_400, 60_000)]}
+    rec = np.zeros((2, 3, TRACE_WORDS), np.uint64)
+    clk0 = {0: 123_456_789, 1: 987}  # every SM's counter starts anywhere
+    for b, slots in true.items():
+        for i, moments in enumerate(slots):
+            for t, gw, cw in zip(moments, (W.START, W.READY, W.END),
+                                 (W.START_CLK, W.READY_CLK, W.END_CLK)):
+                rec[b, i, gw] = epoch + t // tick * tick  # the coarse global timer
+                rec[b, i, cw] = clk0[b] + round((t - slots[0][0]) * ghz)
+    ts = trace.timestamps(rec)
+    want = np.array([true[0], true[1]], np.float64)
+    # within a block: to a fraction of a ns (the rate comes from a span of ~50 ticks)
+    busy = ts[..., 2] - ts[..., 1]
+    np.testing.assert_allclose(busy, want[..., 2] - want[..., 1], rtol=0.02, atol=1.0)
+    # across blocks: to one tick of the timer
+    assert np.abs(ts - want).max() <= tick
+    assert trace.ns_per_cycle(rec) == pytest.approx(1 / ghz, rel=0.03)
+    # without cycle counts: the timer's stamps as recorded, quantised
+    rec[..., [W.START_CLK, W.READY_CLK, W.END_CLK]] = 0
+    coarse = trace.timestamps(rec)
+    assert trace.ns_per_cycle(rec) is None
+    assert coarse[0, 0, 2] - coarse[0, 0, 1] == 0.0  # the 0.3 us op reads 0 us

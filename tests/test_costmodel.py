@@ -564,6 +564,16 @@ def test_calibrate_refuses_a_trace_whose_timer_is_too_coarse(tmp_path, capsys):
         assert (rc == 0) == ok, (tick, median_ns, err)
         if not ok:
             assert f"ticks every {tick} ns, too coarse" in err, err
+    # busy times from the cycle counter (trace.timestamps) are judged by its resolution
+    coarse = int(0.5 * median_ns)
+    doc["otherData"].update(timer_tick_ns=coarse, busy_timer="clock64", busy_tick_ns=0.5)
+    path.write_text(json.dumps(doc))
+    assert main(["calibrate", str(path)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    del doc["otherData"]["busy_tick_ns"]
+    path.write_text(json.dumps(doc))
+    assert main(["calibrate", str(path)]) != 0
+    assert f"ticks every {coarse} ns, too coarse" in capsys.readouterr().err
     del doc["otherData"]["timer_tick_ns"]
     path.write_text(json.dumps(doc))
     assert main(["calibrate", str(path)]) == 0

@@ -118,13 +118,19 @@ class ErrCode(IntEnum):
 class TraceWord(IntEnum):
     """uint64 words recorded per instruction when built with MK_TRACE."""
 
-    START = 0  # ns, before the wait
+    START = 0  # ns (%globaltimer), before the wait
     READY = 1  # ns, the wait satisfied
     END = 2  # ns, after the signal
     SMID = 3  # the SM the block runs on (%smid; the block index in the emulator)
+    # the same three moments in the SM's cycle counter (clock64; ns in the emulator): times
+    # within a block at cycle resolution, where %globaltimer may tick every 32 ns to 1 us
+    # (tools/trace.py timestamps: the block's %globaltimer span converts cycles to ns)
+    START_CLK = 4
+    READY_CLK = 5
+    END_CLK = 6
 
 
-TRACE_WORDS = 4
+TRACE_WORDS = 7
 
 # The kernel's argument struct, in order: (name, C type, shape comment). The Python side packs
 # the same list (kernel/executor.py); every buffer carries its shape.

@@ -1348,6 +1348,7 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
     unsigned long long* tr = P.trace + ((size_t)blockIdx.x * len + i) * MK_TRACE_WORDS;
     if (threadIdx.x == 0) {
       tr[T_START] = global_timer_ns();
+      tr[T_START_CLK] = clock64();
       tr[T_SMID] = sm_id();
     }
 #endif
@@ -1368,7 +1369,10 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
         !wait_counter(P, w[W_WAIT_COUNTER], w[W_WAIT_COUNT] * target_scale, i, op, deadline_ns))
       return false;
 #ifdef MK_TRACE
-    if (threadIdx.x == 0) tr[T_READY] = global_timer_ns();
+    if (threadIdx.x == 0) {
+      tr[T_READY] = global_timer_ns();
+      tr[T_READY_CLK] = clock64();
+    }
 #endif
     if (ONLY != OP_NOOP && op != ONLY) {
       if (threadIdx.x == 0) record_error(P, ERR_BAD_OPCODE, i, op, -1, ONLY, op);
@@ -1393,7 +1397,10 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
     if (w[W_SIGNAL_COUNTER] >= 0) signal_counter(P, w[W_SIGNAL_COUNTER]);
     else __syncthreads();  // shared memory is reused by the next instruction
 #ifdef MK_TRACE
-    if (threadIdx.x == 0) tr[T_END] = global_timer_ns();
+    if (threadIdx.x == 0) {
+      tr[T_END] = global_timer_ns();
+      tr[T_END_CLK] = clock64();
+    }
 #endif
   }
   return true;

@@ -256,8 +256,9 @@ def _config(args, meta: dict, path: str):
 def check_tick(fit: "Fit", meta: dict, path: str = "trace") -> str | None:
     """Refuse (CostModelError) a trace whose timer tick is too coarse for the busy times it
     fits; return a note when the trace does not say its tick (written before it was
-    recorded)."""
-    tick = meta.get("timer_tick_ns")
+    recorded). A trace whose busy times come from the cycle counter (``busy_tick_ns``: ns
+    per cycle, tools/trace.py timestamps) is judged by that resolution, not %globaltimer's."""
+    tick = meta.get("busy_tick_ns", meta.get("timer_tick_ns"))
     if tick is None:
         return ("NOTE: this trace does not record its timer's tick (an older `monokernel "
                 "trace`): the busy times below may be quantised.")
@@ -266,7 +267,8 @@ def check_tick(fit: "Fit", meta: dict, path: str = "trace") -> str | None:
     tick_us = float(tick) / 1e3
     if tick_us <= 0 or tick_us > MAX_TICK_SHARE * median_us:
         raise CostModelError(
-            f"{path}: the trace's timer ({meta.get('timer', 'timer')}) ticks every {tick} ns, "
+            f"{path}: the trace's timer ({meta.get('busy_timer', meta.get('timer', 'timer'))}) "
+            f"ticks every {tick} ns, "
             f"too coarse for ops whose median busy time is {median_us:.3f} us (a fit needs a "
             f"tick <= {MAX_TICK_SHARE:.0%} of it): the fitted constants would describe the "
             "timer, not the GPU")

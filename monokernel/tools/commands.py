@@ -240,6 +240,10 @@ def cmd_trace(args) -> int:
     out = Path(args.out)
     meta = {"model": label, "backend": ex.name, "blocks": ex.blocks, "context": args.context,
             "step_us": step_us, **tick_ns}
+    rate = tr.ns_per_cycle(records)
+    if rate is not None:  # busy and wait times come from the cycle counter (trace.timestamps)
+        meta.update(busy_timer="clock64 (cycles, scaled by each block's timer span)",
+                    busy_tick_ns=rate)
     print(f"{label} on {ex.name}, {ex.blocks} blocks, traced step at position {args.context}")
     print(tr.format_summary(tr.op_summary(ex, records), step_us))
     jpath = tr.write_chrome_trace(out / f"{stem}.json", tr.trace_events(ex, records), meta)

@@ -1,9 +1,13 @@
 """Per-instruction timelines of one decode step, from a kernel built with MK_TRACE.
 
-Each block's thread 0 records three timestamps per instruction (isa.TraceWord): START before the
-counter wait, READY when the wait is satisfied, END after the signal; NOOP slots stay zero. Times
-come from %globaltimer on the GPU and a steady clock in the emulator, in nanoseconds; everything
-here is normalised to the earliest START of the step and reported in microseconds.
+Each block's thread 0 records three moments per instruction (isa.TraceWord): START before the
+counter wait, READY when the wait is satisfied, END after the signal; NOOP slots stay zero. Each
+is stamped twice: %globaltimer (ns, the same clock on every SM, but it may tick every 32 ns to 1
+us) and clock64 (the SM's cycle counter). ``timestamps`` places a block's moments by its cycle
+counter, converted to ns by the block's own %globaltimer span over the step and anchored at its
+first START: times within a block (busy, wait) at cycle resolution, blocks aligned to one
+%globaltimer tick. In the emulator both clocks are the host's steady clock. Everything here is
+normalised to the earliest START of the step and reported in microseconds.
 
 ``trace_events`` -> Chrome/Perfetto JSON (open in ui.perfetto.dev or chrome://tracing): one track
 (tid) per block, an op slice READY..END named "<OP> L<layer>", and a "wait" slice START..READY
@@ -36,38 +40,78 @@ def timer_tick_ns(executor) -> dict:
     return {"timer": "host steady clock (emulator)", "timer_tick_ns": max(1, int(res * 1e9))}
 
 
+_GT = [TraceWord.START, TraceWord.READY, TraceWord.END]
+_CLK = [TraceWord.START_CLK, TraceWord.READY_CLK, TraceWord.END_CLK]
+
+
+def timestamps(records: np.ndarray) -> np.ndarray:
+    """float64 [blocks, slots, 3]: START, READY, END in ns after the step's earliest START
+    (NaN where no instruction ran). A block whose records carry cycle counts is placed by them:
+    ns per cycle = its %globaltimer span / its cycle span over the step (first START to last
+    END: thousands of ticks, so the rate is exact to a tick over the span), from its first
+    START's %globaltimer. Records without cycle counts (older traces, the cost model's
+    synthetic ones) keep their %globaltimer stamps."""
+    ran = records[..., TraceWord.END] > 0
+    if not ran.any():
+        raise ValueError("the trace records are empty (no traced step ran)")
+    t0 = int(records[..., TraceWord.START][ran].min())
+    # integers first: %globaltimer counts ns since an epoch (~1.7e18), past float64's 53 bits
+    gt = (records[..., _GT].astype(np.int64) - t0).astype(np.float64)
+    out = np.where(ran[..., None], gt, np.nan)
+    for b in range(records.shape[0]):
+        slots = np.flatnonzero(ran[b])
+        if not slots.size or not (records[b, slots][:, _CLK] > 0).all():
+            continue
+        first = slots[np.argmin(gt[b, slots, 0])]
+        last = slots[np.argmax(gt[b, slots, 2])]
+        clk = (records[b][:, _CLK].astype(np.int64)
+               - int(records[b, first, TraceWord.START_CLK])).astype(np.float64)
+        span_gt, span_clk = gt[b, last, 2] - gt[b, first, 0], clk[last, 2]
+        if span_gt <= 0 or span_clk <= 0:
+            continue
+        out[b, slots] = gt[b, first, 0] + clk[slots] * (span_gt / span_clk)
+    return out
+
+
+def ns_per_cycle(records: np.ndarray) -> float | None:
+    """The median over blocks of the cycle counter's ns per cycle (None without cycle counts):
+    the resolution of the busy times ``timestamps`` gives."""
+    rates = []
+    ran = records[..., TraceWord.END] > 0
+    for b in range(records.shape[0]):
+        slots = np.flatnonzero(ran[b])
+        if not slots.size or not (records[b, slots][:, _CLK] > 0).all():
+            continue
+        gt = records[b, slots][:, _GT].astype(np.int64)
+        clk = records[b, slots][:, _CLK].astype(np.int64)
+        span_gt = int(gt[:, 2].max() - gt[:, 0].min())
+        span_clk = int(clk[:, 2].max() - clk[:, 0].min())
+        if span_gt > 0 and span_clk > 0:
+            rates.append(span_gt / span_clk)
+    return float(np.median(rates)) if rates else None
+
+
 def _recorded(executor, records: np.ndarray):
-    """Yield (block, slot, instruction, start, ready, end) in ns relative to the step's start,
-    for every non-NOOP instruction that ran in the traced step; ready == start when the
-    instruction has no counter wait."""
+    """Yield (block, slot, instruction, start, ready, end) in ns relative to the step's start
+    (``timestamps``), for every non-NOOP instruction that ran in the traced step; ready ==
+    start when the instruction has no counter wait."""
     p = executor.program
-    t0 = _step_origin(records)
+    ts = timestamps(records)
     for b, q in enumerate(p.queues):
         for i, ins in enumerate(q):
             if ins.op == Op.NOOP:
                 continue
-            r = records[b, i]
-            if r[TraceWord.END] == 0:
+            if records[b, i, TraceWord.END] == 0:
                 raise ValueError(f"block {b} slot {i} ({ins.op.name}) has no trace record: was "
                                  "the executor built with trace=True and a step run?")
-            start = int(r[TraceWord.START]) - t0
+            start, ready, end = (float(x) for x in ts[b, i])
             # without a wait, START..READY is bookkeeping, counted as the op's own time
-            ready = int(r[TraceWord.READY]) - t0 if ins.wait is not None else start
-            yield b, i, ins, start, ready, int(r[TraceWord.END]) - t0
+            yield b, i, ins, start, (ready if ins.wait is not None else start), end
 
 
-def _step_origin(records: np.ndarray) -> int:
-    starts = records[..., TraceWord.START]
-    starts = starts[starts > 0]
-    if not starts.size:
-        raise ValueError("the trace records are empty (no traced step ran)")
-    return int(starts.min())
-
-
-def step_time_ns(records: np.ndarray) -> int:
+def step_time_ns(records: np.ndarray) -> float:
     """Earliest START to latest END of the traced step."""
-    ends = records[..., TraceWord.END]
-    return int(ends.max()) - _step_origin(records)
+    return float(np.nanmax(timestamps(records)[..., 2]))
 
 
 def trace_events(executor, records: np.ndarray) -> list[dict]:
