@@ -166,31 +166,29 @@ def copy_runs(sass: str) -> list[int]:
 _WORD_LDG = re.compile(r"^(?:@!?P\d\s+)?LDG\.E\.CONSTANT (R\d+), ")
 
 
-def program_word_branches(sass: str) -> int:
-    """32-bit read-only loads whose result is first read by a compare (ISETP) - v5's
-    instruction fetch: load the opcode, compare it with NOOP, branch, then load the other
-    words - i.e. a branch of the VM loop waiting on a word just loaded from memory."""
+def _word_loads_first_read_by(sass: str, opcode: str) -> int:
+    """32-bit read-only loads whose result is first read by an instruction ``opcode...``."""
     ins = _texts(sass)
     count = 0
     for k, text in enumerate(ins):
         m = _WORD_LDG.match(text)
         if m:
             use = _first_reader(ins, k, m.group(1))
-            count += use is not None and _opcode(ins[use]).startswith("ISETP")
+            count += use is not None and _opcode(ins[use]).startswith(opcode)
     return count
+
+
+def program_word_branches(sass: str) -> int:
+    """32-bit read-only loads whose result is first read by a compare (ISETP) - v5's
+    instruction fetch: load the opcode, compare it with NOOP, branch, then load the other
+    words - i.e. a branch of the VM loop waiting on a word just loaded from memory."""
+    return _word_loads_first_read_by(sass, "ISETP")
 
 
 def ring_word_stores(sass: str) -> int:
     """32-bit read-only loads first read by a shared-memory store: the instruction words
     fetched ahead into the VM loop's ring (and the launch's first two instructions)."""
-    ins = _texts(sass)
-    count = 0
-    for k, text in enumerate(ins):
-        m = _WORD_LDG.match(text)
-        if m:
-            use = _first_reader(ins, k, m.group(1))
-            count += use is not None and _opcode(ins[use]).startswith("STS")
-    return count
+    return _word_loads_first_read_by(sass, "STS")
 
 
 def system_fences(sass: str) -> int:

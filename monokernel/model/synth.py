@@ -26,6 +26,19 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+def _scaled(name: str, shape: tuple, w: np.ndarray) -> np.ndarray:
+    """Standard-normal float32 draws (all or some rows of tensor ``name``) scaled so that
+    activations stay O(1): norm weights near 1, biases halved, matrices by 1/sqrt(fan-in)."""
+    f32 = np.float32
+    if name.endswith("norm.weight"):
+        return f32(1.0) + f32(0.2) * w
+    if name.endswith(".bias"):
+        return w * f32(0.5)
+    if name != "model.embed_tokens.weight":
+        return w * f32(1.0 / np.sqrt(shape[1]))
+    return w
+
+
 def synth_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Random bf16 weights scaled so activations stay O(1) through every layer (never zeros).
     Drawn as float32 (half the time and memory of float64: a Llama-3.2-1B shape is 1.2 G values),
@@ -40,13 +53,7 @@ def synth_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     def draw(k: int) -> np.ndarray:
         name, shape = shapes[k]
         w = np.random.default_rng(seeds[k]).standard_normal(shape, dtype=f32)
-        if name.endswith("norm.weight"):
-            w = f32(1.0) + f32(0.2) * w
-        elif name.endswith(".bias"):
-            w *= f32(0.5)
-        elif name != "model.embed_tokens.weight":
-            w *= f32(1.0 / np.sqrt(shape[1]))
-        return w.astype(BF16)
+        return _scaled(name, shape, w).astype(BF16)
 
     workers = min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -89,13 +96,7 @@ def write_synth_safetensors(cfg: ModelConfig, path: str | Path, seed: int = 0) -
         pos = base + offsets[k]
         for r0 in range(0, shape[0], per):
             w = rng.standard_normal((min(per, shape[0] - r0),) + shape[1:], dtype=f32)
-            if name.endswith("norm.weight"):
-                w = f32(1.0) + f32(0.2) * w
-            elif name.endswith(".bias"):
-                w *= f32(0.5)
-            elif name != "model.embed_tokens.weight":
-                w *= f32(1.0 / np.sqrt(shape[1]))
-            data = w.astype(BF16).view(np.uint16).astype("<u2", copy=False)
+            data = _scaled(name, shape, w).astype(BF16).view(np.uint16).astype("<u2", copy=False)
             os.pwrite(fd, memoryview(data).cast("B"), pos)
             pos += data.nbytes
 
