@@ -87,7 +87,7 @@ class StopReason(IntEnum):
 class HostFlag(IntEnum):
     """int32 words of host_flags, memory the host writes while a launch runs (mapped)."""
 
-    STOP = 0  # nonzero: end the launch after the current step
+    STOP = 0  # nonzero: end the launch (read before each LM head's wait: this step or the next)
 
 
 HOST_FLAG_WORDS = 4
