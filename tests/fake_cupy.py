@@ -210,12 +210,15 @@ def nvrtc_compile_cached(code: str, options) -> float | None:
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     ok = err == nvrtc.nvrtcResult.NVRTC_SUCCESS
     if ok:
+        # a fresh mutable buffer: NVRTC writes into it (into `b" " * n` it wrote into an
+        # immutable bytes object, for n == 1 the interpreter's shared b" ", which then held a
+        # NUL in every later b" " of the process: see tests/test_nvrtc.py)
         _, n = nvrtc.nvrtcGetCUBINSize(prog)
-        out = b" " * n
+        out = bytearray(n)
         nvrtc.nvrtcGetCUBIN(prog, out)
     else:
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-        out = b" " * n
+        out = bytearray(n)
         nvrtc.nvrtcGetProgramLog(prog, out)
     nvrtc.nvrtcDestroyProgram(prog)
     if not ok:

@@ -334,14 +334,24 @@ def test_write_synthetic_into_empty_dir(tmp_path):
 
 
 def test_write_synthetic_interrupted_leaves_nothing(tmp_path, monkeypatch):
-    import safetensors.numpy
+    """Ctrl-C after the checkpoint's header and its first chunk are written (the writer's
+    pwrite calls; synth.write_synth_safetensors): no folder, no partial file."""
+    import os
 
-    def boom(*a, **k):
-        raise KeyboardInterrupt
+    from monokernel.model import synth
 
-    monkeypatch.setattr(safetensors.numpy, "save_file", boom)
+    calls, real = [], os.pwrite
+
+    def pwrite_then_interrupt(fd, data, pos):
+        calls.append(pos)
+        if len(calls) > 2:
+            raise KeyboardInterrupt
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(synth.os, "pwrite", pwrite_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         write_synthetic("tiny", tmp_path / "out")
+    assert calls[0] == 0 and len(calls) > 2  # the header, chunks, then the interrupt
     assert list(tmp_path.iterdir()) == []
 
 
