@@ -159,6 +159,16 @@ def ray_serve(bundled_dir, tmp_path_factory):
                 pass
             assert time.monotonic() - t0 < START_TIMEOUT_S, log.read_text()[-5000:]
             time.sleep(0.5)
+        # /health answers once one replica runs; the other may still be loading its model
+        # (Ray routes only to running replicas): wait until both have answered
+        names = set()
+        while len(names) < 2:
+            assert proc.poll() is None, log.read_text()[-5000:]
+            try:
+                names.add(replica_of(httpx.get(f"{rs.url}/health", timeout=10.0).headers)[0])
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() - t0 < START_TIMEOUT_S, (names, log.read_text()[-5000:])
         print(f"\nRay Serve with 2 replicas up in {time.monotonic() - t0:.1f} s")
         yield rs
     finally:
