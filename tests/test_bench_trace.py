@@ -13,7 +13,7 @@ from monokernel.tools import bench, trace
 from monokernel.cli import main
 from monokernel.model.config import ModelConfig
 from monokernel.kernel.isa import Op
-from monokernel.kernel.scheduler import schedule
+from monokernel.kernel.schedule import schedule
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -160,7 +160,7 @@ def test_trace_cli(tmp_path, capsys):
     share = re.search(r"^all ops\s+\d+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%", printed,
                       re.M)
     assert share and float(share.group(1)) <= step_us + 0.1 and float(share.group(4)) <= 100
-    for op in {ins.op for q in prog.queues for ins in q} - {Op.NOOP}:  # design 2: no SAMPLE
+    for op in {ins.op for q in prog.queues for ins in q} - {Op.NOOP}:
         assert re.search(rf"^{op.name}\s", printed, re.M), op.name
 
 
@@ -177,7 +177,7 @@ def test_trace_helpers_against_records(synth_dir, tmp_path):
     step_ns = trace.step_time_ns(rec)
     assert step_ns > 0
     rows = trace.op_summary(ex, rec)
-    assert [r["op"] for r in rows] == [op.name for op in Op if op not in (Op.NOOP, Op.SAMPLE)]
+    assert [r["op"] for r in rows] == [op.name for op in Op if op != Op.NOOP]
     assert sum(r["instructions"] for r in rows) == len(non_noop(ex.program))
     total_us = sum(r["time_us"] for r in rows)
     assert 0 < total_us <= step_ns / 1e3
@@ -205,7 +205,6 @@ def test_plan_smollm2_shape(capsys):
         assert int(m.group(1)) == r["instructions"]
         assert float(m.group(4)) == pytest.approx(r["bytes"] / 1e6, abs=1e-3)
     assert re.search(r"^EMBED\s+8\s", out, re.M) and re.search(r"^RMS_LM_HEAD\s+8\s", out, re.M)
-    assert not re.search(r"^SAMPLE\s", out, re.M)  # folded into the LM head (design 2)
     assert re.search(r"^RMS_GATE_UP\s+240\s", out, re.M)  # 30 layers x 8 blocks
     assert "critical path:          151 dependency hops per token" in out
     assert "269.030 MB per token" in out  # ModelConfig.weight_bytes_per_token()

@@ -101,7 +101,7 @@ def test_import_registers_executors_without_cupy():
     lines = out.stdout.splitlines()
     assert lines[0] == ("['cuda', 'cuda-1step', 'cuda-block-merge', 'cuda-multi', "
                         "'cuda-multi-graph', 'cuda-multi-graph-pdl', 'cuda-noprefetch', "
-                        "'cuda-sync1', 'cuda-v1']")
+                        "'cuda-sync1']")
     assert lines[1].startswith("BackendUnavailableError CuPy is not installed: pip install")
 
 
@@ -473,7 +473,7 @@ def stuck_program(cfg, blocks: int, max_seq_len: int):
     """A scheduled program whose last wait (block 0's LM head) waits for one signal more than it
     will ever get; no other instruction of the step waits on it, so no other block's watchdog
     can fire first. Returns (program, the label of that instruction)."""
-    from monokernel.kernel.scheduler import schedule
+    from monokernel.kernel.schedule import schedule
 
     program = copy.deepcopy(schedule(cfg, blocks, max_seq_len))  # schedule()'s is shared
     i = max(i for i, ins in enumerate(program.queues[0]) if ins.wait is not None)
@@ -486,7 +486,7 @@ def launch_only_program(cfg, blocks: int, max_seq_len: int = GPU_MAX_SEQ):
     """A cheap, valid program of ``blocks`` blocks (one empty EMBED each, no waits), for tests
     that are about the launch, not the step."""
     from monokernel.kernel.isa import Op
-    from monokernel.kernel.scheduler import Instruction, Program
+    from monokernel.kernel.program import Instruction, Program
 
     queues = [[Instruction(Op.EMBED, 0, (0, 0), signal=0)] for _ in range(blocks)]
     prog = Program(config=cfg, num_blocks=blocks, max_seq_len=max_seq_len, queues=queues,

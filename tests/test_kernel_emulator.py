@@ -24,7 +24,7 @@ from monokernel.model.loader import BF16
 from monokernel.model.reference import ReferenceModel, bf16_round
 from monokernel.kernel.base import DeviceSample
 from monokernel.runtime import Engine
-from monokernel.kernel.scheduler import default_attn_splits
+from monokernel.kernel.schedule import default_attn_splits
 from monokernel.sampling import SamplingParams, gumbel_noise
 
 # Kernel and reference both compute in float32 from the same bf16 weights and round K/V to bf16;
@@ -174,7 +174,7 @@ def test_logits_every_step_match_reference(model, reference, arch, blocks, split
     ex = KernelExecutor(model(arch), MAX_SEQ, blocks=blocks, attn_splits=splits, multi=multi,
                         attn_min_chunk=1)
     S = ex.program.attn_splits
-    assert S == (splits or default_attn_splits(ex.config, blocks, MAX_SEQ, design=2))
+    assert S == (splits or default_attn_splits(ex.config, blocks, MAX_SEQ))
     # the positions must cross every split boundary: fewer positions than splits (empty
     # splits), exactly S, and chunks of several sizes, with some empty trailing splits
     n_pos = np.arange(1, len(fed) + 1)
@@ -458,7 +458,7 @@ def test_a_nan_steps_token_is_never_embedded(model, multi):
 @pytest.mark.parametrize("temperature", [0.0, 1.3])
 def test_one_nan_logit_is_detected_on_device(model, blocks, row, temperature):
     """A single NaN row of the (untied) LM head: exactly one NaN logit, in the first, last or a
-    middle tile; the tile's partial and the SAMPLE reduction must both let it through."""
+    middle tile; the tile's partial and the ticket's reduction must both let it through."""
     def nan_row(a):
         a[row] = np.nan
         return a
@@ -523,8 +523,8 @@ def test_every_activation_element_is_written(model, reference, arch, blocks, spl
         part = buf["lm_part"].reshape(B, 2)
         ids = part[:, 1].copy().view(np.int32)
         for b in range(B):
-            lm = ex.program.queues[b][-1]  # design 2: the LM head ends every queue
-            assert lm.op.name == "RMS_LM_HEAD" and lm.args[0] == b
+            lm = ex.program.queues[b][-1]  # the LM head ends every queue
+            assert lm.op.name == "RMS_LM_HEAD" and lm.arg("slot") == b
             lo, hi = lm.tile
             if hi > lo:
                 assert ids[b] == lo + int(np.argmax(res.logits[lo:hi]))

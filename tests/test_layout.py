@@ -83,7 +83,8 @@ def test_three_wings_exist():
     mods = modules()
     for m in ("monokernel.model.config", "monokernel.model.loader", "monokernel.model.gguf_import",
               "monokernel.model.bundled", "monokernel.model.synth", "monokernel.model.reference",
-              "monokernel.kernel.isa", "monokernel.kernel.scheduler", "monokernel.kernel.executor",
+              "monokernel.kernel.isa", "monokernel.kernel.program", "monokernel.kernel.schedule",
+              "monokernel.kernel.ops", "monokernel.kernel.costmodel", "monokernel.kernel.executor",
               "monokernel.kernel.cuda_backend", "monokernel.kernel.emulator",
               "monokernel.tools.bench", "monokernel.tools.trace", "monokernel.tools.plan"):
         assert m in mods, m

@@ -20,7 +20,7 @@ import pytest
 from monokernel.errors import ProgramError
 from monokernel.kernel.executor import KernelExecutor
 from monokernel.kernel.isa import Op, merge_ticket_min_splits
-from monokernel.kernel.scheduler import schedule
+from monokernel.kernel.schedule import schedule
 from monokernel.model.config import ModelConfig
 
 from test_kernel_emulator import (MAX_SEQ, assert_logits_match, reference_run, run_kernel,

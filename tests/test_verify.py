@@ -17,7 +17,8 @@ import pytest
 from monokernel.model.config import ModelConfig
 from monokernel.errors import ProgramError
 from monokernel.kernel.isa import Op
-from monokernel.kernel.scheduler import Instruction, Program, schedule
+from monokernel.kernel.program import Instruction, Program
+from monokernel.kernel.schedule import schedule
 
 TINY = ModelConfig.from_name("tiny")
 
@@ -167,7 +168,7 @@ def find(prog: Program, block: int, op: Op, layer: int) -> int:
 
 @pytest.fixture(scope="module")
 def tiny3() -> Program:
-    # 3 splits: every block has an attention unit (the design-2 default gives short caches one)
+    # 3 splits: every block has an attention unit (the default gives short caches one)
     return schedule(TINY, 3, 64, attn_splits=3)
 
 
@@ -208,7 +209,7 @@ def test_schedule_with_a_wait_on_a_later_counter_deadlocks(tiny3):
     assert "deadlock" in msg and label(0, 0, Op.EMBED) in msg
 
 
-# ---- the LM head's atomic ticket (design 2): its tail is proven like an instruction ----------
+# ---- the LM head's atomic ticket: its tail is proven like an instruction ----------------------
 def test_ticket_tail_is_ordered_after_every_partial(tiny3):
     """The tail (reads every block's partial) waits for every ticket: a block that takes no
     ticket leaves its partial unordered before the others' tails (RAW)."""
@@ -239,14 +240,13 @@ def test_ticket_tails_exclude_each_other(tiny3, monkeypatch):
         prog.verify(use_cache=False)
 
 
-@pytest.mark.parametrize("design", [1, 2])
-def test_an_instruction_after_the_step_end_is_rejected(design):
-    """Many steps per launch: the next step starts after the step's end (ticket tail / SAMPLE),
+def test_an_instruction_after_the_step_end_is_rejected():
+    """Many steps per launch: the next step starts after the step's end (the ticket's tail),
     so an instruction not ordered before it - here a block's extra EMBED after its LM head,
     writing nothing anyone reads - is rejected, though no hazard within the step exists."""
-    prog = copy.deepcopy(schedule(TINY, 3, 64, design=design))
+    prog = copy.deepcopy(schedule(TINY, 3, 64))
     prog.verify(use_cache=False)
-    q = prog.queues[1]  # ends with its LM head (design 2) or LM head, NOOP (design 1)
+    q = prog.queues[1]  # ends with its LM head
     at = next(i for i in range(len(q) - 1, -1, -1) if q[i].op == Op.RMS_LM_HEAD) + 1
     q.insert(at, ins(Op.EMBED, tile=(0, 0)))
     for other in prog.queues:
@@ -254,12 +254,6 @@ def test_an_instruction_after_the_step_end_is_rejected(design):
             other.append(Instruction(Op.NOOP, 0, (0, 0)))
     msg = hazard(prog)
     assert "is not ordered before the step's end" in msg and "EMBED" in msg, msg
-
-
-def test_v1_design_keeps_sample_in_block_0():
-    prog = schedule(TINY, 3, 64, design=1)
-    assert [q[-1].op for q in prog.queues] == [Op.SAMPLE, Op.NOOP, Op.NOOP]
-    assert all(ins.ticket is None for q in prog.queues for ins in q)
 
 
 # ================================================================================================
@@ -311,14 +305,11 @@ def test_known_schedules_verify_and_slots_align(name, blocks):
 def test_critical_path_hops(name, blocks):
     """One hop per counter wait on the longest chain. Every op waits for all signals of the op
     before it, so the chain is EMBED (no wait) -> 5 waits per layer (RMS_QKV_ROPE, ATTENTION,
-    O_PROJ_RESIDUAL, RMS_GATE_UP, DOWN_RESIDUAL) -> RMS_LM_HEAD, whose ticket is no hop (v1:
-    -> SAMPLE, one more): hops = 1 + 5 * layers, whatever the grid. SmolLM2 (30 layers): 151."""
+    O_PROJ_RESIDUAL, RMS_GATE_UP, DOWN_RESIDUAL) -> RMS_LM_HEAD, whose ticket is no hop: hops = 1 + 5 * layers, whatever the grid. SmolLM2 (30 layers): 151."""
     prog = known(name, blocks)
     assert prog.critical_path_hops() == 1 + 5 * prog.config.num_layers
     if name == "smollm2-135m":
         assert prog.critical_path_hops() == 151
-        v1 = schedule(prog.config, blocks, 2048, design=1)
-        assert v1.critical_path_hops() == 152
 
 
 def test_unaligned_slots_are_rejected(tiny3):
@@ -357,7 +348,7 @@ def test_a_verified_program_is_remembered_on_disk_and_a_broken_one_is_not(tmp_pa
 def test_weight_ops_are_balanced_over_132_blocks(name, limit):
     """Issue 8: no weight op above max/mean per-block weight bytes of 1.1 (1.2 for SmolLM2's 576
     rows over 132 blocks) with >= 120 blocks busy. Qwen3's q/k-norm once forced whole-head QKV
-    tiles (32 heads on 32 blocks: 4.1x); design 2 norms q and k in ATTENTION instead."""
+    tiles (32 heads on 32 blocks: 4.1x); ATTENTION norms q and k instead (late q/k)."""
     prog = known(name, 132)
     by_op: dict = {}
     for q in prog.queues:
@@ -371,8 +362,16 @@ def test_weight_ops_are_balanced_over_132_blocks(name, limit):
         worst[op.name] = max(worst.get(op.name, 0.0), ratio)
         assert busy >= 120, f"{name} {op.name} L{layer}: only {busy} blocks stream weights"
     assert max(worst.values()) <= limit, f"{name}: max/mean per op {worst}"
-    if name == "qwen3-0.6b":  # the v1 design keeps the whole-head tiles: the negative control
-        v1 = schedule(prog.config, 132, 2048, design=1)
-        wb = [ins.weight_bytes for q in v1.queues for ins in q
-              if ins.op == Op.RMS_QKV_ROPE and ins.layer == 0]
-        assert max(wb) / (sum(wb) / 132) > 4
+
+
+def test_the_step_runs_its_ops_layer_by_layer():
+    """verify() proves the order of accesses, not the meaning: a program that ran every layer's
+    QKV before any attention would pass it. The step's slots must be EMBED, then per layer the
+    five layer ops in order, then the LM head (schedule.STEP)."""
+    from monokernel.kernel.schedule import STEP
+
+    prog = schedule(TINY, 3, 64)
+    layer_ops = [op for op, per_layer in STEP if per_layer]
+    want = [(Op.EMBED, 0)] + [(op, layer) for layer in range(TINY.num_layers)
+                              for op in layer_ops] + [(Op.RMS_LM_HEAD, 0)]
+    assert [(op, layer) for op, layer, _, _ in prog.slots()] == want

@@ -19,7 +19,7 @@ from monokernel.errors import KernelError, ProgramError
 from monokernel.kernel.isa import Op, Word
 from monokernel.kernel.executor import EmulatorDevice, KernelExecutor
 from monokernel.model.loader import load_model
-from monokernel.kernel.scheduler import schedule
+from monokernel.kernel.schedule import schedule
 
 MAX_SEQ = 160  # as in test_kernel_emulator.py: the same emulator build
 WATCHDOG_MS = 300

@@ -533,12 +533,6 @@ def _cuda_noprefetch(model, max_seq_len, **options) -> KernelExecutor:
     return _cuda_executor(model, max_seq_len, prefetch=False, name="cuda-noprefetch", **options)
 
 
-def _cuda_v1(model, max_seq_len, **options) -> KernelExecutor:
-    """The v1 kernel design (SAMPLE op, v1 memory parallelism): the A/B twin of v2 until a GPU
-    has measured both (benchmarks/NOTES.md)."""
-    return _cuda_executor(model, max_seq_len, design=1, name="cuda-v1", **options)
-
-
 def _cuda_1step(model, max_seq_len, **options) -> KernelExecutor:
     """The megakernel with one launch per decode step (the host feeds every token): the A/B
     twin of many steps per launch (R6) until a GPU has measured both."""
@@ -560,7 +554,7 @@ def _cuda_block_merge(model, max_seq_len, **options) -> KernelExecutor:
 
 
 # backend name -> factory(model, max_seq_len, **options), read by runtime.make_executor
-BACKENDS = {"cuda": _cuda_executor, "cuda-noprefetch": _cuda_noprefetch, "cuda-v1": _cuda_v1,
+BACKENDS = {"cuda": _cuda_executor, "cuda-noprefetch": _cuda_noprefetch,
             "cuda-1step": _cuda_1step, "cuda-sync1": _cuda_sync1,
             "cuda-block-merge": _cuda_block_merge,
             "cuda-multi": _cuda_multi, "cuda-multi-graph": _cuda_multi_graph,
@@ -568,7 +562,7 @@ BACKENDS = {"cuda": _cuda_executor, "cuda-noprefetch": _cuda_noprefetch, "cuda-v
 
 # the options a user may give each (runtime.make_executor names any other)
 for _factory, _fixed in ((_cuda_executor, ()), (_cuda_noprefetch, ("prefetch", "name")),
-                         (_cuda_v1, ("design", "name")), (_cuda_1step, ("multi_step", "name")),
+                         (_cuda_1step, ("multi_step", "name")),
                          (_cuda_sync1, ("sync", "name")),
                          (_cuda_block_merge, ("merge_ticket_min", "name")),
                          (_cuda_multi, ("multi",)), (_cuda_multi_graph, ("multi", "graph")),
@@ -579,6 +573,6 @@ for _factory, _fixed in ((_cuda_executor, ()), (_cuda_noprefetch, ("prefetch", "
 # compiled kernel): the GPU check's prepare step compiles each backend's kernel ahead of time.
 # test_cuda_backend checks it against the executors the factories build.
 BUILD_OPTIONS: dict[str, dict] = {
-    "cuda": {}, "cuda-noprefetch": {"prefetch": False}, "cuda-v1": {"design": 1},
+    "cuda": {}, "cuda-noprefetch": {"prefetch": False},
     "cuda-1step": {}, "cuda-sync1": {"sync": 1}, "cuda-block-merge": {},
     "cuda-multi": {}, "cuda-multi-graph": {}, "cuda-multi-graph-pdl": {"pdl": True}}

@@ -21,10 +21,12 @@ import numpy as np
 from ..model.config import ModelConfig
 from ..errors import KernelError, NumericalError
 from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, TRACE_WORDS,
-                  Err, ErrCode, HostFlag, Op, State, StopReason, params_dtype, render_header)
+                  Err, ErrCode, HostFlag, Op, State, StopReason, params_dtype)
+from .header import render_header
 from ..model.loader import LoadedModel
 from .base import DeviceSample, Executor, StepResult, wall_times
-from .scheduler import DEFAULT_DESIGN, Program, schedule
+from .program import Program
+from .schedule import schedule
 
 SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
@@ -44,13 +46,12 @@ def kernel_source(cfg: ModelConfig, max_seq_len: int) -> str:
             + SOURCE_PATH.read_text())
 
 
-def kernel_build(cfg: ModelConfig, max_seq_len: int, *, design: int = DEFAULT_DESIGN,
-                 prefetch: bool = True, trace: bool = False, pdl: bool = False,
+def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True, trace: bool = False, pdl: bool = False,
                  sync: int | None = None) -> tuple[str, dict[str, str]]:
     """(source, -D defines) of the kernel an executor with these options compiles: the one
     place that decides them, so the GPU check's prepare step (tools/prepare.py) compiles
     exactly what the executors will ask for."""
-    defines = {"MK_PREFETCH": "1" if prefetch else "0", "MK_DESIGN": str(design)}
+    defines = {"MK_PREFETCH": "1" if prefetch else "0"}
     if trace:
         defines["MK_TRACE"] = "1"
     if pdl:
@@ -256,7 +257,7 @@ class KernelExecutor(Executor):
                  prefetch: bool = True,
                  attn_splits: int | None = None, watchdog_ms: int = 20000,
                  trace: bool = False, program: Program | None = None, name: str | None = None,
-                 design: int = DEFAULT_DESIGN, attn_min_chunk: int | None = None,
+                 attn_min_chunk: int | None = None,
                  multi_step: bool = True, steps_per_launch: int = 0,
                  sync: int | None = None, merge_ticket_min: int | None = None):
         super().__init__(model, max_seq_len)
@@ -284,13 +285,11 @@ class KernelExecutor(Executor):
         self.watchdog_ms = watchdog_ms
         self.trace_enabled = trace
         c = self.config
-        self.program = program or schedule(c, blocks, max_seq_len, attn_splits, design=design,
+        self.program = program or schedule(c, blocks, max_seq_len, attn_splits,
                                            attn_min_chunk=attn_min_chunk,
                                            merge_ticket_min=merge_ticket_min)
         self.blocks = self.program.num_blocks
-        # the kernel is built for the program's design (v1 = 1: the A/B twin of v2)
-        source, defines = kernel_build(c, max_seq_len, design=self.program.design,
-                                       prefetch=prefetch, trace=trace, pdl=pdl, sync=sync)
+        source, defines = kernel_build(c, max_seq_len, prefetch=prefetch, trace=trace, pdl=pdl, sync=sync)
         self.module = self.device.compile(source, KERNEL_NAMES, defines)
         self._alloc_buffers(model)
         self._broken: str | None = None
@@ -586,11 +585,6 @@ def _emulator_multi(model, max_seq_len, **kw):
                           multi=True, **kw)
 
 
-def _emulator_v1(model, max_seq_len, **kw):
-    """The v1 kernel design (SAMPLE op, v1 memory parallelism): the A/B twin of v2."""
-    return _emulator(model, max_seq_len, design=1, name="emulator-v1", **kw)
-
-
 def user_options(*fixed: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The options a user may give a kernel backend (``LLM(backend=..., **options)``): the
     executor's keywords less the device and those the backend's factory sets itself (``fixed``),
@@ -605,7 +599,6 @@ def user_options(*fixed: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
 
 _emulator.OPTIONS = user_options(extra=("sanitize",))
 _emulator_multi.OPTIONS = user_options("multi", extra=("sanitize",))
-_emulator_v1.OPTIONS = user_options("design", "name", extra=("sanitize",))
 
 # backend name -> factory(model, max_seq_len, **options), read by runtime.make_executor
-BACKENDS = {"emulator": _emulator, "emulator-multi": _emulator_multi, "emulator-v1": _emulator_v1}
+BACKENDS = {"emulator": _emulator, "emulator-multi": _emulator_multi}

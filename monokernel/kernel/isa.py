@@ -1,8 +1,9 @@
 """The instruction set: the single source of truth for opcodes, the instruction word layout,
 the state/error words and the kernel's argument struct.
 
-``render_header(cfg)`` writes all of it as C for megakernel.cu (NVRTC and g++ both include it);
-nothing here is written a second time by hand on the CUDA side.
+header.py renders all of it, with each op's named argument words (kernel/ops/), as the C header
+of megakernel.cu (NVRTC and g++ both include it); nothing here is written a second time by hand
+on the CUDA side.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ class Op(IntEnum):
     O_PROJ_RESIDUAL = 4  # merge partials; residual += attn @ Wo
     RMS_GATE_UP = 5  # h = silu(rmsnorm(residual) @ Wg) * (rmsnorm(residual) @ Wu)
     DOWN_RESIDUAL = 6  # residual += h @ Wd
-    RMS_LM_HEAD = 7  # logits tile + per-tile (max, argmax) partial
-    SAMPLE = 8  # reduce partials -> next token; advance position and step
+    RMS_LM_HEAD = 7  # logits tile + per-tile best; the last block's ticket picks the token
 
 
 class Word(IntEnum):
@@ -36,27 +36,52 @@ class Word(IntEnum):
     WAIT_COUNTER = 4  # counter to wait on, -1 for none
     WAIT_COUNT = 5  # signals per step to wait for: target = count * (step + 1)
     SIGNAL_COUNTER = 6  # counter to increment once when done, -1 for none
-    ARG0 = 7  # ATTENTION / O_PROJ_RESIDUAL: position splits; RMS_LM_HEAD: partial slot;
-    #           SAMPLE: number of partials
-    ARG1 = 8  # ATTENTION / O_PROJ_RESIDUAL: minimum positions per split; RMS_LM_HEAD: ticket
-    ARG2 = 9  # RMS_LM_HEAD: tickets per step (0: no ticket, design 1);
-    #           O_PROJ_RESIDUAL (QK_NORM, design 2): first KV head whose K this block caches
-    #           ATTENTION: ticket counter of its KV group (merge by ticket, design 2)
-    ARG3 = 10  # O_PROJ_RESIDUAL (QK_NORM, design 2): one past the last such KV head;
-    #           ATTENTION: tickets of its KV group per step (0: never merges by ticket)
-    ARG4 = 11  # ATTENTION / O_PROJ_RESIDUAL: fewest used splits that merge by ticket (0: never)
+    # the op's own arguments: each op module (kernel/ops/) names them (``Args``), and the
+    # kernel reads them by those names (A_<OP>_<NAME>, rendered below), never as ARGn
+    ARG0 = 7
+    ARG1 = 8
+    ARG2 = 9
+    ARG3 = 10
+    ARG4 = 11
 
 
 WIDTH = len(Word)
+ARG_WORDS = WIDTH - Word.ARG0
+
+
+class Args:
+    """The named argument words of one op (declared in its module under kernel/ops/): name k
+    lives in word ARG0 + k. Rendered into the header as A_<OP>_<NAME>, so the kernel, the cost
+    model and the tests read an argument by its name."""
+
+    def __init__(self, *names: str):
+        if len(names) > ARG_WORDS or len(set(names)) != len(names):
+            raise ValueError(f"at most {ARG_WORDS} distinct argument names, got {names}")
+        self.names = names
+
+    def word(self, name: str) -> int:
+        try:
+            return Word.ARG0 + self.names.index(name)
+        except ValueError:
+            from ..errors import ProgramError
+
+            raise ProgramError(f"no argument {name!r} (this op's: "
+                               f"{', '.join(self.names) or 'none'})") from None
+
+    def pack(self, values: dict[str, int]) -> tuple[int, ...]:
+        """The argument words in order (0 for a name not given); an unknown name is refused."""
+        for name in values:
+            self.word(name)
+        return tuple(int(values.get(n, 0)) for n in self.names)
 
 
 class State(IntEnum):
     """int32 words of the state buffer: what a step reads from device memory, so that one
     launch (or one captured graph) serves every step."""
 
-    TOKEN = 0  # the token this step embeds; SAMPLE overwrites it with the next token
-    POS = 1  # its position; SAMPLE advances it
-    STEP = 2  # steps run since the counters were zeroed; SAMPLE advances it
+    TOKEN = 0  # the token this step embeds; the step's end overwrites it with the next token
+    POS = 1  # its position; the step's end advances it
+    STEP = 2  # steps run since the counters were zeroed; the step's end advances it
     TEMPERATURE = 3  # float32 bits; 0 = greedy
     SEED = 4  # Gumbel-max RNG seed
     WATCHDOG_MS = 5  # spin deadline in milliseconds
@@ -141,8 +166,8 @@ PARAMS: list[tuple[str, str, str]] = [
     ("error", "int*", "[ERROR_WORDS]"),
     ("trace", "unsigned long long*", "[blocks, max_len, TRACE_WORDS] (MK_TRACE builds)"),
     ("residual", "float*", "[H] the residual stream"),
-    ("q", "float*", "[Q_DIM] roped (and normed) queries; raw with QK_NORM in design 2"),
-    ("k_raw", "float*", "[KV_DIM] the step's keys before q/k-norm and RoPE (QK_NORM, design 2)"),
+    ("q", "float*", "[Q_DIM] roped (and normed) queries; raw with QK_NORM (late q/k)"),
+    ("k_raw", "float*", "[KV_DIM] the step's keys before q/k-norm and RoPE (QK_NORM)"),
     ("attn_o", "float*", "[KV_HEADS, max_splits, GROUP, HEAD_DIM] unnormalised partial outputs"),
     ("attn_ml", "float*", "[KV_HEADS, max_splits, GROUP, 2] partial (max, sum of exp)"),
     ("attn", "float*", "[Q_DIM] the merged attention output (a step that merges by ticket)"),
@@ -176,13 +201,18 @@ PARAMS: list[tuple[str, str, str]] = [
 
 # Threads per block of the persistent kernel (8 warps).
 NUM_THREADS = 256
-# Mat-vecs (megakernel.cu RowShape<N>, design 2): 16-byte weight loads per lane a warp pass
+# L2 prefetch of an instruction's weights (megakernel.cu prefetch_l2): at most this many bytes
+# per range (the LM head's rows would not fit in L2 anyway).
+PREFETCH_MAX_BYTES = 64 * 1024
+# Positions of one attention unit processed per pass (its scores live in shared memory).
+T_TILE = 128
+# Mat-vecs (megakernel.cu RowShape<N>): 16-byte weight loads per lane a warp pass
 # keeps in flight where the row allows; see row_shape.
 MATVEC_LOADS = 8
 
 
 def row_shape(n: int) -> tuple[int, int, int]:
-    """megakernel.cu RowShape<n> (design 2) of a bf16 row of n elements: (L, K, R), L the
+    """megakernel.cu RowShape<n> of a bf16 row of n elements: (L, K, R), L the
     16-byte loads of the busiest lane for the whole row, K of them per row per chunk, R rows per
     warp pass; a chunk issues R x K loads per lane before its first FMA (>= MATVEC_LOADS)."""
     v = n // 8
@@ -196,7 +226,7 @@ def pair_rows(R: int) -> int:
     """megakernel.cu block_dot_row_pairs: row pairs (gate, up) per warp pass for RowShape R."""
     return R // 2 + R % 2 if R > 1 else 1
 
-# ATTENTION (design 2): K/V loads in flight per lane; a block reads
+# ATTENTION: K/V loads in flight per lane; a block reads
 # attn_round_positions(head_dim) positions of a unit per HBM round.
 KV_UNROLL = 4
 
@@ -207,7 +237,7 @@ def attn_round_positions(head_dim: int) -> int:
     return (NUM_THREADS // 32) * (32 // (head_dim // 8)) * KV_UNROLL
 
 
-# ATTENTION -> O_PROJ (design 2): when a per-block merge would read at least this many bytes of
+# ATTENTION -> O_PROJ: when a per-block merge would read at least this many bytes of
 # partial outputs (every O_PROJ block reads all used splits), the splits are merged once per KV
 # group instead, by the last unit of the group to draw its ticket; O_PROJ then reads the merged
 # vector. Below it the per-block merge is cheaper than the ticket's chain on attention's path
@@ -220,6 +250,23 @@ def merge_ticket_min_splits(cfg: ModelConfig) -> int:
     sum) and head_dim outputs per (KV head, split, query head), float32."""
     per_split = cfg.num_kv_heads * cfg.group_size * (cfg.head_dim + 2) * 4
     return max(2, -(-MERGE_TICKET_BYTES // per_split))
+
+
+def split_chunk(n_pos: int, splits: int, min_chunk: int) -> int:
+    """megakernel.cu split_chunk: positions per attention split of a step over n_pos
+    positions, at least min_chunk; split s covers [s * chunk, (s + 1) * chunk)."""
+    return max(min_chunk, -(-n_pos // splits))
+
+
+def splits_used(n_pos: int, splits: int, min_chunk: int) -> int:
+    """megakernel.cu splits_used: the splits holding at least one of n_pos positions."""
+    return min(splits, -(-n_pos // split_chunk(n_pos, splits, min_chunk)))
+
+
+def merge_by_ticket(used: int, least: int) -> bool:
+    """megakernel.cu merge_by_ticket: a step with ``used`` splits merges them by ticket in
+    ATTENTION when the program allows it (least > 0) and they are at least ``least``."""
+    return least > 0 and used >= least
 
 
 # The split merge (megakernel.cu merge_splits): a lane loads MERGE_CHUNK splits' partials at
@@ -245,74 +292,3 @@ def params_dtype():
 
     return np.dtype([(n, np.uint64 if t.endswith("*") else np.int32) for n, t, _ in PARAMS],
                     align=True)
-
-
-def _float_literal(x: float) -> str:
-    return f"{float(x)!r}f".replace("inf", "INFINITY")
-
-
-def model_constants(cfg: ModelConfig, max_seq_len: int) -> dict[str, int | str]:
-    return {
-        "MK_THREADS": NUM_THREADS,
-        "MK_MATVEC_LOADS": MATVEC_LOADS,
-        "MK_KV_UNROLL": KV_UNROLL,
-        "MK_MERGE_CHUNK": MERGE_CHUNK,
-        "MK_MERGE_WAYS": merge_block_ways(cfg),
-        "MK_MERGE_TICKET_WAYS": MERGE_TICKET_WAYS,
-        "MK_HIDDEN": cfg.hidden_size,
-        "MK_FFN": cfg.intermediate_size,
-        "MK_LAYERS": cfg.num_layers,
-        "MK_HEADS": cfg.num_heads,
-        "MK_KV_HEADS": cfg.num_kv_heads,
-        "MK_HEAD_DIM": cfg.head_dim,
-        "MK_GROUP": cfg.group_size,
-        "MK_Q_DIM": cfg.q_dim,
-        "MK_KV_DIM": cfg.kv_dim,
-        "MK_QKV_DIM": cfg.qkv_dim,
-        "MK_VOCAB": cfg.vocab_size,
-        "MK_MAX_SEQ": max_seq_len,
-        "MK_HAS_BIAS": int(cfg.attention_bias),
-        "MK_QK_NORM": int(cfg.qk_norm),
-        "MK_RMS_EPS": _float_literal(cfg.rms_norm_eps),
-    }
-
-
-def render_header(cfg: ModelConfig, max_seq_len: int) -> str:
-    """The C header prepended to megakernel.cu."""
-    out = ["// Generated by monokernel/isa.py from the Op enum and the model's config.",
-           "// Do not edit: change isa.py or config.py instead.", ""]
-
-    def enum(name: str, members, prefix: str) -> None:
-        out.append(f"enum {name} {{")
-        out.extend(f"  {prefix}{m.name} = {int(m)}," for m in members)
-        out.append("};")
-
-    enum("Op", Op, "OP_")
-    enum("Word", Word, "W_")
-    enum("StateWord", State, "S_")
-    enum("ErrWord", Err, "E_")
-    enum("ErrCode", ErrCode, "ERR_")
-    enum("StopReason", StopReason, "STOP_")
-    enum("HostFlag", HostFlag, "H_")
-    enum("TraceWord", TraceWord, "T_")
-    out.append(f"#define MK_NUM_OPS {len(Op)}")
-    out.append(f"#define MK_WIDTH {WIDTH}")
-    out.append(f"#define MK_STATE_WORDS {STATE_WORDS}")
-    out.append(f"#define MK_ERROR_WORDS {ERROR_WORDS}")
-    out.append(f"#define MK_HOST_FLAG_WORDS {HOST_FLAG_WORDS}")
-    out.append(f"#define MK_TRACE_WORDS {TRACE_WORDS}")
-    out.append("")
-    out.append(f"// model: {cfg.name} ({cfg.arch})")
-    for k, v in model_constants(cfg, max_seq_len).items():
-        out.append(f"#define {k} {v}")
-    out.append("")
-    out.append("// Op names, for error messages and traces.")
-    names = ", ".join(f'"{m.name}"' for m in Op)
-    out.append(f"#define MK_OP_NAMES {{ {names} }}")
-    out.append("")
-    out.append("struct Params {")
-    width = max(len(f"{t} {n};") for n, t, _ in PARAMS)
-    for n, t, shape in PARAMS:
-        out.append(f"  {(t + ' ' + n + ';').ljust(width)}  // {shape}")
-    out.append("};")
-    return "\n".join(out) + "\n"

@@ -1,6 +1,6 @@
 // megakernel.cu - one decode step of a Llama-family model as ONE persistent kernel.
 //
-// Every block pulls its own queue of instructions (built by scheduler.py) and runs them in
+// Every block pulls its own queue of instructions (built by schedule.py) and runs them in
 // order: parse, wait on a counter, compute, signal a counter. Blocks never leave the kernel
 // between ops, so a whole decode step is one launch. The same device functions also run as one
 // thin kernel per op (op_<NAME>) for the multi-kernel baseline.
@@ -32,10 +32,10 @@
 #define MK_PREFETCH 1
 #endif
 // Per prefetched range at most this many bytes (the LM head's rows would not fit in L2 anyway).
-#define PREFETCH_MAX_BYTES (64 * 1024)
+#define PREFETCH_MAX_BYTES MK_PREFETCH_MAX_BYTES  // isa.PREFETCH_MAX_BYTES
 
 // Positions of one attention unit processed per pass (scores live in shared memory).
-#define T_TILE 128
+#define T_TILE MK_T_TILE  // isa.T_TILE
 
 static_assert(MK_THREADS % 32 == 0, "whole warps only");
 static_assert(MK_HIDDEN % 8 == 0 && MK_FFN % 8 == 0 && MK_Q_DIM % 8 == 0,
@@ -48,8 +48,8 @@ __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // Whole rounds of copy_to_shared: n floats rounded up to float4s for every thread.
 #define COPY_SPAN(n) (((n) / 4 + MK_THREADS - 1) / MK_THREADS * MK_THREADS * 4)
 // Longest vector a block keeps in shared memory: normed residual, attention output, or h (as
-// copy_to_shared writes it: whole rounds); and ATTENTION's per-warp V partials (design 2),
-// which use the same space.
+// copy_to_shared writes it: whole rounds); and ATTENTION's per-warp V partials, which use
+// the same space.
 #define VEC_MAX cmax(cmax(MK_HIDDEN, cmax(COPY_SPAN(MK_FFN), COPY_SPAN(MK_Q_DIM))), \
                      (MK_THREADS / 32) * cmax(MK_GROUP, 2) * MK_HEAD_DIM)
 static_assert(VEC_MAX * 4 + (2 * MK_GROUP * MK_HEAD_DIM + MK_GROUP * T_TILE) * 4 < 46 * 1024,
@@ -141,25 +141,16 @@ __device__ __forceinline__ unsigned sm_id() {
 // Weight rows are bf16, read 16 bytes (8 values) per load through the read-only path; x is an
 // fp32 vector in shared memory. A warp computes R rows per pass: every lane issues its loads for
 // all R rows (K per row per chunk) before the first FMA, so a pass keeps R x K 16-byte loads per
-// lane in flight: >= 8 for every row length (>= 32 KB per SM with 8 warps), where v1 kept 2
-// (8 KB per SM, ~2 TB/s by Little's law; PERFORMANCE.md section 2). MK_DESIGN=1 restores v1's
-// memory parallelism (one row per pass, 2 loads in flight) for the A/B on a GPU.
-#ifndef MK_DESIGN
-#define MK_DESIGN 2
-#endif
+// lane in flight: >= 8 for every row length (>= 32 KB per SM with 8 warps; 2 would cap the
+// stream near 2 TB/s by Little's law, PERFORMANCE.md section 2).
 
 template <int N>
 struct RowShape {
   static_assert(N % 8 == 0, "rows are read 8 bf16 at a time");
   static constexpr int V = N / 8;            // 16-byte vectors per row
   static constexpr int L = (V + 31) / 32;    // per lane, whole row
-#if MK_DESIGN >= 2  // isa.row_shape
   static constexpr int K = L < MK_MATVEC_LOADS ? L : MK_MATVEC_LOADS;  // per lane per row per chunk
   static constexpr int R = L >= MK_MATVEC_LOADS ? 1 : (MK_MATVEC_LOADS + L - 1) / L;  // rows per pass
-#else
-  static constexpr int K = L < 2 ? L : 2;
-  static constexpr int R = 1;
-#endif
 };
 
 __device__ __forceinline__ float dot8(uint4 p, float4 a, float4 b) {
@@ -339,8 +330,8 @@ __device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes) {
 // with `red.release.gpu` - no __threadfence (fence.sc.gpu: MEMBAR.SC.GPU + CCTL.IVALL in the
 // SASS). Wait: thread 0 polls ONE `ld.acquire.gpu` of the counter per trip; the error word and
 // %globaltimer only every POLL_CHECK trips; no __nanosleep for the first SPIN_NS of a wait.
-// MK_SYNC=1: the v1 hop (fence + relaxed atomicAdd; error word, counter, timer and a nanosleep
-// every trip), kept as the A/B twin (backend cuda-sync1) until a GPU has measured both.
+// MK_SYNC=1: the fenced hop (fence + relaxed atomicAdd; error word, counter, timer and a
+// nanosleep every trip), kept as the A/B twin (backend cuda-sync1) until a GPU has measured both.
 //
 // Why the release add by ONE thread publishes the stores of EVERY thread of the block (PTX ISA,
 // memory consistency model, 8.9.4-8.9.5): a store W by thread t precedes t's bar.sync in program
@@ -380,7 +371,7 @@ __device__ __forceinline__ void red_add_release(int* p, int v) {
 // A ticket: returns *p, then *p += v, as an acq_rel RMW at gpu scope (MK_SYNC=2): a release of
 // this block's stores issued before it (after a barrier, as a signal) and, for the drawer of the
 // last ticket, an acquire of every earlier drawer's (each RMW continues the release sequence of
-// the ones before it). MK_SYNC=1: the v1 pattern, fence + relaxed atomicAdd, then an acquire
+// the ones before it). MK_SYNC=1: fence + relaxed atomicAdd, then an acquire
 // load of the counter.
 __device__ __forceinline__ int ticket_add(int* p, int v) {
 #if MK_SYNC >= 2
@@ -505,10 +496,10 @@ __device__ bool op_embed(const Params& P, const int* ins, const int* st, int ins
   return true;
 }
 
-// Late q/k (design 2 with QK_NORM): RMS_QKV_ROPE tiles are row pairs as for every model and
-// leave q and the new k raw; each attention unit norms and ropes its group's queries and key
-// (a few hundred values, redundant across splits), and O_PROJ caches the key afterwards.
-#define LATE_QK (MK_QK_NORM && MK_DESIGN >= 2)
+// Late q/k (QK_NORM models): RMS_QKV_ROPE tiles are row pairs as for every model and leave q
+// and the new k raw; each attention unit norms and ropes its group's queries and key (a few
+// hundred values, redundant across splits), and O_PROJ caches the key afterwards.
+#define LATE_QK MK_QK_NORM
 
 // One warp: out = rope(rmsnorm(x) * w) of one head vector at position pos (x may be global or
 // shared). Every load - x, the norm weights w and the RoPE row - is issued before the first use:
@@ -549,7 +540,7 @@ __device__ __forceinline__ void warp_qk_norm_rope(const Params& P, const float* 
 
 // ================================================================================================
 // Op: RMS_QKV_ROPE - tiles are row pairs (j, j + HEAD_DIM/2) of one head of Wqkv, so RoPE's
-// partner row is always in the same tile; with QK_NORM the scheduler aligns tiles to heads.
+// partner row is always in the same tile.
 // After the wait: the residual (one round trip), then per head segment of the tile its rows
 // with their bias, RoPE entries and q/k-norm weights loaded in the same round trip.
 // ================================================================================================
@@ -567,7 +558,7 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
     const int j1 = min(HALF, j0 + (e - p));
     const int n = j1 - j0;
     const bool is_q = head < MK_HEADS, is_k = !is_q && head < MK_HEADS + MK_KV_HEADS;
-    // late q/k (QK_NORM, design 2): q and k leave raw; ATTENTION norms and ropes them
+    // late q/k (QK_NORM): q and k leave raw; ATTENTION norms and ropes them
     const bool rotate = (is_q || is_k) && !LATE_QK;
     // thread t: RoPE entry j0 + t, q/k-norm weight of element t (issued with the rows below)
     float cs = 1.f, sn = 0.f;
@@ -575,10 +566,6 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
       cs = __ldg(P.rope_cos + (size_t)pos * HALF + j0 + t);
       sn = __ldg(P.rope_sin + (size_t)pos * HALF + j0 + t);
     }
-#if MK_QK_NORM && !LATE_QK
-    const float nw = (is_q || is_k) && t < D
-        ? bf16_to_f32(__ldg((is_q ? P.q_norm : P.k_norm) + (size_t)layer * D + t)) : 0.f;
-#endif
     // rows k < n: j0 + k; rows k >= n: their RoPE partners j0 + k - n + HALF
     auto row_j = [&](int k) { return k < n ? j0 + k : j0 + k - n + HALF; };
     block_dot_rows<H>(
@@ -593,15 +580,6 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
         },
         [&](int k, float v, float bias) { s.row[row_j(k)] = v + bias; });
     __syncthreads();
-#if MK_QK_NORM && !LATE_QK
-    if (is_q || is_k) {  // the tile holds the whole head (j0 == 0, j1 == HALF)
-      const float x = t < D ? s.row[t] : 0.f;
-      const float ss = block_sum(x * x);
-      const float r = 1.0f / sqrtf(ss / (float)D + MK_RMS_EPS);
-      if (t < D) s.row[t] = x * r * nw;
-      __syncthreads();
-    }
-#endif
     if (t < n) {
       const int j = j0 + t;
       float a = s.row[j], c = s.row[j + HALF];
@@ -634,11 +612,10 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
 // [split * chunk, (split + 1) * chunk) of [0, pos] for the GROUP query heads of g and writes
 // unnormalised outputs with their (max, sum of exp). O_PROJ_RESIDUAL merges the splits.
 // ================================================================================================
-// Design 2: K and V rows are read 16 bytes (8 bf16) per lane: KV_LANES lanes cover a row, so
-// a warp reads KV_PPW positions per load and each lane keeps KV_UNROLL loads in flight: a
-// 128-position tile is one or two HBM rounds for K and for V (v1: one position per warp per
-// round for K, 2-byte V loads). K, V and the queries are read through plain loads (the cache
-// is written during the launch).
+// K and V rows are read 16 bytes (8 bf16) per lane: KV_LANES lanes cover a row, so a warp
+// reads KV_PPW positions per load and each lane keeps KV_UNROLL loads in flight: a
+// 128-position tile is one or two HBM rounds for K and for V. K, V and the queries are read
+// through plain loads (the cache is written during the launch).
 #define KV_LANES (MK_HEAD_DIM / 8)         // lanes per K/V row
 #define KV_PPW (32 / KV_LANES)             // positions per warp per load
 #define KV_SLOTS (NWARPS * KV_PPW)         // positions per block per load
@@ -763,10 +740,9 @@ __device__ __forceinline__ int splits_used(int n_pos, int splits, int min_chunk)
 }
 
 // ---- The split merge (O_PROJ_RESIDUAL's, or by ticket at ATTENTION's end) ------------------
-// Design 2: the merge of the splits in one or two rounds. A thread owns 8 consecutive output
+// The merge of the splits in one or two rounds. A thread owns 8 consecutive output
 // elements of one (KV group, query head) and loads, for MERGE_CHUNK splits at once, their
-// (max, sum) and two float4s of partial outputs before using any (v1: every load of the merge
-// waited for the one before it: ~8 dependent L2 round trips per O_PROJ). With WAYS > 1, WAYS
+// (max, sum) and two float4s of partial outputs before using any. With WAYS > 1, WAYS
 // adjacent lanes share an output chunk, lane k taking splits k, k + WAYS, ...: up to
 // WAYS * MERGE_CHUNK splits in one round, then the lanes' (max, sum, outputs) are combined by
 // shuffles. out[idx] for the output elements idx of chunks [t_begin, t_end).
@@ -871,10 +847,10 @@ __device__ void attention_ticket(const Params& P, int ticket, int tickets, int g
 
 __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
-  const int splits = ins[W_ARG0];
+  const int splits = ins[A_ATTENTION_SPLITS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_pos = st[S_POS] + 1;
-  const int chunk = split_chunk(n_pos, splits, ins[W_ARG1]);
+  const int chunk = split_chunk(n_pos, splits, ins[A_ATTENTION_MIN_CHUNK]);
   const float scale = 1.0f / sqrtf((float)D);
   for (int u = b; u < e; ++u) {
     const int g = u / splits, split = u % splits;
@@ -904,7 +880,6 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
     const unsigned short* Vg = P.v_cache + kv0;
     for (int base = t0; base < t1; base += T_TILE) {
       const int cnt = min(T_TILE, t1 - base);
-#if MK_DESIGN >= 2
       attention_scores(s, Kg, base, cnt, scale);
 #if LATE_QK
       // the cache does not hold this step's key yet (O_PROJ writes it): score pos from s.row
@@ -915,22 +890,6 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
           for (int d = lane; d < D; d += 32) acc += s.q[warp * D + d] * s.row[d];
           acc = warp_sum(acc);
           if (lane == 0) s.score[warp * T_TILE + (n_pos - 1 - base)] = acc * scale;
-        }
-      }
-#endif
-#else
-      constexpr int PER = D / 32;
-      for (int i = warp; i < cnt; i += NWARPS) {  // one warp per position
-        const unsigned short* kr = Kg + (size_t)(base + i) * MK_KV_DIM;
-        float kreg[PER];
-#pragma unroll
-        for (int c = 0; c < PER; ++c) kreg[c] = bf16_to_f32(kr[lane + 32 * c]);
-        for (int h = 0; h < MK_GROUP; ++h) {
-          float acc = 0.f;
-#pragma unroll
-          for (int c = 0; c < PER; ++c) acc += s.q[h * D + lane + 32 * c] * kreg[c];
-          acc = warp_sum(acc);
-          if (lane == 0) s.score[h * T_TILE + i] = acc * scale;
         }
       }
 #endif
@@ -955,17 +914,7 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
         }
       }
       __syncthreads();
-#if MK_DESIGN >= 2
       attention_values(s, Vg, base, cnt);
-#else
-      for (int idx = threadIdx.x; idx < MK_GROUP * D; idx += MK_THREADS) {
-        const int h = idx / D, d = idx % D;
-        float acc = s.o[idx] * s.corr[h];
-        for (int i = 0; i < cnt; ++i)
-          acc += s.score[h * T_TILE + i] * bf16_to_f32(Vg[(size_t)(base + i) * MK_KV_DIM + d]);
-        s.o[idx] = acc;
-      }
-#endif
       __syncthreads();
     }
     const size_t unit = (size_t)g * splits + split;
@@ -976,11 +925,10 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
     }
     __syncthreads();  // s.q / s.o are reused by the next unit
   }
-#if MK_DESIGN >= 2
-  const int used = splits_used(n_pos, splits, ins[W_ARG1]);
-  if (ins[W_ARG3] > 0 && merge_by_ticket(used, ins[W_ARG4]))  // units of one KV group
-    attention_ticket(P, ins[W_ARG2], ins[W_ARG3], b / splits, splits, used);
-#endif
+  const int used = splits_used(n_pos, splits, ins[A_ATTENTION_MIN_CHUNK]);
+  const int tickets = ins[A_ATTENTION_TICKETS];  // > 0: the units lie in one KV group
+  if (tickets > 0 && merge_by_ticket(used, ins[A_ATTENTION_MERGE_MIN]))
+    attention_ticket(P, ins[A_ATTENTION_TICKET], tickets, b / splits, splits, used);
 }
 
 // ================================================================================================
@@ -989,11 +937,12 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
 // ================================================================================================
 __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
-  const int splits = ins[W_ARG0];
+  const int splits = ins[A_O_PROJ_RESIDUAL_SPLITS];
 #if LATE_QK
   {  // this block caches the step's keys of KV heads [ARG2, ARG3): one warp per head
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, pos = st[S_POS];
-    for (int kvh = ins[W_ARG2] + warp; kvh < ins[W_ARG3]; kvh += NWARPS) {
+    const int kv_end = ins[A_O_PROJ_RESIDUAL_KV_END];
+    for (int kvh = ins[A_O_PROJ_RESIDUAL_KV_FIRST] + warp; kvh < kv_end; kvh += NWARPS) {
       float* out = s.vec + warp * D;  // scratch: the merge below rewrites s.vec after a barrier
       warp_qk_norm_rope(P, P.k_raw + kvh * D, P.k_norm + (size_t)layer * D, pos, out);
       const size_t at = (((size_t)layer * MK_MAX_SEQ + pos) * MK_KV_HEADS + kvh) * D;
@@ -1004,33 +953,15 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   static_assert(!LATE_QK || NWARPS * MK_HEAD_DIM <= VEC_MAX, "late q/k scratch in s.vec");
 #endif
   if (b >= e) return;
-#if MK_DESIGN >= 2
-  const int used = splits_used(st[S_POS] + 1, splits, ins[W_ARG1]);
-  if (merge_by_ticket(used, ins[W_ARG4])) {  // ATTENTION merged it: read it, one round
+  const int used = splits_used(st[S_POS] + 1, splits, ins[A_O_PROJ_RESIDUAL_MIN_CHUNK]);
+  // ATTENTION merged it: read it, one round
+  if (merge_by_ticket(used, ins[A_O_PROJ_RESIDUAL_MERGE_MIN])) {
     copy_to_shared<MK_Q_DIM>(s.vec, P.attn);
   } else {
     // MK_MERGE_WAYS (isa.merge_block_ways) lanes per output chunk: the block's threads in one pass
     static_assert(MK_Q_DIM / 8 * MK_MERGE_WAYS <= MK_THREADS, "merge_block_ways: one pass");
     merge_splits<MK_MERGE_WAYS>(P, s.vec, 0, MK_Q_DIM / 8, splits, used);
   }
-#else
-  for (int idx = threadIdx.x; idx < MK_Q_DIM; idx += MK_THREADS) {
-    const int g = idx / (MK_GROUP * D), h = (idx / D) % MK_GROUP, d = idx % D;
-    float M = NEG_INF;
-    for (int sp = 0; sp < splits; ++sp)
-      M = fmaxf(M, P.attn_ml[(((size_t)g * splits + sp) * MK_GROUP + h) * 2]);
-    float L = 0.f, acc = 0.f;
-    for (int sp = 0; sp < splits; ++sp) {
-      const size_t unit = (size_t)g * splits + sp;
-      const float m = P.attn_ml[(unit * MK_GROUP + h) * 2];
-      if (m == NEG_INF) continue;  // an empty split
-      const float w = expf(m - M);
-      L += P.attn_ml[(unit * MK_GROUP + h) * 2 + 1] * w;
-      acc += P.attn_o[(unit * MK_GROUP + h) * D + d] * w;
-    }
-    s.vec[idx] = acc / L;
-  }
-#endif
   __syncthreads();
   // the tile's residual rows are this block's own (EMBED, O_PROJ and DOWN share the row
   // tiles), so each is read in the same round trip as its weights
@@ -1086,7 +1017,7 @@ __device__ __forceinline__ void best_of(float& v, int& id, float ov, int oid) {
   }
 }
 
-// The end of a step, by the one block that ends it (the LM head's last ticket, or SAMPLE):
+// The end of a step, by the one block that ends it (the LM head's last ticket):
 // the token the next position embeds (the fed prompt token while the prompt lasts, else the
 // sampled one, -1 if a logit was NaN) goes to out_tokens, where the host polls it, and to the
 // state with the next position and step and whether the launch goes on (StopReason). Then the
@@ -1131,7 +1062,7 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
 #endif
 }
 
-// Design 2: SAMPLE folded into the LM head. Every block takes a ticket after its partial is
+// The step's sample, folded into the LM head. Every block takes a ticket after its partial is
 // written (ticket_add: a release, as a signal); the block that draws the step's last ticket
 // acquires (as a wait would: its L1 is invalidated) and reduces all partials with one warp, in
 // one round trip, while the other blocks go on. No hop, no serial walk over the partials.
@@ -1160,7 +1091,7 @@ __device__ void lm_head_ticket(const Params& P, OpShared& s, const int* st, int 
 // host_stop: read_host_stop() by thread 0 before the wait (only thread 0 ends a step).
 __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, const int* st,
                                const float (&g)[RMS_PER], int host_stop) {
-  const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], slot = ins[W_ARG0];
+  const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], slot = ins[A_RMS_LM_HEAD_SLOT];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float temp = __int_as_float(st[S_TEMPERATURE]);
   const unsigned seed = (unsigned)st[S_SEED], pos = (unsigned)st[S_POS];
@@ -1195,28 +1126,8 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
     P.lm_part[slot * 2] = best;
     P.lm_part[slot * 2 + 1] = __int_as_float(best_id);
   }
-  const int ticket = ins[W_ARG1], tickets = ins[W_ARG2];
+  const int ticket = ins[A_RMS_LM_HEAD_TICKET], tickets = ins[A_RMS_LM_HEAD_TICKETS];
   if (tickets > 0) lm_head_ticket(P, s, st, ticket, tickets, host_stop);
-}
-
-// ================================================================================================
-// Op: SAMPLE - reduce the LM-head partials to the next token (-1 if a logit was NaN), record it,
-// and advance the state so that the next launch (or graph replay) embeds it.
-// ================================================================================================
-__device__ void op_sample(const Params& P, const int* ins, const int* st) {
-  if (threadIdx.x != 0) return;
-  const int n = ins[W_ARG0];
-  float best = NEG_INF;
-  int best_id = -1;
-  bool nan = false;
-  for (int i = 0; i < n; ++i) {
-    const float v = P.lm_part[i * 2];
-    const int id = __float_as_int(P.lm_part[i * 2 + 1]);
-    if (id < 0) continue;
-    if (v != v) { nan = true; break; }
-    if (best_id < 0 || v > best || (v == best && id < best_id)) { best = v; best_id = id; }
-  }
-  finish_step(P, st, nan ? -1 : best_id, read_host_stop(P));
 }
 
 // ================================================================================================
@@ -1242,8 +1153,8 @@ __device__ void prefetch_weights(const Params& P, const int* w, const int* st) {
       // row is written during it), at most PREFETCH_MAX_BYTES of each per unit; late q/k: the
       // norm weights and the position's RoPE row
       constexpr int LINES = (D * 2 + 127) / 128;  // 128-byte lines per K or V row
-      const int splits = w[W_ARG0], n_pos = st[S_POS] + 1;
-      const int chunk = split_chunk(n_pos, splits, w[W_ARG1]);
+      const int splits = w[A_ATTENTION_SPLITS], n_pos = st[S_POS] + 1;
+      const int chunk = split_chunk(n_pos, splits, w[A_ATTENTION_MIN_CHUNK]);
       for (int u = b; u < e; ++u) {
         const int t0 = (u % splits) * chunk;
         const int t1 = min(min(n_pos - 1, t0 + chunk), t0 + PREFETCH_MAX_BYTES / (D * 2));
@@ -1388,7 +1299,6 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
       case OP_RMS_GATE_UP: op_rms_gate_up(P, s, w, st, g); break;
       case OP_DOWN_RESIDUAL: op_down_residual(P, s, w, st); break;
       case OP_RMS_LM_HEAD: op_rms_lm_head(P, s, w, st, g, host_stop); break;
-      case OP_SAMPLE: op_sample(P, w, st); break;
       default:
         if (threadIdx.x == 0) record_error(P, ERR_BAD_OPCODE, i, op, -1, -1, op);
         return false;
@@ -1503,4 +1413,3 @@ MK_OP_ENTRY(O_PROJ_RESIDUAL)
 MK_OP_ENTRY(RMS_GATE_UP)
 MK_OP_ENTRY(DOWN_RESIDUAL)
 MK_OP_ENTRY(RMS_LM_HEAD)
-MK_OP_ENTRY(SAMPLE)

@@ -45,9 +45,15 @@ from ..model.loader import LoadedModel
 from ..kernel.base import wall_times
 from ..progress import progress_bar, ticking
 
-KERNEL_BACKENDS = ("cuda", "cuda-1step", "cuda-noprefetch", "cuda-v1", "cuda-sync1",
-                   "cuda-block-merge", "cuda-multi", "cuda-multi-graph", "cuda-multi-graph-pdl", "emulator",
-                   "emulator-multi", "emulator-v1")
+def _kernel_backends() -> tuple[str, ...]:
+    """The kernel backends' names, from their registries (cuda_backend and executor)."""
+    from ..kernel.cuda_backend import BACKENDS as CUDA
+    from ..kernel.executor import BACKENDS as EMULATOR
+
+    return tuple(CUDA) + tuple(EMULATOR)
+
+
+KERNEL_BACKENDS = _kernel_backends()
 BACKENDS = KERNEL_BACKENDS + ("numpy", "hf", "hf-compile")
 GPU_COPY_BYTES = 1 << 30
 CPU_COPY_BYTES = 256 << 20

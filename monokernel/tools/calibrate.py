@@ -29,15 +29,27 @@ from ..errors import CostModelError
 from ..kernel import costmodel as cm
 from ..kernel.isa import Op, TraceWord, TRACE_WORDS
 
-# The constants the fit moves; everything else keeps its table value.
+# The constants the fit moves (those the design's time depends on: fit_constants); everything
+# else keeps its table value.
 FIT = ("l2_latency", "hbm_latency", "hbm_bw", "fence", "nanosleep")
+
+
+def fit_constants(d: cm.KernelDesign) -> tuple[str, ...]:
+    """FIT as the design uses it: the weight stream's rate is gemv_bw where the design streams
+    at the GEMV rate, the signal's barrier is a release add where it has no SC fence, and a
+    poll loop without a sleep has no nanosleep to fit (a constant the design never reads would
+    be left to drift: the fit cannot see it)."""
+    out = ["l2_latency", "hbm_latency", "gemv_bw" if d.gemv_rate else "hbm_bw",
+           "fence" if d.signal_sc_fence else "release"]
+    return tuple(out + (["nanosleep"] if d.poll_sleep else []))
 BOUND = np.log(1e4)  # no constant moves more than 10^4x from the table's value
 # A timestamp is off by up to one tick of the trace's timer, a busy time (two stamps) by up to two:
 # the fit refuses a trace whose tick is more than this share of the fitted ops' median busy time.
 MAX_TICK_SHARE = 0.1
 _LABELS = {"l2_latency": ("L2 latency", "us", 1.0), "hbm_latency": ("HBM latency", "us", 1.0),
            "hbm_bw": ("HBM bandwidth", "TB/s", 1e-6), "fence": ("signal fence", "us", 1.0),
-           "nanosleep": ("poll sleep", "us", 1.0)}
+           "nanosleep": ("poll sleep", "us", 1.0), "release": ("signal release", "us", 1.0),
+           "gemv_bw": ("GEMV bandwidth", "TB/s", 1e-6)}
 
 
 # ================================================================================================
@@ -109,11 +121,11 @@ class Fit:
     def __init__(self, program, context: int, g0: cm.GPU, d: cm.KernelDesign,
                  start: np.ndarray, ready: np.ndarray, end: np.ndarray):
         self.program, self.g0, self.d = program, g0, d
+        self.keys = fit_constants(d)
         st = cm.Static(program, context, g0, d)
         queues = program.queues
-        skip = {Op.NOOP} if d.sample_op else {Op.NOOP, Op.SAMPLE}
         nodes = [(b, i) for b, q in enumerate(queues) for i, ins in enumerate(q)
-                 if ins.op not in skip]
+                 if ins.op != Op.NOOP]
         self.nodes = nodes
         bi = tuple(np.array(nodes).T)
         self.arrays = {k: v[bi] for k, v in st.fields.items()}
@@ -125,7 +137,7 @@ class Fit:
         ends: dict[int, list[float]] = {}
         for b, q in enumerate(queues):
             for i, ins in enumerate(q):
-                if ins.signal is not None and ins.op not in skip:
+                if ins.signal is not None and ins.op != Op.NOOP:
                     ends.setdefault(ins.signal, []).append(end[b, i])
         for v in ends.values():
             v.sort()
@@ -143,10 +155,10 @@ class Fit:
     def gpu(self, x: np.ndarray) -> cm.GPU:
         x0 = self.x0()
         x = np.clip(x, x0 - BOUND, x0 + BOUND)
-        return self.g0.replace(**{k: float(np.exp(v)) for k, v in zip(FIT, x)})
+        return self.g0.replace(**{k: float(np.exp(v)) for k, v in zip(self.keys, x)})
 
     def x0(self) -> np.ndarray:
-        return np.log([getattr(self.g0, k) for k in FIT])
+        return np.log([getattr(self.g0, k) for k in self.keys])
 
     def predicted_busy(self, g: cm.GPU) -> np.ndarray:
         a = self.arrays
@@ -218,8 +230,8 @@ def write_synthetic_trace(pred: cm.Prediction, path: str | Path, model: str) -> 
             if ins.op == Op.NOOP:
                 continue
             if np.isnan(pred.end[b, i]):
-                raise CostModelError(f"{ins.label(b, i)} did not run in this design: only "
-                                     "designs that run every instruction make a trace")
+                raise CostModelError(f"{ins.label(b, i)} was not simulated: only "
+                                     "programs whose every instruction runs make a trace")
             for word, t in ((TraceWord.START, pred.start[b, i]),
                             (TraceWord.READY, pred.ready[b, i]), (TraceWord.END, pred.end[b, i])):
                 records[b, i, word] = t0 + int(round(t * 1e3))
@@ -288,7 +300,7 @@ def calibrate_report(program, context: int, g0: cm.GPU, d: cm.KernelDesign, star
         lines += ["NOTE: this trace comes from the CPU emulator: its timings are CPU timings, not "
                   "GPU timings, so the fitted constants below describe this CPU, not a GPU.", ""]
     lines.append(f"{'constant':<16} {'start (' + g0.name + ')':>14} {'fitted':>12}")
-    for k in FIT:
+    for k in fit.keys:
         label, unit, scale = _LABELS[k]
         lines.append(f"{label:<16} {getattr(g0, k) * scale:>11.3f} {unit:<4} "
                      f"{getattr(g1, k) * scale:>9.3f} {unit}")
@@ -321,14 +333,13 @@ def calibrate_report(program, context: int, g0: cm.GPU, d: cm.KernelDesign, star
 
 
 def cmd_calibrate(args) -> int:
-    from ..kernel.scheduler import schedule
+    from ..kernel.schedule import schedule
 
     meta, events = load_trace(args.trace)
     g0 = cm.gpu(args.gpu)
     cfg = _config(args, meta, args.trace)
     blocks, context = int(meta["blocks"]), int(meta["context"])
-    design = cm.program_design(cm.design(args.design)) if args.design else 2
-    prog = schedule(cfg, blocks, context + 1, design=design)
+    prog = schedule(cfg, blocks, context + 1)
     d = cm.design(args.design) if args.design else cm.design_for(prog)
     start, ready, end = measured(prog, events, args.trace)
     print(f"{Path(args.trace).name}: {meta.get('model', cfg.name)} on {meta.get('backend', '?')}, "

@@ -32,6 +32,7 @@ CPU_DEFAULTS = {"backends": "numpy,emulator", "context": "16", "steps": 5, "warm
 
 def add_commands(sub) -> None:
     from ..kernel.costmodel import DESIGNS
+    from .bench import BACKENDS as BENCH_BACKENDS
 
     p = sub.add_parser("plan", help="schedule the decode step and print its instruction program")
     _add_model_or_shape(p)
@@ -61,9 +62,7 @@ def add_commands(sub) -> None:
     p = sub.add_parser("bench", help="decode latency of each backend vs the bandwidth floor")
     _add_model_or_shape(p, several=True)
     p.add_argument("--backends", default=None,
-                   help="comma list of: cuda, cuda-noprefetch, cuda-v1, cuda-multi, "
-                        "cuda-multi-graph, cuda-multi-graph-pdl, hf, hf-compile, emulator, "
-                        "emulator-multi, emulator-v1, numpy (default: "
+                   help=f"comma list of: {', '.join(BENCH_BACKENDS)} (default: "
                         f"{GPU_DEFAULTS['backends']} with a GPU, else {CPU_DEFAULTS['backends']})")
     p.add_argument("--context", default=None,
                    help="comma list of context lengths (default: "

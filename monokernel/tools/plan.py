@@ -1,7 +1,7 @@
 """``monokernel plan``: the instruction program of one decode step and its CPU-side speed
 proxies (instructions and bytes per op, bytes vs weights, counters, critical-path hops), and
 with ``--predict GPU`` the cost model's predicted time per op and per token
-(kernel/costmodel.py): a prediction, never a measurement."""
+(kernel/costmodel/): a prediction, never a measurement."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ H200_SMS = 132
 def cmd_plan(args) -> int:
     from ..model.config import ModelConfig
     from ..kernel import costmodel as cm
-    from ..kernel.scheduler import schedule
+    from ..kernel.schedule import schedule
 
     predict = getattr(args, "predict", None)
     if predict:  # bad names fail now, not after scheduling
@@ -32,18 +32,13 @@ def cmd_plan(args) -> int:
         cfg = ModelConfig.from_hf(d)
         label = cfg.name if cfg.name not in ("", "custom") else d.name
     t0 = time.perf_counter()
-    design = 2
-    if predict and getattr(args, "design", None):  # v1 predictions run on a v1 program
-        from ..kernel import costmodel as cm
-
-        design = cm.program_design(cm.design(args.design))
     # the program an LLM runs: built for a 2048-position cache (the default max_seq_len), or
-    # the context if longer; the split policy depends on it (scheduler.default_attn_splits)
+    # the context if longer; the split policy depends on it (schedule.default_attn_splits)
     max_seq = max(args.context + 1, min(2048, cfg.max_position_embeddings))
     from ..progress import waiting
 
     with waiting(f"scheduling and verifying the program of {label} on {args.blocks} blocks"):
-        prog = schedule(cfg, args.blocks, max_seq, design=design)
+        prog = schedule(cfg, args.blocks, max_seq)
     t_sched = time.perf_counter() - t0
     print(plan_report(label, prog, args.context))
     print(f"scheduled and verified in {t_sched:.1f} s")
@@ -69,11 +64,10 @@ def predict_report(prog, gpu_name: str, design_name: str | None, context: int) -
     t_model = time.perf_counter() - t0
     hp = cm.hop_parts(g, d)
     c = prog.config
-    inflight = (f"{d.bytes_in_flight_per_sm // 1024} KB in flight per SM" if not d.row_geometry
-                else "mat-vec loads in flight per lane: " + ", ".join(
-                    f"{what} {R * K}" for what, (L, K, R) in
-                    (("H", row_shape(c.hidden_size)), ("FFN", row_shape(c.intermediate_size)),
-                     ("Q", row_shape(c.q_dim)))))
+    inflight = "mat-vec loads in flight per lane: " + ", ".join(
+        f"{what} {R * K}" for what, (L, K, R) in
+        (("H", row_shape(c.hidden_size)), ("FFN", row_shape(c.intermediate_size)),
+         ("Q", row_shape(c.q_dim))))
     lo_bw, hi_bw = cm.constant_range(g.name, "gemv_bw")
     gemv = (f" (weight streams at {g.gemv_bw / 1e6:.2f}, band {lo_bw:.1f}-{hi_bw:.1f})"
             if d.gemv_rate else "")
@@ -119,7 +113,7 @@ def critical_path_line(p) -> str:
 
     def step(node) -> str:
         ins = q[node[0]][node[1]]
-        layer = f" L{ins.layer}" if ins.op.name not in ("EMBED", "RMS_LM_HEAD", "SAMPLE") else ""
+        layer = f" L{ins.layer}" if ins.op.name not in ("EMBED", "RMS_LM_HEAD") else ""
         return f"{ins.op.name}{layer} (block {node[0]})"
 
     chain = p.critical

@@ -85,14 +85,14 @@ def _verify(label: str, cfg, max_seq: int, options: dict) -> tuple[str, float]:
     """In a worker process: schedule and verify a program on one block per SM (the proof is
     remembered in $MONOKERNEL_CACHE/verified; a 132-block program takes seconds to prove)."""
     from ..kernel.cuda_backend import CupyDevice
-    from ..kernel.scheduler import schedule
+    from ..kernel.schedule import schedule
 
     t0 = time.perf_counter()
     schedule(cfg, CupyDevice().num_sms, max_seq, **options)
     return label, time.perf_counter() - t0
 
 
-PROGRAM_OPTIONS = ("attn_splits", "attn_min_chunk", "merge_ticket_min", "design")
+PROGRAM_OPTIONS = ("attn_splits", "attn_min_chunk", "merge_ticket_min")
 
 
 def parse_program(spec: str) -> tuple[str, dict]:
@@ -127,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from ..kernel.cuda_backend import BUILD_OPTIONS
     from ..kernel.executor import kernel_build
-    from ..kernel.scheduler import DEFAULT_DESIGN
     from ..model.config import ModelConfig
     from ..model.synth import synthetic_config
     from .commands import synthetic_dir
@@ -147,10 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             compiles[key] = (compiles[key][0] + f" = {label}",) + compiles[key][1:]
         else:
             compiles[key] = (label, source, defines)
-        design = opts.get("design", DEFAULT_DESIGN)
-        if (shape, design) not in proofs:
-            proofs[(shape, design)] = (f"program {shape} design {design}", configs[shape],
-                                       args.max_seq, {"design": design})
+        if (shape, ()) not in proofs:
+            proofs[(shape, ())] = (f"program {shape}", configs[shape], args.max_seq, {})
     for spec in args.program:
         shape, options = parse_program(spec)
         if shape not in configs:

@@ -99,7 +99,7 @@ def watchdog(backend: str, model, blocks: int | None,
     """One wait made unsatisfiable (the LM head's, which no later instruction of the step
     waits on): the watchdog stops every block and the error names that instruction."""
     from ..errors import KernelError
-    from ..kernel.scheduler import schedule
+    from ..kernel.schedule import schedule
     from ..runtime import make_executor
 
     probe = make_executor(backend, model, max_seq, **({"blocks": blocks} if blocks else {}))

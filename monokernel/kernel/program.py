@@ -1,12 +1,9 @@
-"""ModelConfig + grid size -> Program: per-block instruction queues, counters and buffers.
+"""A Program: per-block instruction queues, counters and buffers, and its proof.
 
-Every op of the decode step is split into tiles so that every block works in every op, balanced
-by bytes (rows of one matrix all cost the same, so an even split of rows is an even split of
-bytes). Queues are aligned: instruction slot i holds the same (op, layer) in every block, padded
-with NOOP where a block has nothing (only SAMPLE), so the multi-kernel baseline can launch one
-slot range per op. Each instruction declares the buffer regions it reads and writes;
-``Program.verify()`` proves from those declarations that the waits and signals order every
-conflicting pair of accesses, and that no wait can hang.
+Every instruction declares the buffer regions it reads and writes; ``Program.verify()`` proves
+from those declarations that the waits and signals order every conflicting pair of accesses,
+that no wait can hang, and that every step ends after all its work. schedule.py builds the
+programs (each op tiles itself: kernel/ops/); the executors and the cost model read them.
 """
 
 from __future__ import annotations
@@ -20,14 +17,10 @@ import numpy as np
 
 from ..model.config import ModelConfig
 from ..errors import ProgramError
-from .isa import STATE_WORDS, WIDTH, Op, Word, attn_round_positions, merge_ticket_min_splits
+from .isa import WIDTH, Op, Word
 
 # Bumped when verify() gains a check: on-disk proofs of older versions no longer count.
 VERIFY_VERSION = 3
-# Kernel designs (MK_DESIGN in megakernel.cu): 1 is v1 (SAMPLE as its own op in block 0, one
-# row per warp pass); 2 (default) folds SAMPLE into the LM head by an atomic ticket.
-DESIGNS = (1, 2)
-DEFAULT_DESIGN = 2
 
 
 # A region of a buffer, in elements: (buffer name, lo, hi).
@@ -41,11 +34,11 @@ class Instruction:
     tile: tuple[int, int] = (0, 0)
     wait: tuple[int, int] | None = None  # (counter, signals per step)
     signal: int | None = None
-    args: tuple[int, ...] = ()
+    args: tuple[int, ...] = ()  # the op's named argument words in order (ops.args(op))
     reads: list[Region] = field(default_factory=list)
     writes: list[Region] = field(default_factory=list)
     weight_bytes: int = 0  # bytes of weights this instruction streams
-    # An atomic-ticket reduction (RMS_LM_HEAD in design 2): after its own work the instruction
+    # An atomic-ticket reduction (RMS_LM_HEAD; ATTENTION's merge): after its own work the instruction
     # takes a ticket on counter ticket[0]; the block that draws the last of ticket[1] tickets
     # of the step runs the tail, which reads tail_reads and writes tail_writes. verify() sees
     # the tail as an instruction right after this one that waits for every ticket; the tails
@@ -68,6 +61,13 @@ class Instruction:
         for k, a in enumerate(self.args):
             w[Word.ARG0 + k] = a
         return w
+
+    def arg(self, name: str) -> int:
+        """The argument word ``name`` of this instruction's op (kernel/ops/<op>.py ARGS)."""
+        from . import ops
+
+        k = ops.args(self.op).word(name) - Word.ARG0
+        return self.args[k] if k < len(self.args) else 0
 
     def label(self, block: int, index: int) -> str:
         index = index if self.at is None else self.at
@@ -96,7 +96,6 @@ class Program:
     counter_names: list[str]
     attn_splits: int
     lm_partials: int
-    design: int = DEFAULT_DESIGN  # the kernel design it was built for (MK_DESIGN)
     attn_min_chunk: int = 1  # fewest positions per attention split
     # a step using at least this many splits merges them once per KV group, by ticket, in
     # ATTENTION (isa.merge_ticket_min_splits); 0: every O_PROJ block merges them itself
@@ -142,7 +141,7 @@ class Program:
             **({"attn": c.q_dim} if self.merge_ticket_min else {}),
             "ffn_h": c.intermediate_size, "logits": c.vocab_size,
             "lm_part": self.lm_partials * 2, "out_tokens": self.max_seq_len,
-            **({"k_raw": c.kv_dim} if c.qk_norm and self.design >= 2 else {}),
+            **({"k_raw": c.kv_dim} if c.qk_norm else {}),
         }
 
     # ---- verification ---------------------------------------------------------------------
@@ -392,282 +391,3 @@ class Program:
         if Op.ATTENTION in rows:  # K and V, bf16, every layer, every KV head
             rows[Op.ATTENTION]["bytes"] += 2 * 2 * c.num_layers * context * c.kv_dim
         return [rows[o] for o in Op if o in rows]
-
-
-# Position splits per KV head at most, by default (design 1). Every O_PROJ block merges all
-# splits itself, so each split costs every block KV_HEADS * GROUP * HEAD_DIM floats of L2 reads
-# per layer (SmolLM2 at 132 blocks: 44 splits = 100 KB per block per layer); and MegaQwen
-# measured attention 33% slower when one head was split over 5 blocks. benchmarks/NOTES.md.
-MAX_DEFAULT_SPLITS = 8
-# Design 2: enough splits that a unit is at most one round of K and one of V at LONG_CONTEXT
-# positions (or the program's context, if shorter), but never fewer positions per split than a
-# round (min_chunk): a short context then uses few splits and the merge reads only those. The
-# cost model picked it (benchmarks/NOTES.md): SmolLM2 16, Qwen3 16, Llama 16 at 132 blocks.
-LONG_CONTEXT = 2048
-MAX_DEFAULT_SPLITS_V2 = 16
-
-
-def default_attn_splits(cfg: ModelConfig, num_blocks: int, max_seq_len: int | None = None,
-                        design: int = 1) -> int:
-    """Enough (KV head, split) units to give most blocks one, capped (see above)."""
-    units = max(1, num_blocks // cfg.num_kv_heads)
-    if design < 2:
-        return min(units, MAX_DEFAULT_SPLITS)
-    context = min(max_seq_len or LONG_CONTEXT, LONG_CONTEXT)
-    need = -(-context // attn_round_positions(cfg.head_dim))
-    return max(1, min(units, need, MAX_DEFAULT_SPLITS_V2))
-
-
-def default_min_chunk(cfg: ModelConfig, design: int) -> int:
-    return attn_round_positions(cfg.head_dim) if design >= 2 else 1
-
-
-# Verified programs by (config, blocks, max_seq_len, splits). verify() of a 132-block program
-# takes seconds, and the GPU check builds a dozen executors of each shape; they share one Program.
-_VERIFIED: dict[tuple, Program] = {}
-_VERIFIED_MAX = 16
-
-
-def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
-             attn_splits: int | None = None, design: int = DEFAULT_DESIGN,
-             attn_min_chunk: int | None = None, merge_ticket_min: int | None = None) -> Program:
-    """Build and verify the decode-step program for ``num_blocks`` persistent blocks.
-
-    ``attn_splits``: position splits per KV head (default: the design's policy);
-    ``attn_min_chunk``: fewest positions per split (default: one round of K/V loads with the
-    default splits, 1 - exact splits - when ``attn_splits`` is given);
-    ``merge_ticket_min``: fewest used splits a step merges by ticket (design 2; default
-    isa.merge_ticket_min_splits, 0: never, the per-block merge of every O_PROJ block). It
-    applies only where no attention instruction holds units of two KV groups.
-
-    Memoised: the same arguments return the same (shared) Program. Never edit a returned
-    Program in place; ``copy.deepcopy`` it first (the tests that break programs do)."""
-    if num_blocks < 1:
-        raise ProgramError(f"num_blocks must be >= 1, got {num_blocks}")
-    if design not in DESIGNS:
-        raise ProgramError(f"unknown kernel design {design!r} (known: {DESIGNS})")
-    if attn_min_chunk is None:
-        attn_min_chunk = 1 if attn_splits else default_min_chunk(cfg, design)
-    splits = attn_splits or default_attn_splits(cfg, num_blocks, max_seq_len, design)
-    if merge_ticket_min is None:
-        merge_ticket_min = merge_ticket_min_splits(cfg)
-    if merge_ticket_min < 0:
-        raise ProgramError(f"merge_ticket_min must be >= 0, got {merge_ticket_min}")
-    key = (cfg, num_blocks, max_seq_len, splits, design, attn_min_chunk, merge_ticket_min)
-    prog = _VERIFIED.get(key)
-    if prog is None:
-        prog = _build(cfg, num_blocks, max_seq_len, splits, design, attn_min_chunk,
-                      merge_ticket_min)
-        prog.verify()
-        if len(_VERIFIED) >= _VERIFIED_MAX:
-            _VERIFIED.pop(next(iter(_VERIFIED)))
-        _VERIFIED[key] = prog
-    return prog
-
-
-def _build(cfg: ModelConfig, num_blocks: int, max_seq_len: int, attn_splits: int,
-           design: int, min_chunk: int, least: int) -> Program:
-    c = cfg
-    B = num_blocks
-    H, F, D, half = c.hidden_size, c.intermediate_size, c.head_dim, c.head_dim // 2
-    S = attn_splits
-    # design 2 with q/k-norm: QKV tiles are row pairs like every other model (v1's whole-head
-    # tiles put Qwen3-0.6B's 32 heads on 32 of 132 blocks); ATTENTION norms and ropes q and the
-    # new k itself, and O_PROJ caches that k (megakernel.cu: "late q/k")
-    late_qk = c.qk_norm and design >= 2
-    queues: list[list[Instruction]] = [[] for _ in range(B)]
-    counters: list[str] = []
-
-    def counter(name: str) -> int:
-        counters.append(name)
-        return len(counters) - 1
-
-    def emit(make, wait: int | None, sig: int, only_block: int | None = None) -> None:
-        for b in range(B):
-            if only_block is not None and b != only_block:
-                queues[b].append(NOOP)
-                continue
-            ins = make(b)
-            # every op but SAMPLE runs in all B blocks, so a wait needs B signals
-            ins.wait = (wait, B) if wait is not None else None
-            ins.signal = sig
-            queues[b].append(ins)
-
-    # EMBED: residual[b:e] = embed[token]
-    cnt = counter("EMBED")
-    tiles = split_even(H, B)
-
-    def embed(b):
-        lo, hi = tiles[b]
-        return Instruction(Op.EMBED, 0, (lo, hi), reads=[("state", 0, STATE_WORDS)],
-                           writes=[("residual", lo, hi)] if hi > lo else [],
-                           weight_bytes=2 * (hi - lo))
-    emit(embed, None, cnt)
-    prev = cnt
-    n_heads_total = c.num_heads + 2 * c.num_kv_heads
-    # attention units over the blocks (the same tiles every layer), and whether the splits can
-    # be merged by ticket: design 2, a merge large enough to be worth it (isa), and no
-    # instruction holding units of two KV groups (one ticket per instruction)
-    units = split_even(c.num_kv_heads * S, B)
-    gd = c.group_size * D
-    merge_min = least if (design >= 2 and 0 < least <= S and
-                          all(hi <= lo or lo // S == (hi - 1) // S for lo, hi in units)) else 0
-    group_tickets = [sum(1 for lo, hi in units if hi > lo and lo // S == g)
-                     for g in range(c.num_kv_heads)]
-    # O_PROJ reads the merged vector in the steps that merge by ticket, the partials otherwise
-    merged = [("attn", 0, c.q_dim)] if merge_min else []
-    for layer in range(c.num_layers):
-        # RMS_QKV_ROPE: tiles are row pairs; whole heads when q/k-norm needs the head's norm
-        cnt = counter(f"L{layer}.RMS_QKV_ROPE")
-        if c.qk_norm and not late_qk:
-            qkv_tiles = [(a * half, b_ * half) for a, b_ in split_even(n_heads_total, B)]
-        else:
-            qkv_tiles = split_even(n_heads_total * half, B)
-
-        def qkv(b, layer=layer, qkv_tiles=qkv_tiles):
-            lo, hi = qkv_tiles[b]
-            writes: list[Region] = []
-            for head in range(lo // half, (hi - 1) // half + 1 if hi > lo else 0):
-                j0, j1 = max(lo, head * half) - head * half, min(hi, (head + 1) * half) - head * half
-                if head < c.num_heads:
-                    buf, base = "q", head * D
-                elif head < c.num_heads + c.num_kv_heads and late_qk:
-                    buf, base = "k_raw", (head - c.num_heads) * D
-                elif head < c.num_heads + c.num_kv_heads:
-                    buf, base = "k_cache", layer * c.kv_dim + (head - c.num_heads) * D
-                else:
-                    buf, base = "v_cache", layer * c.kv_dim + (head - c.num_heads - c.num_kv_heads) * D
-                writes += [(buf, base + j0, base + j1), (buf, base + half + j0, base + half + j1)]
-            rows = 2 * (hi - lo)
-            return Instruction(Op.RMS_QKV_ROPE, layer, (lo, hi),
-                               reads=[("residual", 0, H)] if hi > lo else [], writes=writes,
-                               weight_bytes=2 * rows * H + (2 * H if hi > lo else 0))
-        emit(qkv, prev, cnt)
-        prev = cnt
-
-        # ATTENTION: units (KV head, split); with merge by ticket, one ticket counter per KV
-        # group, drawn once per step by every instruction holding units of the group
-        cnt = counter(f"L{layer}.ATTENTION")
-        tickets = ([counter(f"L{layer}.ATTENTION.ticket{g}") for g in range(c.num_kv_heads)]
-                   if merge_min else [])
-
-        def attn(b, layer=layer, tickets=tickets):
-            lo, hi = units[b]
-            reads: list[Region] = []
-            writes: list[Region] = []
-            for u in range(lo, hi):
-                g = u // S
-                reads += [("q", g * gd, (g + 1) * gd),
-                          ("k_cache", layer * c.kv_dim + g * D, layer * c.kv_dim + (g + 1) * D),
-                          ("v_cache", layer * c.kv_dim + g * D, layer * c.kv_dim + (g + 1) * D)]
-                if late_qk:  # the new key, normed and roped in the unit (kernel: late q/k)
-                    reads.append(("k_raw", g * D, (g + 1) * D))
-                writes += [("attn_o", u * gd, (u + 1) * gd),
-                           ("attn_ml", u * c.group_size * 2, (u + 1) * c.group_size * 2)]
-            ins = Instruction(Op.ATTENTION, layer, (lo, hi), args=(S, min_chunk, -1, 0, 0),
-                              reads=reads, writes=writes)
-            if merge_min and hi > lo:  # the units lie in one KV group (merge_min's condition)
-                g = lo // S
-                ins.args = (S, min_chunk, tickets[g], group_tickets[g], merge_min)
-                ins.ticket = (tickets[g], group_tickets[g])
-                ins.tail_reads = [("attn_o", g * S * gd, (g + 1) * S * gd),
-                                  ("attn_ml", g * S * c.group_size * 2,
-                                   (g + 1) * S * c.group_size * 2)]
-                ins.tail_writes = [("attn", g * gd, (g + 1) * gd)]
-            return ins
-        emit(attn, prev, cnt)
-        prev = cnt
-
-        # O_PROJ_RESIDUAL: every block merges all splits, then its rows of Wo
-        cnt = counter(f"L{layer}.O_PROJ_RESIDUAL")
-        rows = split_even(H, B)
-
-        kv_owner = split_even(c.num_kv_heads, B)
-
-        def oproj(b, layer=layer, rows=rows):
-            lo, hi = rows[b]
-            k0, k1 = kv_owner[b] if late_qk else (0, 0)
-            # late q/k: this block also caches the step's keys of KV heads [k0, k1), after
-            # every attention unit of the layer has read them raw
-            cache = ([("k_raw", k0 * D, k1 * D),
-                      ("k_cache", layer * c.kv_dim + k0 * D, layer * c.kv_dim + k1 * D)]
-                     if k1 > k0 else [])
-            args = (S, min_chunk, k0, k1, merge_min)
-            if hi <= lo:
-                return Instruction(Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=args,
-                                   reads=cache[:1], writes=cache[1:])
-            return Instruction(
-                Op.O_PROJ_RESIDUAL, layer, (lo, hi), args=args,
-                reads=[("attn_o", 0, c.num_kv_heads * S * gd),
-                       ("attn_ml", 0, c.num_kv_heads * S * c.group_size * 2),
-                       ("residual", lo, hi)] + cache[:1] + merged,
-                writes=[("residual", lo, hi)] + cache[1:], weight_bytes=2 * (hi - lo) * c.q_dim)
-        emit(oproj, prev, cnt)
-        prev = cnt
-
-        # RMS_GATE_UP: rows of Wg and Wu
-        cnt = counter(f"L{layer}.RMS_GATE_UP")
-        frows = split_even(F, B)
-
-        def gate_up(b, layer=layer, frows=frows):
-            lo, hi = frows[b]
-            if hi <= lo:
-                return Instruction(Op.RMS_GATE_UP, layer, (lo, hi))
-            return Instruction(Op.RMS_GATE_UP, layer, (lo, hi), reads=[("residual", 0, H)],
-                               writes=[("ffn_h", lo, hi)],
-                               weight_bytes=2 * 2 * (hi - lo) * H + 2 * H)
-        emit(gate_up, prev, cnt)
-        prev = cnt
-
-        # DOWN_RESIDUAL: rows of Wd
-        cnt = counter(f"L{layer}.DOWN_RESIDUAL")
-
-        def down(b, layer=layer, rows=rows):
-            lo, hi = rows[b]
-            if hi <= lo:
-                return Instruction(Op.DOWN_RESIDUAL, layer, (lo, hi))
-            return Instruction(Op.DOWN_RESIDUAL, layer, (lo, hi),
-                               reads=[("ffn_h", 0, F), ("residual", lo, hi)],
-                               writes=[("residual", lo, hi)], weight_bytes=2 * (hi - lo) * F)
-        emit(down, prev, cnt)
-        prev = cnt
-
-    # RMS_LM_HEAD: rows of the vocabulary; partial slot = block
-    vrows = split_even(c.vocab_size, B)
-    sample_reads = [("lm_part", 0, 2 * B), ("state", 0, STATE_WORDS)]
-    sample_writes = [("state", 0, STATE_WORDS), ("out_tokens", 0, max_seq_len)]
-    if design >= 2:  # the last block to finish its tile reduces the partials (atomic ticket)
-        cnt = None
-        ticket = counter("RMS_LM_HEAD.ticket")
-    else:
-        cnt = counter("RMS_LM_HEAD")
-
-    def lm_head(b):
-        lo, hi = vrows[b]
-        ins = Instruction(Op.RMS_LM_HEAD, 0, (lo, hi), args=(b,),
-                          reads=[("residual", 0, H)] if hi > lo else [],
-                          writes=([("logits", lo, hi)] if hi > lo else []) + [("lm_part", 2 * b, 2 * b + 2)],
-                          weight_bytes=2 * (hi - lo) * H + (2 * H if hi > lo else 0))
-        if design >= 2:
-            ins.args = (b, ticket, B)
-            ins.ticket = (ticket, B)
-            ins.tail_reads, ins.tail_writes = list(sample_reads), list(sample_writes)
-        return ins
-    emit(lm_head, prev, cnt)
-    prev = cnt
-
-    if design < 2:  # v1: one instruction in block 0 reduces the partials, serially
-        cnt = counter("SAMPLE")
-        emit(lambda b: Instruction(Op.SAMPLE, 0, (0, 1), args=(B,), reads=list(sample_reads),
-                                   writes=list(sample_writes)),
-             prev, cnt, only_block=0)
-
-    # Each block reads the state words at launch start, before its first instruction.
-    for q in queues:
-        first = next(ins for ins in q if ins.op != Op.NOOP)
-        if ("state", 0, STATE_WORDS) not in first.reads:
-            first.reads = first.reads + [("state", 0, STATE_WORDS)]
-    prog = Program(config=cfg, num_blocks=B, max_seq_len=max_seq_len, queues=queues,
-                   counter_names=counters, attn_splits=S, lm_partials=B, design=design,
-                   attn_min_chunk=min_chunk, merge_ticket_min=merge_min)
-    return prog

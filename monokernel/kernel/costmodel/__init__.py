@@ -1,0 +1,26 @@
+"""The cost model: predicted time of one decode step of a Program on a named GPU.
+
+Split by concern, each in one place:
+
+- ``gpu``: the GPU's constants, ONE table, each row with its range and its source
+  (shared/PERFORMANCE.md section 1 for the H200);
+- ``design``: the kernel's design knobs (``KernelDesign``), the named designs and
+  ``design_for`` (what megakernel.cu implements now: change it in the commit that changes the
+  kernel);
+- ``parts``: the costs the ops share and the types of an op's cost entry;
+- each op's own entry: ``cost`` in kernel/ops/<op>.py, beside its tiling;
+- ``simulate``: the discrete-event simulation of the per-block queues, ``predict``.
+
+Every number this package prints is a prediction, not a measurement.
+"""
+
+from .design import DESIGNS, GENERATION_STEPS, V5, V6, KernelDesign, design, design_for
+from .gpu import CONSTANTS, GPU, constant_range, corner, gpu
+from .parts import OpBatch, Phases, block_sum_us, hop_latency, hop_parts, step_end_us
+from .simulate import (Prediction, Static, busy_constants, busy_us, predict, predict_range,
+                       prefetch_issue_us, sensitivity)
+
+__all__ = ["CONSTANTS", "DESIGNS", "GENERATION_STEPS", "GPU", "KernelDesign", "OpBatch", "Phases",
+           "Prediction", "Static", "V5", "V6", "block_sum_us", "busy_constants", "busy_us",
+           "constant_range", "corner", "design", "design_for", "gpu", "hop_latency", "hop_parts",
+           "predict", "predict_range", "prefetch_issue_us", "sensitivity", "step_end_us"]

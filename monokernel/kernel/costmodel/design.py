@@ -1,0 +1,140 @@
+"""The kernel's design knobs, as the cost model sees them, and the named designs.
+
+A knob is kept while a design still in use, or an A/B twin a GPU has yet to measure, sets it
+differently (the hop of ``cuda-sync1``, the one launch per step of ``cuda-1step``, the L2
+prefetch of ``cuda-noprefetch``), or while a test shows what it is worth. V6 is the kernel as
+built: the knobs the compiled kernel fixes come from its SASS (sass_facts.json, held to the
+kernel by tests/test_sass.py). V5 is the previous kernel as compiled, kept so that `plan
+--design v5` predicts it. The retired designs (v1 to v4 and the ladder of PERFORMANCE.md
+section 3) are in git history and benchmarks/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ...errors import CostModelError
+from .. import sass_facts
+from ..isa import NUM_THREADS
+
+# Steps a multi-step launch shares its overhead with: the 64 greedy tokens of issue 8's
+# generation (a longer prompt in the same launch only shares it further).
+GENERATION_STEPS = 64
+
+
+@dataclass(frozen=True)
+class KernelDesign:
+    """What the kernel does, as the cost model sees it. Every prediction takes one; the
+    defaults are the kernel as built but for the knobs read off its SASS (``V6``)."""
+
+    name: str
+    threads: int = NUM_THREADS
+    # dependent global round trips per op after its wait, NOT counting the weight stream's own
+    # rounds (those follow from the tiles): (to L2, to HBM). Only the residual (RMS ops) or
+    # ffn_h (DOWN) is a round trip before the weights; norm weights are loaded before the
+    # wait, bias / RoPE / q-k-norm weights and the block's own residual rows in the weights'
+    # round trip.
+    trips: dict[str, tuple[int, int]] = field(default_factory=lambda: {
+        "EMBED": (0, 1),  # the embedding row
+        "RMS_QKV_ROPE": (1, 0),
+        "ATTENTION": (1, 0),  # the group's queries, per unit
+        "O_PROJ_RESIDUAL": (0, 0),  # (+ the merge: ops/o_proj.py)
+        "RMS_GATE_UP": (1, 0),
+        "DOWN_RESIDUAL": (1, 0),
+        "RMS_LM_HEAD": (1, 0),
+    })
+    # when a step uses at least the program's merge_ticket_min splits, the last unit of each
+    # KV group to draw the group's ticket merges the group once (into `attn`), and O_PROJ reads
+    # the merged vector. False: every O_PROJ block merges every used split itself
+    o_proj_merge_ticket: bool = True
+    # the per-block merge shares an output chunk's splits among isa.merge_block_ways(config)
+    # lanes: ceil(used / (MERGE_CHUNK x ways)) rounds. False: one lane per chunk
+    o_proj_merge_ways: bool = True
+    # hop: signal = bar + (MEMBAR.SC + CCTL | release atomic); poll = loads + timer + sleep.
+    # MK_SYNC=2 (default): release add, one acquire load per poll, no early sleep; MK_SYNC=1
+    # (cuda-sync1): fence + atomicAdd, two loads and a nanosleep per poll
+    signal_sc_fence: bool = False
+    poll_loads: int = 1
+    poll_sleep: bool = False
+    # ATTENTION: of its KV_UNROLL K loads, how many the compiled loop keeps in flight per lane,
+    # by head_dim ((head_dim, loads), ...; absent: all KV_UNROLL). tests/test_sass.py checks it
+    attn_k_in_flight: tuple[tuple[int, int], ...] = ()
+    # late q/k (QK_NORM): warp_qk_norm_rope issues its vector, norm-weight and RoPE loads
+    # together, the weights and the RoPE row prefetched into L2 (False: three dependent trips,
+    # the weights from HBM)
+    late_qk_one_trip: bool = True
+    # ATTENTION prefetches its units' K/V rows of the positions cached before this step into L2
+    # before its wait
+    attn_kv_prefetch: bool = True
+    # L2 prefetch of an instruction's weights before its wait (MK_PREFETCH; cuda-noprefetch: 0)
+    l2_prefetch: bool = True
+    # decode steps per launch (launch overhead amortised; chained steps add one hop each)
+    steps_per_launch: int = GENERATION_STEPS
+    # ---- the kernel as compiled (what the sm_90 SASS shows; issue 15 section 3)
+    # The instruction's words: dependent loads before its prefetch and wait (0: fetched during
+    # the previous instruction, off the path), at L2 latency, or with fetch_misses the share
+    # `fetch_miss` of them at HBM's loaded latency.
+    instruction_fetch_trips: int = 0
+    fetch_misses: bool = True
+    # issue slots per 16-byte weight load once it arrives (bf16 unpack, FFMA, x's LDS) on the
+    # SM's schedulers, and the pass's warp sums (5 dependent SHFL + FADD); 0: not charged
+    matvec_issue_per_load: float = 0.0
+    # copies into shared memory of a vector other blocks wrote (DOWN's ffn_h, O_PROJ's merged
+    # attention): 0, one round (all loads first); u > 0, as nvcc compiles a strided loop
+    # unrolled u times: (n mod u) single loads, then n // u rounds of u
+    copy_unroll: int = 0
+    # the step's end (finish_step): the host's stop flag read over PCIe before the release;
+    # MEMBAR.SC.SYS after the token's store
+    step_end_host_read: bool = False
+    step_end_sys_fence: bool = False
+    # tickets cost the constant `ticket` (acq_rel as compiled: drain, round trip, L1
+    # invalidate), every drawer; the last LM-head drawer's reduction and finish_step's loads end
+    # the step (False: spread over the instructions)
+    ticket_as_compiled: bool = True
+    # the weight stream at the achieved GEMV rate (gemv_bw) instead of the copy rate, and its
+    # first bytes one latency after it starts (a ramp per op)
+    gemv_rate: bool = True
+    stream_ramp: bool = True
+    # RMS ops load their norm weights just before the wait, so on a block whose wait returns at
+    # once their loaded HBM latency is not hidden behind the residual's L2 trip. False: they are
+    # in L2 or registers before they are needed (prefetch_norm of the previous instruction)
+    norm_weights_late: bool = False
+
+    @property
+    def warps(self) -> int:
+        return self.threads // 32
+
+    def replace(self, **changes) -> "KernelDesign":
+        return dataclasses.replace(self, **changes)
+
+
+# V5 as compiled (sm_90 SASS of commit 4b0e6fe; benchmarks/NOTES.md "The cost model tells the
+# truth"): its words fetched in two dependent trips, copies unrolled by 4, the host flag read
+# and a system fence at the step's end, norm weights loaded just before the wait.
+V5 = KernelDesign("v5", instruction_fetch_trips=2, matvec_issue_per_load=17.0, copy_unroll=4,
+                  step_end_host_read=True, step_end_sys_fence=True, norm_weights_late=True)
+# V6: the kernel as built (issue 15 section 4), the knobs its SASS fixes read off it.
+V6 = KernelDesign("v6", **sass_facts.compiled_knobs())
+# Every design a prediction can name (`monokernel plan --design`).
+DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6}
+
+
+def design_for(program=None, sync: int = 2, multi_step: bool = True) -> KernelDesign:
+    """The design megakernel.cu implements: V6 with the default hop (MK_SYNC=2) and many steps
+    per launch; its A/B twins with one launch per step (backend cuda-1step) or the fenced hop
+    (MK_SYNC=1, backend cuda-sync1). A kernel change updates these in the same commit."""
+    d = V6
+    if sync < 2:
+        d = d.replace(signal_sc_fence=True, poll_loads=2, poll_sleep=True)
+    if not multi_step:
+        d = d.replace(steps_per_launch=1)
+    if d is V6:
+        return d
+    return d.replace(name="v6" + ("" if sync >= 2 else "-sync1") + ("" if multi_step else "-1step"))
+
+
+def design(name: str) -> KernelDesign:
+    if name.lower() not in DESIGNS:
+        raise CostModelError(f"unknown kernel design {name!r} (known: {', '.join(DESIGNS)})")
+    return DESIGNS[name.lower()]

@@ -1,0 +1,296 @@
+"""The discrete-event simulation of one decode step: ``predict(program, gpu, design, context)``.
+
+The per-block queues run as a simulation: an instruction starts when its block's previous one
+ends, fetches its words, issues its L2 prefetch, and becomes ready when its counter has all its
+signals (the last signal's time + the hop latency) or, if they are already there, after one
+acquire load. Its busy time is ``busy_us`` of the phases its op's cost entry gives
+(kernel/ops/<op>.py ``cost``): its weight stream runs at min(bytes in flight / latency, the
+SM's share of HBM bandwidth) (Little's law), where the bytes the prefetch brought into L2
+during the wait are read at L2 latency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import CostModelError
+from .. import ops
+from ..isa import Op
+from .design import KernelDesign, design_for
+from .gpu import GPU, constant_range, corner, gpu
+from .parts import OpBatch, fetch_us, hop_parts, step_end_us
+
+
+@dataclass
+class Prediction:
+    """Predicted times of one decode step (us). start/ready/end: per block, per slot (NaN for
+    NOOP); trips: dependent round trips after the wait incl. the stream's rounds."""
+
+    program: object
+    gpu: GPU
+    design: KernelDesign
+    context: int
+    start: np.ndarray
+    ready: np.ndarray
+    end: np.ndarray
+    trips: np.ndarray
+    step_us: float  # the launch's start (t = 0) to the last end of the simulated step
+    launch_us: float  # launch overhead per token
+    critical: list[tuple[int, int]]  # (block, slot) from the first instruction to the last
+    critical_hops: int
+
+    @property
+    def total_us(self) -> float:
+        return self.step_us + self.launch_us
+
+    @property
+    def floor_us(self) -> float:
+        return self.program.config.weight_bytes_per_token() / self.gpu.hbm_bw
+
+    @property
+    def x_floor(self) -> float:
+        return self.total_us / self.floor_us
+
+    def op_rows(self) -> list[dict]:
+        """Per op: instructions, mean and max busy time (ready -> end), mean wait, median
+        round trips after the wait of the busy instructions, time on the critical path."""
+        prog = self.program
+        crit: dict[Op, float] = {}
+        prev_end = 0.0
+        for blk, slot in self.critical:
+            op = prog.queues[blk][slot].op
+            crit[op] = crit.get(op, 0.0) + self.end[blk, slot] - prev_end
+            prev_end = self.end[blk, slot]
+        rows = []
+        for op in Op:
+            sel = [(bb, i) for bb, q in enumerate(prog.queues) for i, ins in enumerate(q)
+                   if ins.op == op and op != Op.NOOP and not np.isnan(self.end[bb, i])]
+            if not sel:  # not in the program
+                continue
+            bi = tuple(np.array(sel).T)
+            busy = self.end[bi] - self.ready[bi]
+            wait = self.ready[bi] - self.start[bi]
+            nonempty = np.array([not prog.queues[bb][i].empty for bb, i in sel])
+            trips = self.trips[bi][nonempty] if nonempty.any() else np.zeros(1)
+            rows.append({"op": op.name, "instructions": len(sel), "busy_mean_us": busy.mean(),
+                         "busy_max_us": busy.max(), "wait_mean_us": wait.mean(),
+                         "trips": float(np.median(trips)), "critical_us": crit.get(op, 0.0)})
+        return rows
+
+
+def _batches(program, context: int) -> dict[Op, tuple[list[tuple[int, int]], OpBatch]]:
+    by_op: dict[Op, list] = {}
+    for blk, q in enumerate(program.queues):
+        for i, ins in enumerate(q):
+            if ins.op != Op.NOOP:
+                by_op.setdefault(ins.op, []).append((blk, i, ins))
+    out = {}
+    for op, items in by_op.items():
+        ins = [t[2] for t in items]
+        batch = OpBatch(program, context,
+                        np.array([x.layer for x in ins], np.int64),
+                        np.array([x.tile[0] for x in ins], np.int64),
+                        np.array([x.tile[1] for x in ins], np.int64),
+                        np.array([x.weight_bytes for x in ins], np.int64), ins)
+        out[op] = ([(t[0], t[1]) for t in items], batch)
+    return out
+
+
+class Static:
+    """Per-instruction phases of a program at one context and design, [blocks, slots]. They
+    do not depend on the constants the calibration fits (latencies, bandwidth, fence)."""
+
+    def __init__(self, program, context: int, g: GPU, d: KernelDesign):
+        if context < 0 or context + 1 > program.max_seq_len:
+            raise CostModelError(
+                f"context {context} does not fit the program's KV cache of "
+                f"{program.max_seq_len} positions (need context + 1 <= max_seq_len)")
+        B, L = program.num_blocks, program.max_len
+        self.shape = (B, L)
+        self.fields = {k: np.zeros((B, L)) for k in
+                       ("l2", "hbm", "other", "rounds", "bytes", "pref", "early", "issue")}
+        for op, (where, batch) in _batches(program, context).items():
+            ph = ops.module(op).cost(batch, g, d)
+            bi = tuple(np.array(where).T)
+            f = self.fields
+            f["l2"][bi], f["hbm"][bi], f["other"][bi] = ph.l2_trips, ph.hbm_trips, ph.other_us
+            f["rounds"][bi], f["bytes"][bi] = ph.rounds, ph.stream_bytes
+            f["pref"][bi] = np.minimum(ph.prefetch_bytes, ph.stream_bytes)
+            for name in ("early", "issue"):
+                if getattr(ph, name) is not None:
+                    f[name][bi] = getattr(ph, name)
+
+
+def predict(program, g: GPU | str = "h200", d: KernelDesign | None = None, context: int = 16,
+            static: "Static | None" = None) -> Prediction:
+    """Predicted time of one decode step on GPU ``g`` (a name or a ``GPU``) with kernel design
+    ``d`` (default ``design_for(program)``) at ``context`` positions already in the cache (the
+    step attends over context + 1). Pass ``static`` (a ``Static`` of the same program, context
+    and design) to reuse the phases when only the GPU's constants change."""
+    g = gpu(g) if isinstance(g, str) else g
+    d = design_for(program) if d is None else d
+    st = static or Static(program, context, g, d)
+    return _simulate(program, g, d, context, st)
+
+
+def busy_constants(g: GPU, d: KernelDesign, num_blocks: int) -> tuple[float, ...]:
+    """What ``busy_us`` needs of the GPU and design: (HBM share per SM (at the GEMV rate with
+    gemv_rate), L2 share per SM, L2 latency, HBM latency, signal cost, barrier, loaded HBM
+    latency, 1.0 with stream_ramp else 0.0)."""
+    bw = g.gemv_bw if d.gemv_rate else g.hbm_bw
+    return (bw / min(num_blocks, g.sms), g.l2_bw / min(num_blocks, g.sms), g.l2_latency,
+            g.hbm_latency, hop_parts(g, d)["signal"], g.bar_sync, g.hbm_loaded_latency,
+            float(d.stream_ramp))
+
+
+def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, lead, signals,
+            mn=min, mx=max, early=0.0, issue=0.0):
+    """Ready -> end of one instruction (or of arrays of them: pass ``mn=np.minimum,
+    mx=np.maximum``): its dependent round trips and fixed work, then its weight stream at
+    min(bytes in flight / latency, the SM's HBM share), then its signal. ``k`` is
+    ``busy_constants``; ``lead``: how long its L2 prefetch has run when the wait returns;
+    ``early``: HBM loads issued at the start that its first L2 trip needs (their loaded
+    latency past the lead and that trip is on the path); ``issue``: the stream's compute after
+    its data (on the path of a latency-bound stream only). The one formula the simulation and
+    the calibration share."""
+    share, l2_share, L2, HBM, sig, bar, HBM_loaded, ramp = k
+    fixed = l2 * L2 + hbm * HBM + other + early * mx(HBM_loaded - lead - L2, 0.0)
+    hits = mn(pref, share * (lead + fixed))  # the prefetch ran from the start until the stream
+    h = hits / mx(nbytes, 1.0)
+    lat = h * L2 + (1 - h) * HBM  # the prefetched share of the rounds hits L2
+    first = ramp * lat * (nbytes > 0)  # stream_ramp: the first bytes a latency after the start
+    stream = mx(rounds * lat + issue, first + (nbytes - hits) / share + hits / l2_share)
+    return fixed + stream + signals * sig + (1 - signals) * bar
+
+
+def prefetch_issue_us(pref, d: KernelDesign):
+    """Issuing the prefetches: one 128-byte line per thread per pass, a few cycles each."""
+    return np.ceil(np.asarray(pref) / 128 / d.threads) * 0.004
+
+
+def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> Prediction:
+    B, L = st.shape
+    f = {k: v.tolist() for k, v in st.fields.items()}
+    issue = prefetch_issue_us(st.fields["pref"], d).tolist()
+    parts = hop_parts(g, d)
+    propagate, detect = parts["propagate"], parts["detect"]
+    fetch = fetch_us(g, d)
+    check = g.l2_latency + g.bar_sync  # the first acquire load finds the count already there
+    k = busy_constants(g, d, program.num_blocks)
+
+    queues = program.queues
+    n_sig = [0] * program.num_counters
+    for q in queues:
+        for ins in q:
+            if ins.signal is not None:
+                n_sig[ins.signal] += 1
+    sig_ends: list[list[tuple[float, int, int]]] = [[] for _ in range(program.num_counters)]
+    visible: list[float | None] = [None] * program.num_counters
+    last_sig: list[tuple[int, int] | None] = [None] * program.num_counters
+    nan = float("nan")
+    start = [[nan] * L for _ in range(B)]  # after the instruction's words are fetched (T_START)
+    ready = [[nan] * L for _ in range(B)]
+    end = [[nan] * L for _ in range(B)]
+    # what made each instruction ready: (its block's previous node or the counter's last
+    # signaler, whether that was a hop)
+    bound: list[list] = [[None] * L for _ in range(B)]
+    t_block = [0.0] * B
+    prev_node: list[tuple[int, int] | None] = [None] * B
+    ptr = [0] * B
+    if d.steps_per_launch > 1:  # EMBED waits for the previous step's token: one more hop
+        t_block = [sum(parts.values())] * B
+
+    def resolve(c: int, need: int, stuck: bool) -> bool:
+        ends = sig_ends[c]
+        if visible[c] is not None:
+            return True
+        if len(ends) < need or (len(ends) < n_sig[c] and not stuck):
+            return False
+        t, blk, slot = sorted(ends)[need - 1]
+        visible[c] = t + propagate
+        last_sig[c] = (blk, slot)
+        return True
+
+    remaining = sum(1 for q in queues for ins in q if ins.op != Op.NOOP)
+    stuck = False
+    while remaining:
+        progress = False
+        for b in range(B):
+            q = queues[b]
+            while ptr[b] < len(q):
+                i = ptr[b]
+                ins = q[i]
+                if ins.op == Op.NOOP:
+                    ptr[b] += 1
+                    continue
+                s = t_block[b] + fetch
+                t_check = s + issue[b][i]
+                if ins.wait is not None:
+                    c, need = ins.wait
+                    if not resolve(c, need, stuck):
+                        break
+                    via_counter = visible[c] + detect
+                    if via_counter > t_check + check:
+                        r, bnd = via_counter, (last_sig[c], True)
+                    else:
+                        r, bnd = t_check + check, (prev_node[b], False)
+                else:
+                    r, bnd = t_check, (prev_node[b], False)
+                sig = ins.signal is not None
+                e = r + busy_us(k, f["l2"][b][i], f["hbm"][b][i], f["other"][b][i],
+                                f["rounds"][b][i], f["bytes"][b][i], f["pref"][b][i],
+                                r - s, 1.0 if sig else 0.0, early=f["early"][b][i],
+                                issue=f["issue"][b][i])
+                start[b][i], ready[b][i], end[b][i], bound[b][i] = s, r, e, bnd
+                if sig:
+                    sig_ends[ins.signal].append((e, b, i))
+                t_block[b] = e
+                prev_node[b] = (b, i)
+                ptr[b] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            if stuck:
+                raise CostModelError("the simulated queues deadlock (a wait can never be met); "
+                                     "run Program.verify() for the instructions")
+            stuck = True
+        else:
+            stuck = False
+
+    end_a = np.array(end, np.float64)
+    last = np.unravel_index(np.nanargmax(end_a), end_a.shape)
+    node: tuple[int, int] | None = (int(last[0]), int(last[1]))
+    chain, hops = [], 0
+    while node is not None:
+        chain.append(node)
+        node, hop = bound[node[0]][node[1]]
+        hops += hop
+    chain.reverse()
+    st_a = np.array(start, np.float64)
+    trips = st.fields["l2"] + st.fields["hbm"] + st.fields["rounds"]
+    return Prediction(program, g, d, context, st_a, np.array(ready, np.float64), end_a, trips,
+                      float(np.nanmax(end_a)) + step_end_us(g, d), g.launch / d.steps_per_launch,
+                      chain, hops)
+
+
+def predict_range(program, gpu_name: str, d: KernelDesign, context: int) -> tuple[float, float]:
+    """(low, high) us/token: every constant at its fast end, then at its slow end. A band, not
+    a confidence interval: the ends assume every constant errs the same way at once."""
+    return tuple(predict(program, corner(gpu_name, fast), d, context).total_us
+                 for fast in (True, False))
+
+
+def sensitivity(program, g: GPU | str, d: KernelDesign, context: int,
+                static: Static | None = None) -> dict[str, float]:
+    """Total us/token with L2 or HBM latency at the low and high end of its range."""
+    base = gpu(g) if isinstance(g, str) else g
+    st = static or Static(program, context, base, d)
+    out = {}
+    for const in ("l2_latency", "hbm_latency"):
+        lo, hi = constant_range(base.name, const)
+        for tag, v in (("low", lo), ("high", hi)):
+            gg = base.replace(**{const: v})
+            out[f"{const}_{tag}"] = predict(program, gg, d, context, st).total_us
+    return out

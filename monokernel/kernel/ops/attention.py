@@ -1,0 +1,188 @@
+"""ATTENTION: flash-decoding partials per (KV head, position split) unit (megakernel.cu "Op:
+ATTENTION"). Units are spread evenly over the blocks, the same every layer; unit (g, s) covers
+positions [s * chunk, (s + 1) * chunk) of the step's n_pos (isa.split_chunk) for the GROUP
+query heads of g. When the step uses at least ``merge_min`` splits, the last instruction of a
+KV group to draw the group's ticket merges the group's splits into `attn` (merge by ticket);
+otherwise every O_PROJ block merges them itself."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import CostModelError
+from ..costmodel.parts import OpBatch, Phases, issue_us
+from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, T_TILE, Args,
+                   Op, attn_round_positions, merge_by_ticket, split_chunk, splits_used)
+from ..program import Instruction, Region, split_even
+
+OP = Op.ATTENTION
+ARGS = Args("splits",  # position splits per KV head
+            "min_chunk",  # fewest positions per split
+            "ticket",  # the ticket counter of its KV group (merge by ticket), -1: none
+            "tickets",  # tickets of its KV group per step (0: never merges by ticket)
+            "merge_min")  # fewest used splits that merge by ticket (0: never)
+SIGNALS = True
+
+
+def units(plan) -> list[tuple[int, int]]:
+    """The (KV head, split) units of each block: [lo, hi) of g * splits + s."""
+    return split_even(plan.config.num_kv_heads * plan.attn_splits, plan.num_blocks)
+
+
+def merge_min(plan, least: int) -> int:
+    """The program's merge_ticket_min: ``least`` where the merge by ticket applies (a merge
+    large enough, 0 < least <= splits, and no block holding units of two KV groups: one ticket
+    per instruction), else 0."""
+    S = plan.attn_splits
+    one_group = all(hi <= lo or lo // S == (hi - 1) // S for lo, hi in units(plan))
+    return least if 0 < least <= S and one_group else 0
+
+
+def tile(plan, layer: int) -> list[Instruction]:
+    c, S = plan.config, plan.attn_splits
+    D, gd = c.head_dim, c.group_size * c.head_dim
+    blocks = units(plan)
+    tickets, group_tickets = [], []
+    if plan.merge_min:  # one ticket counter per KV group, drawn by its instructions
+        tickets = [plan.counter(f"L{layer}.ATTENTION.ticket{g}") for g in range(c.num_kv_heads)]
+        group_tickets = [sum(1 for lo, hi in blocks if hi > lo and lo // S == g)
+                         for g in range(c.num_kv_heads)]
+    out = []
+    for lo, hi in blocks:
+        reads: list[Region] = []
+        writes: list[Region] = []
+        for u in range(lo, hi):
+            g = u // S
+            reads += [("q", g * gd, (g + 1) * gd),
+                      ("k_cache", layer * c.kv_dim + g * D, layer * c.kv_dim + (g + 1) * D),
+                      ("v_cache", layer * c.kv_dim + g * D, layer * c.kv_dim + (g + 1) * D)]
+            if c.qk_norm:  # the new key, normed and roped in the unit (kernel: late q/k)
+                reads.append(("k_raw", g * D, (g + 1) * D))
+            writes += [("attn_o", u * gd, (u + 1) * gd),
+                       ("attn_ml", u * c.group_size * 2, (u + 1) * c.group_size * 2)]
+        args = {"splits": S, "min_chunk": plan.min_chunk, "ticket": -1}
+        ins = Instruction(OP, layer, (lo, hi), reads=reads, writes=writes)
+        if plan.merge_min and hi > lo:  # the units lie in one KV group (merge_min's condition)
+            g = lo // S
+            args.update(ticket=tickets[g], tickets=group_tickets[g], merge_min=plan.merge_min)
+            ins.ticket = (tickets[g], group_tickets[g])
+            ins.tail_reads = [("attn_o", g * S * gd, (g + 1) * S * gd),
+                              ("attn_ml", g * S * c.group_size * 2,
+                               (g + 1) * S * c.group_size * 2)]
+            ins.tail_writes = [("attn", g * gd, (g + 1) * gd)]
+        ins.args = ARGS.pack(args)
+        out.append(ins)
+    return out
+
+
+# ---- cost ------------------------------------------------------------------------------------
+def used_splits(program, n_pos: int) -> int:
+    return splits_used(n_pos, program.attn_splits, program.attn_min_chunk)
+
+
+def merges_by_ticket(program, d, used: int) -> bool:
+    """The step merges the splits by ticket in ATTENTION (and the design charges it so)."""
+    return d.o_proj_merge_ticket and merge_by_ticket(used, program.merge_ticket_min)
+
+
+def _unit_positions(b: OpBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(instruction index, first position, positions) of every attention unit."""
+    splits = b.program.attn_splits
+    n_pos = b.context + 1
+    chunk = split_chunk(n_pos, splits, b.program.attn_min_chunk)
+    idx = np.repeat(np.arange(len(b.lo)), b.n)
+    units_ = np.concatenate([np.arange(lo, hi) for lo, hi in zip(b.lo.tolist(), b.hi.tolist())]
+                            or [np.zeros(0, np.int64)]).astype(np.int64)
+    t0 = (units_ % splits) * chunk
+    cnt = np.clip(np.minimum(n_pos, t0 + chunk) - t0, 0, None)
+    return idx, t0, cnt
+
+
+def tile_isa(n: np.ndarray, g, d, G: int, D: int):
+    """(K rounds, V rounds, compute us) of one pass over n <= T_TILE positions, vectorised over
+    n. Geometry from isa.py; instruction shapes read off the sm_90 SASS of megakernel.cu:
+
+    - attention_scores: one iteration per attn_round_positions(D) positions; its KV_UNROLL
+      loads per lane, of which the compiled loop keeps ``attn_k_in_flight`` in flight (a group
+      of loads is one HBM round; a load whose rows all lie past n is predicated off). The
+      iteration's (load, head) dot products run side by side, their shuffle reductions
+      together, then the stores: the chains' latency once per iteration, the rest issue-bound.
+    - attention_values: the iteration's KV_UNROLL loads all issued before the first FMA (one
+      HBM round); per load 8 unpacks and G x (LDS p + 8 FFMA), issue-bound; then the
+      cross-slot sum (G x 8 values x log2(KV_PPW) SHFL+FADD), the shared-memory store and
+      barrier, and the cross-warp sum (an LDS round, NWARPS dependent adds: ~2 steps).
+    - the online softmax between them (one warp per head: max and sum reductions, expf) and
+      the tile's four barriers."""
+    lanes = D // 8  # KV_LANES
+    ppw = 32 // lanes  # KV_PPW
+    slots = d.warps * ppw  # KV_SLOTS
+    per_round = attn_round_positions(D)
+    if per_round != slots * KV_UNROLL:
+        raise CostModelError(f"isa.attn_round_positions({D}) = {per_round} is not KV_SLOTS "
+                             f"{slots} x KV_UNROLL {KV_UNROLL}: the model's geometry is stale")
+    kf = min(dict(d.attn_k_in_flight).get(D, KV_UNROLL), KV_UNROLL)
+    steps = int(np.log2(lanes))
+    it = -(-n // per_round)  # loop iterations
+    rem = n - np.maximum(it - 1, 0) * per_round  # positions of the last iteration
+    u_last = -(-rem // slots)  # its loads with a row in range
+    k_rounds = np.maximum(it - 1, 0) * -(-KV_UNROLL // kf) + np.where(it > 0, -(-u_last // kf), 0)
+    v_rounds = it
+    chain = (2 + steps) * g.shfl  # one (load, head) of the scores
+    k_issue = issue_us(g, d, it * KV_UNROLL * (8 + G * (14 + 2 * steps)))
+    k_compute = np.maximum(it * chain, k_issue)
+    v_issue = issue_us(g, d, it * KV_UNROLL * (8 + 9 * G))
+    v_reduce = max(issue_us(g, d, G * 8 * 2 * np.log2(ppw)), np.log2(ppw) * g.shfl) \
+        + 2 * g.shfl
+    softmax = 10 * g.shfl + 0.02
+    compute = (n > 0) * (k_compute + v_issue + v_reduce + softmax + 4 * g.bar_sync)
+    return k_rounds, v_rounds, compute
+
+
+def cost(b: OpBatch, g, d) -> Phases:
+    c = b.program.config
+    G, D = c.group_size, c.head_dim
+    idx, t0, cnt = _unit_positions(b)
+    ntile = -(-cnt // T_TILE)
+    full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * T_TILE
+    unit_hbm = np.zeros(len(idx))
+    unit_l2 = np.full(len(idx), float(d.trips["ATTENTION"][0]))  # the group's queries
+    kf, vf, of = tile_isa(np.full(1, T_TILE), g, d, G, D)
+    kl, vl, ol = tile_isa(last, g, d, G, D)
+    k_rounds, v_rounds = full * kf[0] + kl, full * vf[0] + vl
+    unit_other = full * of[0] + ol + 2 * g.bar_sync  # the unit's set-up and end barriers
+    if c.qk_norm:
+        # warp_qk_norm_rope per query head and the key, after the queries' L2 trip: the
+        # warp_sum, then the q/k-norm weights and the RoPE row, a barrier; the unit holding the
+        # new position scores it from shared memory (barrier, warp_sum)
+        if not d.late_qk_one_trip:
+            unit_hbm += 1.0
+            unit_l2 += 1.0
+        unit_other += 5 * g.shfl + g.bar_sync
+        holds = (t0 <= b.context) & (b.context < t0 + cnt)  # the new position's unit
+        unit_other += holds * (g.bar_sync + 6 * g.shfl)
+    n = len(b.lo)
+    used = used_splits(b.program, b.context + 1)
+    other = np.bincount(idx, unit_other, n)
+    l2 = np.bincount(idx, unit_l2, n)
+    if merges_by_ticket(b.program, d, used):
+        # every instruction with units (one KV group's): a barrier, the ticket (an acq_rel
+        # returning atomic; MK_SYNC=1: fence + atomicAdd); the last of its group (charged to
+        # all: the group's last one ends the op) loads the used splits' partials (MERGE_CHUNK x
+        # MERGE_TICKET_WAYS a round), merges them and stores the merged vector
+        busy = b.busy()
+        mb = used * G * (D + 2) * 4.0
+        l2_share = g.l2_bw / g.sms
+        ticket = g.ticket if d.ticket_as_compiled else (g.fence if d.signal_sc_fence
+                                                         else g.release)
+        l2 = l2 + busy * (1 + -(-used // (MERGE_CHUNK * MERGE_TICKET_WAYS)))
+        other = other + busy * (2 * g.bar_sync + ticket + mb / l2_share + G * D * 4 / l2_share)
+    # K/V rounds go to HBM; with attn_kv_prefetch the rows cached before this step were
+    # brought into L2 during the wait (the prefetch share of the rounds then hits L2)
+    rounds = np.bincount(idx, (k_rounds + v_rounds).astype(np.float64), n)
+    hbm = np.bincount(idx, unit_hbm, n)
+    sbytes = np.bincount(idx, cnt * 2 * D * 2.0, n)
+    pref = b.zeros()
+    if d.attn_kv_prefetch:  # K and V: a range each, positions before the new one
+        old = np.clip(np.minimum(cnt, b.context - t0), 0, None)
+        pref = np.bincount(idx, 2 * np.minimum(old * D * 2.0, PREFETCH_MAX_BYTES), n)
+    return Phases(l2, hbm, other, rounds, sbytes, pref)

@@ -1,0 +1,30 @@
+"""EMBED: residual = embed[token] (megakernel.cu "Op: EMBED"). Tiles: even slices of the
+hidden size; the token comes from the state words (a token outside the vocabulary is
+refused: ErrCode.BAD_TOKEN)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..costmodel.parts import OpBatch, Phases, trips
+from ..isa import STATE_WORDS, Args, Op
+from ..program import Instruction, split_even
+
+OP = Op.EMBED
+ARGS = Args()
+SIGNALS = True
+
+
+def tile(plan, layer: int) -> list[Instruction]:
+    out = []
+    for lo, hi in split_even(plan.config.hidden_size, plan.num_blocks):
+        out.append(Instruction(OP, 0, (lo, hi), reads=[("state", 0, STATE_WORDS)],
+                               writes=[("residual", lo, hi)] if hi > lo else [],
+                               weight_bytes=2 * (hi - lo)))
+    return out
+
+
+def cost(b: OpBatch, g, d) -> Phases:
+    l2, hbm = trips(d, "EMBED", b.busy())
+    z = b.zeros()
+    return Phases(l2, hbm, z, z.copy(), b.weight_bytes.astype(np.float64), z.copy())

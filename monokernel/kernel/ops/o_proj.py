@@ -1,0 +1,76 @@
+"""O_PROJ_RESIDUAL: merge the attention splits, then residual += attn @ Wo (megakernel.cu "Op:
+O_PROJ_RESIDUAL"). Tiles: even slices of Wo's rows. Every block merges all used splits itself,
+unless ATTENTION merged them by ticket this step (then it reads the merged vector). With
+q/k-norm, the block owning KV heads [kv_first, kv_end) first caches their roped, normed keys
+(late q/k: after every attention unit of the layer has read them raw)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..costmodel.parts import OpBatch, Phases, copy_rounds, matvec, prefetched, trips
+from ..isa import MERGE_CHUNK, Args, Op, merge_block_ways
+from ..program import Instruction, split_even
+from .attention import merges_by_ticket, used_splits
+
+OP = Op.O_PROJ_RESIDUAL
+ARGS = Args("splits",  # position splits per KV head (as ATTENTION's)
+            "min_chunk",  # fewest positions per split (as ATTENTION's)
+            "kv_first",  # late q/k: the first KV head whose key this block caches
+            "kv_end",  # ... one past the last
+            "merge_min")  # fewest used splits that ATTENTION merged by ticket (0: never)
+SIGNALS = True
+
+
+def tile(plan, layer: int) -> list[Instruction]:
+    c, S, B = plan.config, plan.attn_splits, plan.num_blocks
+    D, gd = c.head_dim, c.group_size * c.head_dim
+    merged = [("attn", 0, c.q_dim)] if plan.merge_min else []
+    out = []
+    for (lo, hi), (k0, k1) in zip(split_even(c.hidden_size, B), split_even(c.num_kv_heads, B)):
+        if not c.qk_norm:
+            k0 = k1 = 0
+        cache = ([("k_raw", k0 * D, k1 * D),
+                  ("k_cache", layer * c.kv_dim + k0 * D, layer * c.kv_dim + k1 * D)]
+                 if k1 > k0 else [])
+        args = ARGS.pack({"splits": S, "min_chunk": plan.min_chunk, "kv_first": k0,
+                          "kv_end": k1, "merge_min": plan.merge_min})
+        if hi <= lo:
+            out.append(Instruction(OP, layer, (lo, hi), args=args, reads=cache[:1],
+                                   writes=cache[1:]))
+            continue
+        out.append(Instruction(
+            OP, layer, (lo, hi), args=args,
+            reads=[("attn_o", 0, c.num_kv_heads * S * gd),
+                   ("attn_ml", 0, c.num_kv_heads * S * c.group_size * 2),
+                   ("residual", lo, hi)] + cache[:1] + merged,
+            writes=[("residual", lo, hi)] + cache[1:], weight_bytes=2 * (hi - lo) * c.q_dim))
+    return out
+
+
+def cost(b: OpBatch, g, d) -> Phases:
+    c = b.program.config
+    busy = b.busy()
+    l2, hbm = trips(d, "O_PROJ_RESIDUAL", busy)
+    used = used_splits(b.program, b.context + 1)
+    if merges_by_ticket(b.program, d, used):
+        # ATTENTION merged the groups: read the merged vector (Q_DIM / 4 float4s over the
+        # threads: one round, or as the copy loop compiles)
+        l2 = l2 + busy * copy_rounds(-(-c.q_dim // (4 * d.threads)), d)
+        merge_bytes = busy * c.q_dim * 4
+    else:  # the used splits' partials, MERGE_CHUNK x ways of them a round
+        ways = merge_block_ways(c) if d.o_proj_merge_ways else 1
+        l2 = l2 + busy * -(-used // (MERGE_CHUNK * ways))
+        merge_bytes = busy * c.num_kv_heads * c.group_size * (c.head_dim + 2) * 4 * used
+    other = busy * (g.bar_sync + merge_bytes / (g.l2_bw / g.sms))
+    if c.qk_norm:
+        # before the merge, the blocks owning KV heads cache their keys: one warp per head,
+        # warp_qk_norm_rope of k_raw (L2), then the k-norm weights and the RoPE row (both in
+        # L2: ATTENTION read them this layer), a barrier
+        owner = (b.arg("kv_end") > b.arg("kv_first")).astype(np.float64)
+        l2 = l2 + (1 if d.late_qk_one_trip else 3) * owner
+        other = other + owner * (5 * g.shfl + g.bar_sync)
+    rounds, issue = matvec(b.n, c.q_dim, g, d)
+    pref = prefetched(d, b.n * c.q_dim * 2)
+    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref,
+                  issue=busy * issue)

@@ -1,0 +1,140 @@
+"""ModelConfig + grid size -> Program: the decode step as per-block instruction queues.
+
+The step is EMBED, then per layer RMS_QKV_ROPE, ATTENTION, O_PROJ_RESIDUAL, RMS_GATE_UP,
+DOWN_RESIDUAL, then RMS_LM_HEAD (``STEP``). Each op tiles itself (kernel/ops/<op>.py ``tile``)
+so that every block works in every op, balanced by bytes; this module loops over the layers,
+gives each op its counters, chains each op's wait to the previous op's signal, and verifies the
+result. Queues are aligned: instruction slot i holds the same (op, layer) in every block, so
+the multi-kernel baseline can launch one slot range per op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ProgramError
+from ..model.config import ModelConfig
+from . import ops
+from .isa import STATE_WORDS, Op, attn_round_positions, merge_ticket_min_splits
+from .program import Instruction, Program
+
+# The ops of one step: (op, once per layer). The first runs once before the layers, the
+# per-layer ones in this order in every layer, the last once after them.
+STEP: tuple[tuple[Op, bool], ...] = (
+    (Op.EMBED, False),
+    (Op.RMS_QKV_ROPE, True), (Op.ATTENTION, True), (Op.O_PROJ_RESIDUAL, True),
+    (Op.RMS_GATE_UP, True), (Op.DOWN_RESIDUAL, True),
+    (Op.RMS_LM_HEAD, False),
+)
+
+# Enough splits that a unit is at most one round of K and one of V at LONG_CONTEXT
+# positions (or the program's context, if shorter), but never fewer positions per split than a
+# round (min_chunk): a short context then uses few splits and the merge reads only those. The
+# cost model picked it (benchmarks/NOTES.md): SmolLM2 16, Qwen3 16, Llama 16 at 132 blocks.
+LONG_CONTEXT = 2048
+MAX_DEFAULT_SPLITS = 16
+
+
+def default_attn_splits(cfg: ModelConfig, num_blocks: int, max_seq_len: int | None = None) -> int:
+    """Enough (KV head, split) units to give most blocks one, capped (see above)."""
+    units = max(1, num_blocks // cfg.num_kv_heads)
+    context = min(max_seq_len or LONG_CONTEXT, LONG_CONTEXT)
+    need = -(-context // attn_round_positions(cfg.head_dim))
+    return max(1, min(units, need, MAX_DEFAULT_SPLITS))
+
+
+def default_min_chunk(cfg: ModelConfig) -> int:
+    return attn_round_positions(cfg.head_dim)
+
+
+@dataclass
+class Plan:
+    """What an op's ``tile`` sees: the model, the grid and the program-wide choices; and
+    ``counter(name)``, which gives the op a counter of its own (a ticket)."""
+
+    config: ModelConfig
+    num_blocks: int
+    max_seq_len: int
+    attn_splits: int
+    min_chunk: int  # fewest positions per attention split
+    merge_min: int = 0  # fewest used splits a step merges by ticket (0: never)
+    counters: list[str] = field(default_factory=list)
+
+    def counter(self, name: str) -> int:
+        self.counters.append(name)
+        return len(self.counters) - 1
+
+
+# Verified programs by their arguments. verify() of a 132-block program takes seconds, and the
+# GPU check builds a dozen executors of each shape; they share one Program.
+_VERIFIED: dict[tuple, Program] = {}
+_VERIFIED_MAX = 16
+
+
+def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
+             attn_splits: int | None = None, attn_min_chunk: int | None = None,
+             merge_ticket_min: int | None = None) -> Program:
+    """Build and verify the decode-step program for ``num_blocks`` persistent blocks.
+
+    ``attn_splits``: position splits per KV head (default: ``default_attn_splits``);
+    ``attn_min_chunk``: fewest positions per split (default: one round of K/V loads with the
+    default splits, 1 - exact splits - when ``attn_splits`` is given);
+    ``merge_ticket_min``: fewest used splits a step merges by ticket (default
+    isa.merge_ticket_min_splits, 0: never, the per-block merge of every O_PROJ block). It
+    applies only where no attention instruction holds units of two KV groups.
+
+    Memoised: the same arguments return the same (shared) Program. Never edit a returned
+    Program in place; ``copy.deepcopy`` it first (the tests that break programs do)."""
+    if num_blocks < 1:
+        raise ProgramError(f"num_blocks must be >= 1, got {num_blocks}")
+    if attn_min_chunk is None:
+        attn_min_chunk = 1 if attn_splits else default_min_chunk(cfg)
+    splits = attn_splits or default_attn_splits(cfg, num_blocks, max_seq_len)
+    if merge_ticket_min is None:
+        merge_ticket_min = merge_ticket_min_splits(cfg)
+    if merge_ticket_min < 0:
+        raise ProgramError(f"merge_ticket_min must be >= 0, got {merge_ticket_min}")
+    key = (cfg, num_blocks, max_seq_len, splits, attn_min_chunk, merge_ticket_min)
+    prog = _VERIFIED.get(key)
+    if prog is None:
+        plan = Plan(cfg, num_blocks, max_seq_len, splits, attn_min_chunk)
+        plan.merge_min = ops.attention.merge_min(plan, merge_ticket_min)
+        prog = build(plan)
+        prog.verify()
+        if len(_VERIFIED) >= _VERIFIED_MAX:
+            _VERIFIED.pop(next(iter(_VERIFIED)))
+        _VERIFIED[key] = prog
+    return prog
+
+
+def build(plan: Plan) -> Program:
+    """The program of ``plan``, unverified: every op of STEP tiled over the blocks, its wait
+    on the previous op's counter (all B blocks signal it), its own counter signalled (an op
+    whose module says SIGNALS = False ends the step by a ticket instead)."""
+    B = plan.num_blocks
+    layers = plan.config.num_layers
+    order = [(op, 0) for op, per_layer in STEP[:1]] \
+        + [(op, layer) for layer in range(layers) for op, per_layer in STEP if per_layer] \
+        + [(op, 0) for op, per_layer in STEP[1:] if not per_layer]
+    queues: list[list[Instruction]] = [[] for _ in range(B)]
+    prev: int | None = None
+    for op, layer in order:
+        module = ops.module(op)
+        name = f"L{layer}.{op.name}" if (op, True) in STEP else op.name
+        sig = plan.counter(name) if module.SIGNALS else None
+        tiles = module.tile(plan, layer)
+        if len(tiles) != B:
+            raise ProgramError(f"{op.name} tiled {len(tiles)} instructions for {B} blocks")
+        for q, ins in zip(queues, tiles):
+            ins.wait = (prev, B) if prev is not None else None
+            ins.signal = sig
+            q.append(ins)
+        prev = sig
+    # Each block reads the state words at launch start, before its first instruction.
+    for q in queues:
+        first = next(ins for ins in q if ins.op != Op.NOOP)
+        if ("state", 0, STATE_WORDS) not in first.reads:
+            first.reads = first.reads + [("state", 0, STATE_WORDS)]
+    return Program(config=plan.config, num_blocks=B, max_seq_len=plan.max_seq_len,
+                   queues=queues, counter_names=plan.counters, attn_splits=plan.attn_splits,
+                   lm_partials=B, attn_min_chunk=plan.min_chunk, merge_ticket_min=plan.merge_min)
