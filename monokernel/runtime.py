@@ -7,10 +7,11 @@ one program and one set of buffers and differ only in how they allocate, copy an
 
 Two things the Engine relies on: ``reset()`` keeps the K/V cache (every position is written
 before it is read), so a new sequence that shares a prefix with the previous one prefills only
-its new tokens (whole ``prefill_chunk``s of it, so that the reused K/V are bit for bit those a
-fresh prefill computes, and one seed gives one text with or without reuse); and ``step(token, pos, None)`` returns the logits on every backend, so logprobs
-need no device support: the host then samples from the kernel's own Gumbel stream
-(sampling.py), which picks the token the kernel's SAMPLE op would have picked.
+its new tokens (past whole ``prefill_chunk``s of the shared prefix, so that the reused K/V are
+bit for bit those a fresh prefill computes, and one seed gives one text with or without reuse);
+and ``step(token, pos, None)`` returns the logits on every backend, so logprobs need no device
+support: the host then samples from the kernel's own Gumbel stream (sampling.py), which picks
+the token the kernel's SAMPLE op would have picked.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def test_reuse_is_whole_chunks_and_exact(synth_dir, chunk):
         assert got.reused_prompt_tokens == reused, prompt
 
 
-# ==== the emulator ==================================================================================
+# ==== the emulator ==============================================================================
 
 def test_reuse_is_exact_on_the_emulator(synth_dir):
     """The kernel prefills one step per token, as it decodes: every position is reusable,
@@ -155,7 +155,7 @@ def test_reuse_is_exact_on_the_emulator(synth_dir):
         assert got.reused_prompt_tokens == reused, prompt
 
 
-# ==== the server ====================================================================================
+# ==== the server ================================================================================
 
 def test_the_server_answers_a_seeded_request_alike_with_or_without_reuse(bundled_llm):
     """The server runs the LLM's engine and has no cache of its own: repeated and
