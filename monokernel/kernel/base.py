@@ -35,6 +35,11 @@ class Executor:
 
     name = "abstract"
     device_sampling = False
+    # A prefill cuts its positions at the multiples of this many, and only the K/V of whole
+    # chunks equal, bit for bit, what a fresh prefill computes (the Engine reuses only those).
+    # 1: a prompt runs one step per token, so every position, a fed-back token's too, is computed
+    # alike. (The NumPy executor batches prompt tokens, which round differently.)
+    prefill_chunk = 1
 
     def __init__(self, model: LoadedModel, max_seq_len: int):
         self.model = model

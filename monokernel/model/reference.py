@@ -64,7 +64,13 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 class ReferenceModel:
     """Prefill and decode with a KV cache. ``forward(tokens, start_pos)`` returns float32 logits
-    [len(tokens), vocab]; the cache then holds positions [0, start_pos + len(tokens))."""
+    [len(tokens), vocab] (None with ``logits=False``: only the K/V were wanted); the cache then
+    holds positions [0, start_pos + len(tokens)).
+
+    A row's numbers depend on the rows computed with it: BLAS runs one row as a matrix-vector
+    product and several as a matrix-matrix product, which round differently (SmolLM2's logits
+    moved by up to 5e-3). Callers that need the same numbers twice (prefix reuse) make the
+    same calls: see NumpyExecutor.prefill_all."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
                  max_seq_len: int | None = None):
@@ -101,7 +107,7 @@ class ReferenceModel:
         self.k_cache[:] = 0
         self.v_cache[:] = 0
 
-    def forward(self, tokens, start_pos: int) -> np.ndarray:
+    def forward(self, tokens, start_pos: int, logits: bool = True) -> np.ndarray | None:
         c = self.cfg
         tokens = np.asarray(tokens, dtype=np.int64)
         n = len(tokens)
@@ -141,6 +147,8 @@ class ReferenceModel:
             x = x + attn @ L["wo"].T
             h = rms_norm(x, L["post_norm"], c.rms_norm_eps)
             x = x + (silu(h @ L["wg"].T) * (h @ L["wu"].T)) @ L["wd"].T
+        if not logits:
+            return None
         h = rms_norm(x, self.final_norm, c.rms_norm_eps)
         return (h @ self.lm_head.T).astype(np.float32)
 
