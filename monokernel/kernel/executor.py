@@ -46,7 +46,8 @@ def kernel_source(cfg: ModelConfig, max_seq_len: int) -> str:
             + SOURCE_PATH.read_text())
 
 
-def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True, trace: bool = False, pdl: bool = False,
+def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True,
+                 trace: bool = False, pdl: bool = False,
                  sync: int | None = None) -> tuple[str, dict[str, str]]:
     """(source, -D defines) of the kernel an executor with these options compiles: the one
     place that decides them, so the GPU check's prepare step (tools/prepare.py) compiles
@@ -289,7 +290,8 @@ class KernelExecutor(Executor):
                                            attn_min_chunk=attn_min_chunk,
                                            merge_ticket_min=merge_ticket_min)
         self.blocks = self.program.num_blocks
-        source, defines = kernel_build(c, max_seq_len, prefetch=prefetch, trace=trace, pdl=pdl, sync=sync)
+        source, defines = kernel_build(c, max_seq_len, prefetch=prefetch, trace=trace, pdl=pdl,
+                                       sync=sync)
         self.module = self.device.compile(source, KERNEL_NAMES, defines)
         self._alloc_buffers(model)
         self._broken: str | None = None

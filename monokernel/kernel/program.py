@@ -38,11 +38,11 @@ class Instruction:
     reads: list[Region] = field(default_factory=list)
     writes: list[Region] = field(default_factory=list)
     weight_bytes: int = 0  # bytes of weights this instruction streams
-    # An atomic-ticket reduction (RMS_LM_HEAD; ATTENTION's merge): after its own work the instruction
-    # takes a ticket on counter ticket[0]; the block that draws the last of ticket[1] tickets
-    # of the step runs the tail, which reads tail_reads and writes tail_writes. verify() sees
-    # the tail as an instruction right after this one that waits for every ticket; the tails
-    # of one ticket are mutually exclusive (exactly one block runs its tail).
+    # An atomic-ticket reduction (RMS_LM_HEAD; ATTENTION's merge): after its own work the
+    # instruction takes a ticket on counter ticket[0]; the block that draws the last of
+    # ticket[1] tickets of the step runs the tail, which reads tail_reads and writes
+    # tail_writes. verify() sees the tail as an instruction right after this one that waits for
+    # every ticket; the tails of one ticket are mutually exclusive (one block runs its tail).
     ticket: tuple[int, int] | None = None
     tail_reads: list[Region] = field(default_factory=list)
     tail_writes: list[Region] = field(default_factory=list)

@@ -138,7 +138,7 @@ def constant_range(gpu_name: str, constant: str) -> tuple[float, float]:
     return v[1], v[2]
 
 
-# Constants whose HIGH end makes a step faster (rates, counts); for every other one the low end does.
+# Constants whose HIGH end makes a step faster (rates, counts); for every other one, the low end.
 _FASTER_WHEN_HIGH = frozenset({"sms", "clock_ghz", "hbm_bw", "l2_bw", "gemv_bw", "schedulers"})
 
 
