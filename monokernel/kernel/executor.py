@@ -265,7 +265,7 @@ class KernelExecutor(Executor):
         self.device = device or EmulatorDevice()
         if pdl and not multi:
             raise KernelError("pdl=True is for the multi-kernel baseline (multi=True): the "
-                              "persistent megakernel is one launch per step")
+                              "persistent megakernel is one launch for many steps")
         self.multi = multi
         # many steps per launch (the persistent kernel only; the baseline is one op a launch):
         # ``steps_per_launch`` bounds a launch (0: until a stop), ``multi_step=False`` is the

@@ -2,12 +2,15 @@
 //
 // Every block pulls its own queue of instructions (built by schedule.py) and runs them in
 // order: parse, wait on a counter, compute, signal a counter. Blocks never leave the kernel
-// between ops, so a whole decode step is one launch. The same device functions also run as one
-// thin kernel per op (op_<NAME>) for the multi-kernel baseline.
+// between ops or between steps: one launch runs the prompt and the decode steps until a stop
+// (run_instructions). The same device functions also run as one thin kernel per op (op_<NAME>)
+// for the multi-kernel baseline. Each op is one section below ("Op: <NAME>"), its Python side
+// one module of kernel/ops/ (docs/adding-an-op.md).
 //
 // This file is compiled by NVRTC/nvcc for the GPU and by g++ with emulator/cuda_cpu.h for the
-// CPU. The generated header (isa.py) is prepended: opcodes, word layout, model constants and
-// the Params struct all come from there.
+// CPU. The generated header (header.py, from isa.py and kernel/ops) is prepended: opcodes, word
+// layout, each op's named argument words (A_<OP>_<NAME>), model constants and the Params struct
+// all come from there.
 //
 // Memory rules (ARCHITECTURE section 4): only weights are read through __ldg / const pointers.
 // Everything written during a launch (activations, KV cache, counters, state) is read with plain
@@ -728,7 +731,7 @@ __device__ void attention_values(OpShared& s, const unsigned short* Vg, int base
   }
 }
 
-// Positions per split: n_pos spread over the splits, but at least min_chunk (the scheduler's
+// Positions per split: n_pos spread over the splits, but at least min_chunk (the schedule's
 // policy: a block's positions per round), so a short context uses fewer splits and the merge
 // reads only the used ones: splits_used(). Split s covers [s * chunk, (s + 1) * chunk).
 __device__ __forceinline__ int split_chunk(int n_pos, int splits, int min_chunk) {
