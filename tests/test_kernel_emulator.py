@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from monokernel.errors import KernelError, NumericalError
-from monokernel.kernel.isa import STATE_WORDS, Err, ErrCode, State
+from monokernel.kernel.isa import STATE_WORDS, Err, ErrCode, State, split_chunk, splits_used
 from monokernel.kernel.executor import ACTIVATIONS, KernelExecutor
 from monokernel.model.loader import BF16
 from monokernel.model.reference import ReferenceModel, bf16_round
@@ -72,15 +72,16 @@ def gumbel_max_scores(logits: np.ndarray, temperature: float, seed: int, pos: in
 
 
 def split_ranges(n_pos: int, splits: int, min_chunk: int = 1) -> list[tuple[int, int]]:
-    """The kernel's attention split s covers positions [s * chunk, min(n_pos, (s + 1) * chunk)),
-    chunk = max(min_chunk, ceil(n_pos / splits)) (megakernel.cu split_chunk)."""
-    chunk = max(min_chunk, -(-n_pos // splits))
+    """The kernel's attention split s covers positions [s * chunk, min(n_pos, (s + 1) * chunk))
+    (isa.split_chunk, as megakernel.cu computes it)."""
+    chunk = split_chunk(n_pos, splits, min_chunk)
     return [(s * chunk, min(n_pos, (s + 1) * chunk)) for s in range(splits)]
 
 
 def used_splits(n_pos: int, splits: int, min_chunk: int = 1) -> int:
-    """Splits with at least one position (megakernel.cu splits_used)."""
-    return sum(1 for t0, t1 in split_ranges(n_pos, splits, min_chunk) if t1 > t0)
+    """Splits with at least one position (isa.splits_used; tests/test_ops.py checks it counts
+    the non-empty ranges above)."""
+    return splits_used(n_pos, splits, min_chunk)
 
 
 def reference_run(model, tokens: list[int], n_steps: int, max_seq_len: int):

@@ -108,3 +108,18 @@ def test_instructions_carry_their_ops_named_arguments():
     with pytest.raises(ProgramError, match="this op's: none"):
         next(i for i in prog.queues[0] if i.op == Op.EMBED).arg("slot")
     assert Word.ARG0 + len(ops.args(Op.ATTENTION).names) - 1 <= Word.ARG4
+
+
+@pytest.mark.parametrize("splits,min_chunk", [(1, 1), (3, 1), (8, 1), (16, 64), (16, 128)])
+def test_the_split_geometry_is_one_function(splits, min_chunk):
+    """isa.split_chunk / splits_used (what megakernel.cu computes, the cost model and the tests
+    read): split s covers [s * chunk, (s + 1) * chunk) of n_pos; the used ones are those with a
+    position; every position is in exactly one split."""
+    from monokernel.kernel.isa import split_chunk, splits_used
+
+    for n_pos in (1, 2, 7, 63, 64, 65, 128, 129, 1000, 2048):
+        chunk = split_chunk(n_pos, splits, min_chunk)
+        ranges = [(s * chunk, min(n_pos, (s + 1) * chunk)) for s in range(splits)]
+        assert sum(max(0, b - a) for a, b in ranges) == n_pos
+        assert splits_used(n_pos, splits, min_chunk) == sum(1 for a, b in ranges if b > a)
+        assert chunk >= min_chunk
