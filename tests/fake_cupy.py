@@ -43,7 +43,7 @@ class FakeCupy:
 
     def __init__(self, num_sms=4, blocks_per_sm=1, hang=False, launch_mode="emulator",
                  nvrtc=False):
-        from monokernel.kernel.executor import EmulatorDevice
+        from monokernel.kernel.devices.emulator import EmulatorDevice
 
         fake = self
         self.launch_mode = launch_mode  # "emulator": launches run there; "noop": they do nothing

@@ -22,7 +22,8 @@ SCRIPT = r"""
 import sys
 import numpy as np
 from monokernel.kernel.base import DeviceSample
-from monokernel.kernel.executor import EmulatorDevice, KernelExecutor
+from monokernel.kernel.devices.emulator import EmulatorDevice
+from monokernel.kernel.executor import KernelExecutor
 from monokernel.model.loader import load_model
 from monokernel.model.reference import ReferenceModel
 
@@ -77,7 +78,8 @@ def test_kernel_under_address_sanitizer(synth_dir, shape):
 SHORT_LOGITS_SCRIPT = r"""
 import sys
 import numpy as np
-from monokernel.kernel.executor import EmulatorDevice, KernelExecutor
+from monokernel.kernel.devices.emulator import EmulatorDevice
+from monokernel.kernel.executor import KernelExecutor
 from monokernel.model.loader import load_model
 
 m = load_model(sys.argv[1], progress=False)

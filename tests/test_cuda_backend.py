@@ -91,8 +91,9 @@ def test_import_registers_executors_without_cupy():
     code = ("import sys; sys.modules['cupy'] = None\n"
             "import monokernel.kernel.cuda_backend as cb\n"
             "print(sorted(cb.BACKENDS))\n"
+            "from monokernel.kernel.devices.cuda import CupyDevice\n"
             "try:\n"
-            "    cb.CupyDevice()\n"
+            "    CupyDevice()\n"
             "except Exception as e:\n"
             "    print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -107,7 +108,7 @@ def test_import_registers_executors_without_cupy():
 
 def test_no_device_reason(monkeypatch):
     """CuPy present, but the runtime finds no device (or no driver)."""
-    from monokernel.kernel import cuda_backend
+    from monokernel.kernel.devices import cuda as cuda_device
 
     def no_driver():
         raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
@@ -116,10 +117,10 @@ def test_no_device_reason(monkeypatch):
         runtime=types.SimpleNamespace(getDeviceCount=no_driver)))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     with pytest.raises(BackendUnavailableError, match="no CUDA device .*cudaErrorNoDevice"):
-        cuda_backend.CupyDevice()
+        cuda_device.CupyDevice()
     fake.cuda.runtime.getDeviceCount = lambda: 0
     with pytest.raises(BackendUnavailableError, match="no CUDA device"):
-        cuda_backend.CupyDevice()
+        cuda_device.CupyDevice()
 
 
 @pytest.mark.skipif(cuda_device_present(), reason="a CUDA device is present")
@@ -159,8 +160,8 @@ def test_make_executor_in_process_and_auto(synth_dir, capsys):
 
 
 def test_kernel_resources_on_the_emulator_is_empty():
-    from monokernel.kernel.cuda_backend import kernel_resources
-    from monokernel.kernel.executor import EmulatorDevice
+    from monokernel.kernel.devices.cuda import kernel_resources
+    from monokernel.kernel.devices.emulator import EmulatorDevice
 
     assert kernel_resources(types.SimpleNamespace(device=EmulatorDevice(), module=None)) == {}
 
@@ -177,9 +178,10 @@ def fake_cupy(monkeypatch):
         monkeypatch.setitem(sys.modules, "cupy", fake)
         monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(
             empty_pinned=lambda shape, dtype: np.empty(shape, dtype)))
-        from monokernel.kernel import cuda_backend, libcuda
+        from monokernel.kernel import libcuda
+        from monokernel.kernel.devices import cuda as cuda_device
 
-        monkeypatch.setattr(cuda_backend, "_MODULES", {})
+        monkeypatch.setattr(cuda_device, "_MODULES", {})
         monkeypatch.setattr(libcuda, "load_launch_ex", lambda: fake.launch_ex)
         return fake
 
@@ -304,7 +306,7 @@ def test_fake_cupy_grid_not_coresident_is_refused(fake_cupy, tiny):
 
 
 def test_fake_cupy_host_wait_is_bounded(fake_cupy, tiny):
-    from monokernel.kernel.cuda_backend import CupyDevice
+    from monokernel.kernel.devices.cuda import CupyDevice
     from monokernel.kernel.executor import KernelExecutor
 
     fake = fake_cupy(num_sms=2)
@@ -325,7 +327,7 @@ def test_fake_cupy_host_wait_is_bounded(fake_cupy, tiny):
 
 def test_fake_cupy_compile_options_cache_and_resources(fake_cupy):
     from monokernel.model.config import ModelConfig
-    from monokernel.kernel.cuda_backend import CupyDevice
+    from monokernel.kernel.devices.cuda import CupyDevice
     from monokernel.kernel.executor import KERNEL_NAMES, kernel_source
 
     fake_cupy()
@@ -408,7 +410,7 @@ def test_gpu_merge_by_ticket_matches_reference(gpu_case, shape):
 def test_gpu_pdl_matches_reference_without_spills(gpu_case):
     """The strong baseline (graph + programmatic dependent launch) on the shape with the most
     launches per step (152): a griddepcontrol.wait in the wrong place would show as a race."""
-    from monokernel.kernel.cuda_backend import kernel_resources
+    from monokernel.kernel.devices.cuda import kernel_resources
     from monokernel.runtime import make_executor
 
     m, fed, ref_logits = gpu_case("smollm2-135m")
@@ -458,7 +460,7 @@ def test_gpu_many_steps_per_launch(gpu_case, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_no_spills(gpu_case, shape):
-    from monokernel.kernel.cuda_backend import kernel_resources
+    from monokernel.kernel.devices.cuda import kernel_resources
     from monokernel.runtime import make_executor
 
     ex = make_executor("cuda", gpu_case(shape)[0], GPU_MAX_SEQ)
@@ -530,7 +532,7 @@ def test_gpu_watchdog_names_the_instruction(gpu_case):
 
 @pytest.mark.gpu
 def test_gpu_grid_not_coresident_raises(gpu_case):
-    from monokernel.kernel.cuda_backend import kernel_resources
+    from monokernel.kernel.devices.cuda import kernel_resources
     from monokernel.runtime import make_executor
 
     m = gpu_case("smollm2-135m")[0]
@@ -547,7 +549,7 @@ def test_gpu_grid_not_coresident_raises(gpu_case):
 def test_fake_cupy_time_steps_holds_the_stream_before_each_batch(fake_cupy):
     """Device time per step: each batch of back-to-back calls is queued behind the hold kernel,
     between two events; the result is the events' time divided by the batch's calls."""
-    from monokernel.kernel.cuda_backend import CupyDevice
+    from monokernel.kernel.devices.cuda import CupyDevice
 
     fake = fake_cupy()
     dev = CupyDevice()
@@ -563,8 +565,8 @@ def test_fake_cupy_time_steps_holds_the_stream_before_each_batch(fake_cupy):
 def test_fake_cupy_time_steps_never_queues_more_than_its_limit(fake_cupy):
     """A call that queues many launches (cuda-multi: one per op) gets small batches: never more
     than MAX_QUEUED_LAUNCHES behind one hold; every step is timed and counted."""
-    from monokernel.kernel import cuda_backend
-    from monokernel.kernel.cuda_backend import MAX_QUEUED_LAUNCHES, CupyDevice
+    from monokernel.kernel.devices import cuda as cuda_device
+    from monokernel.kernel.devices.cuda import MAX_QUEUED_LAUNCHES, CupyDevice
 
     fake_cupy()
     dev = CupyDevice()
@@ -588,17 +590,17 @@ def test_fake_cupy_time_steps_never_queues_more_than_its_limit(fake_cupy):
     assert info["most_queued"] == 450  # 3 calls a batch
     assert len(per_step) == 7  # 3+3+3+3+3+3+2
     assert per_step[-1] == pytest.approx(0.5e-3 / 2)
-    assert cuda_backend.HOLD_NS_MAX < dev.host_timeout_s * 1e9
+    assert cuda_device.HOLD_NS_MAX < dev.host_timeout_s * 1e9
 
 
 def test_fake_cupy_time_steps_hold_is_capped(fake_cupy, monkeypatch):
     """A host too slow to queue a batch within the hold: the hold grows, but never past
     HOLD_NS_MAX; the batch counts as host_in_window and its retries as calls (steps run)."""
-    from monokernel.kernel import cuda_backend
-    from monokernel.kernel.cuda_backend import CupyDevice
+    from monokernel.kernel.devices import cuda as cuda_device
+    from monokernel.kernel.devices.cuda import CupyDevice
 
     fake = fake_cupy()
-    monkeypatch.setattr(cuda_backend, "HOLD_NS_MAX", 4_000_000)
+    monkeypatch.setattr(cuda_device, "HOLD_NS_MAX", 4_000_000)
     dev = CupyDevice()
     per_step, info = dev.time_steps(lambda: time.sleep(0.005), 2, batch=2)
     holds = [n for n, _, _ in fake.launches if n == "mk_hold"]

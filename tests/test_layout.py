@@ -175,7 +175,7 @@ def test_every_module_imports_without_the_extras():
 
 
 @pytest.mark.parametrize("what, code, message", [
-    ("cuda backend", "from monokernel.kernel.cuda_backend import CupyDevice\nCupyDevice()",
+    ("cuda backend", "from monokernel.kernel.devices.cuda import CupyDevice\nCupyDevice()",
      "CuPy is not installed: pip install monokernel\\[cuda12\\]"),
     ("gguf import", "from monokernel.model.gguf_import import convert_gguf\n"
                     "convert_gguf('tests/does-not-matter.gguf', '/nonexistent-out', progress=False)",

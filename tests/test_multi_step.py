@@ -20,6 +20,7 @@ import pytest
 
 from monokernel.errors import KernelError, NumericalError
 from monokernel.kernel.base import DeviceSample
+from monokernel.kernel.devices.emulator import EmulatorDevice
 from monokernel.kernel.executor import KernelExecutor
 from monokernel.kernel.isa import State, StopReason
 from monokernel.model.reference import ReferenceModel
@@ -210,7 +211,7 @@ def test_a_launch_that_makes_no_progress_is_an_error_not_a_hang(model, monkeypat
             self.finished = True
 
     ex = KernelExecutor(model("tiny"), MAX_SEQ, blocks=2, watchdog_ms=100,
-                        device=exmod.EmulatorDevice(timeout_s=0.5))
+                        device=EmulatorDevice(timeout_s=0.5))
     monkeypatch.setattr(exmod, "PROGRESS_GRACE_S", 0.2)
     monkeypatch.setattr(ex.device, "start", lambda fn: Stuck())
     ex.reset()

@@ -17,7 +17,8 @@ import pytest
 
 from monokernel.errors import KernelError, ProgramError
 from monokernel.kernel.isa import Op, Word
-from monokernel.kernel.executor import EmulatorDevice, KernelExecutor
+from monokernel.kernel.devices.emulator import EmulatorDevice
+from monokernel.kernel.executor import KernelExecutor
 from monokernel.model.loader import load_model
 from monokernel.kernel.schedule import schedule
 

@@ -46,7 +46,7 @@ def parse_build(spec: str) -> tuple[str, str, bool]:
 def _compile(label: str, source: str, defines: dict[str, str]) -> tuple[str, float]:
     """In a worker process: one NVRTC build through CupyDevice.compile (CuPy keeps the cubin on
     disk for every later process)."""
-    from ..kernel.cuda_backend import CupyDevice
+    from ..kernel.devices.cuda import CupyDevice
     from ..kernel.executor import KERNEL_NAMES
 
     t0 = time.perf_counter()
@@ -84,7 +84,7 @@ def parse_reference(spec: str) -> tuple[list[int], int]:
 def _verify(label: str, cfg, max_seq: int, options: dict) -> tuple[str, float]:
     """In a worker process: schedule and verify a program on one block per SM (the proof is
     remembered in $MONOKERNEL_CACHE/verified; a 132-block program takes seconds to prove)."""
-    from ..kernel.cuda_backend import CupyDevice
+    from ..kernel.devices.cuda import CupyDevice
     from ..kernel.schedule import schedule
 
     t0 = time.perf_counter()

@@ -146,7 +146,7 @@ def placement(backend: str, model, blocks: int | None,
 
 
 def timer_tick(backend: str) -> dict:
-    from ..kernel.cuda_backend import CupyDevice
+    from ..kernel.devices.cuda import CupyDevice
 
     if backend != "cuda":
         return {"skipped": "the emulator's timer is the host's steady clock"}

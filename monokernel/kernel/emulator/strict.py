@@ -156,7 +156,8 @@ def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
     KernelError when the emulator or the kernel's error record reports an error or the driver
     runs past ``timeout_s``.
     """
-    from ..executor import EmulatorDevice, kernel_source
+    from ..devices.emulator import EmulatorDevice
+    from ..executor import kernel_source
 
     if not isinstance(executor.device, EmulatorDevice) or executor.multi:
         raise KernelError(f"{executor.name}: strict mode runs the persistent megakernel of an "

@@ -1,0 +1,478 @@
+"""The CUDA device: the Device interface (kernel/devices/__init__.py) on CuPy.
+
+Guarantees (ARCHITECTURE sections 4 and 5):
+- CuPy is imported lazily: importing this module costs nothing; building a device without CuPy
+  or without a GPU raises BackendUnavailableError saying which.
+- Every copy and launch goes to one non-blocking stream owned by the device, so a step can be
+  captured into a graph and nothing races with CuPy's default stream.
+- A cooperative grid that cannot be co-resident is refused with KernelError before launch
+  (CuPy's own cooperative launch would silently shrink the grid, and a smaller grid than the
+  program's would deadlock on counters nobody signals).
+- The host never waits on the GPU without a deadline: it polls a CUDA event and raises
+  KernelError naming the launches in flight when the deadline passes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import BackendUnavailableError, KernelError
+from .. import libcuda
+from ..isa import NUM_THREADS
+
+CUPY_MISSING = "CuPy is not installed: pip install monokernel[cuda12] (or monokernel[cuda13])"
+# Reads up to this size are staged through pinned host memory (the per-step control words,
+# the logits); larger ones use a plain .get() after the bounded wait.
+PINNED_READ_MAX = 1 << 20
+# Extra host-side patience beyond the kernel's own watchdog before a launch counts as hung.
+HOST_GRACE_S = 5.0
+# time_steps: launches queued behind one hold kernel at most, and the hold's start and bound
+MAX_QUEUED_LAUNCHES = 500
+HOLD_NS_START = 2_000_000
+HOLD_NS_MAX = 50_000_000
+PROBES_PATH = Path(__file__).parent.parent / "probes.cu"
+
+# Compiled modules of this process, keyed by (device, hash of source and options). CuPy also
+# caches the cubin on disk (~/.cupy/kernel_cache), so a new process skips NVRTC too.
+_MODULES: dict[tuple[int, str], "CupyModule"] = {}
+
+
+def import_cupy():
+    """CuPy, or BackendUnavailableError with the install command."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise BackendUnavailableError(f"{CUPY_MISSING} ({e})") from None
+    return cupy
+
+
+def _require_device(cp, device_id: int) -> None:
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver, driver too old, no device: CUDARuntimeError
+        raise BackendUnavailableError(f"no CUDA device ({e})") from None
+    if n == 0:
+        raise BackendUnavailableError("no CUDA device (cudaGetDeviceCount returned 0)")
+    if not 0 <= device_id < n:
+        raise BackendUnavailableError(f"no CUDA device {device_id} (this machine has {n})")
+
+
+class CupyModule:
+    """The compiled megakernel.cu: one RawModule and its kernels by name."""
+
+    def __init__(self, raw, kernels: dict, key: str):
+        self.raw = raw
+        self.kernels = kernels  # name -> cupy.RawKernel
+        self.key = key
+
+
+class CupyDevice:
+    """Device memory is CuPy arrays; kernels come from NVRTC through cupy.RawModule."""
+
+    name = "cuda"
+
+    def __init__(self, device_id: int = 0, host_timeout_s: float = 2.0 + HOST_GRACE_S):
+        cp = import_cupy()
+        _require_device(cp, device_id)
+        self.cp = cp
+        self.device_id = device_id
+        self.device = cp.cuda.Device(device_id)
+        self.device.use()
+        props = cp.cuda.runtime.getDeviceProperties(device_id)
+        raw_name = props.get("name", b"?")
+        self.gpu_name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+        self.num_sms = int(props["multiProcessorCount"])
+        self.cooperative_launch = bool(props.get("cooperativeLaunch", 1))
+        self.unified_addressing = bool(props.get("unifiedAddressing", 1))
+        self.cc = self.device.compute_capability  # "90" on an H100/H200
+        self.host_timeout_s = host_timeout_s
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._pinned: dict[int, np.ndarray] = {}  # nbytes -> pinned uint8 staging buffer
+        self._in_flight: list[str] = []  # launches since the last completed wait
+        self._coresident_ok: set[tuple[str, str, int]] = set()
+        self._broken: str | None = None
+        self._probe_module: CupyModule | None = None
+        self._launch_ex: libcuda.LibcudaLaunchEx | None = None  # cuLaunchKernelEx, on first use
+        self.launch_count = 0  # launches queued (a graph replay is one), for time_steps
+
+    def __repr__(self) -> str:
+        return f"CupyDevice({self.device_id}: {self.gpu_name}, sm_{self.cc}, {self.num_sms} SMs)"
+
+    # ---- compile --------------------------------------------------------------------------
+    def compile(self, source: str, names: list[str], defines: dict[str, str]) -> CupyModule:
+        """NVRTC through cupy.RawModule. CuPy adds ``-arch=sm_<cc>`` of the current device
+        itself (a second -arch would conflict) and ``-ftz=true``. ``#line`` in the source makes
+        NVRTC's log name megakernel.cu's own lines."""
+        cp = self.cp
+        options = ("-std=c++17", "--generate-line-info") + tuple(
+            f"-D{k}={v}" for k, v in sorted(defines.items()))
+        key = hashlib.sha256("\0".join((source, " ".join(options), self.cc)).encode()).hexdigest()
+        cached = _MODULES.get((self.device_id, key))
+        if cached is not None:
+            return cached
+        raw = cp.RawModule(code=source, options=options)
+        kernels = {}
+        try:
+            with self.device:
+                for n in names:
+                    kernels[n] = raw.get_function(n)  # the first one compiles and loads
+        except cp.cuda.compiler.CompileException as e:
+            raise KernelError(
+                f"cuda: NVRTC could not compile megakernel.cu for sm_{self.cc} "
+                f"(options {' '.join(options)}):\n{e.get_message()}") from None
+        except Exception as e:  # a kernel name missing from the module, a load failure
+            raise KernelError(f"cuda: loading kernel {n!r} from megakernel.cu failed: "
+                              f"{type(e).__name__}: {e}") from None
+        mod = CupyModule(raw, kernels, key)
+        _MODULES[(self.device_id, key)] = mod
+        return mod
+
+    # ---- memory ---------------------------------------------------------------------------
+    def alloc(self, shape, dtype):
+        with self.device, self.stream:
+            return self.cp.zeros(shape, dtype)
+
+    def upload(self, arr: np.ndarray):
+        arr = np.ascontiguousarray(arr)
+        with self.device, self.stream:
+            buf = self.cp.empty(arr.shape, arr.dtype)
+        buf.set(arr, stream=self.stream)
+        return buf
+
+    def alloc_mapped(self, shape, dtype) -> np.ndarray:
+        """Pinned host memory the kernel reads and writes while the host polls it (tokens as
+        they are made, the stop request). With unified addressing (every 64-bit CUDA platform
+        since sm_20) cudaHostAlloc'd memory is mapped and its device pointer is the host
+        pointer, so the numpy array's own address goes into Params."""
+        if not self.unified_addressing:
+            raise KernelError(f"cuda: {self.gpu_name} lacks unified addressing, which mapped "
+                              "host memory (tokens streamed from a running launch) needs")
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        arr = self._pinned_empty(n).view(dtype).reshape(shape)
+        arr[...] = 0
+        return arr
+
+    def ptr(self, buf) -> int:
+        if isinstance(buf, np.ndarray):  # mapped host memory (alloc_mapped)
+            return int(buf.ctypes.data)
+        return int(buf.data.ptr)
+
+    def write(self, buf, arr: np.ndarray) -> None:
+        self._check_usable()
+        host = np.ascontiguousarray(np.asarray(arr, dtype=buf.dtype).reshape(buf.shape))
+        buf.set(host, stream=self.stream)  # pageable source: staged before set() returns
+
+    def read(self, buf) -> np.ndarray:
+        """Copy a buffer back after a bounded wait for everything queued before it."""
+        what = f"reading a {buf.dtype} buffer of shape {tuple(buf.shape)}"
+        if buf.nbytes > PINNED_READ_MAX:
+            self.wait(what)  # a copy to pageable memory would block the host unbounded
+            return buf.get(stream=self.stream)
+        staging = self._pinned.get(buf.nbytes)
+        if staging is None:
+            staging = self._pinned[buf.nbytes] = self._pinned_empty(buf.nbytes)
+        self._check_usable()
+        buf.data.copy_to_host_async(staging.ctypes.data, buf.nbytes, stream=self.stream)
+        self.wait(what)  # one bounded wait covers the launches before the copy and the copy
+        return staging.view(buf.dtype).reshape(buf.shape).copy()
+
+    def _pinned_empty(self, nbytes: int) -> np.ndarray:
+        import cupyx
+
+        return cupyx.empty_pinned((nbytes,), np.uint8)
+
+    def fill(self, buf, value) -> None:
+        self._check_usable()
+        with self.device, self.stream:
+            buf.fill(value)
+
+    # ---- launch ---------------------------------------------------------------------------
+    def launch(self, module: CupyModule, name: str, grid: int, params: np.ndarray,
+               cooperative: bool, pdl: bool = False) -> None:
+        """One launch of ``name`` with ``grid`` blocks of NUM_THREADS threads; ``params`` is the
+        struct Params argument (a structured numpy array of one element, params_dtype()).
+        ``pdl``: launch through cuLaunchKernelEx with programmatic stream serialization allowed
+        (the kernel must execute griddepcontrol.wait before reading its predecessor's output:
+        megakernel.cu's thin kernels built with MK_PDL=1 do)."""
+        self._check_usable()
+        if pdl and cooperative:
+            raise KernelError(f"cuda: {name}: a cooperative launch cannot also be a "
+                              "programmatic dependent launch here")
+        kernel = module.kernels[name]
+        func = kernel.kernel.ptr
+        arg = np.ascontiguousarray(params).reshape(-1)
+        if arg.size != 1:
+            raise KernelError(f"cuda: {name} takes one Params struct, got {arg.size}")
+        # cuLaunchKernel's kernelParams: an array of pointers, one per kernel argument; the
+        # driver copies the struct's bytes before it returns.
+        kparams = np.array([arg.ctypes.data], dtype=np.uintp)
+        drv = self.cp.cuda.driver
+        label = f"{name} (grid {grid} x {NUM_THREADS} threads{', PDL' if pdl else ''})"
+        if cooperative:
+            self._check_coresident(module, name, grid)
+        try:
+            with self.device:
+                if cooperative:
+                    drv.launchCooperativeKernel(func, grid, 1, 1, NUM_THREADS, 1, 1, 0,
+                                                self.stream.ptr, kparams.ctypes.data)
+                elif pdl:
+                    ex = self.launch_ex()
+                    cfg = libcuda.programmatic_launch_config(grid, NUM_THREADS, self.stream.ptr)
+                    rc = ex.launch(ctypes.addressof(cfg), func, kparams.ctypes.data)
+                    if rc != libcuda.CUDA_SUCCESS:
+                        raise KernelError(f"cuLaunchKernelEx returned {ex.error_name(rc)}")
+                else:
+                    drv.launchKernel(func, grid, 1, 1, NUM_THREADS, 1, 1, 0, self.stream.ptr,
+                                     kparams.ctypes.data, 0)
+        except Exception as e:
+            raise KernelError(f"cuda: launch of {label} failed: {type(e).__name__}: {e}") \
+                from None
+        self._in_flight.append(label)
+        self.launch_count += 1
+
+    def launch_ex(self) -> "libcuda.LibcudaLaunchEx":
+        """The driver's cuLaunchKernelEx (libcuda.load_launch_ex), loaded on first use."""
+        if self._launch_ex is None:
+            self._launch_ex = libcuda.load_launch_ex()
+        return self._launch_ex
+
+    def _check_coresident(self, module: CupyModule, name: str, grid: int) -> None:
+        """A persistent kernel whose blocks wait on each other needs every block resident at
+        once: refuse a grid larger than the occupancy calculator allows."""
+        key = (module.key, name, grid)
+        if key in self._coresident_ok:
+            return
+        if not self.cooperative_launch:
+            raise KernelError(f"cuda: {self.gpu_name} does not support cooperative launches, "
+                              f"which the persistent {name} needs")
+        kernel = module.kernels[name]
+        per_sm = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kernel.kernel.ptr, NUM_THREADS, 0)
+        limit = per_sm * self.num_sms
+        if grid > limit:
+            raise KernelError(
+                f"cuda: grid of {grid} blocks cannot be co-resident: {name} fits {per_sm} "
+                f"block(s) of {NUM_THREADS} threads per SM x {self.num_sms} SMs = {limit} on "
+                f"{self.gpu_name} ({kernel.num_regs} registers/thread, "
+                f"{kernel.shared_size_bytes} B static shared memory per block); "
+                f"use blocks <= {limit}")
+        self._coresident_ok.add(key)
+
+    # ---- waiting --------------------------------------------------------------------------
+    def wait(self, what: str) -> None:
+        """Wait for all work queued on the stream, for at most ``host_timeout_s``. On expiry
+        raise KernelError naming the launches in flight and refuse all further work (the GPU
+        may still be running them)."""
+        self._check_usable()
+        ev = self.cp.cuda.Event(block=False, disable_timing=True)
+        ev.record(self.stream)
+        start = time.perf_counter()
+        deadline = start + self.host_timeout_s
+        try:
+            while not ev.done:
+                now = time.perf_counter()
+                if now > deadline:
+                    self._broken = "host wait expired"
+                    raise KernelError(
+                        f"cuda: {self._in_flight_text()} did not finish within "
+                        f"{self.host_timeout_s:.1f} s ({what}); the kernel's watchdog did not "
+                        "stop it, so the GPU may still be busy; this executor refuses further "
+                        "work")
+                if now - start > 1e-3:  # spin for the first millisecond, then back off
+                    time.sleep(50e-6)
+        except KernelError:
+            raise
+        except Exception as e:  # an asynchronous CUDA error surfaces on the event query
+            self._broken = f"{type(e).__name__}"
+            raise KernelError(f"cuda: {self._in_flight_text()} failed ({what}): "
+                              f"{type(e).__name__}: {e}") from None
+        self._in_flight.clear()
+
+    def _in_flight_text(self) -> str:
+        f = self._in_flight
+        if not f:
+            return "the queued copies"
+        if len(f) == 1:
+            return f"launch of {f[0]}"
+        return f"{len(f)} launches ({f[0]} ... {f[-1]})"
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise KernelError(f"cuda: the device is unusable after an earlier error "
+                              f"({self._broken}); create a new LLM in a new process")
+
+    def synchronize(self) -> None:
+        self.wait("synchronize")
+
+    def start(self, fn) -> "_EventRun":
+        """Queue the launches ``fn`` makes and return without waiting: ``done()`` polls an
+        event recorded after them, ``finish()`` is the bounded wait."""
+        fn()
+        ev = self.cp.cuda.Event(block=False, disable_timing=True)
+        ev.record(self.stream)
+        return _EventRun(self, ev)
+
+    # ---- graphs and timing ----------------------------------------------------------------
+    def capture(self, fn):
+        """Record the launches ``fn`` makes on the stream into a CUDA graph (nothing runs)."""
+        self.wait("before graph capture")
+        self.stream.begin_capture()
+        try:
+            fn()
+        finally:
+            graph = self.stream.end_capture()
+            self._in_flight.clear()  # captured, not launched
+        return graph
+
+    def replay(self, graph) -> None:
+        self._check_usable()
+        try:
+            graph.launch(stream=self.stream)
+        except Exception as e:
+            raise KernelError(f"cuda: launching the captured graph failed: "
+                              f"{type(e).__name__}: {e}") from None
+        self._in_flight.append("captured graph of one step")
+        self.launch_count += 1
+
+    def _probes(self) -> CupyModule:
+        """probes.cu (hold and timer kernels), compiled on first use."""
+        if self._probe_module is None:
+            src = '#line 1 "probes.cu"\n' + PROBES_PATH.read_text()
+            self._probe_module = self.compile(src, ["mk_hold", "mk_timer_tick"], {})
+        return self._probe_module
+
+    def _launch_raw(self, kernel, args: list[np.ndarray]) -> None:
+        ptrs = np.array([a.ctypes.data for a in args], dtype=np.uintp)
+        with self.device:
+            self.cp.cuda.driver.launchKernel(kernel.kernel.ptr, 1, 1, 1, 32, 1, 1, 0,
+                                             self.stream.ptr, ptrs.ctypes.data, 0)
+        self.launch_count += 1
+
+    def hold(self, ns: int) -> None:
+        """Queue a kernel that keeps the stream busy for ``ns`` nanoseconds."""
+        self._launch_raw(self._probes().kernels["mk_hold"], [np.array([ns], np.int64)])
+        self._in_flight.append(f"mk_hold({ns} ns)")
+
+    def timer_tick_ns(self, reads: int = 4096) -> tuple[int, int]:
+        """(smallest step of %globaltimer seen in ``reads`` reads, distinct values seen)."""
+        with self.device, self.stream:
+            out = self.cp.zeros(2, self.cp.uint64)
+        self._launch_raw(self._probes().kernels["mk_timer_tick"],
+                         [np.array([out.data.ptr], np.uint64), np.array([reads], np.int32)])
+        self._in_flight.append("mk_timer_tick")
+        tick, distinct = (int(v) for v in self.read(out))
+        return tick, distinct
+
+    def time_steps(self, fn, steps: int, batch: int = 10) -> tuple[list[float], dict]:
+        """GPU seconds per call of ``fn`` (which only queues work), in batches of up to
+        ``batch`` back-to-back calls: a hold kernel keeps the stream busy while the host queues
+        the batch, so the events around it see GPU work only. Returns (seconds per call, one
+        value per batch; info).
+
+        A batch queues at most MAX_QUEUED_LAUNCHES launches: CUDA's queue of pending launches
+        is finite (about a thousand), and past it the host blocks inside the timed window. The
+        first batch finds out how many launches a call makes (one for the megakernel, one per
+        op for cuda-multi) and stops before the next call would pass the limit; later batches
+        are sized from it (down to one call). A batch whose queueing outlasted 80 % of the hold
+        is retried with a longer hold, at most HOLD_NS_MAX (far inside the host's bounded
+        wait); ``info["host_in_window"]`` counts batches that stayed too slow to queue, and
+        ``info["calls"]`` the calls of ``fn`` made, retries included (each call runs a
+        step)."""
+        cp = self.cp
+        hold_ns, out, late, calls_made = HOLD_NS_START, [], 0, 0
+        per_call: int | None = None  # launches one call queues, once seen
+        most_queued = 0
+        done = 0
+        while done < steps:
+            want = min(batch, steps - done)
+            if per_call:
+                want = max(1, min(want, MAX_QUEUED_LAUNCHES // per_call))
+            for _attempt in range(3):
+                start, end = cp.cuda.Event(), cp.cuda.Event()
+                t0 = time.perf_counter()
+                self.hold(hold_ns)
+                start.record(self.stream)
+                l0, n = self.launch_count, 0
+                while n < want:
+                    fn()
+                    n += 1
+                    queued = self.launch_count - l0
+                    if per_call is None and queued + -(-queued // n) > MAX_QUEUED_LAUNCHES:
+                        break  # the next call would pass the limit
+                end.record(self.stream)
+                queued_ns = (time.perf_counter() - t0) * 1e9
+                calls_made += n
+                most_queued = max(most_queued, self.launch_count - l0)
+                per_call = per_call or max(1, -(-(self.launch_count - l0) // n))
+                self.wait("timing")
+                if queued_ns < 0.8 * hold_ns:
+                    break
+                if hold_ns >= HOLD_NS_MAX:
+                    late += 1
+                    break
+                hold_ns = min(HOLD_NS_MAX, int(2 * queued_ns))
+            else:
+                late += 1
+            out.append(cp.cuda.get_elapsed_time(start, end) / 1e3 / n)
+            done += n
+        return out, {"batch": batch, "hold_ns": hold_ns, "host_in_window": late,
+                     "launches_per_call": per_call, "most_queued": most_queued,
+                     "calls": calls_made,
+                     "timer": "CUDA events around a batch queued behind a hold kernel"}
+
+    def time(self, fn, repeat: int = 1) -> list[float]:
+        """Seconds of GPU time between two events around each of ``repeat`` calls of ``fn``."""
+        cp = self.cp
+        out = []
+        for _ in range(repeat):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(self.stream)
+            fn()
+            end.record(self.stream)
+            self.wait("timing")
+            out.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        return out
+
+    def resources(self, module: CupyModule) -> dict[str, dict[str, int]]:
+        """Per kernel: registers per thread, static shared, local (spill) and constant bytes,
+        max threads per block, and resident blocks per SM at NUM_THREADS threads."""
+        drv = self.cp.cuda.driver
+        out = {}
+        for name, k in module.kernels.items():
+            out[name] = {
+                "registers": int(k.num_regs),
+                "shared_bytes": int(k.shared_size_bytes),
+                "local_bytes": int(k.local_size_bytes),
+                "const_bytes": int(k.const_size_bytes),
+                "max_threads_per_block": int(k.max_threads_per_block),
+                "blocks_per_sm": int(drv.occupancyMaxActiveBlocksPerMultiprocessor(
+                    k.kernel.ptr, NUM_THREADS, 0)),
+            }
+        return out
+
+
+class _EventRun:
+    """Launches in flight on a CupyDevice's stream (CupyDevice.start)."""
+
+    def __init__(self, device: CupyDevice, event):
+        self.device, self.event = device, event
+
+    def done(self) -> bool:
+        try:
+            return bool(self.event.done)
+        except Exception:  # an asynchronous CUDA error: finish() reports it
+            return True
+
+    def finish(self) -> None:
+        self.device.wait("a multi-step launch")
+
+
+def kernel_resources(executor) -> dict[str, dict[str, int]]:
+    """Registers, shared, local (spill) bytes etc. of each kernel the executor compiled
+    ({} on the emulator)."""
+    return executor.device.resources(executor.module)
