@@ -17,10 +17,9 @@ from monokernel.kernel.executor import KernelExecutor
 from monokernel.model.loader import load_model
 from monokernel.model.reference import ReferenceModel, bf16_round
 
-from test_kernel_emulator import used_splits
+from helpers.kernel import RTOL_OF_MAX, used_splits
 
 MAX_SEQ = 4096
-RTOL_OF_MAX = 2e-3  # as tests/test_kernel_emulator.py
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from monokernel import LLM, ParameterError, PromptError, SamplingParams
 from monokernel.cli import chat_loop
 from monokernel.llm import fit_conversation
 
-MAX_SEQ = 160  # as tests/test_kernel_emulator.py: the emulator build is shared
+from helpers.kernel import MAX_SEQ  # the emulator build of this length is shared
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 

@@ -24,7 +24,7 @@ import types
 import numpy as np
 import pytest
 
-from fake_cupy import FakeCupy
+from helpers.fake_cupy import FakeCupy
 
 from monokernel.errors import BackendUnavailableError, KernelError
 from monokernel.kernel.base import DeviceSample

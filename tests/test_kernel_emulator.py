@@ -18,27 +18,18 @@ import numpy as np
 import pytest
 
 from monokernel.errors import KernelError, NumericalError
-from monokernel.kernel.isa import STATE_WORDS, Err, ErrCode, State, split_chunk, splits_used
+from monokernel.kernel.isa import STATE_WORDS, Err, ErrCode, State
 from monokernel.kernel.executor import ACTIVATIONS, KernelExecutor
 from monokernel.model.loader import BF16
-from monokernel.model.reference import ReferenceModel, bf16_round
+from monokernel.model.reference import bf16_round
 from monokernel.kernel.base import DeviceSample
 from monokernel.runtime import Engine
 from monokernel.kernel.schedule import default_attn_splits
 from monokernel.sampling import SamplingParams, gumbel_noise
 
-# Kernel and reference both compute in float32 from the same bf16 weights and round K/V to bf16;
-# they differ only in summation order (warp-shuffle trees and split-merged softmax vs NumPy's BLAS
-# and pairwise sums): measured ~2e-7 of max|ref|. Where a K or V element's float32 value lies
-# within an ulp of a bf16 rounding midpoint, the two round it to neighbouring bf16 values (seen
-# once in 31 tiny steps: layer 0, position 5); that one flip moves the logits by up to ~4e-4 of
-# max|ref|. Mutants of the kernel measured on tiny: dropping one key position, flipping RoPE's
-# sin sign or merging one attention split too few cost 3e-2 to 6e-1 of max|ref|.
-RTOL_OF_MAX = 2e-3
+from helpers.kernel import (MAX_SEQ, RTOL_OF_MAX, assert_logits_match, reference_run,
+                            relative_error, run_kernel, split_ranges)
 
-# One MAX_SEQ for every test that needs no other: MK_MAX_SEQ is compiled into the kernel, so each
-# distinct (shape, MAX_SEQ) is a separate emulator build (~3 s).
-MAX_SEQ = 160
 POISON_BITS = np.array(np.nan, np.float32).view(np.uint32)  # what ex.poison() writes
 PROMPT_LEN = 7  # fed one token per step
 DECODE_STEPS = 24  # greedy tokens of the reference fed back: positions 0..30 in all
@@ -47,11 +38,6 @@ DECODE_STEPS = 24  # greedy tokens of the reference fed back: positions 0..30 in
 # ================================================================================================
 # Reference functions
 # ================================================================================================
-def relative_error(kernel: np.ndarray, ref: np.ndarray) -> float:
-    """max|kernel - ref| / max|ref| (NaN anywhere -> NaN, which fails every comparison)."""
-    return float(np.max(np.abs(kernel.astype(np.float64) - ref)) / np.max(np.abs(ref)))
-
-
 def mix32(h: np.ndarray) -> np.ndarray:
     """megakernel.cu mix32 (the murmur3 finalizer), uint32 arithmetic with wraparound; used here
     only to check which hash a (seed, position, token) has, independently of sampling.py."""
@@ -69,34 +55,6 @@ def gumbel_max_scores(logits: np.ndarray, temperature: float, seed: int, pos: in
     computes it; g from the host mirror of the kernel's hash (sampling.gumbel_noise)."""
     g = gumbel_noise(seed, pos, len(logits))
     return (logits.astype(np.float32) / np.float32(temperature) + g).astype(np.float64)
-
-
-def split_ranges(n_pos: int, splits: int, min_chunk: int = 1) -> list[tuple[int, int]]:
-    """The kernel's attention split s covers positions [s * chunk, min(n_pos, (s + 1) * chunk))
-    (isa.split_chunk, as megakernel.cu computes it)."""
-    chunk = split_chunk(n_pos, splits, min_chunk)
-    return [(s * chunk, min(n_pos, (s + 1) * chunk)) for s in range(splits)]
-
-
-def used_splits(n_pos: int, splits: int, min_chunk: int = 1) -> int:
-    """Splits with at least one position (isa.splits_used; tests/test_ops.py checks it counts
-    the non-empty ranges above)."""
-    return splits_used(n_pos, splits, min_chunk)
-
-
-def reference_run(model, tokens: list[int], n_steps: int, max_seq_len: int):
-    """Feed ``tokens`` one per step, then the reference's own greedy token, for ``n_steps`` steps.
-    Returns (the token fed at each step, the reference's logits [n_steps, vocab], the model)."""
-    ref = ReferenceModel(model.config, model.weights, max_seq_len)
-    fed, logits = [], []
-    tok = tokens[0]
-    for pos in range(n_steps):
-        if pos < len(tokens):
-            tok = tokens[pos]
-        fed.append(tok)
-        logits.append(ref.forward([tok], pos)[0])
-        tok = int(np.argmax(logits[-1]))
-    return fed, np.stack(logits), ref
 
 
 # ================================================================================================
@@ -124,30 +82,6 @@ def reference(model):
         return cache[key]
 
     return get
-
-
-def run_kernel(ex: KernelExecutor, fed: list[int]) -> np.ndarray:
-    """Logits of every step, each step on NaN-poisoned activation buffers."""
-    ex.reset()
-    out = []
-    for pos, tok in enumerate(fed):
-        ex.poison()
-        res = ex.step(tok, pos)
-        assert res.token is None and res.logits is not None
-        out.append(res.logits)
-    return np.stack(out)
-
-
-def assert_logits_match(kernel: np.ndarray, ref: np.ndarray, what: str) -> float:
-    worst = 0.0
-    for pos in range(len(ref)):
-        assert np.isfinite(kernel[pos]).all(), (
-            f"{what}: position {pos}: {int((~np.isfinite(kernel[pos])).sum())} non-finite logits "
-            f"(first at id {int(np.flatnonzero(~np.isfinite(kernel[pos]))[0])})")
-        err = relative_error(kernel[pos], ref[pos])
-        assert err <= RTOL_OF_MAX, f"{what}: position {pos}: max|kernel - ref| = {err:.3g} * max|ref|"
-        worst = max(worst, err)
-    return worst
 
 
 # ================================================================================================

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 from monokernel.model.config import ModelConfig  # noqa: E402
 from monokernel.model.gguf_import import convert_gguf  # noqa: E402
-from test_gguf import bf16, leftovers, llamacpp_permute, same_bits, tiny_gguf
+from helpers.gguf import bf16, leftovers, llamacpp_permute, same_bits, tiny_gguf
 
 QK_K = 256
 
@@ -254,7 +254,7 @@ def kquant_gguf(path: Path, arch: str = "llama", seed: int = 0) -> dict[str, np.
               "blk.0.ffn_gate.weight": (KQ["ffn"], KQ["hidden"]),
               "blk.0.ffn_up.weight": (KQ["ffn"], KQ["hidden"]),
               "blk.0.ffn_down.weight": (KQ["hidden"], KQ["ffn"])}
-    from test_gguf import TINY_TOKENS
+    from helpers.gguf import TINY_TOKENS
 
     shapes["token_embd.weight"] = shapes["output.weight"] = (len(TINY_TOKENS), KQ["hidden"])
     raw, decoded = {}, {}

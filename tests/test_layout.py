@@ -14,15 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers.extras import BLOCKER, OPTIONAL
+
 PKG = Path(__file__).resolve().parents[1] / "monokernel"
 REPO = PKG.parent
-
-# Optional packages: extras, or absent on the GPU machine (gguf). The core must not need them
-# to import; the functions that do need one import it lazily and say what to install.
-OPTIONAL = ("cupy", "cupyx", "torch", "transformers", "matplotlib", "gguf", "fastapi", "uvicorn",
-            "starlette", "pydantic", "openai", "httpx", "cuda", "sentencepiece", "google",
-            "prometheus_client", "ray",
-            "nvidia")  # nvidia: the cuobjdump wheel, read by kernel/sass_facts.py
 
 
 def modules() -> dict[str, Path]:
@@ -144,18 +139,6 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
-
-
-BLOCKER = f"""
-import importlib, importlib.abc, sys
-BLOCKED = {OPTIONAL!r}
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)", name=name)
-        return None
-sys.meta_path.insert(0, Block())
-"""
 
 
 def run_blocked(code: str) -> subprocess.CompletedProcess:

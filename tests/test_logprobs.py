@@ -17,7 +17,7 @@ from monokernel import LLM, SamplingParams
 from monokernel.kernel.base import DeviceSample
 from monokernel.model.reference import ReferenceModel
 
-MAX_SEQ = 160  # as tests/test_kernel_emulator.py: the emulator build of this shape is shared
+from helpers.kernel import MAX_SEQ  # the emulator build of this shape is shared
 HOT = 10.0  # the tiny model is very peaked at T=1; T=10 makes seeds matter
 PROMPT = [5, 6, 7, 300, 41]
 # Logprob tolerances are relative to the magnitude of the logits they come from. The tiny model

@@ -23,8 +23,7 @@ from monokernel.kernel.isa import Op, merge_ticket_min_splits
 from monokernel.kernel.schedule import schedule
 from monokernel.model.config import ModelConfig
 
-from test_kernel_emulator import (MAX_SEQ, assert_logits_match, reference_run, run_kernel,
-                                  used_splits)
+from helpers.kernel import MAX_SEQ, assert_logits_match, reference_run, run_kernel, used_splits
 
 PROMPT = [1, 999, 5, 0, 517, 998, 77]
 N_STEPS = 20

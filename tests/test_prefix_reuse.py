@@ -18,7 +18,7 @@ import pytest
 from monokernel import LLM, ParameterError, SamplingParams
 from monokernel.runtime import make_executor
 
-MAX_SEQ = 160  # as tests/test_kernel_emulator.py: the emulator build is shared
+from helpers.kernel import MAX_SEQ  # the emulator build of this length is shared
 
 # the issue's request, behind a system message long enough to span two prefill chunks; the
 # second conversation shares the system message and the first words of the question
@@ -163,7 +163,7 @@ def test_the_server_answers_a_seeded_request_alike_with_or_without_reuse(bundled
     the reused chunks are reported as cached_tokens."""
     pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
     import httpx
-    from serve_helpers import running_server
+    from helpers.serve import running_server
 
     llm = bundled_llm
     body = {"max_tokens": 4, "temperature": 0.9, "seed": 2, "logprobs": True}

@@ -15,7 +15,7 @@ from monokernel import progress
 from monokernel.cli import _after_prefill, main
 
 gguf = pytest.importorskip("gguf")  # the conversion test writes a GGUF
-from test_gguf import tiny_gguf  # noqa: E402
+from helpers.gguf import tiny_gguf  # noqa: E402
 
 
 class Terminal(io.StringIO):

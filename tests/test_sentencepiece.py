@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-pytest.importorskip("gguf")  # test_gguf's writer needs it
+pytest.importorskip("gguf")  # helpers.gguf (the tiny GGUF writer) needs it
 
 from monokernel.errors import TokenizerError  # noqa: E402
 from monokernel.model import gguf_tokenizer
 from monokernel.model.gguf_import import convert_gguf
 from monokernel.model.gguf_tokenizer import spm_merges
-from test_gguf import SPM_TOKENS, leftovers, tiny_gguf
+from helpers.gguf import SPM_TOKENS, leftovers, tiny_gguf
 
 STRINGS = {  # texts on which llama.cpp's rule and transformers' Metaspace agree
     "plain": "the hello world",
@@ -133,7 +133,7 @@ def test_tiny_spm_vocabulary_and_config(tiny_spm):
 def test_spm_merges_match_transformers_generate_merges():
     from transformers.tokenization_utils_base import generate_merges
 
-    from test_gguf import SPM_SCORES
+    from helpers.gguf import SPM_SCORES
 
     vocab = {t: i for i, t in enumerate(SPM_TOKENS)}
     want = generate_merges(vocab, dict(zip(SPM_TOKENS, SPM_SCORES)))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_helpers import port_is_closed, running_server, sse_events
+from helpers.serve import free_port, port_is_closed, running_server, sse_events
 
 import httpx
 
@@ -453,12 +453,6 @@ def test_disconnect_cancels_and_the_next_request_runs(bundled_llm):
 
 
 # ---- the command ------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_command(synth_dir):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
@@ -496,7 +490,7 @@ def test_serve_command(synth_dir):
 
 
 def test_serve_without_the_extra_says_what_to_install():
-    from test_layout import BLOCKER
+    from helpers.extras import BLOCKER
 
     code = "import sys\nfrom monokernel.cli import main\nsys.exit(main(['serve']))\n"
     r = subprocess.run([sys.executable, "-c", BLOCKER + code], capture_output=True, text=True,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from serve_helpers import running_server, sse_events
+from helpers.serve import running_server, sse_events
 
 import httpx
 

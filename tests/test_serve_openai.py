@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from serve_helpers import running_server
+from helpers.serve import running_server
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_helpers import port_is_closed, running_server, sse_events
+from helpers.serve import port_is_closed, running_server, sse_events
 
 import httpx
 
@@ -189,7 +189,7 @@ def test_signal_drains_the_command(bundled_dir, sig):
     """One running and two queued requests, then the signal: the queued ones get the 503 JSON
     at once, a new one too, the running stream ends after the drain deadline with an error
     event and [DONE]; the command exits 0 with "server stopped" and no traceback."""
-    from test_serve import free_port
+    from helpers.serve import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_helpers import port_is_closed, sse_events
+from helpers.serve import port_is_closed, sse_events
 
 import httpx
 
@@ -133,7 +133,7 @@ def replica_of(headers) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def ray_serve(bundled_dir, tmp_path_factory):
-    from test_serve import free_port
+    from helpers.serve import free_port
 
     port = free_port()
     log = tmp_path_factory.mktemp("ray") / "serve.log"

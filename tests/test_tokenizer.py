@@ -14,8 +14,8 @@ from monokernel.model.bundled import bundled_gguf_path
 from monokernel.model.gguf_import import convert_gguf
 from monokernel.model.gguf_tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
 from monokernel.errors import TokenizerError
-pytest.importorskip("gguf")  # test_gguf's writer needs it
-from test_gguf import leftovers, tiny_gguf  # noqa: E402
+pytest.importorskip("gguf")  # helpers.gguf (the tiny GGUF writer) needs it
+from helpers.gguf import leftovers, tiny_gguf  # noqa: E402
 
 STRINGS = {
     "unicode": "naïve café, Ünïcödé, 日本語, Привет",

@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for fake_cupy
-from fake_cupy import FakeCupy  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for helpers.fake_cupy
+from helpers.fake_cupy import FakeCupy  # noqa: E402
 
 _fake = FakeCupy(num_sms=int(os.environ.get("FAKE_CUPY_SMS", "132")),
                  launch_mode=os.environ.get("FAKE_CUPY_LAUNCH", "noop"),

@@ -43,6 +43,14 @@ def port_is_closed(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, for a server started in another process (which binds it
+    itself: another process could take it in between, so use it at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextmanager
 def running_server(llm, drain_s: float = 2.0, **app_options) -> Iterator[Running]:
     import uvicorn

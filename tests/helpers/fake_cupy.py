@@ -178,7 +178,7 @@ class FakeCupy:
         self.copyto = lambda dst, src: np.copyto(dst.a, src.a)
         self.uint8, self.uint64 = np.uint8, np.uint64
         self.__version__ = "0.0-fake"
-        self.show_config = lambda: print("fake CuPy (tests/fake_cupy.py): NVRTC compiles",
+        self.show_config = lambda: print("fake CuPy (tests/helpers/fake_cupy.py): NVRTC compiles",
                                          "real (sm_90)" if nvrtc else "none", "; launches are",
                                          launch_mode)
 
