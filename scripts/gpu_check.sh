@@ -50,7 +50,7 @@
 #   trace     (lim 20) ~10 s   one traced SmolLM2 step (timer tick first), Perfetto JSON + PNG
 #   total              ~220 s  (the limits add up to 285 s: a hung step cannot eat the rerun's
 #                              time)
-# The host side of all this is measured in CI (tests/test_gpu_check_script.py on --fake-cupy,
+# The host side of all this is measured in CI (tests/tools/test_gpu_check_script.py on --fake-cupy,
 # NVRTC included) against these limits times MONOKERNEL_CHECK_LIMIT_SCALE (a 2-core CI host is
 # slower than the GPU machine). A failed step does not stop the later ones; the script exits
 # non-zero if any failed. `timeout` is a last resort: the kernel's watchdog and the host's
@@ -228,7 +228,7 @@ PER_TEST=()
 
 if [ "$MODE" = emulator ]; then
   # the same steps on the CPU emulator, tiny shape: proves the script end to end without a GPU
-  E=tests/test_kernel_emulator.py
+  E=tests/kernel/test_kernel_emulator.py
   step smoke 60 "$PY" -m monokernel.tools.smoke --backend emulator --max-seq "$MAX_SEQ" \
     --out "$WORK"
   step emulator_tests 120 "$PY" -m pytest -v --tb=short -rs -p no:cacheprovider "${PER_TEST[@]}" \
@@ -252,7 +252,7 @@ else
   for SHAPE in qwen3-0.6b llama-3.2-1b; do
     PROGRAMS+=(--program "$SHAPE,attn_splits=16,attn_min_chunk=1,merge_ticket_min=2")
   done
-  # the reference runs the smoke (token 517, one step) and the GPU tests (tests/
+  # the reference runs the smoke (token 517, one step) and the GPU tests (tests/kernel/
   # test_cuda_backend.py's PROMPT, 16 steps) compare with: one float32 model per shape, here
   REFS=(--reference 517:1 --reference 1,999,5,0,517,998:16)
   step prepare 45 "$PY" -m monokernel.tools.prepare --max-seq "$MAX_SEQ" "${BUILDS[@]}" \

@@ -8,7 +8,7 @@ called here through ctypes. Stream capture turns such launches into programmatic
 (CUDA 12.3+), which is how ``cuda-multi-graph-pdl`` replays them.
 
 The structures mirror cuda.h of CUDA 12/13 (``CUlaunchConfig_st``, ``CUlaunchAttribute_st``,
-``CUlaunchAttributeValue_union``); tests/test_libcuda.py compiles a C program against the
+``CUlaunchAttributeValue_union``); tests/kernel/test_libcuda.py compiles a C program against the
 toolkit's cuda.h and compares every size and offset. No import here needs a GPU or CuPy.
 """
 

@@ -636,7 +636,7 @@ __device__ __forceinline__ uint4 load_kv(const unsigned short* p) {
 // issued before any is used. A row past cnt reads row cnt - 1 again (an L1/L2 hit) and its
 // result is not used: the callers mask by i < cnt. (Loading zeros there instead made the loads
 // predicated, and at head_dim 64 ptxas then issued each one only after the previous row's dot
-// product: one K load in flight instead of KV_UNROLL; tests/test_sass.py counts them.)
+// product: one K load in flight instead of KV_UNROLL; tests/kernel/test_sass.py counts them.)
 __device__ __forceinline__ void load_kv_rows(const unsigned short* rows, int base, int cnt,
                                              int i0, int c, uint4 (&kv)[KV_UNROLL]) {
 #pragma unroll

@@ -5,9 +5,9 @@ copies, program-word loads on an instruction's path, fences - are facts of the c
 not choices to type. ``python -m monokernel.kernel.sass_facts`` compiles megakernel.cu for sm_90
 (nvcc), reads its SASS (cuobjdump, from the nvidia-cuda-cuobjdump wheel or PATH) for the three
 real shapes and writes ``sass_facts.json`` beside this file; ``costmodel.design_for`` takes the
-kernel's knobs from that file (``compiled_knobs``), and tests/test_sass.py compiles the kernel
-again and fails when what it finds differs from the file: a kernel change regenerates the file,
-and the prediction follows it.
+kernel's knobs from that file (``compiled_knobs``), and tests/kernel/test_sass.py compiles the
+kernel again and fails when what it finds differs from the file: a kernel change regenerates the
+file, and the prediction follows it.
 
 The readers below work on cuobjdump's text: one instruction per line, ``/*addr*/ TEXT ;``.
 """
@@ -266,7 +266,8 @@ def matvec_issue_per_load(sass: str, loads_per_chunk: set[int]) -> float:
 
 # ---- the facts -----------------------------------------------------------------------------------
 def measure(shape: str, sass: str | None = None) -> dict:
-    """Everything the cost model and tests/test_sass.py take from one shape's megakernel SASS."""
+    """Everything the cost model and tests/kernel/test_sass.py take from one shape's megakernel
+    SASS."""
     from ..model.config import ModelConfig
     from .isa import NUM_THREADS, row_shape
 

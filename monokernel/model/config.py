@@ -302,8 +302,8 @@ def one_layer_copy(name: str, vocab_size: int = 384) -> ModelConfig:
     """A real shape cut to one layer and a small vocabulary, everything else kept (hidden size,
     FFN, head_dim, heads and GQA group, norms, RoPE, biases, tying): the same kernel template
     instantiations as the real shape, cheap enough for the CPU emulator, so none of them runs
-    for the first time on a GPU (tests/test_kernel_emulator.py). Token ids 0..2 are special, as
-    in every synthetic vocabulary."""
+    for the first time on a GPU (tests/kernel/test_kernel_emulator.py). Token ids 0..2 are
+    special, as in every synthetic vocabulary."""
     return KNOWN_SHAPES[name].replace(num_layers=1, vocab_size=vocab_size, bos_token_id=1,
                                       eos_token_ids=(2,), name=f"{name}-1layer")
 

@@ -17,7 +17,7 @@ supported (:data:`TOKENIZER_KINDS`):
   default true) and as the models' own legacy ``tokenizer.json`` (Prepend + Replace normalizer)
   does. transformers' GGUF loader differs there: its ``Metaspace(prepend_scheme="first")`` puts no
   ``▁`` after a special token nor before text that already starts with a space; on every other
-  text the two agree token for token (tests/test_sentencepiece.py checks both facts).
+  text the two agree token for token (tests/model/test_sentencepiece.py checks both facts).
 
 :func:`tokenizer_from_sentencepiece_model` covers HF folders that ship only ``tokenizer.model``.
 """

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 GPU_SHAPES = ("smollm2-135m", "qwen3-0.6b", "llama-3.2-1b")
-RTOL_OF_MAX = 2e-3  # as the GPU tests (tests/test_cuda_backend.py)
+RTOL_OF_MAX = 2e-3  # as the GPU tests (tests/kernel/test_cuda_backend.py)
 MAX_SEQ = 64  # default KV-cache length; the GPU check passes its one length (--max-seq)
 TOKEN = 517
 

@@ -212,7 +212,7 @@ def nvrtc_compile_cached(code: str, options) -> float | None:
     if ok:
         # a fresh mutable buffer: NVRTC writes into it (into `b" " * n` it wrote into an
         # immutable bytes object, for n == 1 the interpreter's shared b" ", which then held a
-        # NUL in every later b" " of the process: see tests/test_nvrtc.py)
+        # NUL in every later b" " of the process: see tests/kernel/test_nvrtc.py)
         _, n = nvrtc.nvrtcGetCUBINSize(prog)
         out = bytearray(n)
         nvrtc.nvrtcGetCUBIN(prog, out)

@@ -4,7 +4,7 @@ A knob is kept while a design still in use, or an A/B twin a GPU has yet to meas
 differently (the hop of ``cuda-sync1``, the one launch per step of ``cuda-1step``, the L2
 prefetch of ``cuda-noprefetch``), or while a test shows what it is worth. V6 is the kernel as
 built: the knobs the compiled kernel fixes come from its SASS (sass_facts.json, held to the
-kernel by tests/test_sass.py). V5 is the previous kernel as compiled, kept so that `plan
+kernel by tests/kernel/test_sass.py). V5 is the previous kernel as compiled, kept so that `plan
 --design v5` predicts it. The retired designs (v1 to v4 and the ladder of PERFORMANCE.md
 section 3) are in git history and benchmarks/NOTES.md.
 """
@@ -58,7 +58,8 @@ class KernelDesign:
     poll_loads: int = 1
     poll_sleep: bool = False
     # ATTENTION: of its KV_UNROLL K loads, how many the compiled loop keeps in flight per lane,
-    # by head_dim ((head_dim, loads), ...; absent: all KV_UNROLL). tests/test_sass.py checks it
+    # by head_dim ((head_dim, loads), ...; absent: all KV_UNROLL). tests/kernel/test_sass.py
+    # checks it
     attn_k_in_flight: tuple[tuple[int, int], ...] = ()
     # late q/k (QK_NORM): warp_qk_norm_rope issues its vector, norm-weight and RoPE loads
     # together, the weights and the RoPE row prefetched into L2 (False: three dependent trips,

@@ -16,7 +16,7 @@ import pytest
 
 from helpers.extras import BLOCKER, OPTIONAL
 
-PKG = Path(__file__).resolve().parents[1] / "monokernel"
+PKG = Path(__file__).resolve().parents[2] / "monokernel"
 REPO = PKG.parent
 
 
@@ -139,6 +139,70 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+# The tests mirror the wings (ARCHITECTURE section 1); tools is the fifth folder.
+TESTS = REPO / "tests"
+TEST_WINGS = ("kernel", "model", "api", "serve", "tools")
+
+
+def imports_of_test_modules(root: Path) -> list[str]:
+    """Every import of a test module (a ``test_*`` module, or the name of a test file under
+    ``root``: pytest's ``test_*.py`` and ``*_test.py``) by any Python file under ``root``, read
+    with ``ast``: plain, from, relative and ``importlib.import_module("test_x")`` alike."""
+    files = sorted(root.rglob("*.py"))
+    names = {f.stem for f in files if f.stem.startswith("test_") or f.stem.endswith("_test")}
+
+    def is_test(dotted: str) -> bool:
+        return any(part.startswith("test_") or part in names for part in dotted.split(".") if part)
+
+    found = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mods = [node.module or ""]
+                if node.level:  # ``from . import test_x`` names the module as an alias
+                    mods += [a.name for a in node.names]
+            elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module")
+                  and node.args and isinstance(node.args[0], ast.Constant)
+                  and isinstance(node.args[0].value, str)):
+                mods = [node.args[0].value]
+            if any(is_test(m) for m in mods):
+                found.append(f"{f.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_tests_mirror_the_wings_and_share_helpers_not_test_modules():
+    """One folder per wing, unique basenames (pytest imports each file by its basename), and
+    no test module imports another: what tests share lives in tests/helpers/ (a test module
+    imported elsewhere runs its module-level code and ties two files together)."""
+    files = sorted(TESTS.rglob("test_*.py"))
+    assert len(files) >= 40, files
+    misplaced = [str(f.relative_to(TESTS)) for f in files
+                 if f.parent.parent != TESTS or f.parent.name not in TEST_WINGS]
+    assert not misplaced, f"test files outside tests/{{{','.join(TEST_WINGS)}}}/: {misplaced}"
+    stems = [f.stem for f in files]
+    assert len(set(stems)) == len(stems), sorted(s for s in stems if stems.count(s) > 1)
+    imports = imports_of_test_modules(TESTS)
+    assert not imports, "test modules imported (move what they share to tests/helpers/):\n" + \
+        "\n".join(imports)
+
+
+def test_the_test_import_scan_finds_what_it_should(tmp_path):
+    (tmp_path / "wing").mkdir()
+    (tmp_path / "wing" / "test_a.py").write_text("X = 1\n")
+    (tmp_path / "wing" / "test_b.py").write_text(
+        "import os\nfrom helpers.gguf import tiny_gguf\nimport pytest\n"  # fine
+        "from test_a import X\nimport test_a as a\nfrom . import test_a\n"
+        "def f():\n    import importlib\n    return importlib.import_module('test_a')\n")
+    (tmp_path / "helper.py").write_text("from wing.test_a import X\n")
+    found = imports_of_test_modules(tmp_path)
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "from wing.test_a import X", "from test_a import X", "import test_a as a",
+        "from . import test_a", "importlib.import_module('test_a')"], found
 
 
 def run_blocked(code: str) -> subprocess.CompletedProcess:

@@ -49,7 +49,7 @@ def test_one_step_over_a_filled_cache(tiny, n_pos, splits, min_chunk):
 @pytest.mark.parametrize("splits,min_chunk", [(4, 1), (16, 64)], ids=["s4", "s16-min64"])
 def test_one_step_over_a_filled_cache_merged_by_ticket(gqa, n_pos, splits, min_chunk):
     """Two KV groups on 4 blocks (2 or 8 units of one group per block), the splits merged by
-    ticket from 2 used splits on (tests/test_merge_ticket.py): long contexts too."""
+    ticket from 2 used splits on (tests/kernel/test_merge_ticket.py): long contexts too."""
     one_step_over_a_filled_cache(gqa, n_pos, splits, min_chunk, blocks=4, merge_ticket_min=2)
 
 

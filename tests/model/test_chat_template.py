@@ -16,7 +16,8 @@ import pytest
 from monokernel.errors import PromptError, TokenizerError
 from monokernel.model.chat_template import render_chat_template
 
-TEMPLATES = json.loads((Path(__file__).parent / "data" / "chat_templates.json").read_text())
+DATA = Path(__file__).parents[1] / "data"  # tests/data
+TEMPLATES = json.loads((DATA / "chat_templates.json").read_text())
 MODELS = ["smollm2", "qwen2.5", "qwen3", "llama3.2"]
 
 TOOL = {"type": "function", "function": {

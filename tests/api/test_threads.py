@@ -60,7 +60,7 @@ def test_bad_threads_are_refused(synth_dir, bad):
 
 
 def test_cli_threads_flag(synth_dir):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     r = subprocess.run([sys.executable, "-m", "monokernel", "generate", "the", "--model",
                         str(synth_dir("tiny")), "--backend", "numpy", "--threads", "1",
                         "--max-new-tokens", "2"], capture_output=True, text=True, env=env,

@@ -30,7 +30,7 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install
                     "'monokernel[ray]')")
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
 LONG = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
         "temperature": 0, "stream": True}

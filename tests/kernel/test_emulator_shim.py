@@ -21,7 +21,7 @@ import pytest
 from monokernel.kernel.emulator import EmulatorBuildError, asan_preload_env, build
 from monokernel.errors import KernelError, MonokernelError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 KERNELS = r"""
 // Test kernels for the CPU emulator; also valid CUDA (nvcc -arch=sm_90 -cubin).

@@ -105,7 +105,7 @@ CASES = [
 def test_logits_every_step_match_reference(model, reference, arch, blocks, splits, multi):
     fed, ref = reference(arch)
     # min chunk 1: every split boundary is crossed within the few positions run here (the
-    # default min chunk, one round of K/V loads, is covered by tests/test_attention_context.py)
+    # default min chunk, one round of K/V loads, is covered by test_attention_context.py)
     ex = KernelExecutor(model(arch), MAX_SEQ, blocks=blocks, attn_splits=splits, multi=multi,
                         attn_min_chunk=1)
     S = ex.program.attn_splits
@@ -426,7 +426,7 @@ def test_every_activation_element_is_written(model, reference, arch, blocks, spl
     if c.qk_norm:  # late q/k: the step's raw keys
         expect["k_raw"] = c.num_kv_heads * c.head_dim
     # attn: the merged attention output, written only by a step that merges by ticket
-    # (tests/test_merge_ticket.py; never in these tiny programs)
+    # (tests/kernel/test_merge_ticket.py; never in these tiny programs)
     assert ex.program.merge_ticket_min == 0
     assert set(expect) <= set(ACTIVATIONS) and set(ACTIVATIONS) - set(expect) <= {"k_raw", "attn"}
     ex.reset()

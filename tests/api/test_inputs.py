@@ -29,7 +29,7 @@ def tiny(synth_dir):
 def cli(*args: str, env: dict | None = None, stdin: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "monokernel", *args], input=stdin,
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]),
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]),
                                **(env or {})})
 
 
@@ -273,7 +273,7 @@ def test_invalid_utf8_on_the_command_line_is_named(synth_dir):
     r = subprocess.run([sys.executable, "-m", "monokernel", "generate", b"caf\xe9 au lait",
                         "--model", str(synth_dir("tiny")), "--backend", "numpy"],
                        capture_output=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
     err = r.stderr.decode("utf-8", "replace")
     assert r.returncode == 2 and "Traceback" not in err and "TypeError" not in err, err
     assert "PromptError: the prompt argument is not valid UTF-8 (byte 0xe9 at byte 3" in err
@@ -281,7 +281,7 @@ def test_invalid_utf8_on_the_command_line_is_named(synth_dir):
     r = subprocess.run([sys.executable, "-m", "monokernel", "generate", "hello", "--stop",
                         b"\xff", "--model", str(synth_dir("tiny")), "--backend", "numpy"],
                        capture_output=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
     assert r.returncode == 2 and b"the stop argument is not valid UTF-8 (byte 0xff" in r.stderr
 
 

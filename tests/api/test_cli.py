@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def monokernel(*args: str, stdin: str | None = None, timeout: float = 180):

@@ -30,7 +30,7 @@ from monokernel.errors import BackendUnavailableError, KernelError
 from monokernel.kernel.base import DeviceSample
 from monokernel.runtime import cuda_device_present
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The GPU computes with expf/rsqrtf/-ftz and another summation order than NumPy: measured
 # differences are far below this; a bf16-rounding slip costs ~4e-3 (see test_kernel_emulator).
 RTOL_OF_MAX = 2e-3

@@ -60,7 +60,7 @@ print(json.dumps({
 
 
 def test_numpy_backend_holds_one_copy_of_the_weights(bundled_dir, session_cache):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]),
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]),
            "MONOKERNEL_CACHE": str(session_cache), "OPENBLAS_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env,
                        timeout=300)

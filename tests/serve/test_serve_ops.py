@@ -29,7 +29,7 @@ import httpx
 
 from monokernel import LLM
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = httpx.Timeout(30.0)
 LONG = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
         "temperature": 0}  # ~30-60 s on the bundled model: never left to end

@@ -326,7 +326,7 @@ def test_pdl_build_has_no_spills_and_sm_80_and_plain_builds_have_no_griddepcontr
 
 
 def test_pdl_sass_has_the_grid_dependency_instructions(built_pdl):
-    """In the SASS (cuobjdump, as tests/test_sass.py): launch_dependents is PREEXIT and
+    """In the SASS (cuobjdump, as tests/kernel/test_sass.py): launch_dependents is PREEXIT and
     griddepcontrol.wait is ACQBULK, once in each thin kernel, in that order."""
     from monokernel.kernel.sass_facts import SassToolMissing, cuobjdump
 

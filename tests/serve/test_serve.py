@@ -27,7 +27,7 @@ import httpx
 
 from monokernel import LLM, SamplingParams
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = httpx.Timeout(30.0)
 
 
