@@ -66,6 +66,7 @@ print(f"ok {worst:.2e}")
 """
 
 
+@pytest.mark.slow  # past 20 s each on 2 cores: not in make test-fast
 @pytest.mark.parametrize("shape", ["tiny", "qwen3-tiny"])
 def test_kernel_under_address_sanitizer(synth_dir, shape):
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(synth_dir(shape))],

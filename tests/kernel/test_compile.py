@@ -202,6 +202,9 @@ def built(tmp_path_factory):
 # ================================================================================================
 # Tests
 # ================================================================================================
+# slow: the `built` fixture runs nvcc on every shape for two archs and the PTX (70 s on 2
+# cores); make test-fast leaves these out
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_no_stack_frame_and_no_spills(built, shape, arch):
@@ -212,6 +215,7 @@ def test_no_stack_frame_and_no_spills(built, shape, arch):
     assert not bad, f"{shape} {arch}: (stack frame, spill stores, spill loads) bytes: {bad}"
 
 
+@pytest.mark.slow  # the `built` fixture (above)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_only_weights_are_read_through_the_non_coherent_path(built, shape):
     ptx = built[shape]["ptx"]

@@ -94,6 +94,7 @@ def test_rewrite_shared_forms():
                                    "EMU_SHARED(unsigned int, hist, [4][8]);\nEMU_SHARED(int, s_ok, );\n")
 
 
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
 def test_strict_tsan_tiny_no_race_matches_reference(tiny):
     ex = executor(tiny)
@@ -125,6 +126,7 @@ def test_strict_tsan_chained_steps_in_one_launch(tiny):
     assert ex._steps == 4
 
 
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
 def test_negative_control_missing_step_boundary_is_reported(tiny):
     """The same chained launch with the wait between two steps removed: a block starts the next
@@ -175,6 +177,7 @@ def ticket_executor(model) -> KernelExecutor:
     return ex
 
 
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
 def test_strict_tsan_merge_by_ticket_no_race_matches_reference(tiny):
     """The ticket (acq_rel), the last drawer's merge of the other block's partials, the reset
@@ -190,6 +193,7 @@ def test_strict_tsan_merge_by_ticket_no_race_matches_reference(tiny):
     assert float(np.abs(logits[0] - want[-1]).max()) <= 2e-3 * float(np.abs(want[-1]).max())
 
 
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
 def test_negative_control_relaxed_ticket_is_reported(tiny):
     """ticket_add as a relaxed add: the last drawer's merge reads the other block's partials
