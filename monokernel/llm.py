@@ -20,7 +20,7 @@ from .errors import ParameterError, PromptError, TokenizerError
 from .model.chat_template import render_chat_template
 from .model.loader import LoadedModel, load_model
 from .results import Completion, CompletionOutput, Delta, Logprob, TokenLogprob
-from .runtime import Engine, Generation, Sampled, make_executor
+from .runtime import Engine, Generation, Sampled, make_executor, resolve_backend
 from .sampling import SamplingParams
 from .streaming import TextStream
 
@@ -172,7 +172,8 @@ class LLM:
     model. ``backend``: auto | numpy | emulator | emulator-multi | cuda | cuda-multi.
     ``max_seq_len`` (vLLM: ``max_model_len``): the context (default min(2048, the model's));
     ``enable_prefix_caching``: reuse the K/V cache of the prefix shared with the previous
-    sequence (chat turns, repeated system prompts)."""
+    sequence (chat turns, repeated system prompts). Other keywords are the backend's options
+    (``blocks=8``, ``threads=2``: runtime.backend_options), checked before the model loads."""
 
     def __init__(self, model: str | Path | None = None, backend: str = "auto", *,
                  max_seq_len: int | None = None, progress: bool = True,
@@ -186,6 +187,8 @@ class LLM:
         if max_seq_len is not None and (not _is_int(max_seq_len) or max_seq_len < 2):
             raise ParameterError(f"max_seq_len must be an integer >= 2 (one prompt token and "
                                  f"one generated), got {max_seq_len!r}")
+        spec = resolve_backend(backend)  # a misspelt backend or option fails before the load
+        options = spec.parse(backend_options)
         self.model: LoadedModel = load_model(model, progress=progress)
         self.config = self.model.config
         self.tokenizer = self.model.tokenizer
@@ -196,8 +199,7 @@ class LLM:
             raise ParameterError(f"max_seq_len {max_seq_len} exceeds the model's "
                                  f"max_position_embeddings {limit}")
         self.max_seq_len = int(max_seq_len)
-        self.engine = Engine(make_executor(backend, self.model, self.max_seq_len,
-                                           **backend_options),
+        self.engine = Engine(make_executor(spec, self.model, self.max_seq_len, options),
                              prefix_caching=enable_prefix_caching)
         self.backend = self.engine.executor.name
         self.default_params = SamplingParams.from_generation_config(self.model.generation_config)
