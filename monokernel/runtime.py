@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -241,8 +241,9 @@ class Generation:
     called between tokens, else before the next step (it may come from another thread)."""
 
     def __init__(self, engine: "Engine", ids: list[int], params: SamplingParams,
-                 seed: int | None):
+                 seed: int | None, text_stop: Callable[[int], bool] | None = None):
         self.engine = engine
+        self.text_stop = text_stop
         self.ids = ids
         self.params = params
         self.sampler_seed = seed
@@ -295,11 +296,13 @@ class Engine:
             raise PromptError(f"the prompt has {len(ids)} tokens; the context holds "
                               f"{self.executor.max_seq_len} (no room to generate)")
 
-    def generate(self, ids: list[int], params: SamplingParams, *,
-                 seed: int | None = None) -> Generation:
-        """Start a generation (it runs as it is iterated). ``seed`` overrides params.seed."""
+    def generate(self, ids: list[int], params: SamplingParams, *, seed: int | None = None,
+                 text_stop: Callable[[int], bool] | None = None) -> Generation:
+        """Start a generation (it runs as it is iterated). ``seed`` overrides params.seed;
+        ``text_stop(token)``: the caller's stop strings, told each generated token (not a stop
+        token) as it is made, True when the text ends there (StopRule)."""
         self.check_prompt(ids)
-        return Generation(self, list(ids), params, seed)
+        return Generation(self, list(ids), params, seed, text_stop)
 
     def generate_ids(self, ids: list[int], params: SamplingParams) -> Iterator[tuple[int, bool]]:
         """Yield (token, is_stop_token). A stop token is yielded last and not part of the text."""
@@ -334,7 +337,7 @@ class Engine:
         if g.cancelled:
             return
         ex = self.executor
-        rule = StopRule.of(params, self.config, len(ids), ex.max_seq_len)
+        rule = StopRule.of(params, self.config, len(ids), ex.max_seq_len, g.text_stop)
         sampler = Sampler(params, g.sampler_seed, prompt_len=len(ids), stop_ids=rule.stop_ids)
         # logprobs need the logits on the host; the host sampler then draws the same token
         # from the same noise as the kernel would
@@ -374,8 +377,9 @@ class Engine:
                 st.launches = ex.launches - launches0
                 host.history.append(tok)
                 self._note_cache(ids, me)
+                ends = rule.reason(tok, i)  # known as the token is made: before it is handed on
                 yield host.sampled(tok, rule)
-                if rule.reason(tok, i, g.cancelled) is not None:
+                if ends is not None or g.cancelled:  # a cancel: while the consumer had it
                     return
                 if self._active is not me:  # one sequence at a time: the KV cache is not ours
                     raise MonokernelError(INVALIDATED)
@@ -389,35 +393,40 @@ class Engine:
 
 @dataclass(frozen=True)
 class StopRule:
-    """When a generation ends, decided here for every executor, after each token: a stop token
-    (EOS unless ignored, the request's stop ids), ``max_new_tokens`` or the context's end, a
-    cancel (``Generation.close``: a stop string, a client gone). A multi-step kernel is handed
-    the same ``stop_ids`` and ``stop_pos`` and ends its launch by itself (StopReason TOKEN,
-    POSITION, HOST on a cancel), so it never runs past what this rule takes."""
+    """When a generation ends, decided here for every executor, as each token is made: a stop
+    token (EOS unless ignored, the request's stop ids), a stop string (``text_stop``, the
+    caller's text view: llm.py's TextStream), ``max_new_tokens`` or the context's end; and a
+    cancel (``Generation.close``) between tokens. A multi-step kernel is handed the same
+    ``stop_ids`` and ``stop_pos`` and ends its launch by itself (StopReason TOKEN, POSITION;
+    HOST when the host asks: a stop string, a cancel), so it never runs past what this rule
+    takes."""
 
     stop_ids: frozenset[int]
     prompt_len: int
     stop_pos: int  # the position of the last token that may be generated
+    text_stop: Callable[[int], bool] | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, params: SamplingParams, config, prompt_len: int, max_seq_len: int) -> "StopRule":
+    def of(cls, params: SamplingParams, config, prompt_len: int, max_seq_len: int,
+           text_stop: Callable[[int], bool] | None = None) -> "StopRule":
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops |= set(config.eos_token_ids)
         return cls(frozenset(stops), prompt_len,
-                   min(prompt_len + params.max_new_tokens - 1, max_seq_len - 1))
+                   min(prompt_len + params.max_new_tokens - 1, max_seq_len - 1), text_stop)
 
     def is_stop(self, token: int) -> bool:
         return token in self.stop_ids
 
-    def reason(self, token: int, index: int, cancelled: bool) -> StopReason | None:
-        """Why the generation ends after its ``index``-th token ``token``, or None."""
+    def reason(self, token: int, index: int) -> StopReason | None:
+        """Why the generation ends with its ``index``-th token ``token``, or None. Called once
+        per token: the text view sees every token but a stop token, the last one included."""
         if token in self.stop_ids:
             return StopReason.TOKEN
+        if self.text_stop is not None and self.text_stop(token):
+            return StopReason.HOST
         if self.prompt_len + index >= self.stop_pos:
             return StopReason.POSITION
-        if cancelled:
-            return StopReason.HOST
         return None
 
 

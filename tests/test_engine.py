@@ -170,15 +170,34 @@ def test_the_stop_rule():
 
     rule = StopRule.of(params, Config, prompt_len=10, max_seq_len=100)
     assert rule.stop_ids == {2, 7} and rule.stop_pos == 14
-    assert rule.reason(7, 0, False) == StopReason.TOKEN
-    assert rule.reason(2, 1, True) == StopReason.TOKEN
-    assert rule.reason(3, 3, False) is None
-    assert rule.reason(3, 4, False) == StopReason.POSITION  # the 5th token is the last
-    assert rule.reason(3, 1, True) == StopReason.HOST
+    assert rule.reason(7, 0) == StopReason.TOKEN
+    assert rule.reason(2, 1) == StopReason.TOKEN
+    assert rule.reason(3, 3) is None
+    assert rule.reason(3, 4) == StopReason.POSITION  # the 5th token is the last
     # the context's end comes first: positions 10..11 only
-    assert StopRule.of(params, Config, 10, 12).reason(3, 1, False) == StopReason.POSITION
+    assert StopRule.of(params, Config, 10, 12).reason(3, 1) == StopReason.POSITION
     ignored = StopRule.of(params.replace(ignore_eos=True), Config, 10, 100)
     assert ignored.stop_ids == {7}
+    # the text view sees every token but a stop token, the last one too
+    seen = []
+    text = StopRule.of(params, Config, 10, 100, lambda t: seen.append(t) or t == 9)
+    assert [text.reason(t, i) for i, t in enumerate([3, 7, 4, 9])] == [
+        None, StopReason.TOKEN, None, StopReason.HOST]
+    assert text.reason(5, 4) == StopReason.POSITION and seen == [3, 4, 9, 5]
+
+
+@pytest.mark.parametrize("ident", IDS)
+def test_a_stop_string_ends_the_generation_and_the_launch(engines, ident):
+    """``text_stop`` (the LLM's stop strings) ends the generation with the token that made
+    the text stop, on every executor; a multi-step launch is asked to stop then."""
+    eng = engines[ident]
+    params = SamplingParams(max_new_tokens=100, temperature=HOT, seed=12, ignore_eos=True)
+    free = [t for t, _ in eng.generate_ids(PROMPT, params)]
+    told = []
+    g = eng.generate(PROMPT, params, text_stop=lambda t: told.append(t) or len(told) == 4)
+    assert [s.token for s in g] == free[:4] and told == free[:4]
+    if ident == "emulator":
+        assert eng.executor.last_launch.reason == StopReason.HOST
 
 
 def test_run_steps_one_step_per_token_keeps_the_kv_bookkeeping(engines):
