@@ -13,6 +13,13 @@ from typing import Any
 from .errors import ParameterError
 
 
+def add_backend_arg(p: argparse.ArgumentParser) -> None:
+    """``--backend``, its choices named from the backends' registries."""
+    from .runtime import backend_names
+
+    p.add_argument("--backend", default="auto", help=" | ".join(backend_names()))
+
+
 def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=int, default=None,
                    help="persistent blocks of the kernel backends (default: 4 on the emulator, "

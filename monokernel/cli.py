@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .backend_args import add_backend_args, backend_options
+from .backend_args import add_backend_arg, add_backend_args, backend_options
 from .errors import MonokernelError, PromptError
 from .serve.cli import add_serve_command
 
@@ -16,8 +16,7 @@ from .serve.cli import add_serve_command
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--backend", default="auto",
-                   help="auto | numpy | emulator | emulator-multi | cuda | cuda-multi")
+    add_backend_arg(p)
     p.add_argument("--max-seq-len", type=int, default=None)
     add_backend_args(p)
 

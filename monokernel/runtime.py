@@ -219,6 +219,12 @@ def make_executor(backend: str | Backend, model: LoadedModel, max_seq_len: int,
 KERNEL_BACKEND_MODULES = ("monokernel.kernel.executor", "monokernel.kernel.cuda_backend")
 
 
+def backend_names() -> list[str]:
+    """Every backend a user may name, ``auto`` first, from the registries (help texts)."""
+    _load_kernel_backends()
+    return ["auto"] + sorted(EXECUTORS)
+
+
 def _load_kernel_backends() -> None:
     import importlib
 
@@ -389,14 +395,13 @@ class Engine:
         device = ex.device_sampling and params.kernel_samplable and params.logprobs is None
         dsample = DeviceSample(params.temperature, sampler.seed) if device else None
         host = _HostChoice(sampler, list(ids), params.logprobs)
-        prompt_logits = None
-        if params.prompt_logprobs is not None:
-            def prompt_logits(every: np.ndarray) -> None:
-                lps = log_softmax(every[:-1])
-                g.prompt_logprobs = [None] + [
-                    (float(lps[i, ids[i + 1]]), top_logprobs(lps[i], params.prompt_logprobs),
-                     rank_of(lps[i], ids[i + 1]))
-                    for i in range(len(ids) - 1)]
+        def keep_prompt_logprobs(every: np.ndarray) -> None:
+            lps = log_softmax(every[:-1])
+            g.prompt_logprobs = [None] + [
+                (float(lps[i, ids[i + 1]]), top_logprobs(lps[i], params.prompt_logprobs),
+                 rank_of(lps[i], ids[i + 1]))
+                for i in range(len(ids) - 1)]
+        prompt_logits = keep_prompt_logprobs if params.prompt_logprobs is not None else None
 
         self.stats = st = g.stats
         reuse = self._reusable(ids) if prompt_logits is None else 0

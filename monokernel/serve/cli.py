@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-from ..backend_args import add_backend_args, backend_options
+from ..backend_args import add_backend_arg, add_backend_args, backend_options
 from ..errors import MonokernelError
 
 API_KEY_ENV = "MONOKERNEL_API_KEY"
@@ -38,8 +38,7 @@ def add_serve_command(sub) -> None:
                        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health")
     p.add_argument("--model", default=None,
                    help="HF model folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--backend", default="auto",
-                   help="auto | numpy | emulator | emulator-multi | cuda | cuda-multi")
+    add_backend_arg(p)
     p.add_argument("--max-seq-len", type=int, default=None)
     add_backend_args(p)
     p.add_argument("--host", default="127.0.0.1",
