@@ -60,16 +60,22 @@ def _cuda(backend: str, **fixed) -> Backend:
 # backend name -> Backend (options family, fixed options, factory), read by runtime.make_executor
 BACKENDS = {
     "cuda": _cuda("cuda"),
-    # the megakernel without its L2 weight prefetch: the A/B twin for benchmarks/NOTES.md
+    # A/B twins: each stays until the measurement named here retires it (the GPU check's bench
+    # rows, recorded in benchmarks/RESULTS.md); then it goes, or `cuda` becomes it.
+    # The megakernel without its L2 weight prefetch. Retired by: `cuda` faster than it at
+    # contexts 16 and 512 on every shape (predicted: 4-22% slower without it).
     "cuda-noprefetch": _cuda("cuda-noprefetch", prefetch=False, name="cuda-noprefetch"),
-    # one launch per decode step (the host feeds every token): the A/B twin of many steps
-    # per launch (R6) until a GPU has measured both
+    # One launch per decode step (the host feeds every token). Retired by: `cuda` (many steps
+    # per launch, R6) faster per token at context 16 on every shape (predicted: 7-8 us/token).
     "cuda-1step": _cuda("cuda-1step", multi_step=False, name="cuda-1step"),
-    # the fenced hop (MK_SYNC=1: fence + atomicAdd, two loads per poll): the A/B twin of the
-    # release/acquire hop until a GPU has measured both (benchmarks/NOTES.md)
+    # The fenced hop (MK_SYNC=1: fence + atomicAdd, two loads per poll). Retired by: `cuda`
+    # (the release/acquire hop) faster at context 16 on every shape, and the trace's hop gap
+    # (calibrate) below this twin's (predicted: ~0.4 us less per hop).
     "cuda-sync1": _cuda("cuda-sync1", sync=1, name="cuda-sync1"),
-    # every O_PROJ block merges the attention splits itself at every context
-    # (merge_ticket_min=0): the A/B twin of the merge by ticket (benchmarks/NOTES.md)
+    # Every O_PROJ block merges the attention splits itself at every context
+    # (merge_ticket_min=0). Retired by: `cuda` (the merge by ticket from
+    # isa.merge_ticket_min_splits) no slower at context 2048 on Qwen3-0.6B and Llama-3.2-1B,
+    # where the ticket merges (benchmarks/NOTES.md, "Kernel v2 part 1, third session").
     "cuda-block-merge": _cuda("cuda-block-merge", merge_ticket_min=0, name="cuda-block-merge"),
     # one launch per op
     "cuda-multi": _cuda("cuda-multi", multi=True),
