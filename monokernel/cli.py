@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+from .backend_args import add_backend_arg, add_backend_args, backend_options
 from .errors import MonokernelError, PromptError
 from .serve.cli import add_serve_command
 
@@ -15,15 +16,9 @@ from .serve.cli import add_serve_command
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--backend", default="auto",
-                   help="auto | numpy | emulator | emulator-multi | cuda | cuda-multi")
+    add_backend_arg(p)
     p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--blocks", type=int, default=None,
-                   help="persistent blocks of the kernel backends (default: 4 on the emulator, "
-                        "one per SM on a GPU)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="BLAS threads of the numpy backend (default: the CPUs this process may "
-                        "use; 1 is often faster on a busy machine)")
+    add_backend_args(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -53,9 +48,8 @@ def _params(llm, args):
 def _llm(args):
     from .llm import LLM
 
-    options = {k: getattr(args, k) for k in ("blocks", "threads")
-               if getattr(args, k) is not None}
-    return LLM(args.model, backend=args.backend, max_seq_len=args.max_seq_len, **options)
+    return LLM(args.model, backend=args.backend, max_seq_len=args.max_seq_len,
+               **backend_options(args))
 
 
 def _summary(c) -> str:

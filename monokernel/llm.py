@@ -20,7 +20,7 @@ from .errors import ParameterError, PromptError, TokenizerError
 from .model.chat_template import render_chat_template
 from .model.loader import LoadedModel, load_model
 from .results import Completion, CompletionOutput, Delta, Logprob, TokenLogprob
-from .runtime import Engine, Generation, Sampled, make_executor
+from .runtime import Engine, Generation, Sampled, make_executor, resolve_backend
 from .sampling import SamplingParams
 from .streaming import TextStream
 
@@ -36,9 +36,10 @@ class Stream:
     ``completion`` then holds what was generated, with finish_reason "abort"."""
 
     def __init__(self, llm: "LLM", gen: Generation, prompt: str | None, ids: list[int],
-                 params: SamplingParams):
+                 params: SamplingParams, text: "TextStop"):
         self._llm = llm
         self._gen = gen
+        self._text = text
         self._prompt = prompt
         self._ids = ids
         self._params = params
@@ -76,7 +77,7 @@ class Stream:
     def _run(self) -> Iterator[Delta]:
         llm, p, gen = self._llm, self._params, self._gen
         t0 = time.perf_counter()
-        ts = TextStream(llm.tokenizer, p.stop, min_tokens=p.min_tokens)
+        ts = self._text.stream
         want = p.logprobs is not None
         out: list[int] = []
         lps: list[TokenLogprob] | None = [] if want else None
@@ -92,7 +93,8 @@ class Stream:
                 tl = llm._token_logprob(s) if want else None
                 if lps is not None:
                     lps.append(tl)  # type: ignore[arg-type]
-                yield Delta(ts.push(s.token), [s.token], [tl] if want else None)  # type: ignore
+                # the Engine handed the token to the TextStream as it made it (TextStop)
+                yield Delta(self._text.piece, [s.token], [tl] if want else None)  # type: ignore
                 if ts.stopped:
                     finish, stop_reason = "stop", ts.stop_hit
                     break
@@ -101,7 +103,7 @@ class Stream:
                 yield Delta(tail, [], [] if want else None)
             done = not self._closed
         finally:
-            gen.close()  # a stop string: the kernel may still be making tokens; stop it
+            gen.close()  # left early (closed, an error): the kernel may still be making tokens
             if not done:
                 finish, stop_reason = "abort", None
                 ts.finish()
@@ -109,6 +111,21 @@ class Stream:
             o = CompletionOutput(0, ts.text, out, finish, stop_reason, lps, cum, generated)
             self.completion = llm._completion(self._prompt, self._ids, gen, [o],
                                               time.perf_counter() - t0)
+
+
+class TextStop:
+    """The stop strings as the Engine's ``text_stop``: each generated token goes through the
+    TextStream as the Engine makes it, so the Engine's StopRule ends the generation at a stop
+    string (and a multi-step kernel's launch with it); ``piece`` keeps the text the token made
+    safe to show until the Stream hands it on."""
+
+    def __init__(self, stream: TextStream):
+        self.stream = stream
+        self.piece = ""
+
+    def __call__(self, token: int) -> bool:
+        self.piece = self.stream.push(token)
+        return self.stream.stopped
 
 
 # ================================================================================================
@@ -172,7 +189,8 @@ class LLM:
     model. ``backend``: auto | numpy | emulator | emulator-multi | cuda | cuda-multi.
     ``max_seq_len`` (vLLM: ``max_model_len``): the context (default min(2048, the model's));
     ``enable_prefix_caching``: reuse the K/V cache of the prefix shared with the previous
-    sequence (chat turns, repeated system prompts)."""
+    sequence (chat turns, repeated system prompts). Other keywords are the backend's options
+    (``blocks=8``, ``threads=2``: runtime.backend_options), checked before the model loads."""
 
     def __init__(self, model: str | Path | None = None, backend: str = "auto", *,
                  max_seq_len: int | None = None, progress: bool = True,
@@ -186,6 +204,8 @@ class LLM:
         if max_seq_len is not None and (not _is_int(max_seq_len) or max_seq_len < 2):
             raise ParameterError(f"max_seq_len must be an integer >= 2 (one prompt token and "
                                  f"one generated), got {max_seq_len!r}")
+        spec = resolve_backend(backend)  # a misspelt backend or option fails before the load
+        options = spec.parse(backend_options)
         self.model: LoadedModel = load_model(model, progress=progress)
         self.config = self.model.config
         self.tokenizer = self.model.tokenizer
@@ -196,8 +216,7 @@ class LLM:
             raise ParameterError(f"max_seq_len {max_seq_len} exceeds the model's "
                                  f"max_position_embeddings {limit}")
         self.max_seq_len = int(max_seq_len)
-        self.engine = Engine(make_executor(backend, self.model, self.max_seq_len,
-                                           **backend_options),
+        self.engine = Engine(make_executor(spec, self.model, self.max_seq_len, options),
                              prefix_caching=enable_prefix_caching)
         self.backend = self.engine.executor.name
         self.default_params = SamplingParams.from_generation_config(self.model.generation_config)
@@ -416,8 +435,9 @@ class LLM:
 
     def _start(self, prompt: str | None, ids: list[int], params: SamplingParams,
                seed: int | None = None) -> Stream:
-        gen = self.engine.generate(ids, params, seed=seed)  # checks the prompt now
-        return Stream(self, gen, prompt, ids, params)
+        text = TextStop(TextStream(self.tokenizer, params.stop, min_tokens=params.min_tokens))
+        gen = self.engine.generate(ids, params, seed=seed, text_stop=text)  # checks the prompt
+        return Stream(self, gen, prompt, ids, params, text)
 
     def stream(self, prompt: str | Sequence[int] | Mapping[str, Any],
                params: SamplingParams | Mapping[str, Any] | None = None, *,

@@ -1,17 +1,17 @@
-"""The Engine: one generation loop over an executor.
+"""The Engine: one generation loop over the executor interface (kernel/base.py).
 
-An executor runs the model for one sequence: ``reset()``, ``prefill(ids, start)`` (logits of
-the last prompt token) and ``step(token, pos, sample)`` (one decode step). The NumPy executor
-runs reference.py; the kernel executors (emulator, cuda, and their multi-kernel baselines) share
-one program and one set of buffers and differ only in how they allocate, copy and launch.
+An executor runs the model for one sequence. The NumPy executor runs reference.py; the kernel
+executors (emulator, cuda, and their multi-kernel baselines) share one program and one set of
+buffers and differ only in how they allocate, copy and launch. The Engine drives every one of
+them through ``run_steps`` and decides when a generation ends in one place (``StopRule``).
 
 Two things the Engine relies on: ``reset()`` keeps the K/V cache (every position is written
 before it is read), so a new sequence that shares a prefix with the previous one prefills only
 its new tokens (past whole ``prefill_chunk``s of the shared prefix, so that the reused K/V are
 bit for bit those a fresh prefill computes, and one seed gives one text with or without reuse);
-and ``step(token, pos, None)`` returns the logits on every backend, so logprobs need no device
-support: the host then samples from the kernel's own Gumbel stream (sampling.py), which picks
-the token the kernel's SAMPLE op would have picked.
+and without a DeviceSample every backend hands the host the logits, so logprobs
+need no device support: the host then samples from the kernel's own Gumbel stream
+(sampling.py), which picks the token the kernel's sampling would have picked.
 """
 
 from __future__ import annotations
@@ -19,16 +19,26 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
 from .errors import (BackendUnavailableError, MonokernelError, NumericalError, ParameterError,
                      PromptError)
-from .kernel.base import DeviceSample, Executor, StepResult
+from .kernel.base import Backend, BackendOptions, DeviceSample, Executor, StepResult
+from .kernel.isa import StopReason
 from .model.loader import LoadedModel
 from .sampling import Sampler, SamplingParams, log_softmax, rank_of, top_logprobs
+
+
+@dataclass(frozen=True)
+class NumpyOptions(BackendOptions):
+    """``threads``: the BLAS threads of the reference's matrix products (None: the CPUs this
+    process may use, or a thread variable of the environment)."""
+
+    threads: int | None = field(default=None, metadata={"min": 1})
+    prefill_chunk: int = field(default=32, metadata={"min": 1})  # NumpyExecutor's docstring
 
 
 class NumpyExecutor(Executor):
@@ -52,25 +62,14 @@ class NumpyExecutor(Executor):
     1.2x the time of one 256-row chunk), reuse in coarser steps."""
 
     name = "numpy"
-    OPTIONS = ("threads", "prefill_chunk")
-    DEFAULT_PREFILL_CHUNK = 32
 
-    def __init__(self, model: LoadedModel, max_seq_len: int, *, threads: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **options):
-        if options:
-            raise ParameterError(
-                f"the numpy backend has no option {next(iter(options))!r} (its options: "
-                f"{', '.join(self.OPTIONS)}; blocks and the like apply to the kernel backends)")
+    def __init__(self, model: LoadedModel, max_seq_len: int,
+                 options: NumpyOptions = NumpyOptions()):
+        threads = options.threads  # validated by NumpyOptions.from_user
         asked = threads is not None
         source = "as asked"
         if threads is None:
             threads, source = default_threads()
-        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) \
-                or threads < 1:
-            raise ParameterError(f"threads must be an integer >= 1, got {threads!r}")
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) \
-                or prefill_chunk < 1:
-            raise ParameterError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         try:
             from threadpoolctl import ThreadpoolController
         except ImportError:  # a core dependency, but a machine without pip may lack it
@@ -83,7 +82,7 @@ class NumpyExecutor(Executor):
         from .model.reference import ReferenceModel
 
         self.threads = int(threads)
-        self.prefill_chunk = int(prefill_chunk)
+        self.prefill_chunk = options.prefill_chunk
         self._blas = ThreadpoolController() if ThreadpoolController is not None else None
         self.ref = ReferenceModel(model.config, model.weights, max_seq_len)
         self.forward_calls = 0  # lets the Engine notice use of the KV cache behind its back
@@ -106,6 +105,9 @@ class NumpyExecutor(Executor):
 
     def reset(self) -> None:
         self.forward_calls += 1
+
+    def cache_token(self):
+        return (id(self), self.forward_calls)
 
     def prefill(self, tokens: list[int], start_pos: int = 0) -> np.ndarray:
         return self._prefill(tokens, start_pos, every=False)[-1]
@@ -168,16 +170,17 @@ def cuda_device_present() -> bool:
         return False
 
 
-# backend name -> factory(model, max_seq_len, **options); kernel backends register here
-EXECUTORS: dict[str, Callable[..., Executor]] = {"numpy": NumpyExecutor}
+# backend name -> Backend; the kernel backends are added on first use (_load_kernel_backends)
+EXECUTORS: dict[str, Backend] = {"numpy": Backend("numpy", NumpyOptions, NumpyExecutor)}
 
 
-def register_executor(name: str, factory: Callable[..., Executor]) -> None:
-    EXECUTORS[name] = factory
+def register_executor(backend: Backend) -> None:
+    EXECUTORS[backend.name] = backend
 
 
-def make_executor(backend: str, model: LoadedModel, max_seq_len: int, **options) -> Executor:
-    """``auto`` picks ``cuda`` when a CUDA device is present, else ``numpy``, and says which."""
+def resolve_backend(backend: str) -> Backend:
+    """The Backend of a name; ``auto`` picks ``cuda`` when a CUDA device is present, else
+    ``numpy``, and says which. An unknown name is a BackendUnavailableError listing them."""
     if backend == "auto":
         backend = "cuda" if cuda_device_present() else "numpy"
         print(f"monokernel: backend auto -> {backend}", file=sys.stderr)
@@ -186,14 +189,28 @@ def make_executor(backend: str, model: LoadedModel, max_seq_len: int, **options)
     if backend not in EXECUTORS:
         raise BackendUnavailableError(
             f"unknown backend {backend!r} (available: auto, {', '.join(sorted(EXECUTORS))})")
-    factory = EXECUTORS[backend]
-    valid = getattr(factory, "OPTIONS", None)  # what the backend declares it takes
-    unknown = [k for k in options if valid is not None and k not in valid]
-    if unknown:
-        raise ParameterError(
-            f"backend {backend!r} has no option {unknown[0]!r} (its options: "
-            f"{', '.join(valid) or 'none'})")
-    return factory(model, max_seq_len, **options)
+    return EXECUTORS[backend]
+
+
+def backend_options(backend: str | Backend, options: Mapping[str, Any]) -> BackendOptions:
+    """A user's options of ``backend``, validated (ParameterError naming a bad one)."""
+    spec = resolve_backend(backend) if isinstance(backend, str) else backend
+    return spec.parse(options)
+
+
+def make_executor(backend: str | Backend, model: LoadedModel, max_seq_len: int,
+                  options: BackendOptions | None = None, **given) -> Executor:
+    """The executor of ``backend`` with ``options`` (from ``backend_options``) or the
+    keywords ``given``, validated here."""
+    spec = resolve_backend(backend) if isinstance(backend, str) else backend
+    if options is None:
+        options = spec.parse(given)
+    elif given:
+        raise ParameterError("give make_executor validated options or keywords, not both")
+    elif not isinstance(options, spec.options):
+        raise ParameterError(f"backend {spec.name!r} takes {spec.options.__name__}, got "
+                             f"{type(options).__name__}")
+    return spec.make(model, max_seq_len, options)
 
 
 # Kernel executors live in kernel/; each module lists its factories in a BACKENDS dict. They are
@@ -202,12 +219,18 @@ def make_executor(backend: str, model: LoadedModel, max_seq_len: int, **options)
 KERNEL_BACKEND_MODULES = ("monokernel.kernel.executor", "monokernel.kernel.cuda_backend")
 
 
+def backend_names() -> list[str]:
+    """Every backend a user may name, ``auto`` first, from the registries (help texts)."""
+    _load_kernel_backends()
+    return ["auto"] + sorted(EXECUTORS)
+
+
 def _load_kernel_backends() -> None:
     import importlib
 
     for mod in KERNEL_BACKEND_MODULES:
-        for name, factory in importlib.import_module(mod).BACKENDS.items():
-            EXECUTORS.setdefault(name, factory)
+        for name, spec in importlib.import_module(mod).BACKENDS.items():
+            EXECUTORS.setdefault(name, spec)
 
 
 # A generation whose engine started another one: the KV cache is not its own any more.
@@ -258,8 +281,9 @@ class Generation:
     called between tokens, else before the next step (it may come from another thread)."""
 
     def __init__(self, engine: "Engine", ids: list[int], params: SamplingParams,
-                 seed: int | None):
+                 seed: int | None, text_stop: Callable[[int], bool] | None = None):
         self.engine = engine
+        self.text_stop = text_stop
         self.ids = ids
         self.params = params
         self.sampler_seed = seed
@@ -301,9 +325,9 @@ class Engine:
         self.prefix_caching = prefix_caching
         self.stats = GenerationStats()
         self._active: object | None = None  # the generation that owns the KV cache
-        # tokens at positions 0.. of the cache whose K/V are exactly a fresh prefill's
-        self._kv_ids: list[int] = []
-        self._kv_mark: object = None  # executor state when _kv_ids was last right
+        # tokens whose K/V sit at positions 0..: (prompt, tokens made after it, end position)
+        self._kv: tuple[list[int], list[int], int] = ([], [], 0)
+        self._kv_mark: object = None  # executor's cache_token() when _kv was last right
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -318,136 +342,78 @@ class Engine:
             raise PromptError(f"the prompt has {len(ids)} tokens; the context holds "
                               f"{self.executor.max_seq_len} (no room to generate)")
 
-    def generate(self, ids: list[int], params: SamplingParams, *,
-                 seed: int | None = None) -> Generation:
-        """Start a generation (it runs as it is iterated). ``seed`` overrides params.seed."""
+    def generate(self, ids: list[int], params: SamplingParams, *, seed: int | None = None,
+                 text_stop: Callable[[int], bool] | None = None) -> Generation:
+        """Start a generation (it runs as it is iterated). ``seed`` overrides params.seed;
+        ``text_stop(token)``: the caller's stop strings, told each generated token (not a stop
+        token) as it is made, True when the text ends there (StopRule)."""
         self.check_prompt(ids)
-        return Generation(self, list(ids), params, seed)
+        return Generation(self, list(ids), params, seed, text_stop)
 
     def generate_ids(self, ids: list[int], params: SamplingParams) -> Iterator[tuple[int, bool]]:
         """Yield (token, is_stop_token). A stop token is yielded last and not part of the text."""
         for s in self.generate(ids, params):
             yield s.token, s.stop
 
-    def _mark(self) -> object:
-        ex = self.executor
-        return (id(ex), getattr(ex, "forward_calls", None), getattr(ex, "_steps", None))
-
     def _reusable(self, ids: list[int]) -> int:
-        if not self.prefix_caching or self._kv_mark != self._mark():
+        """How many leading prompt tokens' K/V the cache still holds."""
+        if not self.prefix_caching or self._kv_mark is None \
+                or self._kv_mark != self.executor.cache_token():
             return 0
-        n = min(_common_prefix(self._kv_ids, ids), len(ids) - 1)  # the last one gives logits
-        return n - n % self.executor.prefill_chunk  # the fresh prefill's chunks start there
-
-    def _exact_kv(self, ids: list[int], fed: list[int]) -> list[int]:
-        """The tokens of the cache whose K/V a fresh prefill would compute alike, after a
-        prefill of ``ids`` and decode steps of ``fed``: all of them when the executor prefills
-        one position at a time, else the prompt's whole chunks."""
+        prompt, made, end_pos = self._kv
         c = self.executor.prefill_chunk
-        return list(ids) + list(fed) if c == 1 else list(ids[:len(ids) - len(ids) % c])
+        if c == 1:  # every position computed alike: the prompt and the tokens fed back
+            held = (prompt + made[:max(end_pos - len(prompt), 0)])[:end_pos]
+        else:  # the prompt's whole chunks (its last, shorter chunk rounds otherwise)
+            held = prompt[:min(len(prompt) - len(prompt) % c, end_pos)]
+        n = min(_common_prefix(held, ids), len(ids) - 1)  # the last one gives logits
+        return n - n % c  # a fresh prefill's chunks start there
 
-    def _prefill_all(self, ids: list[int]) -> np.ndarray:
-        ex = self.executor
-        if hasattr(ex, "prefill_all"):
-            return ex.prefill_all(ids, 0)
-        return np.stack([np.array(ex.step(t, i, None).logits, np.float32)
-                         for i, t in enumerate(ids)])
+    def _note_cache(self, ids: list[int], me: object) -> None:
+        """Record which tokens' K/V the cache holds after the run so far (the prompt, then the
+        tokens fed back, at positions before ``last_launch.end_pos``; kept as parts, joined
+        only when a next prompt asks), and the executor's cache token to check it by."""
+        end = self.executor.last_launch
+        if self._active is me and end is not None:
+            self._kv = (ids, end.tokens, end.end_pos)  # tokens[:end_pos - len(ids)] stay put
+            self._kv_mark = self.executor.cache_token()
 
     def _run(self, g: Generation) -> Iterator[Sampled]:
+        """The one generation loop, the same for every executor: ``run_steps`` feeds the
+        prompt and yields a token per step; the host samples the tokens the executor does not
+        (``_HostChoice``) and ``StopRule`` says when to stop asking. The only choice made on
+        the executor is the declared ``device_sampling``: whether the kernel draws tokens (and,
+        with ``multi_step``, runs many steps per launch, stopping by the same rule itself)."""
         ids, params = g.ids, g.params
         if g.cancelled:
             return
         ex = self.executor
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= set(self.config.eos_token_ids)
-        sampler = Sampler(params, g.sampler_seed, prompt_len=len(ids), stop_ids=stops)
-        nlp = params.logprobs
+        rule = StopRule.of(params, self.config, len(ids), ex.max_seq_len, g.text_stop)
+        sampler = Sampler(params, g.sampler_seed, prompt_len=len(ids), stop_ids=rule.stop_ids)
         # logprobs need the logits on the host; the host sampler then draws the same token
         # from the same noise as the kernel would
-        device = ex.device_sampling and params.kernel_samplable and nlp is None
+        device = ex.device_sampling and params.kernel_samplable and params.logprobs is None
         dsample = DeviceSample(params.temperature, sampler.seed) if device else None
-
-        def sampled(logits: np.ndarray, history: list[int]) -> Sampled:
-            tok = sampler(logits, history)
-            if nlp is None:
-                return Sampled(tok, tok in stops)
-            lp = log_softmax(logits)
-            return Sampled(tok, tok in stops, float(lp[tok]), top_logprobs(lp, nlp),
-                           rank_of(lp, tok))
-
-        history = list(ids)
-        self.stats = st = g.stats
-        reuse = self._reusable(ids) if params.prompt_logprobs is None else 0
-        self._active = me = object()
-        self._kv_ids, self._kv_mark = [], None  # invalid until the prefill has run
-        ex.reset()
-        launches0 = getattr(ex, "launches", 0)
-        if dsample is not None and getattr(ex, "multi_step", False) \
-                and params.prompt_logprobs is None:
-            try:
-                yield from self._run_in_launches(g, ids, reuse, dsample, stops, me)
-            finally:
-                st.launches = getattr(ex, "launches", 0) - launches0
-            return
-        t0 = time.perf_counter()
-        if params.prompt_logprobs is not None:
-            all_logits = self._prefill_all(ids)
-            logits = all_logits[-1]
-            lps = log_softmax(all_logits[:-1])
+        host = _HostChoice(sampler, list(ids), params.logprobs)
+        def keep_prompt_logprobs(every: np.ndarray) -> None:
+            lps = log_softmax(every[:-1])
             g.prompt_logprobs = [None] + [
                 (float(lps[i, ids[i + 1]]), top_logprobs(lps[i], params.prompt_logprobs),
                  rank_of(lps[i], ids[i + 1]))
                 for i in range(len(ids) - 1)]
-        else:
-            logits = ex.prefill(ids[reuse:], reuse)
-        kv = self._exact_kv(ids, [])
-        feeds_exact = ex.prefill_chunk == 1  # a decode step computes what a prefill would
-        self._kv_ids, self._kv_mark = kv, self._mark()
-        st.prefill_tokens, st.reused_tokens = len(ids) - reuse, reuse
-        cur = sampled(logits, history)
-        st.prefill_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        pos = len(ids)
-        for i in range(params.max_new_tokens):
-            st.generated_tokens += 1
-            history.append(cur.token)
-            st.decode_s = time.perf_counter() - t0
-            yield cur
-            if cur.stop or i + 1 == params.max_new_tokens or pos + 1 >= ex.max_seq_len:
-                return
-            if g.cancelled:
-                return
-            if self._active is not me:  # one sequence at a time: the KV cache is not ours now
-                raise MonokernelError(INVALIDATED)
-            self._kv_mark = None
-            try:
-                res = ex.step(cur.token, pos, dsample)
-            except BaseException:  # Ctrl-C, a NaN: a step writes position pos only, so the
-                self._kv_mark = self._mark()  # positions before it still hold kv
-                raise
-            if feeds_exact:
-                kv.append(cur.token)
-            self._kv_mark = self._mark()
-            st.launches = getattr(ex, "launches", 0) - launches0
-            pos += 1
-            if res.token is not None:
-                cur = Sampled(res.token, res.token in stops)
-            else:
-                cur = sampled(res.logits, history)
+        prompt_logits = keep_prompt_logprobs if params.prompt_logprobs is not None else None
 
-    def _run_in_launches(self, g: Generation, ids: list[int], reuse: int, dsample: DeviceSample,
-                         stops: set[int], me: object) -> Iterator[Sampled]:
-        """The prompt and the decode steps in as few kernel launches as the executor allows
-        (``run_steps``): the kernel samples and stops by itself (stop tokens, max_new_tokens,
-        the context end); closing this generator early (a stop string, a cancel) asks it to
-        stop, and the K/V bookkeeping then follows what it actually ran."""
-        ex, params, st = self.executor, g.params, g.stats
-        stop_pos = min(len(ids) + params.max_new_tokens - 1, ex.max_seq_len - 1)
+        self.stats = st = g.stats
+        reuse = self._reusable(ids) if prompt_logits is None else 0
+        self._active = me = object()
+        self._kv, self._kv_mark = ([], [], 0), None  # invalid until the prefill has run
+        ex.reset()
+        launches0 = ex.launches
         st.prefill_tokens, st.reused_tokens = len(ids) - reuse, reuse
         t0 = time.perf_counter()
-        run = ex.run_steps(ids[reuse:], reuse, dsample, stop_ids=stops, stop_pos=stop_pos,
-                           should_stop=lambda: g.cancelled)
+        run = ex.run_steps(ids[reuse:], reuse, dsample, choose=host,
+                           prompt_logits=prompt_logits, stop_ids=rule.stop_ids,
+                           stop_pos=rule.stop_pos, should_stop=lambda: g.cancelled)
         try:
             for i, tok in enumerate(run):
                 if tok < 0:
@@ -458,19 +424,79 @@ class Engine:
                     st.prefill_s, t0 = now - t0, now
                 st.generated_tokens += 1
                 st.decode_s = now - t0
-                cur = Sampled(tok, tok in stops)
-                yield cur
-                if cur.stop or i + 1 == params.max_new_tokens or g.cancelled:
+                st.launches = ex.launches - launches0
+                host.history.append(tok)
+                self._note_cache(ids, me)
+                ends = rule.reason(tok, i)  # known as the token is made: before it is handed on
+                yield host.sampled(tok, rule)
+                if ends is not None or g.cancelled:  # a cancel: while the consumer had it
                     return
-                if self._active is not me:
+                if self._active is not me:  # one sequence at a time: the KV cache is not ours
                     raise MonokernelError(INVALIDATED)
         finally:
             try:
-                run.close()  # ends the launch (asks it to stop first if it still runs)
+                run.close()  # a launch still running is asked to stop, and ended
             finally:
-                end = ex.last_launch
-                if end is not None and self._active is me:
-                    # positions [0, end_pos) hold K/V: the prompt, then the tokens it fed back
-                    self._kv_ids = self._exact_kv(
-                        ids, end.tokens[:max(end.end_pos - len(ids), 0)])
-                    self._kv_mark = self._mark()
+                st.launches = ex.launches - launches0
+                self._note_cache(ids, me)
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a generation ends, decided here for every executor, as each token is made: a stop
+    token (EOS unless ignored, the request's stop ids), a stop string (``text_stop``, the
+    caller's text view: llm.py's TextStream), ``max_new_tokens`` or the context's end; and a
+    cancel (``Generation.close``) between tokens. A multi-step kernel is handed the same
+    ``stop_ids`` and ``stop_pos`` and ends its launch by itself (StopReason TOKEN, POSITION;
+    HOST when the host asks: a stop string, a cancel), so it never runs past what this rule
+    takes."""
+
+    stop_ids: frozenset[int]
+    prompt_len: int
+    stop_pos: int  # the position of the last token that may be generated
+    text_stop: Callable[[int], bool] | None = field(default=None, compare=False)
+
+    @classmethod
+    def of(cls, params: SamplingParams, config, prompt_len: int, max_seq_len: int,
+           text_stop: Callable[[int], bool] | None = None) -> "StopRule":
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= set(config.eos_token_ids)
+        return cls(frozenset(stops), prompt_len,
+                   min(prompt_len + params.max_new_tokens - 1, max_seq_len - 1), text_stop)
+
+    def is_stop(self, token: int) -> bool:
+        return token in self.stop_ids
+
+    def reason(self, token: int, index: int) -> StopReason | None:
+        """Why the generation ends with its ``index``-th token ``token``, or None. Called once
+        per token: the text view sees every token but a stop token, the last one included."""
+        if token in self.stop_ids:
+            return StopReason.TOKEN
+        if self.text_stop is not None and self.text_stop(token):
+            return StopReason.HOST
+        if self.prompt_len + index >= self.stop_pos:
+            return StopReason.POSITION
+        return None
+
+
+class _HostChoice:
+    """The host's sampler as ``run_steps``'s ``choose``: draws a token from logits given the
+    history, keeping its logprobs when the request asked for them."""
+
+    def __init__(self, sampler: Sampler, history: list[int], logprobs: int | None):
+        self.sampler, self.history, self.logprobs = sampler, history, logprobs
+        self.last: tuple[int, float, list, int] | None = None
+
+    def __call__(self, logits: np.ndarray) -> int:
+        tok = self.sampler(logits, self.history)
+        if self.logprobs is not None:
+            lp = log_softmax(logits)
+            self.last = (tok, float(lp[tok]), top_logprobs(lp, self.logprobs), rank_of(lp, tok))
+        return tok
+
+    def sampled(self, tok: int, rule: StopRule) -> Sampled:
+        if self.logprobs is None:
+            return Sampled(tok, rule.is_stop(tok))
+        assert self.last is not None and self.last[0] == tok  # logprobs: the host chose it
+        return Sampled(tok, rule.is_stop(tok), *self.last[1:])

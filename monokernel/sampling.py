@@ -2,7 +2,7 @@
 
 One seed, one text: every sampled token is a Gumbel-max draw from the kernel's counter-based
 noise stream (``gumbel_noise`` mirrors megakernel.cu bit for bit), keyed by (seed, position).
-The in-kernel SAMPLE op (greedy, or plain temperature) and this host sampler therefore pick the
+The kernel's in-kernel sampling (greedy, or plain temperature) and this host sampler therefore pick the
 same token from the same logits, so the same seed and parameters give the same tokens on every
 backend, whichever of the two samplers ran. Top-k, top-p, min-p, the penalties and min_tokens
 only run here: they mask or shift the logits before the same Gumbel-max draw.
@@ -176,7 +176,7 @@ class SamplingParams:
 
     @property
     def kernel_samplable(self) -> bool:
-        """True when the in-kernel SAMPLE op (argmax of logits / T + Gumbel noise) computes
+        """True when the kernel's sampling (argmax of logits / T + Gumbel noise) computes
         exactly this choice: no filter, no penalty, no stop-token masking."""
         return (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0.0
                 and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0

@@ -10,7 +10,7 @@ thin kernels with MK_PDL=1 and asks the device for programmatic dependent launch
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -23,10 +23,11 @@ from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, NUM_THREADS, PARAMS, STATE_WORDS
                   Err, ErrCode, HostFlag, Op, State, StopReason, params_dtype)
 from .header import render_header
 from ..model.loader import LoadedModel
-from .base import DeviceSample, Executor, StepResult, wall_times
+from .base import (Backend, BackendOptions, Choose, DeviceSample, Executor, LaunchEnd,
+                   StepResult, greedy, wall_times)
+from .devices.emulator import EmulatorDevice
 from .program import Program
 from .schedule import schedule
-from .devices.emulator import EmulatorDevice
 
 SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
@@ -119,19 +120,6 @@ def _stack_weights(model: LoadedModel) -> dict[str, np.ndarray]:
         out["q_norm"] = stacked("self_attn.q_norm.weight")
         out["k_norm"] = stacked("self_attn.k_norm.weight")
     return out
-
-
-@dataclass
-class LaunchEnd:
-    """How the last multi-step launch (or launches) of ``run_steps`` ended: the position the
-    next step would take (positions before it hold K/V), the tokens the steps at positions
-    ``first``.. chose (``tokens[i]`` is the token at position ``first + 1 + i``), and why it
-    stopped."""
-
-    first: int
-    end_pos: int
-    tokens: list[int]
-    reason: StopReason
 
 
 @dataclass
@@ -246,20 +234,36 @@ class KernelExecutor(Executor):
     # ---- steps ----------------------------------------------------------------------------
     def reset(self) -> None:
         self._end_running()
-        self._check_usable()
+        self.check_usable()
         self.device.fill(self.buffers["counters"], 0)
         self.device.fill(self.buffers["control"], 0)
         self._steps = 0
         self._state_on_device = None
 
-    def _check_usable(self) -> None:
+    def cache_token(self):
+        """(this executor, steps run): every step writes K/V and counts; None while a
+        multi-step launch is in flight (it is still writing the cache)."""
+        return None if self._running is not None else (id(self), self._steps)
+
+    @property
+    def steps_run(self) -> int:
+        """Decode steps run since ``reset`` (the step counter the kernel's waits target)."""
+        return self._steps
+
+    def check_usable(self) -> None:
+        """KernelError once a kernel error has made this executor unusable."""
         if getattr(self, "_broken", None):
             raise KernelError(f"{self.name}: the executor is unusable after an earlier kernel "
                               f"error ({self._broken}); create a new LLM")
 
-    def _state_words(self, token: int, pos: int, sample: DeviceSample | None) -> np.ndarray:
+    def state_words(self, token: int, pos: int, sample: DeviceSample | None,
+                    step: int | None = None) -> np.ndarray:
+        """The control words (state + a clear error record) of one step that feeds ``token``
+        at ``pos`` as step ``step`` (default: the next one), for the kernel's ``control``
+        buffer or a strict-mode run (emulator/strict.py)."""
         st = np.zeros(STATE_WORDS + ERROR_WORDS, np.int32)
-        st[State.TOKEN], st[State.POS], st[State.STEP] = token, pos, self._steps
+        st[State.TOKEN], st[State.POS] = token, pos
+        st[State.STEP] = self._steps if step is None else step
         temp = sample.temperature if sample else 0.0
         st[State.TEMPERATURE] = np.float32(temp).view(np.int32)
         st[State.SEED] = (sample.seed if sample else 0) & 0x7FFFFFFF
@@ -271,13 +275,13 @@ class KernelExecutor(Executor):
     def launch_step(self, token: int, pos: int, sample: DeviceSample | None) -> np.ndarray:
         """Run one decode step; return the control words (state + error record) after it."""
         self._end_running()
-        self._check_usable()
+        self.check_usable()
         if not 0 <= pos < self.max_seq_len:
             raise KernelError(f"position {pos} is outside the KV cache [0, {self.max_seq_len})")
         key = (token, pos, self._steps, sample.temperature if sample else 0.0,
                sample.seed if sample else 0)
         if self._state_on_device != key:  # the kernel advanced the state itself otherwise
-            self.device.write(self.buffers["control"], self._state_words(token, pos, sample))
+            self.device.write(self.buffers["control"], self.state_words(token, pos, sample))
         try:
             self.run_launches()
             control = self.device.read(self.buffers["control"])
@@ -285,7 +289,7 @@ class KernelExecutor(Executor):
             self._broken = str(e).splitlines()[0]
             raise KernelError(f"{self.name}: decode step at position {pos} (step {self._steps}) "
                               f"failed: {e}") from None
-        self._check_error(control)
+        self.check_error(control)
         self._steps += 1
         nxt = int(control[State.TOKEN])
         self._state_on_device = (nxt, pos + 1, self._steps, key[3], key[4])
@@ -312,30 +316,30 @@ class KernelExecutor(Executor):
                                pdl=self.pdl)
 
     # ---- many steps per launch ----------------------------------------------------------------
-    def run_steps(self, tokens: list[int], start_pos: int, sample: DeviceSample, *,
+    def run_steps(self, tokens: list[int], start_pos: int, sample: DeviceSample | None = None,
+                  *, choose: Choose = greedy,
+                  prompt_logits: Callable[[np.ndarray], None] | None = None,
                   stop_ids: set[int] | frozenset[int] = frozenset(),
                   stop_pos: int | None = None,
                   should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
-        """Feed ``tokens`` at positions ``start_pos``.. and go on decoding in as few launches
-        as ``steps_per_launch`` allows; yield each sampled token as the kernel makes it, from
-        the one after the last fed token on. The kernel stops by itself after a token in
+        """Executor.run_steps; with ``multi_step``, a DeviceSample and no ``prompt_logits``
+        (the host needs no logits), in as few launches as ``steps_per_launch`` allows,
+        yielding each sampled token as the kernel makes it, from the one after the last fed
+        token on (``choose`` is then unused). The kernel stops by itself after a token in
         ``stop_ids`` (yielded), a NaN (-1, yielded), or the step at ``stop_pos - 1`` (default:
         the cache's last but one position, so the last token still has a position). Closing
         the iterator early asks the kernel to stop after its current step and waits for it;
         ``last_launch`` then says where it ended (tokens past the ones taken may have been made
         and their K/V written). ``should_stop`` (polled while waiting for a token, from another
         thread's cancel) asks the kernel to stop the same way."""
-        if not self.multi_step:
-            raise KernelError(f"{self.name}: runs one step per launch (multi_step=False or "
-                              "the multi-kernel baseline)")
         self._end_running()
-        self._check_usable()
-        n, first = len(tokens), start_pos + len(tokens) - 1
+        self.check_usable()
+        if sample is None or not self.multi_step or prompt_logits is not None:
+            return super().run_steps(tokens, start_pos, sample, choose=choose,
+                                     prompt_logits=prompt_logits, stop_ids=stop_ids,
+                                     stop_pos=stop_pos, should_stop=should_stop)
+        n, first = len(tokens), self.check_run(tokens, start_pos, stop_pos)
         stop_pos = self.max_seq_len - 1 if stop_pos is None else stop_pos
-        if n == 0 or start_pos < 0 or not first < stop_pos <= self.max_seq_len - 1:
-            raise KernelError(f"{self.name}: run_steps needs tokens at positions "
-                              f"[{start_pos}, {start_pos + n}) and a stop position after "
-                              f"them within the cache ({stop_pos}, max {self.max_seq_len - 1})")
         dev, b = self.device, self.buffers
         feed = np.zeros(self.max_seq_len, np.int32)
         feed[start_pos:start_pos + n] = tokens
@@ -350,7 +354,7 @@ class KernelExecutor(Executor):
         out, flags = b["out_tokens"], b["host_flags"]
         out[start_pos:] = NO_TOKEN
         flags[:] = 0
-        words = self._state_words(int(tokens[0]), start_pos, sample)
+        words = self.state_words(int(tokens[0]), start_pos, sample)
         words[State.FEED_END] = start_pos + n
         words[State.STOP_POS] = stop_pos
         most = stop_pos - start_pos  # steps to the stop position
@@ -358,6 +362,13 @@ class KernelExecutor(Executor):
         dev.write(b["control"], words)
         self._state_on_device = None
         self.last_launch = LaunchEnd(first, start_pos, [], StopReason.NONE)
+        return self._run_in_launches(first, start_pos, stop_pos, should_stop)
+
+    def _run_in_launches(self, first: int, start_pos: int, stop_pos: int,
+                         should_stop: Callable[[], bool] | None) -> Iterator[int]:
+        """The launches of run_steps, whose control words are written: yield the tokens."""
+        dev, b = self.device, self.buffers
+        out, flags = b["out_tokens"], b["host_flags"]
         # every step writes out_tokens[its position] (a prompt step: the next fed token), so
         # the host sees progress through the prompt too; tokens are yielded from `first` on
         p, seen, reason = first, start_pos, StopReason.BUDGET
@@ -409,7 +420,7 @@ class KernelExecutor(Executor):
         except KernelError as e:
             self._broken = str(e).splitlines()[0]
             raise KernelError(f"{self.name}: multi-step launch failed: {e}") from None
-        self._check_error(control)
+        self.check_error(control)
         self._steps = int(control[State.STEP])
         end = int(control[State.POS])
         ll = self.last_launch
@@ -419,7 +430,29 @@ class KernelExecutor(Executor):
             ll.reason = StopReason(int(control[State.STOP_REASON]))
         return control
 
-    def _check_error(self, control: np.ndarray) -> None:
+    def absorb_control(self, control: np.ndarray) -> None:
+        """Take over the control words of a step run outside this executor on its buffers
+        (a strict-mode run, emulator/strict.py): check its error record, take its step count,
+        and write fresh control words before the next launch."""
+        self.check_error(control)
+        self._steps = int(control[State.STEP])
+        self._state_on_device = None
+
+    def prepare_decode_launch(self, steps: int) -> None:
+        """Make the next ``run_launches()`` one launch of ``steps`` decode steps that go on
+        from where the last launch ended, feeding each sampled token back, with no feed, stop
+        token or stop position (the benchmark times such a launch: tools/bench.py)."""
+        if not self.multi_step:
+            raise KernelError(f"{self.name}: runs one step per launch")
+        words = self.read_buffer("control")
+        words[State.STEPS], words[State.STOP_POS], words[State.FEED_END] = steps, 0, 0
+        self.device.write(self.buffers["control"], words)
+        self._state_on_device = None
+
+    def check_error(self, control: np.ndarray) -> None:
+        """Raise KernelError describing the error record in ``control`` (the words read back
+        from the ``control`` buffer after a launch) if the kernel recorded one; the executor
+        is then unusable."""
         e = control[STATE_WORDS:]
         if e[Err.CODE] == ErrCode.OK:
             return
@@ -476,29 +509,49 @@ class KernelExecutor(Executor):
         return self.device.read(self.buffers["trace"])
 
 
-def _emulator(model, max_seq_len, **kw):
-    return KernelExecutor(model, max_seq_len, device=EmulatorDevice(kw.pop("sanitize", None)), **kw)
+# ================================================================================================
+# Backends: the kernel family's options and the emulator factories
+# ================================================================================================
+@dataclass(frozen=True)
+class KernelOptions(BackendOptions):
+    """The options every kernel backend takes (``LLM(backend="emulator", blocks=8)``):
+    KernelExecutor's keywords. Each device adds its own (EmulatorOptions, CudaOptions)."""
+
+    blocks: int = field(default=4, metadata={"min": 1})
+    multi: bool = False
+    graph: bool = False
+    pdl: bool = False
+    prefetch: bool = True
+    attn_splits: int | None = field(default=None, metadata={"min": 1})
+    attn_min_chunk: int | None = field(default=None, metadata={"min": 1})
+    watchdog_ms: int = field(default=20000, metadata={"min": 1})
+    trace: bool = False
+    program: Program | None = None
+    name: str | None = None
+    multi_step: bool = True
+    steps_per_launch: int = field(default=0, metadata={"min": 0})
+    sync: int | None = None
+    merge_ticket_min: int | None = field(default=None, metadata={"min": 0})
+
+    def executor_kwargs(self) -> dict:
+        """KernelExecutor's keywords: every option but the device's own."""
+        return {f: getattr(self, f) for f in KernelOptions.names()}
 
 
-def _emulator_multi(model, max_seq_len, **kw):
-    return KernelExecutor(model, max_seq_len, device=EmulatorDevice(kw.pop("sanitize", None)),
-                          multi=True, **kw)
+@dataclass(frozen=True)
+class EmulatorOptions(KernelOptions):
+    """``sanitize``: build the emulator under a sanitizer ("address")."""
+
+    sanitize: str | None = None
 
 
-def user_options(*fixed: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The options a user may give a kernel backend (``LLM(backend=..., **options)``): the
-    executor's keywords less the device and those the backend's factory sets itself (``fixed``),
-    plus the factory's own (``extra``). runtime.make_executor checks a call against them, so a
-    misspelt option is named instead of leaking ``KernelExecutor.__init__()``'s TypeError."""
-    import inspect
-
-    params = inspect.signature(KernelExecutor.__init__).parameters
-    names = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY} - {"device", *fixed}
-    return tuple(sorted(names | set(extra)))
+def _emulator(model, max_seq_len, o: EmulatorOptions, **extra) -> KernelExecutor:
+    return KernelExecutor(model, max_seq_len, device=EmulatorDevice(o.sanitize),
+                          **o.executor_kwargs(), **extra)
 
 
-_emulator.OPTIONS = user_options(extra=("sanitize",))
-_emulator_multi.OPTIONS = user_options("multi", extra=("sanitize",))
-
-# backend name -> factory(model, max_seq_len, **options), read by runtime.make_executor
-BACKENDS = {"emulator": _emulator, "emulator-multi": _emulator_multi}
+# backend name -> Backend (options family, fixed options, factory), read by runtime.make_executor
+BACKENDS = {
+    "emulator": Backend("emulator", EmulatorOptions, _emulator),
+    "emulator-multi": Backend("emulator-multi", EmulatorOptions, _emulator, {"multi": True}),
+}

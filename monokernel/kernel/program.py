@@ -242,7 +242,7 @@ class Program:
     @staticmethod
     def _check_step_end(nodes, anc, ins_of, label) -> None:
         """Many steps per launch: every block starts step s + 1 once the step's end (the writer
-        of the state: the LM head's ticket tail, or SAMPLE) has run and released the step
+        of the state: the LM head's ticket tail) has run and released the step
         counter. So that end must come after every instruction of the step, or a block could
         write a buffer of step s + 1 that an instruction of step s still reads (a WAR across
         steps that the per-step hazard check above cannot see). Programs with no state writer

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 
+from ..backend_args import add_backend_arg, add_backend_args, backend_options
 from ..errors import MonokernelError
 
 API_KEY_ENV = "MONOKERNEL_API_KEY"
@@ -37,11 +38,9 @@ def add_serve_command(sub) -> None:
                        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health")
     p.add_argument("--model", default=None,
                    help="HF model folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--backend", default="auto",
-                   help="auto | numpy | emulator | emulator-multi | cuda | cuda-multi")
+    add_backend_arg(p)
     p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--blocks", type=int, default=None,
-                   help="persistent blocks of the kernel backends")
+    add_backend_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -97,6 +96,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
                                   f"> 0, got {v}")
     if args.replicas is not None and args.replicas < 1:
         raise MonokernelError(f"--replicas must be >= 1, got {args.replicas}")
+    options = backend_options(args)
+    if args.backend != "auto":  # a misspelt option fails here, before a model or Ray starts
+        from ..runtime import backend_options as check_options
+
+        check_options(args.backend, options)
     if args.ray_address is not None and args.replicas is None:
         raise MonokernelError("--ray-address needs --replicas N")
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -130,8 +134,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     sock = listen_socket(args.host, args.port)  # a port in use fails now, not after the load
     with sock:
-        options = {"blocks": args.blocks} if args.blocks is not None else {}
-        llm = LLM(args.model, backend=args.backend, max_seq_len=args.max_seq_len, **options)
+        llm = LLM(args.model, backend=args.backend, max_seq_len=args.max_seq_len,
+                  **backend_options(args))
         app = create_app(llm, **app_options(args))
         name = app.state.server.model_name
         host, port = sock.getsockname()[:2]

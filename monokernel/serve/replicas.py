@@ -27,6 +27,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ..backend_args import backend_options
 from ..errors import MonokernelError
 
 APP_NAME = "monokernel"
@@ -56,7 +57,7 @@ def deployment(args: argparse.Namespace, options: dict, gpu: bool):
     from ray.serve.schema import LoggingConfig
 
     model, backend, max_seq_len = args.model, args.backend, args.max_seq_len
-    engine_options = {"blocks": args.blocks} if args.blocks is not None else {}
+    engine_options = backend_options(args)
     log_level = args.log_level
 
     def build_app():

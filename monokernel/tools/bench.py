@@ -208,7 +208,7 @@ def time_kernel(ex, context: int, warmup: int, steps: int) -> tuple[list[float],
     times, info = ex.device.time_steps(ex.run_launches, steps)
     ran += info.get("calls", steps)
     control = ex.read_buffer("control")
-    ex._check_error(control)
+    ex.check_error(control)
     want = context + ran
     if int(control[State.POS]) != want:
         raise KernelError(f"{ex.name}: after the timed steps the position is "
@@ -236,13 +236,11 @@ def time_kernel_chained(ex, context: int, warmup: int, steps: int,
     for _ in range(repeats):
         ex.reset()
         list(ex.run_steps(prompt, 0, greedy, stop_pos=context + warmup))
-        words = ex.read_buffer("control")[:]
-        words[State.STEPS], words[State.STOP_POS], words[State.FEED_END] = steps, 0, 0
-        ex.device.write(ex.buffers["control"], words)
+        ex.prepare_decode_launch(steps)
         n0 = ex.launches
         (t,) = ex.device.time(ex.run_launches, 1)
         control = ex.read_buffer("control")
-        ex._check_error(control)
+        ex.check_error(control)
         want = context + warmup + steps
         if int(control[State.POS]) != want or ex.launches - n0 != 1:
             raise KernelError(f"{ex.name}: after one launch of {steps} steps the position is "
@@ -457,7 +455,7 @@ def _run_rows(models, backends, contexts, steps, warmup, blocks, max_seq_len, re
                     setups[f"{shape}/{backend}"] = {
                         "blocks": p.num_blocks, "slots_per_block": p.max_len,
                         "counters": p.num_counters, "critical_path_hops": p.critical_path_hops()}
-                    timer = time_kernel_chained if getattr(ex, "multi_step", False) \
+                    timer = time_kernel_chained if ex.multi_step \
                         else time_kernel
                     run = lambda c, ex=ex, timer=timer: timer(ex, c, warmup, steps)  # noqa: E731
                     e2e = lambda c, ex=ex: time_end_to_end(ex, c, steps)  # noqa: E731

@@ -315,14 +315,18 @@ def test_an_unknown_backend_option_is_named_with_the_valid_ones(synth_dir, backe
 
 
 def test_every_declared_kernel_option_is_accepted_by_the_executor():
-    """The declared lists are the executor's keywords: none names a keyword it lacks."""
+    """The kernel options are the executor's keywords: none names a keyword it lacks, and the
+    options a backend sets itself are not the user's."""
     import inspect
 
     from monokernel.kernel import cuda_backend, executor
 
     params = set(inspect.signature(executor.KernelExecutor.__init__).parameters)
+    assert set(executor.KernelOptions.names()) <= params
     for mod, extra in ((executor, {"sanitize"}), (cuda_backend, {"device_id"})):
-        for name, factory in mod.BACKENDS.items():
-            assert "blocks" in factory.OPTIONS and "device" not in factory.OPTIONS, name
-            assert set(factory.OPTIONS) <= params | extra, name
-    assert "multi" not in executor.BACKENDS["emulator-multi"].OPTIONS
+        for name, spec in mod.BACKENDS.items():
+            assert spec.name == name
+            assert "blocks" in spec.user_options() and "device" not in spec.user_options()
+            assert set(spec.user_options()) <= params | extra, name
+            assert set(spec.fixed) <= params, name
+    assert "multi" not in executor.BACKENDS["emulator-multi"].user_options()

@@ -269,3 +269,80 @@ def test_every_runtime_dependency_is_declared():
     missing = {t: m for t, m in used.items()
                if DISTRIBUTIONS.get(t, t).lower().replace("-", "_") not in declared}
     assert not missing, f"imported but not in pyproject dependencies: {missing}"
+
+
+# Private names of other libraries read on purpose: name -> why
+FOREIGN_PRIVATE = {
+    "_attn_implementation": "transformers' config says which attention kernel it chose "
+                            "only here (tools/bench.py records it)",
+}
+
+
+def private_reach_through(root: Path) -> list[str]:
+    """``obj._name`` (and ``getattr(obj, "_name")``) where obj is not self/cls and no code of
+    the same module defines ``_name`` (a def, a class, a module name, a ``self._name = ``):
+    one module using another's private parts. Reads the source with ``ast``."""
+    found = []
+    for f in sorted(root.rglob("*.py")):
+        tree = ast.parse(f.read_text())
+        own = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                own.add(node.attr)
+        for node in ast.walk(tree):
+            obj, name = None, None
+            if isinstance(node, ast.Attribute):
+                obj, name = node.value, node.attr
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) >= 2
+                  and isinstance(node.args[1], ast.Constant)
+                  and isinstance(node.args[1].value, str)):
+                obj, name = node.args[0], node.args[1].value
+            if name is None or not name.startswith("_") or name.startswith("__"):
+                continue
+            if isinstance(obj, ast.Name) and obj.id in ("self", "cls"):
+                continue
+            if name not in own and name not in FOREIGN_PRIVATE:
+                found.append(f"{f.relative_to(root.parent)}:{node.lineno}: "
+                             f"{ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_parts():
+    """bench.py called ``ex._check_error``, emulator/strict.py used ``_state_words`` and
+    ``_steps``, runtime.py probed ``getattr(ex, "_steps")``: each now uses the executor's
+    public methods (check_error, state_words, steps_run, cache_token)."""
+    assert not private_reach_through(PKG), "\n".join(private_reach_through(PKG))
+
+
+def test_the_private_access_scan_finds_what_it_should(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("class A:\n    def __init__(self):\n        self._x = 1\n"
+                              "    def _m(self):\n        return self._x\n"
+                              "def f(a):\n    return a._m(), a._x\n")  # its own privates: fine
+    (pkg / "b.py").write_text("def g(ex, control):\n    ex._check_error(control)\n"
+                              "    ex._steps = 3\n    return getattr(ex, '_steps', None)\n")
+    found = private_reach_through(pkg)
+    assert sorted(line.split(": ", 1)[1] for line in found) == [
+        "ex._check_error", "ex._steps", "getattr(ex, '_steps', None)"], found
+
+
+def test_tools_do_not_write_the_kernels_control_words():
+    """Only the executor writes its ``control`` buffer (bench asks prepare_decode_launch)."""
+    bad = []
+    for f in sorted(PKG.rglob("*.py")):
+        if f.parent.name == "kernel" and f.name == "executor.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("write", "fill") \
+                    and any("buffers" in ast.unparse(a) and "'control'" in ast.unparse(a)
+                            for a in node.args):
+                bad.append(f"{f.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)

@@ -230,10 +230,10 @@ def test_fake_cupy_device_matches_reference(fake_cupy, tiny, backend):
 
 
 def test_fake_cupy_pdl_without_graph_launches_every_op_through_launch_ex(fake_cupy, tiny):
-    from monokernel.kernel.cuda_backend import _cuda_executor
+    from monokernel.runtime import make_executor
 
     fake = fake_cupy(num_sms=2)
-    ex = _cuda_executor(tiny[0], 160, multi=True, pdl=True)
+    ex = make_executor("cuda", tiny[0], 160, multi=True, pdl=True)
     assert ex.name == "cuda-multi-pdl"
     ex.step(1, 0)
     ex.step(5, 1)
@@ -243,12 +243,11 @@ def test_fake_cupy_pdl_without_graph_launches_every_op_through_launch_ex(fake_cu
 
 
 def test_fake_cupy_pdl_is_refused_below_sm_90_and_for_the_megakernel(fake_cupy, tiny):
-    from monokernel.kernel.cuda_backend import _cuda_executor
     from monokernel.runtime import make_executor
 
     fake = fake_cupy(num_sms=2)
     with pytest.raises(KernelError, match="pdl=True is for the multi-kernel baseline"):
-        _cuda_executor(tiny[0], 160, pdl=True)
+        make_executor("cuda", tiny[0], 160, pdl=True)
     fake.cuda.Device.compute_capability = "80"
     with pytest.raises(BackendUnavailableError, match="needs sm_90.*sm_80: use cuda-multi-graph"):
         make_executor("cuda-multi-graph-pdl", tiny[0], 160)

@@ -123,7 +123,7 @@ def test_strict_tsan_chained_steps_in_one_launch(tiny):
     err = float(np.abs(logits[0] - want[-1]).max())
     assert err <= 2e-3 * float(np.abs(want[-1]).max()), err
     assert controls[0][0:3].tolist() == [int(np.argmax(logits[0])), 4, 4]  # token, pos, step
-    assert ex._steps == 4
+    assert ex.steps_run == 4
 
 
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast

@@ -162,15 +162,13 @@ def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
     if not isinstance(executor.device, EmulatorDevice) or executor.multi:
         raise KernelError(f"{executor.name}: strict mode runs the persistent megakernel of an "
                           "emulator executor only")
-    executor._check_usable()
+    executor.check_usable()
     steps = [(int(t), int(p)) for t, p in steps]
     controls = []
     for i, (token, pos) in enumerate(steps):
         if not 0 <= pos < executor.max_seq_len:
             raise KernelError(f"position {pos} is outside the KV cache [0, {executor.max_seq_len})")
-        words = executor._state_words(token, pos, None)
-        words[State.STEP] = executor._steps + i
-        controls.append(words)
+        controls.append(executor.state_words(token, pos, None, step=executor.steps_run + i))
     if chained:
         if [p for _, p in steps] != list(range(steps[0][1], steps[0][1] + len(steps))):
             raise KernelError("strict mode: chained steps must be at consecutive positions")
@@ -221,11 +219,9 @@ def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
         if name not in const:
             start = offsets[name] - data_off
             arr[...] = np.frombuffer(data[start:start + arr.nbytes], arr.dtype).reshape(arr.shape)
-    executor._state_on_device = None  # the next launch_step writes its control words
     for i, control in enumerate(records["control"]):
-        try:
-            executor._check_error(np.array(control))
+        try:  # the executor takes each step's count; its next launch writes fresh words
+            executor.absorb_control(np.array(control))
         except KernelError as e:
             raise KernelError(f"strict-mode step {i} (position {steps[i][1]}): {e}") from None
-        executor._steps = int(control[State.STEP])
     return records["control"].copy(), records["logits"].copy(), report
