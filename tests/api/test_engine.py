@@ -31,12 +31,12 @@ from monokernel.sampling import Sampler, SamplingParams
 MAX_SEQ = 64  # the kernel builds of test_multi_step.py use the same length: one build
 PROMPT = [1, 999, 5, 0, 517, 998, 77]
 HOT = 25.0  # a temperature at which the synthetic models' tokens vary from step to step
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # backend, options: the NumPy reference, the persistent kernel with many steps per launch and
 # its one-launch-per-step twin
 # numpy with prefill_chunk=1: every position reusable, as on the kernels (the default chunks of
-# 32 reuse only whole chunks of a prompt: tests/test_prefix_reuse.py)
+# 32 reuse only whole chunks of a prompt: tests/api/test_prefix_reuse.py)
 EXECUTORS = [("numpy", {"prefill_chunk": 1}), ("emulator", {"blocks": 3}),
              ("emulator", {"blocks": 3, "multi_step": False})]
 IDS = ["numpy", "emulator", "emulator-1step"]
