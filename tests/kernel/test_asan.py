@@ -18,6 +18,9 @@ import pytest
 
 from monokernel.kernel.emulator import asan_preload_env
 
+# AddressSanitizer builds and runs: `make test` runs them, the fast lane leaves them out
+pytestmark = pytest.mark.sanitizer
+
 SCRIPT = r"""
 import sys
 import numpy as np

@@ -20,6 +20,10 @@ from monokernel.kernel.executor import KernelExecutor, kernel_source
 from monokernel.model.loader import load_model
 from monokernel.model.reference import ReferenceModel
 
+# ThreadSanitizer builds and runs (an OS thread per CUDA thread): `make test` runs them, the
+# fast lane leaves them out
+pytestmark = pytest.mark.sanitizer
+
 MAX_SEQ = 8
 BLOCKS = 2
 # First token, the last vocabulary row, and a token read back from the first step's KV cache.
