@@ -1,4 +1,4 @@
-"""The megakernel (megakernel.cu, scheduled by scheduler.py) on the CPU emulator, against the NumPy
+"""The megakernel (megakernel.cu, scheduled by schedule.py) on the CPU emulator, against the NumPy
 reference: logits at every step, every architecture, grids of 1, 2, 3 and 8 blocks, explicit
 attention splits, the last KV-cache slot, bitwise determinism, device sampling (greedy and
 Gumbel-max), NaN detection and poisoned activation buffers.
