@@ -4,8 +4,8 @@
   forward of the sequence (no KV cache) within float32 rounding.
 - The emulator (the CUDA kernel on a CPU) gives the same tokens and the same logprobs within
   tolerance: it reads the logits back and samples on the host from the kernel's Gumbel stream.
-- The same seed gives the same tokens whether the kernel samples (the LM head's ticket), the host samples
-  from the kernel's logits (logprobs asked for), or the NumPy backend samples.
+- The same seed gives the same tokens whether the kernel samples (the LM head's ticket), the
+  host samples from the kernel's logits (logprobs asked for), or the NumPy backend samples.
 """
 
 from __future__ import annotations
