@@ -2,7 +2,7 @@
 measured speed, and its timeline.
 
     monokernel plan  [--model DIR|FILE.gguf | --shape NAME] [--blocks 132] [--context 1024]
-                     [--predict h200|h100 [--design NAME]]
+                     [--predict h200|h100 [--design NAME] [--batch B] [--prompt P]]
     monokernel calibrate TRACE.json [--model DIR | --shape NAME] [--gpu h200] [--design v1]
     monokernel bench [--model DIR | --shape NAME[,NAME...]] [--backends LIST]
                      [--context 16,512,2048] [--steps N] [--warmup N] [--blocks N] [--out DIR]
@@ -47,6 +47,15 @@ def add_commands(sub) -> None:
                    help=f"kernel design for --predict: {', '.join(DESIGNS)} (default: the "
                         "design the kernel implements now, costmodel.design_for; v5: the "
                         "kernel before issue 15's leaner step, as compiled)")
+    p.add_argument("--batch", type=int, default=None, metavar="B",
+                   help="with --predict: a decode step of B sequences at --context, on the "
+                        "design of many tokens per step (default v7, not built yet): "
+                        "us/step and tokens/s")
+    p.add_argument("--prompt", type=int, default=None, metavar="P",
+                   help="with --predict: the time to first token of a P-token prompt, "
+                        "prefilled in chunks (the design's prefill_chunk, or --chunk)")
+    p.add_argument("--chunk", type=int, default=None, metavar="T",
+                   help="with --prompt: tokens per prefill step (default: the design's)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("calibrate", help="fit the cost model's constants to a GPU trace "

@@ -16,12 +16,21 @@ def cmd_plan(args) -> int:
     from ..kernel.schedule import schedule
 
     predict = getattr(args, "predict", None)
-    if predict:  # bad names fail now, not after scheduling
+    batch, prompt = getattr(args, "batch", None), getattr(args, "prompt", None)
+    chunk = getattr(args, "chunk", None)
+    if predict:  # bad names and numbers fail now, not after scheduling
         cm.gpu(predict)
         if getattr(args, "design", None):
             cm.design(args.design)
-    elif getattr(args, "design", None):
-        raise SystemExit("monokernel: error: --design needs --predict GPU")
+        for flag, v in (("--batch", batch), ("--prompt", prompt), ("--chunk", chunk)):
+            if v is not None and v < 1:
+                raise SystemExit(f"monokernel: error: {flag} must be >= 1, got {v}")
+        if chunk is not None and prompt is None:
+            raise SystemExit("monokernel: error: --chunk needs --prompt P")
+    else:
+        for flag in ("design", "batch", "prompt", "chunk"):
+            if getattr(args, flag, None) is not None:
+                raise SystemExit(f"monokernel: error: --{flag} needs --predict GPU")
     if args.shape:
         cfg = ModelConfig.from_name(args.shape)
         label = cfg.name
@@ -33,8 +42,9 @@ def cmd_plan(args) -> int:
         label = cfg.name if cfg.name not in ("", "custom") else d.name
     t0 = time.perf_counter()
     # the program an LLM runs: built for a 2048-position cache (the default max_seq_len), or
-    # the context if longer; the split policy depends on it (schedule.default_attn_splits)
-    max_seq = max(args.context + 1, min(2048, cfg.max_position_embeddings))
+    # the context (or prompt) if longer; the split policy depends on it
+    # (schedule.default_attn_splits)
+    max_seq = max(args.context + 1, (prompt or 0) + 1, min(2048, cfg.max_position_embeddings))
     from ..progress import waiting
 
     with waiting(f"scheduling and verifying the program of {label} on {args.blocks} blocks"):
@@ -45,7 +55,84 @@ def cmd_plan(args) -> int:
     if predict:
         print()
         print(predict_report(prog, args.predict, getattr(args, "design", None), args.context))
+        if batch is not None:
+            print()
+            print(batch_report(prog, args.predict, getattr(args, "design", None), args.context,
+                               batch))
+        if prompt is not None:
+            print()
+            print(prompt_report(prog, args.predict, getattr(args, "design", None), prompt,
+                                chunk))
     return 0
+
+
+def _tokens_design(design_name: str | None):
+    """The design a step of many tokens is predicted on: the one named, which must have
+    tensor cores, or v7."""
+    from ..kernel import costmodel as cm
+
+    d = cm.design(design_name or "v7")
+    if not d.tensor_cores:
+        raise SystemExit(f"monokernel: error: design {d.name} runs one token per step; "
+                         "--batch and --prompt predict a design with many tokens per step "
+                         f"({', '.join(n for n, x in cm.DESIGNS.items() if x.tensor_cores)})")
+    return d
+
+
+def _tiles(st) -> str:
+    return ", ".join(f"{op} {c}x{s}" for op, (c, s) in st.tiles.items() if (c, s) != (1, 1)) \
+        or "row tiles"
+
+
+def batch_report(prog, gpu_name: str, design_name: str | None, context: int,
+                 batch: int) -> str:
+    """A decode step of ``batch`` sequences at ``context``: per op, the 2D tiles, and last
+    ``predicted on <gpu>: <N> us/step, <M> tokens/s at batch <B>``."""
+    from ..kernel import costmodel as cm
+    from ..kernel.costmodel.tokens import StepShape
+
+    g, d = cm.gpu(gpu_name), _tokens_design(design_name)
+    shape = StepShape.decode(batch, context)
+    st = cm.Static(prog, context, g, d, shape)
+    p = cm.predict(prog, g, d, static=st) if not shape.single else \
+        cm.predict(prog, g, d, context)
+    one = cm.predict(prog, g, cm.design_for(prog), context)
+    lines = [f"cost model (a PREDICTION, not a measurement) of a step of many tokens: "
+             f"{g.name}, design {d.name} (not built yet), {batch} sequences at context "
+             f"{context}",
+             f"{'op':<16} {'busy us':>8} {'path us':>8} {'share':>6}"]
+    for r in p.op_rows():
+        lines.append(f"{r['op']:<16} {r['busy_mean_us']:>8.2f} {r['critical_us']:>8.1f} "
+                     f"{r['critical_us'] / p.total_us:>6.1%}")
+    lines += [f"tiles (token groups x input slices): {_tiles(st)}",
+              f"as built ({one.design.name}, one token per step): {one.total_us:.0f} us/token, "
+              f"{one.tokens_per_s:.0f} tokens/s whatever the batch",
+              f"predicted on {g.name}: {p.total_us:.0f} us/step, {p.tokens_per_s:.0f} tokens/s "
+              f"at batch {batch}"]
+    return "\n".join(lines)
+
+
+def prompt_report(prog, gpu_name: str, design_name: str | None, prompt: int,
+                  chunk: int | None) -> str:
+    """The time to first token of a ``prompt``-token prompt prefilled ``chunk`` tokens per
+    step (one launch), ending with ``predicted time to first token on <gpu>: <N> ms``."""
+    from ..kernel import costmodel as cm
+    from ..kernel.costmodel.tokens import prefill_shapes
+
+    g, d = cm.gpu(gpu_name), _tokens_design(design_name)
+    chunk = chunk or d.prefill_chunk
+    steps = [cm.predict(prog, g, d, shape=s) for s in prefill_shapes(prompt, chunk)]
+    total = sum(p.step_us for p in steps) + g.launch
+    one = cm.predict(prog, g, cm.design_for(prog), prompt // 2)  # the prompt's mean context
+    lines = [f"cost model (a PREDICTION, not a measurement) of a {prompt}-token prompt: "
+             f"{g.name}, design {d.name} (not built yet), {len(steps)} step"
+             f"{'s' if len(steps) != 1 else ''} of up to {chunk} tokens, one launch "
+             f"({g.launch:.0f} us)",
+             "steps (us): " + ", ".join(f"{p.step_us:.0f}" for p in steps),
+             f"as built ({one.design.name}, one token per step): about "
+             f"{prompt * one.step_us / 1e3:.0f} ms (its step at the prompt's mean context)",
+             f"predicted time to first token on {g.name}: {total / 1e3:.2f} ms"]
+    return "\n".join(lines)
 
 
 def predict_report(prog, gpu_name: str, design_name: str | None, context: int) -> str:

@@ -101,6 +101,29 @@ class KernelDesign:
     # once their loaded HBM latency is not hidden behind the residual's L2 trip. False: they are
     # in L2 or registers before they are needed (prefetch_norm of the previous instruction)
     norm_weights_late: bool = False
+    # ---- steps of many tokens (issue 17; costmodel/tokens.py): predicted, not built yet
+    # mat-muls of the step's tokens on tensor cores (mma.sync m16n8k16); False: one token per
+    # step only (the kernel as built)
+    tensor_cores: bool = False
+    # 2D tiles: a mat-mul's input split over S blocks (tokens.input_splits), the partial sums
+    # added in a fixed order
+    tile_2d: bool = False
+    # bytes per element of a mat-mul's input as the blocks read it: 4, the fp32 residual (or
+    # attention output, FFN h) as today; 2, a bf16 copy its producer writes beside it (the
+    # tensor cores take bf16; RMSNorm's weight folded into the weights at load, its 1/rms per
+    # token applied to the outputs from per-token sum-of-squares partials)
+    input_bytes: int = 4
+    # ATTENTION units a block runs side by side (a warp each) when a step has more units than
+    # blocks: their dependent trips and fixed work overlap
+    attn_units_in_flight: int = 1
+    # ATTENTION's scores and values on tensor cores (every step, one token too: a sequence's
+    # numbers must not depend on the step's other tokens); False: CUDA-core FMA as built
+    attn_tensor_cores: bool = False
+    # K/V bytes a block keeps in flight in a step of many tokens (cp.async into a shared-memory
+    # ring); 0: as the one-token loop compiles (KV_UNROLL loads per lane, attn_k_in_flight)
+    kv_bytes_in_flight: int = 0
+    # a prompt is prefilled this many tokens per step (the step's token budget)
+    prefill_chunk: int = 128
 
     @property
     def warps(self) -> int:
@@ -117,8 +140,19 @@ V5 = KernelDesign("v5", instruction_fetch_trips=2, matvec_issue_per_load=17.0, c
                   step_end_host_read=True, step_end_sys_fence=True, norm_weights_late=True)
 # V6: the kernel as built (issue 15 section 4), the knobs its SASS fixes read off it.
 V6 = KernelDesign("v6", **sass_facts.compiled_knobs())
+# V7: steps of many tokens (issue 17), PREDICTED before it is built: V6's program and hops,
+# mat-muls on tensor cores with 2D tiles; v7-rows keeps row tiles (every block reads its op's
+# whole input: the activation broadcast). A step of one token is V6's.
+# Prompts in 512-token chunks: each step pays the one-token step's hops and trips (~270-770
+# us) whatever its tokens, so larger chunks amortise them (predicted TTFT of 1024 tokens,
+# SmolLM2: 4.5 ms in chunks of 128, 2.7 in 512, 2.3 in one step); 512 is vLLM's scale of
+# token budget and keeps a step mixed with decode tokens under ~2.5 ms on Llama-3.2-1B.
+V7 = V6.replace(name="v7", tensor_cores=True, tile_2d=True, input_bytes=2,
+                attn_units_in_flight=8, attn_tensor_cores=True, kv_bytes_in_flight=32 * 1024,
+                prefill_chunk=512)
+V7_ROWS = V7.replace(name="v7-rows", tile_2d=False)
 # Every design a prediction can name (`monokernel plan --design`).
-DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6}
+DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v7": V7, "v7-rows": V7_ROWS}
 
 
 def design_for(program=None, sync: int = 2, multi_step: bool = True) -> KernelDesign:

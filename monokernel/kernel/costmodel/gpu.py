@@ -78,6 +78,10 @@ CONSTANTS: dict[str, tuple[str, dict[str, tuple[float, float, float]], str]] = {
                   "MEMBAR.SC.SYS (__threadfence_system after the step's token store to host "
                   "memory): drains the store over PCIe; assumed (PERFORMANCE.md 0: the host "
                   "read and this fence 1-3 us per step together)"),
+    "mma_tflops": ("TFLOP/s", {"h200": (400.0, 300.0, 600.0), "h100": (400.0, 300.0, 600.0)},
+                   "bf16 mma.sync m16n8k16 with fp32 accumulate, the whole chip: ~400 of the "
+                   "~990 dense TFLOP/s that wgmma reaches (PERFORMANCE.md 0.1); assumed, a GPU "
+                   "run of the mma test kernel measures it. Only steps of many tokens use it"),
     "launch": ("us", {"h200": (8.0, 5.0, 12.0), "h100": (8.0, 5.0, 12.0)},
                "host submit + cooperative launch + drain per launch; assumed so that R6 (N steps "
                "per launch) saves 7-8 us per token, as PERFORMANCE.md 3 predicts"),
@@ -110,6 +114,7 @@ class GPU:
     pcie_read: float
     sys_fence: float
     launch: float
+    mma_tflops: float
 
     def replace(self, **changes) -> "GPU":
         return dataclasses.replace(self, **changes)
@@ -139,7 +144,8 @@ def constant_range(gpu_name: str, constant: str) -> tuple[float, float]:
 
 
 # Constants whose HIGH end makes a step faster (rates, counts); for every other one, the low end.
-_FASTER_WHEN_HIGH = frozenset({"sms", "clock_ghz", "hbm_bw", "l2_bw", "gemv_bw", "schedulers"})
+_FASTER_WHEN_HIGH = frozenset({"sms", "clock_ghz", "hbm_bw", "l2_bw", "gemv_bw", "schedulers",
+                               "mma_tflops"})
 
 
 def corner(gpu_name: str, fast: bool) -> GPU:

@@ -110,6 +110,10 @@ class Phases:
     # matvec_issue_per_load): on the path of a latency-bound stream, hidden under a
     # bandwidth-bound one (the other warps' loads keep the memory pipe busy meanwhile)
     issue: np.ndarray | None = None
+    # tensor-core time of the whole stream's products (steps of many tokens, costmodel/
+    # tokens.py): the stream runs beside it, so the slower of the two bounds the op
+    compute: np.ndarray | None = None
+    tiles: tuple[int, int] = (1, 1)  # 2D tiles' (token groups, input slices): tokens.tile_split
 
 
 @dataclass
@@ -124,6 +128,7 @@ class OpBatch:
     hi: np.ndarray
     weight_bytes: np.ndarray
     instructions: list
+    shape: object = None  # the step's tokens (tokens.StepShape); None: one token at context
 
     @property
     def n(self) -> np.ndarray:

@@ -21,6 +21,7 @@ from ..isa import Op
 from .design import KernelDesign, design_for
 from .gpu import GPU, constant_range, corner, gpu
 from .parts import OpBatch, fetch_us, hop_parts, step_end_us
+from .tokens import StepShape, step_end_extra_us
 
 
 @dataclass
@@ -40,10 +41,17 @@ class Prediction:
     launch_us: float  # launch overhead per token
     critical: list[tuple[int, int]]  # (block, slot) from the first instruction to the last
     critical_hops: int
+    shape: StepShape | None = None  # the step's tokens; None: one token at ``context``
 
     @property
     def total_us(self) -> float:
         return self.step_us + self.launch_us
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens the step generates (one per token that needs logits) per second."""
+        made = 1 if self.shape is None else self.shape.logits
+        return made / self.total_us * 1e6
 
     @property
     def floor_us(self) -> float:
@@ -80,7 +88,8 @@ class Prediction:
         return rows
 
 
-def _batches(program, context: int) -> dict[Op, tuple[list[tuple[int, int]], OpBatch]]:
+def _batches(program, context: int, shape: StepShape | None = None
+             ) -> dict[Op, tuple[list[tuple[int, int]], OpBatch]]:
     by_op: dict[Op, list] = {}
     for blk, q in enumerate(program.queues):
         for i, ins in enumerate(q):
@@ -93,16 +102,26 @@ def _batches(program, context: int) -> dict[Op, tuple[list[tuple[int, int]], OpB
                         np.array([x.layer for x in ins], np.int64),
                         np.array([x.tile[0] for x in ins], np.int64),
                         np.array([x.tile[1] for x in ins], np.int64),
-                        np.array([x.weight_bytes for x in ins], np.int64), ins)
+                        np.array([x.weight_bytes for x in ins], np.int64), ins, shape)
         out[op] = ([(t[0], t[1]) for t in items], batch)
     return out
 
 
 class Static:
     """Per-instruction phases of a program at one context and design, [blocks, slots]. They
-    do not depend on the constants the calibration fits (latencies, bandwidth, fence)."""
+    do not depend on the constants the calibration fits (latencies, bandwidth, fence). With a
+    ``shape`` (tokens.StepShape), the phases of a step of those tokens; ``context`` is then
+    the shape's largest."""
 
-    def __init__(self, program, context: int, g: GPU, d: KernelDesign):
+    def __init__(self, program, context: int, g: GPU, d: KernelDesign,
+                 shape: StepShape | None = None):
+        if shape is None and d.tensor_cores:
+            # a design of many tokens runs one token as a step of one (its attention units
+            # dealt over the blocks as in any step)
+            shape = StepShape.decode(1, context)
+        if shape is not None:
+            context = shape.max_context
+        self.step = shape
         if context < 0 or context + 1 > program.max_seq_len:
             raise CostModelError(
                 f"context {context} does not fit the program's KV cache of "
@@ -110,29 +129,35 @@ class Static:
         B, L = program.num_blocks, program.max_len
         self.shape = (B, L)
         self.fields = {k: np.zeros((B, L)) for k in
-                       ("l2", "hbm", "other", "rounds", "bytes", "pref", "early", "issue")}
-        for op, (where, batch) in _batches(program, context).items():
+                       ("l2", "hbm", "other", "rounds", "bytes", "pref", "early", "issue",
+                        "compute")}
+        self.tiles: dict[str, tuple[int, int]] = {}  # per op: tokens.tile_split's (c, s)
+        for op, (where, batch) in _batches(program, context, shape).items():
             ph = ops.module(op).cost(batch, g, d)
             bi = tuple(np.array(where).T)
             f = self.fields
             f["l2"][bi], f["hbm"][bi], f["other"][bi] = ph.l2_trips, ph.hbm_trips, ph.other_us
             f["rounds"][bi], f["bytes"][bi] = ph.rounds, ph.stream_bytes
             f["pref"][bi] = np.minimum(ph.prefetch_bytes, ph.stream_bytes)
-            for name in ("early", "issue"):
+            for name in ("early", "issue", "compute"):
                 if getattr(ph, name) is not None:
                     f[name][bi] = getattr(ph, name)
+            self.tiles[op.name] = ph.tiles
 
 
 def predict(program, g: GPU | str = "h200", d: KernelDesign | None = None, context: int = 16,
-            static: "Static | None" = None) -> Prediction:
+            static: "Static | None" = None, shape: StepShape | None = None) -> Prediction:
     """Predicted time of one decode step on GPU ``g`` (a name or a ``GPU``) with kernel design
     ``d`` (default ``design_for(program)``) at ``context`` positions already in the cache (the
     step attends over context + 1). Pass ``static`` (a ``Static`` of the same program, context
-    and design) to reuse the phases when only the GPU's constants change."""
+    and design) to reuse the phases when only the GPU's constants change. ``shape``: a step of
+    many tokens (tokens.StepShape; a design with tensor cores), ``context`` then unused."""
     g = gpu(g) if isinstance(g, str) else g
     d = design_for(program) if d is None else d
-    st = static or Static(program, context, g, d)
-    return _simulate(program, g, d, context, st)
+    if shape is not None and shape.single:
+        context, shape = shape.segments[0].context, None  # the one-token step
+    st = static or Static(program, context, g, d, shape)
+    return _simulate(program, g, d, context if st.step is None else st.step.max_context, st)
 
 
 def busy_constants(g: GPU, d: KernelDesign, num_blocks: int) -> tuple[float, ...]:
@@ -146,15 +171,16 @@ def busy_constants(g: GPU, d: KernelDesign, num_blocks: int) -> tuple[float, ...
 
 
 def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, lead, signals,
-            mn=min, mx=max, early=0.0, issue=0.0):
+            mn=min, mx=max, early=0.0, issue=0.0, compute=0.0):
     """Ready -> end of one instruction (or of arrays of them: pass ``mn=np.minimum,
     mx=np.maximum``): its dependent round trips and fixed work, then its weight stream at
     min(bytes in flight / latency, the SM's HBM share), then its signal. ``k`` is
     ``busy_constants``; ``lead``: how long its L2 prefetch has run when the wait returns;
     ``early``: HBM loads issued at the start that its first L2 trip needs (their loaded
     latency past the lead and that trip is on the path); ``issue``: the stream's compute after
-    its data (on the path of a latency-bound stream only). The one formula the simulation and
-    the calibration share."""
+    its data (on the path of a latency-bound stream only); ``compute``: tensor-core time of the
+    stream's products (a step of many tokens), running beside the stream. The one formula the
+    simulation and the calibration share."""
     share, l2_share, L2, HBM, sig, bar, HBM_loaded, ramp = k
     fixed = l2 * L2 + hbm * HBM + other + early * mx(HBM_loaded - lead - L2, 0.0)
     hits = mn(pref, share * (lead + fixed))  # the prefetch ran from the start until the stream
@@ -162,6 +188,7 @@ def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, lead, si
     lat = h * L2 + (1 - h) * HBM  # the prefetched share of the rounds hits L2
     first = ramp * lat * (nbytes > 0)  # stream_ramp: the first bytes a latency after the start
     stream = mx(rounds * lat + issue, first + (nbytes - hits) / share + hits / l2_share)
+    stream = mx(stream, first + compute)
     return fixed + stream + signals * sig + (1 - signals) * bar
 
 
@@ -242,7 +269,7 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> P
                 e = r + busy_us(k, f["l2"][b][i], f["hbm"][b][i], f["other"][b][i],
                                 f["rounds"][b][i], f["bytes"][b][i], f["pref"][b][i],
                                 r - s, 1.0 if sig else 0.0, early=f["early"][b][i],
-                                issue=f["issue"][b][i])
+                                issue=f["issue"][b][i], compute=f["compute"][b][i])
                 start[b][i], ready[b][i], end[b][i], bound[b][i] = s, r, e, bnd
                 if sig:
                     sig_ends[ins.signal].append((e, b, i))
@@ -271,8 +298,8 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> P
     st_a = np.array(start, np.float64)
     trips = st.fields["l2"] + st.fields["hbm"] + st.fields["rounds"]
     return Prediction(program, g, d, context, st_a, np.array(ready, np.float64), end_a, trips,
-                      float(np.nanmax(end_a)) + step_end_us(g, d), g.launch / d.steps_per_launch,
-                      chain, hops)
+                      float(np.nanmax(end_a)) + step_end_us(g, d) + step_end_extra_us(st.step, g),
+                      g.launch / d.steps_per_launch, chain, hops, st.step)
 
 
 def predict_range(program, gpu_name: str, d: KernelDesign, context: int) -> tuple[float, float]:

@@ -11,6 +11,7 @@ import numpy as np
 
 from ...errors import CostModelError
 from ..costmodel.parts import OpBatch, Phases, issue_us
+from ..costmodel.tokens import mma_us, widen_attention
 from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, T_TILE, Args,
                    Op, attn_round_positions, merge_by_ticket, split_chunk, splits_used)
 from ..program import Instruction, Region, split_even
@@ -135,10 +136,19 @@ def tile_isa(n: np.ndarray, g, d, G: int, D: int):
         + 2 * g.shfl
     softmax = 10 * g.shfl + 0.02
     compute = (n > 0) * (k_compute + v_issue + v_reduce + softmax + 4 * g.bar_sync)
+    if d.attn_tensor_cores:
+        # (design v7, predicted) scores and values on tensor cores: K as the 16-row operand
+        # against the G queries padded to 8, P (G padded to 16) against V; the same loads
+        compute = (n > 0) * (mma_us(n, D, G, g) + mma_us(np.full_like(n, 16), n, D, g)
+                             + softmax + 4 * g.bar_sync)
     return k_rounds, v_rounds, compute
 
 
 def cost(b: OpBatch, g, d) -> Phases:
+    return widen_attention(b, g, d, _one_token)
+
+
+def _one_token(b: OpBatch, g, d) -> Phases:
     c = b.program.config
     G, D = c.group_size, c.head_dim
     idx, t0, cnt = _unit_positions(b)

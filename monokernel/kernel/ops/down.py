@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..costmodel.tokens import widen_matmul
 from ..costmodel.parts import OpBatch, Phases, copy_rounds, matvec, prefetched, trips
 from ..isa import Args, Op
 from ..program import Instruction, split_even
@@ -36,5 +37,5 @@ def cost(b: OpBatch, g, d) -> Phases:
     rounds, issue = matvec(b.n, F, g, d)
     other = busy * g.bar_sync
     pref = prefetched(d, b.n * F * 2)
-    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref,
-                  issue=busy * issue)
+    return widen_matmul(b, g, d, Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64),
+                                        pref, issue=busy * issue), F)

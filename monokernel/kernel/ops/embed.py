@@ -27,4 +27,5 @@ def tile(plan, layer: int) -> list[Instruction]:
 def cost(b: OpBatch, g, d) -> Phases:
     l2, hbm = trips(d, "EMBED", b.busy())
     z = b.zeros()
-    return Phases(l2, hbm, z, z.copy(), b.weight_bytes.astype(np.float64), z.copy())
+    rows = 1 if b.shape is None else b.shape.tokens  # one embedding row per token
+    return Phases(l2, hbm, z, z.copy(), rows * b.weight_bytes.astype(np.float64), z.copy())

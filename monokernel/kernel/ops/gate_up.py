@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..costmodel.tokens import widen_matmul
 from ..costmodel.parts import OpBatch, Phases, block_sum_us, late_norm, matvec, prefetched, trips
 from ..isa import Args, Op
 from ..program import Instruction, split_even
@@ -34,5 +35,6 @@ def cost(b: OpBatch, g, d) -> Phases:
     rounds, issue = matvec(b.n, H, g, d, pairs=True)
     other = busy * block_sum_us(g)
     pref = prefetched(d, b.n * H * 2, b.n * H * 2)
-    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref,
-                  late_norm(busy, d), busy * issue)
+    return widen_matmul(b, g, d, Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64),
+                                        pref, late_norm(busy, d), busy * issue),
+                        H, rows=2 * b.n)  # gate and up rows

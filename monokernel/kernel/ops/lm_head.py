@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..costmodel.tokens import widen_matmul
 from ..costmodel.parts import OpBatch, Phases, block_sum_us, late_norm, matvec, prefetched, trips
 from ..isa import STATE_WORDS, Args, Op
 from ..program import Instruction, split_even
@@ -52,5 +53,7 @@ def cost(b: OpBatch, g, d) -> Phases:
         other = other + 10 * g.shfl / len(b.lo)
     rounds, issue = matvec(b.n, H, g, d)
     pref = prefetched(d, b.n * H * 2)
-    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref,
-                  late_norm(busy, d), busy * issue)
+    ph = Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref,
+                late_norm(busy, d), busy * issue)
+    # only the tokens that need logits (none: a prompt chunk before the last)
+    return widen_matmul(b, g, d, ph, H, tokens=None if b.shape is None else b.shape.logits)

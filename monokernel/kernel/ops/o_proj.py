@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..costmodel.tokens import widen_matmul
 from ..costmodel.parts import OpBatch, Phases, copy_rounds, matvec, prefetched, trips
 from ..isa import MERGE_CHUNK, Args, Op, merge_block_ways
 from ..program import Instruction, split_even
@@ -72,5 +73,5 @@ def cost(b: OpBatch, g, d) -> Phases:
         other = other + owner * (5 * g.shfl + g.bar_sync)
     rounds, issue = matvec(b.n, c.q_dim, g, d)
     pref = prefetched(d, b.n * c.q_dim * 2)
-    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref,
-                  issue=busy * issue)
+    return widen_matmul(b, g, d, Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64),
+                                        pref, issue=busy * issue), c.q_dim)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..costmodel.tokens import widen_matmul
 from ..costmodel.parts import (OpBatch, Phases, block_sum_us, late_norm, matvec, prefetched,
                                trips)
 from ..isa import Args, Op
@@ -64,5 +65,6 @@ def cost(b: OpBatch, g, d) -> Phases:
     other = busy * block_sum_us(g) + np.bincount(idx, np.full(len(n), 2 * g.bar_sync), m)
     hbm = hbm + np.bincount(idx, np.full(len(n), float(c.attention_bias)), m)  # the bias
     pref = np.bincount(idx, prefetched(d, n * H * 2) * 2.0, m) if d.l2_prefetch else b.zeros()
-    return Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref,
-                  late_norm(busy, d), np.bincount(idx, seg_issue, m))
+    return widen_matmul(b, g, d, Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64),
+                                        pref, late_norm(busy, d), np.bincount(idx, seg_issue, m)),
+                        H)

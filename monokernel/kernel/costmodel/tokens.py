@@ -1,0 +1,238 @@
+"""Steps of many tokens (issue 17), as the cost model predicts them before the kernel has them.
+
+A step carries the tokens of one or more sequence *segments*: a decode token of each running
+sequence (a segment of one token), or a chunk of a prompt (a segment of T tokens). Each segment
+has the context its first token sees (positions already cached) and how many of its tokens need
+logits. ``StepShape`` is that list; ``predict(..., shape=...)`` simulates the program of the
+kernel as built with every op's phases widened to the step's tokens by the functions here:
+
+- a mat-mul reads its weights once per step and multiplies them by the step's T tokens on
+  tensor cores (``mma.sync`` m16n8k16: weights fill the 16-row side, tokens the 8-wide side,
+  both padded), at ``GPU.mma_tflops``; the weight stream and the mma run side by side, so the
+  slower of the two bounds the op;
+- with row tiles every block reads its tile's input for all T tokens from L2 (the *activation
+  broadcast*). 2D tiles (``tile_2d``, ``tile_split``) cut it two ways, chosen per op by cost:
+  over the tokens (c groups: a block takes c x the rows for T / c tokens; the weights it shares
+  with the other groups come from L2) and over the input (s slices: a block reads K / s, and
+  the row group's last block to draw its ticket adds the s partial sums in a fixed order).
+  Either way a token's numbers never depend on the step's other tokens (batch invariance);
+- attention runs per token over its own sequence's cache: a decode token costs what the
+  one-token step's attention costs at its context, spread over the blocks; a prefill chunk reads
+  its sequence's K/V once for all its tokens and computes the scores on tensor cores;
+- the LM head runs only for the tokens that need logits, and the step's end reduces each such
+  token's partials.
+
+Everything here is a prediction for a kernel not yet built (design ``v7``); T = 1 (no shape)
+leaves every phase exactly as the one-token model computes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...errors import CostModelError
+from .parts import OpBatch, Phases
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``tokens`` consecutive tokens of one sequence, the first at position ``context`` (that
+    many positions already cached), ``logits`` of them needing logits (the last ones)."""
+
+    context: int
+    tokens: int = 1
+    logits: int = 1
+
+    def __post_init__(self):
+        if self.context < 0 or self.tokens < 1 or not 0 <= self.logits <= self.tokens:
+            raise CostModelError(f"bad segment {self}: need context >= 0, tokens >= 1, "
+                                 "0 <= logits <= tokens")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The tokens of one step, by sequence segment."""
+
+    segments: tuple[Segment, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def decode(cls, batch: int, context: int) -> "StepShape":
+        """``batch`` sequences each decoding one token at ``context`` cached positions."""
+        if batch < 1:
+            raise CostModelError(f"batch must be >= 1, got {batch}")
+        return cls((Segment(context),) * batch)
+
+    @classmethod
+    def chunk(cls, start: int, tokens: int, last: bool) -> "StepShape":
+        """A prompt chunk of ``tokens`` tokens at positions start..; the prompt's last chunk
+        needs the logits of its last token."""
+        return cls((Segment(start, tokens, 1 if last else 0),))
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.segments)
+
+    @property
+    def logits(self) -> int:
+        return sum(s.logits for s in self.segments)
+
+    @property
+    def max_context(self) -> int:
+        """The last position any token of the step writes, + 0 (the cache needs one more)."""
+        return max(s.context + s.tokens - 1 for s in self.segments)
+
+    @property
+    def single(self) -> bool:
+        """One token that needs its logits: the one-token step the kernel runs today."""
+        return self.tokens == 1 and self.logits == 1
+
+
+def prefill_shapes(prompt: int, chunk: int) -> list[StepShape]:
+    """The steps that prefill a ``prompt``-token prompt ``chunk`` tokens at a time."""
+    if prompt < 1 or chunk < 1:
+        raise CostModelError(f"prompt and chunk must be >= 1, got {prompt} and {chunk}")
+    return [StepShape.chunk(s, min(chunk, prompt - s), s + chunk >= prompt)
+            for s in range(0, prompt, chunk)]
+
+
+def _pad(n, m: int):
+    return -(-np.asarray(n) // m) * m
+
+
+def mma_us(rows, k: int, tokens: int, g) -> np.ndarray:
+    """Tensor-core time of a block's rows x k weights times ``tokens`` tokens (m16n8k16:
+    rows and k padded to 16, tokens to 8) at the SM's share of ``mma_tflops``."""
+    flops = 2.0 * _pad(rows, 16) * _pad(k, 16) * _pad(tokens, 8)
+    return np.where(np.asarray(rows) > 0, flops / (g.mma_tflops * 1e6 / g.sms), 0.0)
+
+
+def _tile_us(n: int, k: int, tokens: int, c: int, s: int, g, d) -> tuple[float, float, float]:
+    """(input, weight re-read, reduction) us of a tile that takes c times the row tile's ``n``
+    rows for 1/c of the tokens and 1/s of the input: the input T/c x K/s from L2; the weights
+    its c - 1 other token groups also read, from L2 (HBM streams each weight byte once, as in
+    the row tile); with s > 1, the row group's last block to draw its ticket (one L2 round)
+    reads the s partial sums of the group's rows and writes their sum, in a fixed order."""
+    l2_share = g.l2_bw / g.sms
+    t_in = (tokens / c) * (k / s) * d.input_bytes / l2_share
+    t_w = (c - 1) * n * (k / s) * 2.0 / l2_share if c > 1 else 0.0
+    t_red = 0.0
+    if s > 1:
+        group_rows = n * c * s  # a row group: s blocks of c x n rows over K / s each
+        t_red = g.ticket + g.l2_latency + (s + 1) * (tokens / c) * group_rows * 4.0 / l2_share
+    return t_in, t_w, t_red
+
+
+def tile_split(rows, k: int, tokens: int, g, d) -> tuple[int, int]:
+    """How an op's tiles split for a step of ``tokens`` tokens: (c, s), c token groups and s
+    input slices per row group (c x s blocks share what one row tile of c x s x the rows
+    would do). (1, 1) without ``tile_2d`` (row tiles: every block reads every token's whole
+    input); else the cheapest for the op's busiest tile of c, s powers of two with c x s at
+    most the blocks and token groups of 8 or more (the mma's n side). A token's outputs come from
+    one block's k-loop, or from a fixed-order sum over s: never from the step's other tokens."""
+    if not d.tile_2d or tokens <= 1:
+        return 1, 1
+    n = int(np.max(rows)) if np.size(rows) else 0
+    best, best_t = (1, 1), None
+    blocks = len(rows)
+    for c in (2 ** i for i in range(8)):
+        if c > 1 and tokens / c < 8:
+            break
+        for s in (2 ** i for i in range(8)):
+            if c * s > blocks:
+                break
+            t = sum(_tile_us(n, k, tokens, c, s, g, d))
+            if best_t is None or t < best_t:
+                best, best_t = (c, s), t
+    return best
+
+
+def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | None = None
+                 ) -> Phases:
+    """A mat-mul op's one-token phases for the step's tokens (b.shape): the same HBM weight
+    stream; the tensor-core time as a floor under it; every token's input read from L2 and the
+    2D tiles' extra costs (``tile_split``). ``rows``: the rows each instruction multiplies
+    (default its tile); ``tokens``: how many tokens it multiplies (default all of the step's)."""
+    shape = b.shape
+    if shape is None or shape.single:
+        return ph
+    T = shape.tokens if tokens is None else tokens
+    rows = b.n if rows is None else np.asarray(rows)
+    if T == 0:  # nothing to multiply (the LM head of a chunk that needs no logits)
+        z = np.zeros(len(rows))
+        return Phases(z, z.copy(), z.copy(), z.copy(), z.copy(), z.copy())
+    if not d.tensor_cores:
+        raise CostModelError(f"design {d.name} has no tensor cores: a step of {T} tokens "
+                             "is not modelled on CUDA-core FMA")
+    busy = (rows > 0).astype(np.float64)
+    c, s = tile_split(rows, k, T, g, d)
+    t_in, t_w, t_red = _tile_us(int(np.max(rows)) if len(rows) else 0, k, T, c, s, g, d)
+    compute = mma_us(rows, k, T, g) + (ph.compute if ph.compute is not None else 0.0)
+    # the tile's outputs per token: written once (the residual's rows read and written)
+    epilogue = busy * T * rows * 8.0 / (g.l2_bw / g.sms)
+    return Phases(ph.l2_trips, ph.hbm_trips, ph.other_us + busy * (t_in + t_w + t_red) + epilogue,
+                  ph.rounds, ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue,
+                  compute, (c, s))
+
+
+def widen_attention(b: OpBatch, g, d, one_token) -> Phases:
+    """ATTENTION for the step's tokens. ``one_token(batch)`` is the op's one-token cost at
+    ``batch.context``. A decode token (a segment of one) costs the one-token units at its
+    context; a prefill chunk of T tokens reads its sequence's K/V once (the units at its last
+    token's context) and computes T x G queries per KV head on tensor cores. The layer's units
+    are dealt over the op's instructions (the T-token program deals (segment, KV head, split)
+    units round-robin, a step of one token too)."""
+    shape = b.shape
+    if shape is None or (shape.single and not d.tensor_cores):
+        return one_token(b, g, d)
+    c = b.program.config
+    n = len(b.lo)
+    layers = np.unique(b.layer)
+    per_layer = max(n // max(len(layers), 1), 1)  # instructions of one layer
+    tot = {k: 0.0 for k in ("l2", "hbm", "other", "rounds", "bytes", "pref", "units")}
+    flops = 0.0
+    cache: dict[int, tuple] = {}
+    for seg in shape.segments:
+        ctx = seg.context + seg.tokens - 1  # the last token's context: the most K/V
+        if ctx not in cache:
+            one = one_token(OpBatch(b.program, ctx, b.layer, b.lo, b.hi, b.weight_bytes,
+                                    b.instructions), g, d)
+            units = float(b.n.sum())
+            cache[ctx] = (one, units)
+        one, units = cache[ctx]
+        # per layer: the one-token op's totals over its instructions of one layer
+        for key, arr in (("l2", one.l2_trips), ("hbm", one.hbm_trips), ("other", one.other_us),
+                         ("rounds", one.rounds), ("bytes", one.stream_bytes),
+                         ("pref", one.prefetch_bytes)):
+            tot[key] += float(np.sum(arr)) / len(layers)
+        tot["units"] += units / len(layers)
+        if seg.tokens > 1:
+            # the chunk's queries (T x G per KV head) against its context: QK and PV on
+            # tensor cores (the one-token units' compute stays for the softmax and the merge)
+            flops += 4.0 * c.num_heads * c.head_dim * seg.tokens * (seg.context + seg.tokens / 2)
+    # the busiest block runs ceil(u) units (u: the layer's units over its instructions; a unit
+    # is not divided), up to attn_units_in_flight side by side: their dependent trips and
+    # fixed work (barriers, shuffles, the merge's ticket) overlap k ways (with tensor cores
+    # the units' compute in that work is small); their bytes do not
+    busy = b.busy()
+    units = max(tot["units"], 1.0)
+    mine = np.ceil(tot["units"] / max(per_layer, 1))  # units of the busiest block
+    k = min(d.attn_units_in_flight, mine)
+    each = {key: v / units for key, v in tot.items()}  # per unit, on average
+    serial = np.ceil(mine / k) * busy
+    nbytes = busy * mine * each["bytes"]
+    rounds = busy * mine * each["rounds"]
+    if d.kv_bytes_in_flight:
+        rounds = np.ceil(nbytes / d.kv_bytes_in_flight)
+    compute = busy * flops / per_layer / (g.mma_tflops * 1e6 / g.sms)
+    return Phases(serial * each["l2"], serial * each["hbm"], busy * mine * each["other"] / k,
+                  rounds, nbytes, busy * mine * each["pref"], compute=compute)
+
+
+def step_end_extra_us(shape: StepShape | None, g) -> float:
+    """The step's end for many logits rows: the reducer reads every row's per-tile partials
+    (one L2 round, the rows over its warps) and draws each row's token."""
+    if shape is None or shape.single or shape.logits == 0:
+        return 0.0
+    return (shape.logits - 1) * 10 * g.shfl / 8

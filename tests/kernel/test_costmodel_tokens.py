@@ -1,0 +1,173 @@
+"""The cost model of steps of many tokens (kernel/costmodel/tokens.py, design v7: issue 17,
+predicted before it is built): a step of one token is the one-token model's, bit for bit;
+batch 1 does not get slower; more tokens per step cost more per step and less per token; the
+predictions never beat the bytes the step must move; 2D tiles are never worse than row tiles;
+and `plan --batch / --prompt` print their predictions. Every number here is a prediction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from monokernel.cli import main
+from monokernel.errors import CostModelError
+from monokernel.kernel import costmodel as cm
+from monokernel.kernel.costmodel.tokens import (Segment, StepShape, mma_us, prefill_shapes,
+                                                tile_split)
+from monokernel.kernel.isa import Op
+from monokernel.kernel.schedule import schedule
+from monokernel.model.config import ModelConfig
+
+_PROGRAMS: dict = {}
+
+
+def program(name: str, blocks: int = 132, max_seq: int = 1100, **changes):
+    key = (name, blocks, max_seq, tuple(sorted(changes.items())))
+    if key not in _PROGRAMS:
+        cfg = ModelConfig.from_name(name)
+        if changes:
+            cfg = cfg.replace(**changes)
+        _PROGRAMS[key] = schedule(cfg, blocks, max_seq)
+    return _PROGRAMS[key]
+
+
+def small():
+    """A 3-layer SmolLM2 on 32 blocks: quick to schedule and to simulate, every op present."""
+    return program("smollm2-135m", 32, 300, num_layers=3)
+
+
+V7 = cm.design("v7")
+
+
+def test_a_step_of_one_token_is_the_one_token_model():
+    prog = small()
+    for d in (cm.V6, V7):
+        for ctx in (0, 17, 200):
+            a = cm.predict(prog, "h200", d, ctx)
+            b = cm.predict(prog, "h200", d, shape=StepShape.decode(1, ctx))
+            assert b.total_us == a.total_us
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"])
+@pytest.mark.parametrize("context", [16, 1024])
+def test_batch_one_is_no_slower_on_the_design_of_many_tokens(name, context):
+    """Issue 17: batch-1 decode predicted no slower than before (within 2%). v7 runs its one
+    token through the same code as a batch (mma, attention on tensor cores): that path, not
+    a separate mat-vec, must keep the speed."""
+    prog = program(name)
+    before = cm.predict(prog, "h200", cm.V6, context).total_us
+    after = cm.predict(prog, "h200", V7, context).total_us
+    assert after <= before * 1.02, (before, after)
+
+
+def test_more_tokens_cost_more_per_step_and_less_per_token():
+    prog = small()
+    prev = None
+    for batch in (1, 2, 8, 32, 64):
+        p = cm.predict(prog, "h200", V7, shape=StepShape.decode(batch, 64))
+        if prev is not None:
+            assert p.total_us >= prev.total_us
+            assert p.tokens_per_s > prev.tokens_per_s
+        prev = p
+
+
+def test_a_step_never_beats_the_bytes_it_moves():
+    """Weights once, every sequence's K/V once: at the copy rate that is a floor no
+    prediction may go under, whatever the batch."""
+    prog = program("qwen3-0.6b")
+    c = prog.config
+    for batch, ctx in ((64, 1024), (64, 16), (8, 1024)):
+        p = cm.predict(prog, "h200", V7, shape=StepShape.decode(batch, ctx))
+        kv = batch * (ctx + 1) * c.num_layers * c.kv_dim * 2 * 2
+        floor = (c.weight_bytes_per_token() + kv) / p.gpu.hbm_bw
+        assert p.step_us > floor, (batch, ctx, p.step_us, floor)
+
+
+def test_2d_tiles_are_never_worse_than_row_tiles():
+    prog = small()
+    rows = cm.design("v7-rows")
+    for shape in (StepShape.decode(64, 16), StepShape.decode(16, 200),
+                  StepShape.chunk(0, 256, True)):
+        assert cm.predict(prog, "h200", V7, shape=shape).step_us <= \
+            cm.predict(prog, "h200", rows, shape=shape).step_us
+    st = cm.Static(prog, 0, cm.gpu("h200"), rows, StepShape.decode(64, 16))
+    assert set(st.tiles.values()) == {(1, 1)}
+
+
+def test_tile_split_cuts_the_broadcast_when_it_dominates():
+    g = cm.gpu("h200")
+    # one token: nothing to split; many tokens over a long input: split
+    assert tile_split(np.full(132, 16), 8192, 1, g, V7) == (1, 1)
+    c, s = tile_split(np.full(132, 16), 8192, 512, g, V7)
+    assert c * s > 1
+    # token groups are never narrower than the mma's 8 columns
+    c, s = tile_split(np.full(132, 16), 576, 16, g, V7)
+    assert 16 / c >= 8
+
+
+def test_mma_time_pads_to_the_fragment_and_scales():
+    g = cm.gpu("h200")
+    one = mma_us(np.array([16]), 16, 8, g)[0]
+    assert one > 0
+    assert mma_us(np.array([1]), 1, 1, g)[0] == one  # padded to one m16n8k16
+    assert mma_us(np.array([32]), 64, 16, g)[0] == pytest.approx(16 * one)
+    assert mma_us(np.array([0]), 64, 16, g)[0] == 0.0
+
+
+def test_the_lm_head_runs_only_for_tokens_that_need_logits():
+    prog = small()
+    g = cm.gpu("h200")
+    st = cm.Static(prog, 0, g, V7, StepShape.chunk(0, 64, last=False))
+    head = [(b, i) for b, q in enumerate(prog.queues) for i, ins in enumerate(q)
+            if ins.op == Op.RMS_LM_HEAD]
+    for f in ("bytes", "rounds", "other", "compute"):
+        assert all(st.fields[f][b, i] == 0 for b, i in head), f
+    last = cm.Static(prog, 0, g, V7, StepShape.chunk(0, 64, last=True))
+    assert sum(last.fields["bytes"][b, i] for b, i in head) > 0
+
+
+def test_prefill_shapes_cover_the_prompt_once():
+    for prompt, chunk in ((1, 128), (128, 128), (1000, 128), (1024, 512)):
+        steps = prefill_shapes(prompt, chunk)
+        segs = [s.segments[0] for s in steps]
+        assert [s.context for s in segs] == list(range(0, prompt, chunk))
+        assert sum(s.tokens for s in segs) == prompt
+        assert [s.logits for s in segs] == [0] * (len(segs) - 1) + [1]
+    with pytest.raises(CostModelError):
+        prefill_shapes(0, 128)
+    with pytest.raises(CostModelError):
+        Segment(context=-1)
+    with pytest.raises(CostModelError):
+        StepShape.decode(0, 16)
+
+
+def test_the_one_token_design_refuses_a_step_of_many():
+    with pytest.raises(CostModelError, match="tensor cores"):
+        cm.predict(small(), "h200", cm.V6, shape=StepShape.decode(4, 16))
+
+
+def test_plan_batch_and_prompt_end_with_their_predictions(capsys):
+    assert main(["plan", "--shape", "smollm2-135m", "--blocks", "32", "--context", "64",
+                 "--predict", "h200", "--batch", "8", "--prompt", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "PREDICTION" in out and "not built yet" in out
+    m = [line for line in out.splitlines() if line.startswith("predicted")]
+    assert m[0].startswith("predicted on h200:") and "us/token" in m[0]
+    assert m[1].startswith("predicted on h200:") and m[1].endswith("tokens/s at batch 8")
+    assert m[2].startswith("predicted time to first token on h200:") and m[2].endswith(" ms")
+    us, tps = (float(x) for x in
+               __import__("re").match(r"predicted on h200: (\d+) us/step, (\d+) tokens/s",
+                                      m[1]).groups())
+    assert tps == pytest.approx(8 / us * 1e6, rel=0.01)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "4"], "--batch needs --predict"),
+    (["--predict", "h200", "--batch", "0"], "--batch must be >= 1"),
+    (["--predict", "h200", "--chunk", "64"], "--chunk needs --prompt"),
+    (["--predict", "h200", "--design", "v6", "--batch", "4"], "runs one token per step"),
+])
+def test_plan_batch_refuses_bad_input(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--shape", "smollm2-135m", "--blocks", "8", "--context", "16"] + argv)
+    assert message in str(e.value)
