@@ -1,0 +1,636 @@
+"""Tensor-core helpers (kernel/mma.cuh) and their warp-level CPU twins (emulator/cuda_cpu_mma.h).
+
+The kernels below are valid CUDA too (test_kernels_compile_for_sm_80_and_sm_90 builds them with
+nvcc, test_kernels_compile_with_nvrtc with NVRTC). They include mma.cuh the way the megakernel
+will, through ``kernel/includes.py``. What is checked:
+  - the layout: every (lane, register, half) of the A, B and C/D fragments of mma.m16n8k16, and
+    every lane's registers of ldmatrix.x4 / .x2, against this file's own copy of the PTX ISA's
+    tables (``a_coord`` ...), with a twin that swaps two registers as the negative control;
+  - a warp-tiled Y = X W^T through every combination of ldmatrix and global-fragment loads, on
+    awkward sizes (zero padding at every edge), against NumPy float64 of the same bf16 inputs;
+  - a lane missing at an mma is the emulator's warp error naming it, not a hang;
+  - the strict build under ThreadSanitizer runs the product clean and reports a missing
+    __syncthreads; AddressSanitizer reports an ldmatrix row past the shared buffer's end;
+  - nvcc: no spills, no stack, and the SASS has HMMA.16816.F32.BF16 and LDSM.
+Only a GPU run proves the PTX path itself (docs/tensor-cores.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from monokernel.errors import KernelError
+from monokernel.kernel.emulator import asan_preload_env, build
+from monokernel.kernel.includes import inline_includes
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "monokernel" / "kernel"
+
+KERNELS = r"""
+// Test kernels for kernel/mma.cuh: the CPU emulator runs them, nvcc and NVRTC compile them.
+#include "mma.cuh"
+
+#ifndef MMA_TEST_ROW_SHIFT  // ASan negative control: warp w's X tile moves this many rows on
+#define MMA_TEST_ROW_SHIFT 0
+#endif
+
+// ---- layout pinning: fragments in, D out, one case after another (one warp)
+struct FragParams {
+  const unsigned* a;  // (cases, 32, 4)
+  const unsigned* b;  // (cases, 32, 2)
+  const float* c;     // (cases, 32, 4)
+  float* d;           // (cases, 32, 4)
+  int cases;
+};
+extern "C" __global__ void mma_fragments(const FragParams p) {
+  const int lane = threadIdx.x & 31;
+  for (int s = 0; s < p.cases; ++s) {
+    unsigned a[4], b[2];
+    float c[4], d[4];
+    for (int i = 0; i < 4; ++i) a[i] = p.a[(s * 32 + lane) * 4 + i];
+    for (int i = 0; i < 2; ++i) b[i] = p.b[(s * 32 + lane) * 2 + i];
+    for (int i = 0; i < 4; ++i) c[i] = p.c[(s * 32 + lane) * 4 + i];
+    mma_m16n8k16_bf16(d, a, b, c);
+    for (int i = 0; i < 4; ++i) p.d[(s * 32 + lane) * 4 + i] = d[i];
+  }
+}
+
+// ---- ldmatrix: 32 distinct rows staged in shared memory; lane l passes row row_of_lane[l]
+struct __align__(16) Rows32 {
+  unsigned short v[32][8];
+};
+struct LdmParams {
+  const unsigned short* src;  // (32, 8)
+  const int* row_of_lane;     // (32,)
+  unsigned* out4;             // (32, 4)
+  unsigned* out2;             // (32, 2)
+};
+extern "C" __global__ void ldmatrix_fragments(const LdmParams p) {
+  __shared__ Rows32 rows;
+  const int lane = threadIdx.x & 31;
+  for (int i = lane; i < 32 * 8; i += 32) rows.v[i / 8][i % 8] = p.src[i];
+  __syncwarp();
+  unsigned r4[4], r2[2];
+  ldmatrix_x4(r4, rows.v[p.row_of_lane[lane]]);
+  ldmatrix_x2(r2, rows.v[p.row_of_lane[lane]]);
+  for (int i = 0; i < 4; ++i) p.out4[lane * 4 + i] = r4[i];
+  for (int i = 0; i < 2; ++i) p.out2[lane * 2 + i] = r2[i];
+}
+
+// ---- Y [tokens, n_out] = X [tokens, k] W [n_out, k]^T, as mma.cuh's header describes: each
+// block takes 16 rows of W, each of its WX_WARPS warps 8 tokens. W's k16 tile is staged once per
+// block (shared by both warps), each warp's X tile by that warp.
+constexpr int WX_WARPS = 2;
+constexpr int LDS = 24;  // shared row stride in bf16: rows stay 16-byte aligned, banks rotate
+struct __align__(16) WxSmem {
+  unsigned short w[16 * LDS];
+  unsigned short x[WX_WARPS][8 * LDS];
+};
+struct WxParams {
+  const unsigned short* w;  // (n_out, k) bf16
+  const unsigned short* x;  // (tokens, k) bf16
+  float* y;                 // (tokens, n_out)
+  int n_out, k, tokens;
+  int mode;                 // bit 0: A by ldmatrix from shared memory (else global); bit 1: B
+};
+
+// Dynamic shared memory (sized exactly at launch), so AddressSanitizer sees its end.
+__device__ __forceinline__ WxSmem& wx_smem() {
+#ifdef __CUDA_ARCH__
+  extern __shared__ uint4 wx_dyn[];
+  return *reinterpret_cast<WxSmem*>(wx_dyn);
+#else
+  return *static_cast<WxSmem*>(emu::dynamic_shared(sizeof(WxSmem)));
+#endif
+}
+
+extern "C" __global__ void mma_wx(const WxParams p) {
+  WxSmem& s = wx_smem();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t_groups = (p.tokens + 8 * WX_WARPS - 1) / (8 * WX_WARPS);
+  const int n0 = (blockIdx.x / t_groups) * 16;
+  const int t0 = ((blockIdx.x % t_groups) * WX_WARPS + warp) * 8;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int k0 = 0; k0 < p.k; k0 += 16) {
+    if (p.mode & 1)
+      for (int i = threadIdx.x; i < 16 * 16; i += blockDim.x) {
+        const int r = i / 16, c = i % 16;
+        s.w[r * LDS + c] = n0 + r < p.n_out && k0 + c < p.k ? p.w[(size_t)(n0 + r) * p.k + k0 + c] : 0;
+      }
+    if (p.mode & 2)
+      for (int i = lane; i < 8 * 16; i += 32) {
+        const int r = i / 16, c = i % 16;
+        s.x[warp][r * LDS + c] = t0 + r < p.tokens && k0 + c < p.k ? p.x[(size_t)(t0 + r) * p.k + k0 + c] : 0;
+      }
+#ifndef MMA_TEST_NO_SYNC  // TSan negative control: the tiles are read before every store is seen
+    __syncthreads();
+#endif
+    unsigned a[4], b[2];
+    if (p.mode & 1) ldmatrix_a(a, s.w, LDS);
+    else load_a_global(a, p.w, p.k, p.n_out, p.k, n0, k0);
+    if (p.mode & 2) ldmatrix_b(b, s.x[warp] + MMA_TEST_ROW_SHIFT * LDS, LDS);
+    else load_b_global(b, p.x, p.k, p.tokens, p.k, t0, k0);
+    mma_m16n8k16_bf16(acc, a, b, acc);
+    __syncthreads();  // the next k16 step restages the tiles
+  }
+  for (int i = 0; i < 4; ++i) {
+    const int n = n0 + mma_d_row(i), t = t0 + mma_d_col(i);
+    if (n < p.n_out && t < p.tokens) p.y[(size_t)t * p.n_out + n] = acc[i];
+  }
+}
+
+// ---- lane 7 leaves before the mma: an error naming the mma, not a hang
+extern "C" __global__ void mma_missing_lane(const FragParams p) {
+  if ((threadIdx.x & 31) == 7) return;
+  unsigned a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+  float c[4] = {0.f, 0.f, 0.f, 0.f}, d[4];
+  mma_m16n8k16_bf16(d, a, b, c);
+  p.d[threadIdx.x] = d[0];
+}
+"""
+KERNEL_NAMES = ["mma_fragments", "ldmatrix_fragments", "mma_wx", "mma_missing_lane"]
+WX_THREADS = 64  # WX_WARPS warps
+WX_SMEM_BYTES = (16 * 24 + 2 * 8 * 24) * 2
+
+
+def kernel_source() -> str:
+    return inline_includes(KERNELS, KERNEL_DIR, "test_mma.cu")
+
+
+# ================================================================================================
+# Reference: the PTX ISA's fragment tables ("Matrix Fragments for mma.m16n8k16 with floating
+# point type", .bf16; ldmatrix), written out here independently of the C++ twin.
+# ================================================================================================
+def a_coord(lane: int, reg: int, half: int) -> tuple[int, int]:
+    """(row, k) of A held in half `half` of a[reg] of `lane`."""
+    g, t = lane >> 2, lane & 3
+    return g + 8 * (reg & 1), 2 * t + 8 * (reg >> 1) + half
+
+
+def b_coord(lane: int, reg: int, half: int) -> tuple[int, int]:
+    """(k, n) of B held in half `half` of b[reg] of `lane`."""
+    g, t = lane >> 2, lane & 3
+    return 2 * t + 8 * reg + half, g
+
+
+def cd_coord(lane: int, i: int) -> tuple[int, int]:
+    """(row, n) of C and D held in c[i] / d[i] of `lane`."""
+    g, t = lane >> 2, lane & 3
+    return g + 8 * (i >> 1), 2 * t + (i & 1)
+
+
+def bf16_bits(x) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, np.uint32) << 16).view(np.float32)
+
+
+def to_regs(m: np.ndarray, coord, nregs: int) -> np.ndarray:
+    """A 16x16 A or 16x8 B matrix (values exact in bf16) -> (32, nregs) uint32 registers."""
+    bits = bf16_bits(m).astype(np.uint32)
+    regs = np.zeros((32, nregs), np.uint32)
+    for lane in range(32):
+        for r in range(nregs):
+            lo, hi = coord(lane, r, 0), coord(lane, r, 1)
+            regs[lane, r] = bits[lo] | bits[hi] << 16
+    return regs
+
+
+def from_regs(regs: np.ndarray, coord, shape) -> np.ndarray:
+    m = np.full(shape, np.nan, np.float64)
+    for lane in range(32):
+        for r in range(regs.shape[1]):
+            for half in (0, 1):
+                m[coord(lane, r, half)] = bits_to_f32((int(regs[lane, r]) >> (16 * half)) & 0xFFFF)
+    return m
+
+
+def cd_regs(m: np.ndarray) -> np.ndarray:
+    return np.array([[m[cd_coord(lane, i)] for i in range(4)] for lane in range(32)], np.float32)
+
+
+def mma_reference(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """D registers (32, 4) of one case, in float64 from the ISA's tables."""
+    am, bm = from_regs(a, a_coord, (16, 16)), from_regs(b, b_coord, (16, 8))
+    cm = np.zeros((16, 8))
+    for lane in range(32):
+        for i in range(4):
+            cm[cd_coord(lane, i)] = c[lane, i]
+    return cd_regs(am @ bm + cm)
+
+
+def pinning_cases() -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """One case per (lane, register, half) of A, of B, and per (lane, element) of C: that one is
+    1, the other operand holds distinct small integers (exact in bf16 and fp32), so D shows
+    exactly which matrix element the twin took it for."""
+    one = int(bf16_bits(1.0))
+    b_ids = to_regs(1 + np.arange(16)[:, None] + 16 * np.arange(8)[None, :], b_coord, 2)  # 1..128
+    a_ids = to_regs(1 + np.arange(16)[:, None] + 16 * np.arange(16)[None, :], a_coord, 4)  # 1..256
+    a, b, c, names = [], [], [], []
+    zero_a, zero_b, zero_c = np.zeros((32, 4), np.uint32), np.zeros((32, 2), np.uint32), np.zeros((32, 4), np.float32)
+    for lane in range(32):
+        for reg in range(4):
+            for half in (0, 1):
+                x = zero_a.copy()
+                x[lane, reg] = one << (16 * half)
+                a.append(x), b.append(b_ids), c.append(zero_c), names.append(f"A lane {lane} a[{reg}] half {half}")
+    for lane in range(32):
+        for reg in range(2):
+            for half in (0, 1):
+                x = zero_b.copy()
+                x[lane, reg] = one << (16 * half)
+                a.append(a_ids), b.append(x), c.append(zero_c), names.append(f"B lane {lane} b[{reg}] half {half}")
+    for lane in range(32):
+        for i in range(4):
+            x = zero_c.copy()
+            x[lane, i] = 1.0
+            a.append(zero_a), b.append(zero_b), c.append(x), names.append(f"C lane {lane} c[{i}]")
+    return np.array(a), np.array(b), np.array(c), names
+
+
+# ================================================================================================
+# Launch helpers
+# ================================================================================================
+class FragParams(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("c", ctypes.c_void_p),
+                ("d", ctypes.c_void_p), ("cases", ctypes.c_int)]
+
+
+class LdmParams(ctypes.Structure):
+    _fields_ = [("src", ctypes.c_void_p), ("row_of_lane", ctypes.c_void_p), ("out4", ctypes.c_void_p),
+                ("out2", ctypes.c_void_p)]
+
+
+class WxParams(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
+                ("n_out", ctypes.c_int), ("k", ctypes.c_int), ("tokens", ctypes.c_int), ("mode", ctypes.c_int)]
+
+
+def ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def wx_grid(n_out: int, tokens: int) -> int:
+    return -(-n_out // 16) * -(-tokens // 16)
+
+
+def wx_inputs(n_out: int, k: int, tokens: int, seed: int = 0):
+    rng = np.random.default_rng(seed + 1000 * n_out + 10 * k + tokens)
+    w = bf16_bits(rng.standard_normal((n_out, k)))
+    x = bf16_bits(rng.standard_normal((tokens, k)))
+    return w, x
+
+
+def wx_reference(w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Y = X W^T in float64 from the bf16 inputs, and the tolerance of an fp32 accumulation of K
+    exact products: each of its K roundings costs at most 2^-24 of the running sum, bounded by
+    sum_k |w x| (a K u bound, u = 2^-24), with a 2x margin."""
+    wf, xf = bits_to_f32(w).astype(np.float64), bits_to_f32(x).astype(np.float64)
+    k = w.shape[1]
+    return xf @ wf.T, 2.0 * k * 2.0**-24 * (np.abs(xf) @ np.abs(wf).T)
+
+
+def run_wx(mod, n_out: int, k: int, tokens: int, mode: int) -> np.ndarray:
+    w, x = wx_inputs(n_out, k, tokens)
+    y = np.full((tokens, n_out), np.nan, np.float32)  # poisoned: an unwritten element shows
+    params = WxParams(ptr(w), ptr(x), ptr(y), n_out, k, tokens, mode)
+    mod.launch("mma_wx", wx_grid(n_out, tokens), WX_THREADS, ctypes.addressof(params), 30.0)
+    return y
+
+
+def layout_mismatches(mod) -> list[str]:
+    a, b, c, names = pinning_cases()
+    d = np.full(c.shape, np.nan, np.float32)
+    params = FragParams(ptr(a), ptr(b), ptr(c), ptr(d), len(names))
+    mod.launch("mma_fragments", 1, 32, ctypes.addressof(params), 60.0)
+    bad = []
+    for s, name in enumerate(names):
+        want = mma_reference(a[s], b[s], c[s])
+        if not np.array_equal(d[s], want):
+            lane, i = map(int, np.argwhere(d[s] != want)[0])
+            bad.append(f"{name}: lane {lane} d[{i}] = {d[s][lane, i]}, want {want[lane, i]}")
+    return bad
+
+
+@pytest.fixture(scope="module")
+def mod():
+    return build(kernel_source(), KERNEL_NAMES, filename="test_mma.cu")
+
+
+# ================================================================================================
+# Layouts
+# ================================================================================================
+def test_reference_tables_cover_each_element_once():
+    """The ISA tables above are permutations: each matrix element sits in exactly one place."""
+    a = {a_coord(lane, r, h) for lane in range(32) for r in range(4) for h in (0, 1)}
+    b = {b_coord(lane, r, h) for lane in range(32) for r in range(2) for h in (0, 1)}
+    cd = {cd_coord(lane, i) for lane in range(32) for i in range(4)}
+    assert len(a) == 256 and a == {(m, k) for m in range(16) for k in range(16)}
+    assert len(b) == 128 and b == {(k, n) for k in range(16) for n in range(8)}
+    assert len(cd) == 128 and cd == {(m, n) for m in range(16) for n in range(8)}
+
+
+def test_mma_twin_layout_every_lane_register_and_half(mod):
+    assert layout_mismatches(mod) == []
+
+
+def test_negative_control_twin_with_swapped_registers_is_rejected():
+    """A twin that takes a[1] for a[2] and back must fail the layout check: on every one-hot
+    case of those two registers (each lane, each half), and on every B case (their A is full);
+    never on a[0], a[3] or C."""
+    bad_mod = build(kernel_source(), KERNEL_NAMES, filename="test_mma.cu",
+                    extra_flags=["-DEMU_MMA_MUTANT_SWAP_A12"])
+    bad = {m.split(":")[0] for m in layout_mismatches(bad_mod)}
+    want = {f"A lane {lane} a[{r}] half {h}" for lane in range(32) for r in (1, 2) for h in (0, 1)}
+    want |= {f"B lane {lane} b[{r}] half {h}" for lane in range(32) for r in (0, 1) for h in (0, 1)}
+    assert bad == want, sorted(bad ^ want)[:5]
+
+
+def test_ldmatrix_x4_and_x2_layouts(mod):
+    """Distinct 16-bit ids in 32 shared rows, each lane passing a scrambled row: lane l gets, of
+    matrix i (the rows named by lanes 8i..8i+7), row l >> 2, elements 2 (l & 3) and 2 (l & 3) + 1."""
+    src = (np.arange(32 * 8, dtype=np.uint16) * 7 + 3).reshape(32, 8)
+    row_of_lane = np.random.default_rng(5).permutation(32).astype(np.int32)
+    out4 = np.full((32, 4), 0xDEADBEEF, np.uint32)
+    out2 = np.full((32, 2), 0xDEADBEEF, np.uint32)
+    params = LdmParams(ptr(src), ptr(row_of_lane), ptr(out4), ptr(out2))
+    mod.launch("ldmatrix_fragments", 1, 32, ctypes.addressof(params), 10.0)
+    for n, out in ((4, out4), (2, out2)):
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for i in range(n):
+                row = src[row_of_lane[8 * i + g]]
+                want = int(row[2 * t]) | int(row[2 * t + 1]) << 16
+                assert out[lane, i] == want, f"x{n} lane {lane} r[{i}] = {out[lane, i]:#x}, want {want:#x}"
+
+
+# ================================================================================================
+# The product against NumPy
+# ================================================================================================
+SIZES = [(17, 16, 1), (40, 48, 3), (100, 200, 8), (17, 200, 17), (40, 16, 17), (100, 48, 1)]
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2, 3], ids=["global", "ldmatrix-A", "ldmatrix-B", "ldmatrix-AB"])
+def test_warp_tiled_product_matches_numpy(mod, mode):
+    for n_out, k, tokens in SIZES:
+        y = run_wx(mod, n_out, k, tokens, mode)
+        ref, tol = wx_reference(*wx_inputs(n_out, k, tokens))
+        err = np.abs(y.astype(np.float64) - ref)
+        assert np.all(err <= tol), (n_out, k, tokens, float(np.nanmax(err - tol)))
+        assert np.abs(ref).max() > 1.0  # a real product, not zeros
+
+
+def test_product_check_sees_a_dropped_k_step(mod):
+    """The tolerance has teeth: zeroing the last k16 step's W columns (what a product that
+    stops one step early computes) fails it."""
+    n_out, k, tokens = 40, 48, 3
+    y = run_wx(mod, n_out, k, tokens, 3)
+    w, x = wx_inputs(n_out, k, tokens)
+    w_short = w.copy()
+    w_short[:, 32:] = 0
+    ref_short, _ = wx_reference(w_short, x)
+    ref, tol = wx_reference(w, x)
+    assert np.all(np.abs(y - ref) <= tol)
+    assert not np.all(np.abs(ref_short - ref) <= tol)
+
+
+# ================================================================================================
+# Warp errors
+# ================================================================================================
+def test_missing_lane_is_a_warp_error_naming_mma(mod):
+    d = np.zeros(32, np.float32)
+    params = FragParams(0, 0, 0, ptr(d), 0)
+    with pytest.raises(KernelError, match=r"lane 7 .*mma_m16n8k16_bf16"):
+        mod.launch("mma_missing_lane", 1, 32, ctypes.addressof(params), 10.0)
+
+
+def test_partial_warp_is_an_error_naming_ldmatrix(mod):
+    """ldmatrix needs all 32 lanes: a block of 48 threads leaves the second warp 16 short."""
+    src = np.zeros((32, 8), np.uint16)
+    row_of_lane = np.arange(32, dtype=np.int32)
+    out4, out2 = np.zeros((48, 4), np.uint32), np.zeros((48, 2), np.uint32)
+    params = LdmParams(ptr(src), ptr(row_of_lane), ptr(out4), ptr(out2))
+    with pytest.raises(KernelError, match=r"ldmatrix.x4 needs all 32 lanes"):
+        mod.launch("ldmatrix_fragments", 1, 48, ctypes.addressof(params), 10.0)
+
+
+# ================================================================================================
+# Sanitizers
+# ================================================================================================
+# The strict (one OS thread per CUDA thread) build of mma_wx, driven by this main().
+STRICT_MAIN = r"""
+int main(int argc, char** argv) {
+  if (argc != 7) return 2;
+  WxParams p{};
+  p.n_out = std::atoi(argv[1]);
+  p.k = std::atoi(argv[2]);
+  p.tokens = std::atoi(argv[3]);
+  p.mode = std::atoi(argv[4]);
+  std::vector<unsigned short> w((size_t)p.n_out * p.k), x((size_t)p.tokens * p.k);
+  std::vector<float> y((size_t)p.tokens * p.n_out, NAN);
+  std::FILE* f = std::fopen(argv[5], "rb");
+  if (!f || std::fread(w.data(), 2, w.size(), f) != w.size() || std::fread(x.data(), 2, x.size(), f) != x.size())
+    return 2;
+  std::fclose(f);
+  p.w = w.data();
+  p.x = x.data();
+  p.y = y.data();
+  const int grid = ((p.n_out + 15) / 16) * ((p.tokens + 8 * WX_WARPS - 1) / (8 * WX_WARPS));
+  if (emu::launch(&emu::kernel_entry<&mma_wx>, grid, 32 * WX_WARPS, &p, 120.0) != 0) {
+    std::fprintf(stderr, "emu: %s\n", emu::last_error());
+    return 3;
+  }
+  f = std::fopen(argv[6], "wb");
+  if (!f || std::fwrite(y.data(), 4, y.size(), f) != y.size()) return 2;
+  std::fclose(f);
+  return 0;
+}
+"""
+STRICT_SIZE = (17, 40, 9)  # 2 blocks of 64 threads: every edge padded, both warps staging W
+
+
+def _tsan_reason() -> str | None:
+    from monokernel.kernel.emulator.strict import tsan_available
+
+    return tsan_available()
+
+
+def run_strict_wx(tmp_path, *defines: str) -> tuple[subprocess.CompletedProcess, np.ndarray | None]:
+    from monokernel.kernel.emulator.build import compile_unit, rewrite_shared
+    from monokernel.kernel.emulator.strict import STRICT_FLAGS, TSAN_FLAGS, TSAN_OPTIONS
+
+    unit = f'#line 1 "test_mma.cu"\n{rewrite_shared(kernel_source())}\n#line 1 "strict_main"\n{STRICT_MAIN}'
+    exe = tmp_path / "mma_strict"
+    compile_unit(unit, [*STRICT_FLAGS, *TSAN_FLAGS, *defines], exe, "the mma strict driver", executable=True)
+    n_out, k, tokens = STRICT_SIZE
+    w, x = wx_inputs(n_out, k, tokens)
+    (tmp_path / "in.bin").write_bytes(w.tobytes() + x.tobytes())
+    out = tmp_path / "out.bin"
+    proc = subprocess.run([str(exe), str(n_out), str(k), str(tokens), "3", str(tmp_path / "in.bin"), str(out)],
+                          env=dict(os.environ, TSAN_OPTIONS=TSAN_OPTIONS), capture_output=True, text=True,
+                          timeout=300)
+    y = np.fromfile(out, np.float32).reshape(tokens, n_out) if out.is_file() else None
+    return proc, y
+
+
+@pytest.mark.sanitizer
+def test_strict_build_under_tsan_is_clean_and_matches_numpy(tmp_path):
+    if (reason := _tsan_reason()) is not None:
+        pytest.skip(reason)
+    proc, y = run_strict_wx(tmp_path)
+    assert "ThreadSanitizer" not in proc.stderr, proc.stderr[-6000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref, tol = wx_reference(*wx_inputs(*STRICT_SIZE))
+    assert np.all(np.abs(y.astype(np.float64) - ref) <= tol)
+
+
+@pytest.mark.sanitizer
+def test_negative_control_missing_syncthreads_is_a_data_race(tmp_path):
+    """Without the __syncthreads between the tile stores and ldmatrix, another thread's store and
+    a lane's ldmatrix read of that row are unordered: TSan must say so, at the ldmatrix twin."""
+    if (reason := _tsan_reason()) is not None:
+        pytest.skip(reason)
+    proc, _ = run_strict_wx(tmp_path, "-DMMA_TEST_NO_SYNC")
+    assert "WARNING: ThreadSanitizer: data race" in proc.stderr, proc.stderr[-3000:]
+    assert "emu::ldmatrix" in proc.stderr and "mma_wx" in proc.stderr, proc.stderr[-6000:]
+
+
+ASAN_SCRIPT = r"""
+import ctypes, sys
+import numpy as np
+from monokernel.kernel.emulator import build
+
+source, n_out, k, tokens, mode, out, *flags = sys.argv[1:]
+n_out, k, tokens, mode = int(n_out), int(k), int(tokens), int(mode)
+mod = build(open(source).read(), ["mma_wx"], filename="test_mma.cu", sanitize="address", extra_flags=flags)
+class WxParams(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
+                ("n_out", ctypes.c_int), ("k", ctypes.c_int), ("tokens", ctypes.c_int), ("mode", ctypes.c_int)]
+data = np.fromfile(out + ".in", np.uint16)
+w, x = data[:n_out * k].copy(), data[n_out * k:].copy()
+y = np.full(tokens * n_out, np.nan, np.float32)
+p = WxParams(w.ctypes.data, x.ctypes.data, y.ctypes.data, n_out, k, tokens, mode)
+grid = -(-n_out // 16) * -(-tokens // 16)
+mod.launch("mma_wx", grid, 64, ctypes.addressof(p), 60.0)
+y.tofile(out)
+print("ran")
+"""
+
+
+def run_asan_wx(tmp_path, *defines: str) -> tuple[subprocess.CompletedProcess, np.ndarray | None]:
+    src = tmp_path / "test_mma.cu"
+    src.write_text(kernel_source())
+    n_out, k, tokens = STRICT_SIZE
+    w, x = wx_inputs(n_out, k, tokens)
+    out = tmp_path / "y.bin"
+    Path(str(out) + ".in").write_bytes(w.tobytes() + x.tobytes())
+    proc = subprocess.run([sys.executable, "-c", ASAN_SCRIPT, str(src), str(n_out), str(k), str(tokens), "3",
+                           str(out), *defines], env=asan_preload_env(), capture_output=True, text=True,
+                          timeout=600)
+    y = np.fromfile(out, np.float32).reshape(tokens, n_out) if out.is_file() else None
+    return proc, y
+
+
+@pytest.mark.sanitizer
+def test_product_under_address_sanitizer_is_clean(tmp_path):
+    proc, y = run_asan_wx(tmp_path)
+    assert "AddressSanitizer" not in proc.stderr, proc.stderr[-6000:]
+    assert proc.returncode == 0 and proc.stdout.startswith("ran"), proc.stderr[-3000:]
+    ref, tol = wx_reference(*wx_inputs(*STRICT_SIZE))
+    assert np.all(np.abs(y.astype(np.float64) - ref) <= tol)
+
+
+@pytest.mark.sanitizer
+def test_negative_control_ldmatrix_row_past_shared_end_is_reported(tmp_path):
+    """Each warp's X tile moved 8 rows on: warp 1's ldmatrix rows start at the dynamic shared
+    buffer's end. ASan must report the overflow in the ldmatrix twin, called from mma_wx."""
+    proc, _ = run_asan_wx(tmp_path, "-DMMA_TEST_ROW_SHIFT=8")
+    assert proc.returncode != 0 and "ran" not in proc.stdout
+    assert "AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
+    assert "emu::ldmatrix" in proc.stderr and "mma_wx" in proc.stderr, proc.stderr[-6000:]
+
+
+# ================================================================================================
+# nvcc and NVRTC
+# ================================================================================================
+NVCC = shutil.which("nvcc")
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH (CUDA toolkit needed)")
+
+
+def ptxas_properties(report: str) -> dict[str, tuple[int, int, int]]:
+    """``-Xptxas -v`` output -> {function: (stack frame, spill store, spill load bytes)}."""
+    return {m[1]: (int(m[2]), int(m[3]), int(m[4])) for m in re.finditer(
+        r"Function properties for (\w+)\s*\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
+        r"(\d+) bytes spill loads", report)}
+
+
+@pytest.fixture(scope="module")
+def cubins(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mma-nvcc")
+    src = root / "test_mma.cu"
+    src.write_text(kernel_source())
+    out = {}
+    for arch in ("sm_80", "sm_90"):
+        cubin = root / f"test_mma_{arch}.cubin"
+        proc = subprocess.run([NVCC, "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v", str(src),
+                               "-o", str(cubin)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"nvcc -arch={arch} failed:\n{proc.stderr[-4000:]}"
+        out[arch] = (cubin, proc.stdout + proc.stderr)
+    return out
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_kernels_compile_without_spills_or_stack(cubins, arch):
+    props = ptxas_properties(cubins[arch][1])
+    assert set(KERNEL_NAMES) <= set(props), props
+    assert all(v == (0, 0, 0) for v in props.values()), props
+
+
+@needs_nvcc
+def test_sass_has_tensor_core_mma_and_ldmatrix(cubins):
+    from monokernel.kernel.sass_facts import SassToolMissing, cuobjdump
+
+    try:
+        tool = cuobjdump()
+    except SassToolMissing as e:
+        pytest.skip(str(e))
+    proc = subprocess.run([tool, "-sass", str(cubins["sm_90"][0])], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    funcs = dict(re.findall(r"Function : (\w+)\n(.*?)(?=\n\s*Function : |\Z)", proc.stdout, flags=re.DOTALL))
+    wx = funcs["mma_wx"]
+    assert "HMMA.16816.F32.BF16" in wx
+    assert re.search(r"\bLDSM\.16\.M88\.4\b", wx) and re.search(r"\bLDSM\.16\.M88\.2\b", wx)
+    assert re.search(r"\bLDSM\.16\.M88\.4\b", funcs["ldmatrix_fragments"])
+    assert "HMMA.16816.F32.BF16" in funcs["mma_fragments"]
+
+
+def test_kernels_compile_with_nvrtc():
+    """NVRTC (CuPy's compiler on the GPU machine) has no standard headers: mma.cuh must not need
+    any. Compiled with the options CupyDevice.compile passes, plus CuPy's own."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
+    err, prog = nvrtc.nvrtcCreateProgram(kernel_source().encode(), b"test_mma.cu", 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+    opts = [b"-std=c++17", b"--generate-line-info", b"-ftz=true", b"-arch=sm_90"]
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    except RuntimeError as e:  # no libnvrtc found
+        pytest.skip(f"NVRTC library not loadable: {e}")
+    _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+    log = bytearray(n)  # a bytearray, never b" " * n (see test_nvrtc.py)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    nvrtc.nvrtcDestroyProgram(prog)
+    text = log.decode(errors="replace").strip("\0 \n")
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, text
+    assert "warning" not in text.lower(), text
