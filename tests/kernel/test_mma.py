@@ -17,7 +17,6 @@ Only a GPU run proves the PTX path itself (docs/tensor-cores.md).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shutil
@@ -260,25 +259,71 @@ def pinning_cases() -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
 
 
 # ================================================================================================
-# Launch helpers
+# Launch helpers: the same kernels and params on the emulator or, through CuPy, on a GPU
 # ================================================================================================
-class FragParams(ctypes.Structure):
-    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("c", ctypes.c_void_p),
-                ("d", ctypes.c_void_p), ("cases", ctypes.c_int)]
+# The kernels' by-value params structs (pointers are device addresses).
+FRAG_PARAMS = np.dtype([("a", np.uint64), ("b", np.uint64), ("c", np.uint64), ("d", np.uint64),
+                        ("cases", np.int32)], align=True)
+LDM_PARAMS = np.dtype([("src", np.uint64), ("row_of_lane", np.uint64), ("out4", np.uint64),
+                       ("out2", np.uint64)], align=True)
+WX_PARAMS = np.dtype([("w", np.uint64), ("x", np.uint64), ("y", np.uint64), ("n_out", np.int32),
+                      ("k", np.int32), ("tokens", np.int32), ("mode", np.int32)], align=True)
 
 
-class LdmParams(ctypes.Structure):
-    _fields_ = [("src", ctypes.c_void_p), ("row_of_lane", ctypes.c_void_p), ("out4", ctypes.c_void_p),
-                ("out2", ctypes.c_void_p)]
+class EmulatorRunner:
+    """Buffers are the NumPy arrays themselves; a launch blocks until the kernel is done."""
+
+    name = "emulator"
+
+    def __init__(self, module):
+        self.module = module
+
+    def buffer(self, host: np.ndarray):
+        return np.ascontiguousarray(host).copy()
+
+    def ptr(self, buf) -> int:
+        return buf.ctypes.data
+
+    def read(self, buf) -> np.ndarray:
+        return buf.copy()
+
+    def launch(self, name: str, grid: int, block: int, params: np.ndarray, smem_bytes: int = 0) -> None:
+        self.module.launch(name, grid, block, params.ctypes.data, 60.0)
 
 
-class WxParams(ctypes.Structure):
-    _fields_ = [("w", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
-                ("n_out", ctypes.c_int), ("k", ctypes.c_int), ("tokens", ctypes.c_int), ("mode", ctypes.c_int)]
+class CupyRunner:
+    """The kernels compiled by NVRTC through CuPy (as CupyDevice.compile does) and launched on
+    the current device with their params struct by value (as CupyDevice.launch does)."""
+
+    name = "cuda"
+
+    def __init__(self):
+        import cupy as cp
+
+        self.cp = cp
+        self.module = cp.RawModule(code=kernel_source(), options=("-std=c++17", "--generate-line-info"))
+
+    def buffer(self, host: np.ndarray):
+        return self.cp.asarray(np.ascontiguousarray(host))
+
+    def ptr(self, buf) -> int:
+        return buf.data.ptr
+
+    def read(self, buf) -> np.ndarray:
+        return self.cp.asnumpy(buf)
+
+    def launch(self, name: str, grid: int, block: int, params: np.ndarray, smem_bytes: int = 0) -> None:
+        func = self.module.get_function(name).kernel.ptr
+        kparams = np.array([params.ctypes.data], dtype=np.uintp)  # one pointer per kernel argument
+        self.cp.cuda.driver.launchKernel(func, grid, 1, 1, block, 1, 1, smem_bytes, 0, kparams.ctypes.data, 0)
+        self.cp.cuda.runtime.deviceSynchronize()
 
 
-def ptr(a: np.ndarray) -> int:
-    return a.ctypes.data
+def struct(dtype: np.dtype, **fields) -> np.ndarray:
+    p = np.zeros(1, dtype)
+    for k, v in fields.items():
+        p[k] = v
+    return p
 
 
 def wx_grid(n_out: int, tokens: int) -> int:
@@ -295,25 +340,29 @@ def wx_inputs(n_out: int, k: int, tokens: int, seed: int = 0):
 def wx_reference(w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Y = X W^T in float64 from the bf16 inputs, and the tolerance of an fp32 accumulation of K
     exact products: each of its K roundings costs at most 2^-24 of the running sum, bounded by
-    sum_k |w x| (a K u bound, u = 2^-24), with a 2x margin."""
+    sum_k |w x| (a K u bound, u = 2^-24), with a 2x margin for the GPU's unspecified order and
+    rounding inside a k16 step."""
     wf, xf = bits_to_f32(w).astype(np.float64), bits_to_f32(x).astype(np.float64)
     k = w.shape[1]
     return xf @ wf.T, 2.0 * k * 2.0**-24 * (np.abs(xf) @ np.abs(wf).T)
 
 
-def run_wx(mod, n_out: int, k: int, tokens: int, mode: int) -> np.ndarray:
-    w, x = wx_inputs(n_out, k, tokens)
-    y = np.full((tokens, n_out), np.nan, np.float32)  # poisoned: an unwritten element shows
-    params = WxParams(ptr(w), ptr(x), ptr(y), n_out, k, tokens, mode)
-    mod.launch("mma_wx", wx_grid(n_out, tokens), WX_THREADS, ctypes.addressof(params), 30.0)
-    return y
+def run_wx(runner, n_out: int, k: int, tokens: int, mode: int) -> np.ndarray:
+    w, x = (runner.buffer(a) for a in wx_inputs(n_out, k, tokens))
+    y = runner.buffer(np.full((tokens, n_out), np.nan, np.float32))  # poisoned: unwritten shows
+    params = struct(WX_PARAMS, w=runner.ptr(w), x=runner.ptr(x), y=runner.ptr(y), n_out=n_out, k=k,
+                    tokens=tokens, mode=mode)
+    runner.launch("mma_wx", wx_grid(n_out, tokens), WX_THREADS, params, WX_SMEM_BYTES)
+    return runner.read(y)
 
 
-def layout_mismatches(mod) -> list[str]:
+def layout_mismatches(runner) -> list[str]:
     a, b, c, names = pinning_cases()
-    d = np.full(c.shape, np.nan, np.float32)
-    params = FragParams(ptr(a), ptr(b), ptr(c), ptr(d), len(names))
-    mod.launch("mma_fragments", 1, 32, ctypes.addressof(params), 60.0)
+    bufs = [runner.buffer(v) for v in (a, b, c, np.full(c.shape, np.nan, np.float32))]
+    params = struct(FRAG_PARAMS, a=runner.ptr(bufs[0]), b=runner.ptr(bufs[1]), c=runner.ptr(bufs[2]),
+                    d=runner.ptr(bufs[3]), cases=len(names))
+    runner.launch("mma_fragments", 1, 32, params)
+    d = runner.read(bufs[3])
     bad = []
     for s, name in enumerate(names):
         want = mma_reference(a[s], b[s], c[s])
@@ -323,9 +372,30 @@ def layout_mismatches(mod) -> list[str]:
     return bad
 
 
+def run_ldmatrix(runner, block: int = 32):
+    src = (np.arange(32 * 8, dtype=np.uint16) * 7 + 3).reshape(32, 8)
+    row_of_lane = np.random.default_rng(5).permutation(32).astype(np.int32)
+    bufs = [runner.buffer(v) for v in (src, row_of_lane, np.full((block, 4), 0xDEADBEEF, np.uint32),
+                                         np.full((block, 2), 0xDEADBEEF, np.uint32))]
+    params = struct(LDM_PARAMS, src=runner.ptr(bufs[0]), row_of_lane=runner.ptr(bufs[1]),
+                    out4=runner.ptr(bufs[2]), out2=runner.ptr(bufs[3]))
+    runner.launch("ldmatrix_fragments", 1, block, params)
+    return src, row_of_lane, runner.read(bufs[2]), runner.read(bufs[3])
+
+
 @pytest.fixture(scope="module")
 def mod():
     return build(kernel_source(), KERNEL_NAMES, filename="test_mma.cu")
+
+
+@pytest.fixture(scope="module", params=["emulator", pytest.param("cuda", marks=pytest.mark.gpu)])
+def runner(request):
+    """The twins on the CPU and, where a GPU and CuPy are present, the PTX itself: the only
+    proof of the PTX path (conftest skips the gpu parameter with its reason elsewhere;
+    scripts/gpu_check.sh runs it with the other `-m gpu` tests)."""
+    if request.param == "emulator":
+        return EmulatorRunner(request.getfixturevalue("mod"))
+    return CupyRunner()
 
 
 # ================================================================================================
@@ -341,8 +411,8 @@ def test_reference_tables_cover_each_element_once():
     assert len(cd) == 128 and cd == {(m, n) for m in range(16) for n in range(8)}
 
 
-def test_mma_twin_layout_every_lane_register_and_half(mod):
-    assert layout_mismatches(mod) == []
+def test_mma_layout_every_lane_register_and_half(runner):
+    assert layout_mismatches(runner) == []
 
 
 def test_negative_control_twin_with_swapped_registers_is_rejected():
@@ -351,21 +421,16 @@ def test_negative_control_twin_with_swapped_registers_is_rejected():
     never on a[0], a[3] or C."""
     bad_mod = build(kernel_source(), KERNEL_NAMES, filename="test_mma.cu",
                     extra_flags=["-DEMU_MMA_MUTANT_SWAP_A12"])
-    bad = {m.split(":")[0] for m in layout_mismatches(bad_mod)}
+    bad = {m.split(":")[0] for m in layout_mismatches(EmulatorRunner(bad_mod))}
     want = {f"A lane {lane} a[{r}] half {h}" for lane in range(32) for r in (1, 2) for h in (0, 1)}
     want |= {f"B lane {lane} b[{r}] half {h}" for lane in range(32) for r in (0, 1) for h in (0, 1)}
     assert bad == want, sorted(bad ^ want)[:5]
 
 
-def test_ldmatrix_x4_and_x2_layouts(mod):
+def test_ldmatrix_x4_and_x2_layouts(runner):
     """Distinct 16-bit ids in 32 shared rows, each lane passing a scrambled row: lane l gets, of
     matrix i (the rows named by lanes 8i..8i+7), row l >> 2, elements 2 (l & 3) and 2 (l & 3) + 1."""
-    src = (np.arange(32 * 8, dtype=np.uint16) * 7 + 3).reshape(32, 8)
-    row_of_lane = np.random.default_rng(5).permutation(32).astype(np.int32)
-    out4 = np.full((32, 4), 0xDEADBEEF, np.uint32)
-    out2 = np.full((32, 2), 0xDEADBEEF, np.uint32)
-    params = LdmParams(ptr(src), ptr(row_of_lane), ptr(out4), ptr(out2))
-    mod.launch("ldmatrix_fragments", 1, 32, ctypes.addressof(params), 10.0)
+    src, row_of_lane, out4, out2 = run_ldmatrix(runner)
     for n, out in ((4, out4), (2, out2)):
         for lane in range(32):
             g, t = lane >> 2, lane & 3
@@ -382,9 +447,9 @@ SIZES = [(17, 16, 1), (40, 48, 3), (100, 200, 8), (17, 200, 17), (40, 16, 17), (
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2, 3], ids=["global", "ldmatrix-A", "ldmatrix-B", "ldmatrix-AB"])
-def test_warp_tiled_product_matches_numpy(mod, mode):
+def test_warp_tiled_product_matches_numpy(runner, mode):
     for n_out, k, tokens in SIZES:
-        y = run_wx(mod, n_out, k, tokens, mode)
+        y = run_wx(runner, n_out, k, tokens, mode)
         ref, tol = wx_reference(*wx_inputs(n_out, k, tokens))
         err = np.abs(y.astype(np.float64) - ref)
         assert np.all(err <= tol), (n_out, k, tokens, float(np.nanmax(err - tol)))
@@ -395,7 +460,7 @@ def test_product_check_sees_a_dropped_k_step(mod):
     """The tolerance has teeth: zeroing the last k16 step's W columns (what a product that
     stops one step early computes) fails it."""
     n_out, k, tokens = 40, 48, 3
-    y = run_wx(mod, n_out, k, tokens, 3)
+    y = run_wx(EmulatorRunner(mod), n_out, k, tokens, 3)
     w, x = wx_inputs(n_out, k, tokens)
     w_short = w.copy()
     w_short[:, 32:] = 0
@@ -410,19 +475,14 @@ def test_product_check_sees_a_dropped_k_step(mod):
 # ================================================================================================
 def test_missing_lane_is_a_warp_error_naming_mma(mod):
     d = np.zeros(32, np.float32)
-    params = FragParams(0, 0, 0, ptr(d), 0)
     with pytest.raises(KernelError, match=r"lane 7 .*mma_m16n8k16_bf16"):
-        mod.launch("mma_missing_lane", 1, 32, ctypes.addressof(params), 10.0)
+        EmulatorRunner(mod).launch("mma_missing_lane", 1, 32, struct(FRAG_PARAMS, d=d.ctypes.data))
 
 
 def test_partial_warp_is_an_error_naming_ldmatrix(mod):
     """ldmatrix needs all 32 lanes: a block of 48 threads leaves the second warp 16 short."""
-    src = np.zeros((32, 8), np.uint16)
-    row_of_lane = np.arange(32, dtype=np.int32)
-    out4, out2 = np.zeros((48, 4), np.uint32), np.zeros((48, 2), np.uint32)
-    params = LdmParams(ptr(src), ptr(row_of_lane), ptr(out4), ptr(out2))
     with pytest.raises(KernelError, match=r"ldmatrix.x4 needs all 32 lanes"):
-        mod.launch("ldmatrix_fragments", 1, 48, ctypes.addressof(params), 10.0)
+        run_ldmatrix(EmulatorRunner(mod), block=48)
 
 
 # ================================================================================================
@@ -507,22 +567,21 @@ def test_negative_control_missing_syncthreads_is_a_data_race(tmp_path):
 
 
 ASAN_SCRIPT = r"""
-import ctypes, sys
+import sys
 import numpy as np
 from monokernel.kernel.emulator import build
 
 source, n_out, k, tokens, mode, out, *flags = sys.argv[1:]
 n_out, k, tokens, mode = int(n_out), int(k), int(tokens), int(mode)
 mod = build(open(source).read(), ["mma_wx"], filename="test_mma.cu", sanitize="address", extra_flags=flags)
-class WxParams(ctypes.Structure):
-    _fields_ = [("w", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
-                ("n_out", ctypes.c_int), ("k", ctypes.c_int), ("tokens", ctypes.c_int), ("mode", ctypes.c_int)]
 data = np.fromfile(out + ".in", np.uint16)
 w, x = data[:n_out * k].copy(), data[n_out * k:].copy()
 y = np.full(tokens * n_out, np.nan, np.float32)
-p = WxParams(w.ctypes.data, x.ctypes.data, y.ctypes.data, n_out, k, tokens, mode)
+p = np.array([(w.ctypes.data, x.ctypes.data, y.ctypes.data, n_out, k, tokens, mode)], np.dtype(
+    [("w", np.uint64), ("x", np.uint64), ("y", np.uint64), ("n_out", np.int32), ("k", np.int32),
+     ("tokens", np.int32), ("mode", np.int32)], align=True))
 grid = -(-n_out // 16) * -(-tokens // 16)
-mod.launch("mma_wx", grid, 64, ctypes.addressof(p), 60.0)
+mod.launch("mma_wx", grid, 64, p.ctypes.data, 60.0)
 y.tofile(out)
 print("ran")
 """

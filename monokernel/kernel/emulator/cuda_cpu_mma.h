@@ -84,7 +84,7 @@ inline void ldmatrix_warp(Warp& w) {
 
 template <int N>
 constexpr const char* ldmatrix_name() {
-  return N == 4 ? "ldmatrix.x4" : N == 2 ? "ldmatrix.x2" : "ldmatrix.x1";
+  return N == 4 ? "ldmatrix.x4" : "ldmatrix.x2";
 }
 
 }  // namespace detail
@@ -105,7 +105,7 @@ inline void mma_m16n8k16_bf16(float d[4], const unsigned int a[4], const unsigne
 // overflow.
 template <int N>
 inline void ldmatrix(unsigned int (&r)[N], const void* row) {
-  static_assert(N == 1 || N == 2 || N == 4, "ldmatrix loads 1, 2 or 4 matrices");
+  static_assert(N == 2 || N == 4, "mma.cuh uses ldmatrix .x2 and .x4 (an .x1 twin would need its own test)");
   const unsigned int lane = threadIdx.x & 31u;
   alignas(16) unsigned char bytes[16] = {};
   if (lane < 8u * N) {
