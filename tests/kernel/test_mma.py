@@ -12,7 +12,8 @@ will, through ``kernel/includes.py``. What is checked:
   - the strict build under ThreadSanitizer runs the product clean and reports a missing
     __syncthreads; AddressSanitizer reports an ldmatrix row past the shared buffer's end;
   - nvcc: no spills, no stack, and the SASS has HMMA.16816.F32.BF16 and LDSM.
-Only a GPU run proves the PTX path itself (docs/tensor-cores.md).
+Only a GPU run proves the PTX path itself: the layout and product tests run on the emulator and,
+as their `gpu`-marked `cuda` parameter, through CuPy on a device (docs/tensor-cores.md).
 """
 
 from __future__ import annotations
