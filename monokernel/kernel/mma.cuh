@@ -119,7 +119,8 @@ __device__ __forceinline__ void ldmatrix_b(unsigned b[2], const unsigned short* 
 
 // Two consecutive bf16 m[r][c], m[r][c + 1] of a row-major [rows, cols] matrix (ld elements per
 // row) as one register, zero outside the matrix. c is even; one 32-bit load when the pair is
-// inside and 4-byte aligned (ld even), else two 16-bit loads. `Ldg`: through the read-only path.
+// inside and 4-byte aligned (ld even; m itself must be 4-byte aligned, as every buffer is), else
+// two 16-bit loads. `Ldg`: through the read-only path.
 template <bool Ldg>
 __device__ __forceinline__ unsigned bf16_pair(const unsigned short* m, int ld, int rows, int cols, int r, int c) {
   if (r >= rows || c >= cols) return 0u;
@@ -139,7 +140,8 @@ __device__ __forceinline__ void load_a_global(unsigned a[4], const unsigned shor
                                               int row0, int k0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int r = 0; r < 4; ++r) a[r] = bf16_pair<true>(w, ld, rows, cols, row0 + g + 8 * (r & 1), k0 + 2 * t + 8 * (r >> 1));
+  for (int r = 0; r < 4; ++r)
+    a[r] = bf16_pair<true>(w, ld, rows, cols, row0 + g + 8 * (r & 1), k0 + 2 * t + 8 * (r >> 1));
 }
 
 // B fragment of tokens [tok0, tok0 + 8) x k [k0, k0 + 16) of X [tokens, cols] (row-major bf16,
