@@ -4,7 +4,7 @@
 
 Starts `monokernel serve` (default: the numpy backend, the bundled SmolLM2-135M,
 ``--max-num-seqs`` = the number of requests) on 127.0.0.1, sends one warm-up request, then sends
-``--requests`` different completions (prompts of ~32 tokens, greedy, ``ignore_eos`` so each
+``--requests`` different completions (prompts of ~26 tokens, greedy, ``ignore_eos`` so each
 makes exactly ``--max-tokens`` tokens) one after another and measures their aggregate
 generated tokens/s. It then restarts the server (so the second phase finds no prompt in the
 prefix cache) and sends the same requests all at once, one thread each. It checks that every
@@ -76,7 +76,7 @@ TOPICS = ["rivers", "bread", "the moon", "bicycles", "volcanoes", "chess", "owls
 
 
 def bodies(n: int, max_tokens: int) -> list[dict]:
-    """n different prompts of about 32 tokens."""
+    """n different prompts of about 26 tokens (SmolLM2's tokenizer)."""
     return [{"prompt": f"Request {i}. Write a short, plain paragraph for a curious child about "
                        f"{TOPICS[i % len(TOPICS)]}, and say one surprising fact about "
                        f"{TOPICS[(i * 7 + 3) % len(TOPICS)]} too:",
@@ -155,7 +155,7 @@ def main() -> None:
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": commit,
            "machine": f"CPU, {os.cpu_count()} cores, no GPU", "backend": args.backend,
            "model": args.model or "bundled SmolLM2-135M-Instruct",
-           "command": "python " + " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+           "command": "python " + " ".join(["benchmarks/serve_batch.py"] + sys.argv[1:]),
            "requests": args.requests, "max_tokens": args.max_tokens, "ratio": round(ratio, 2),
            "equal_to_solo": len(solo) - len(differ), "differ": differ, **result}
     if args.out:

@@ -1,5 +1,8 @@
 """The Engine: one generation loop over the executor interface (kernel/base.py).
 
+(A batched executor, the NumPy one, runs many generations at once through batching.py; the
+rest of this docstring is the one-sequence path the kernel executors take.)
+
 An executor runs the model for one sequence. The NumPy executor runs reference.py; the kernel
 executors (emulator, cuda, and their multi-kernel baselines) share one program and one set of
 buffers and differ only in how they allocate, copy and launch. The Engine drives every one of
@@ -359,6 +362,12 @@ class Generation:
 
 class Engine:
     """The generation loop: validate, prefill, then sample and step until a stop condition.
+
+    A batched executor (``max_num_seqs`` > 1: numpy) runs every generation through the
+    Batcher's step loop (batching.py): many at once, up to ``max_num_seqs``, steps of at most
+    ``max_num_batched_tokens`` rows, K/V in ``num_pages`` pages (default: a whole context per
+    slot), prompt pages reused across requests. What follows is the one-sequence path of the
+    other executors (the kernels).
 
     One sequence at a time. With ``prefix_caching`` the K/V cache of the longest common prefix
     of the previous sequence (prompt and fed tokens) and the new prompt is kept, and only the
