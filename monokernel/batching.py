@@ -81,6 +81,7 @@ class Seq:
         self.slot = -1
         self.pages: list[int] = []
         self.computed = 0  # positions whose K/V are written
+        self.chunk = 0  # rows it has in the step being run
         self.registered = 0  # leading pages in the prefix cache
         self.key = None  # the prefix cache key of the last registered page
         self.out: deque["Sampled"] = deque()

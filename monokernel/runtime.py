@@ -57,6 +57,10 @@ class NumpyExecutor(Executor):
     stderr at start: OpenBLAS's own default spun its worker threads against other work on a
     busy 2-core machine and decode fell from 6-18 to 0.7-2.3 tokens/s, unnoticed.
 
+    The Engine drives it through ``run_table`` (batching.py: many sequences per step over a
+    page pool; ``page_size`` positions per page; ``batch_invariant``: run_table's docstring).
+    ``prefill_chunk`` is for its one-sequence calls (``prefill``, ``step``: tools, tests).
+
     ``prefill_chunk``: a prompt runs in chunks that start at multiples of this many positions
     (default 32), so that a prefill from any such multiple makes exactly the calls a prefill from
     position 0 makes there, and reusing a cached prefix gives the same numbers, bit for bit, as

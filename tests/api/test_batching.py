@@ -196,3 +196,19 @@ def test_prefix_reuse_across_requests_is_exact(tiny):
 def test_batch_options_are_checked_before_the_model_loads(tmp_path, kw, msg):
     with pytest.raises(ParameterError, match=msg):
         LLM(tmp_path / "nothing-here", backend="numpy", progress=False, **kw)
+
+
+def test_stop_strings_and_prompt_logprobs_per_request_in_a_batch(tiny):
+    """Each request of a batch keeps its own stop strings (its tokens may be made before its
+    stream reads them: the stream still ends at its own stop) and its prompt logprobs."""
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    texts = [tiny.generate(p, free).text for p in PROMPTS[:3]]
+    stops = [t[len(t) // 2:len(t) // 2 + 2] for t in texts]
+    params = [free.replace(stop=[s], prompt_logprobs=1) for s in stops]
+    solo = [tiny.generate(p, q) for p, q in zip(PROMPTS[:3], params)]
+    batch = tiny.generate(PROMPTS[:3], params)
+    for s, b, stop in zip(solo, batch, stops):
+        assert stop and b.finish_reason == "stop" and b.stop_reason == stop
+        assert (b.text, b.token_ids) == (s.text, s.token_ids)
+        assert [e and e.logprob for e in b.prompt_logprobs] == \
+            [e and e.logprob for e in s.prompt_logprobs]
