@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .errors import NumericalError, ParameterError, PromptError
+from .errors import MonokernelError, NumericalError, ParameterError, PromptError
 from .kernel.base import StepTable
 from .kv_pages import PagePool
 
@@ -107,6 +107,7 @@ class Batcher:
         if num_pages is None:  # every slot can hold a whole context
             num_pages = max_num_seqs * -(-ex.max_seq_len // ps)
         self.pool = PagePool(ex.add_pages(num_pages), ps)
+        ex.pages_owner = self  # a later Engine on this executor takes the pool over
         self.lock = threading.RLock()
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
@@ -169,6 +170,9 @@ class Batcher:
             rows, chunks = self._plan()
             table = StepTable.of(rows, {s.slot: s.pages for s in chunks})
             try:
+                if self.executor.pages_owner is not self:
+                    raise MonokernelError(f"another Engine was made on this {self.executor.name}"
+                                          f" executor and took its K/V pages: use that one")
                 logits = self.executor.run_table(table)
             except Exception as e:  # the executor failed: every sequence in the step ends
                 for s in chunks:

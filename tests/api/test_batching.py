@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from monokernel import LLM, ParameterError, PromptError, SamplingParams
+from monokernel import LLM, MonokernelError, ParameterError, PromptError, SamplingParams
 from monokernel.kernel.isa import StopReason
 from monokernel.runtime import Engine, make_executor
 
@@ -100,6 +100,14 @@ def test_when_pages_run_out_a_request_waits_and_one_that_never_fits_is_refused(s
     assert len(list(a)) == 9 and len(list(b)) == 10  # B ran once A gave its pages back
     with pytest.raises(PromptError, match="may need 6 K/V pages.*the pool holds 5"):
         eng.generate(prompt(8), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+
+
+def test_a_second_engine_on_one_executor_takes_its_pages_and_the_first_says_so(synth_model):
+    first = engine(synth_model, max_num_seqs=2)
+    second = Engine(first.executor, max_num_seqs=2)
+    assert len(list(second.generate(prompt(5), GREEDY))) == 4
+    with pytest.raises(MonokernelError, match="another Engine was made on this numpy executor"):
+        list(first.generate(prompt(5), GREEDY))
 
 
 def test_a_sequence_reaching_the_context_end_stops_there_beside_others(synth_model):
