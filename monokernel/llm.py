@@ -201,7 +201,10 @@ class LLM:
     model. ``backend``: auto | numpy | emulator | emulator-multi | cuda | cuda-multi.
     ``max_seq_len`` (vLLM: ``max_model_len``): the context (default min(2048, the model's));
     ``enable_prefix_caching``: reuse the K/V cache of the prefix shared with the previous
-    sequence (chat turns, repeated system prompts). Other keywords are the backend's options
+    sequence (chat turns, repeated system prompts). ``max_num_seqs`` (default 32) and
+    ``max_num_batched_tokens`` (default max(512, max_num_seqs)): how many sequences a batched
+    backend (numpy) runs at once and how many rows one step takes (batching.py); the kernel
+    backends run one sequence at a time whatever they say. Other keywords are the backend's options
     (``blocks=8``, ``threads=2``: runtime.backend_options), checked before the model loads."""
 
     def __init__(self, model: str | Path | None = None, backend: str = "auto", *,
