@@ -3,12 +3,15 @@
 
 Calls pasted from vLLM work: ``generate(prompts, sampling_params=...)`` with one or a list of
 params, ``{"prompt_token_ids": [...]}`` prompts, ``chat()`` on a list of conversations,
-``get_tokenizer()``. One sequence runs at a time (batch 1 is the design point): a list of
-prompts runs one after another.
+``get_tokenizer()``. A list of prompts runs as one batch on a batched backend (numpy: up to
+``max_num_seqs`` sequences per step, the rest admitted as slots free up; batching.py), one
+after another on the kernel backends, which run one sequence at a time until their T-token
+step lands.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -20,6 +23,8 @@ from .errors import ParameterError, PromptError, TokenizerError
 from .model.chat_template import render_chat_template
 from .model.loader import LoadedModel, load_model
 from .results import Completion, CompletionOutput, Delta, Logprob, TokenLogprob
+from .kernel.isa import StopReason
+from .batching import batch_options
 from .runtime import Engine, Generation, Sampled, make_executor, resolve_backend
 from .sampling import SamplingParams
 from .streaming import TextStream
@@ -63,6 +68,11 @@ class Stream:
     def deltas(self) -> Iterator[Delta]:
         return self._it
 
+    def ready(self) -> bool:
+        """Whether the next delta comes without running an engine step (batched backends:
+        the server's engine thread serves the streams that are ready, then steps)."""
+        return self._gen.ready()
+
     def close(self) -> None:
         self._closed = True
         self._gen.close()
@@ -94,8 +104,9 @@ class Stream:
                 if lps is not None:
                     lps.append(tl)  # type: ignore[arg-type]
                 # the Engine handed the token to the TextStream as it made it (TextStop)
-                yield Delta(self._text.piece, [s.token], [tl] if want else None)  # type: ignore
-                if ts.stopped:
+                yield Delta(self._text.pieces.popleft(), [s.token],
+                            [tl] if want else None)  # type: ignore
+                if s.end is StopReason.HOST:  # its stop string (later tokens may be queued)
                     finish, stop_reason = "stop", ts.stop_hit
                     break
             tail = ts.finish()
@@ -117,14 +128,15 @@ class TextStop:
     """The stop strings as the Engine's ``text_stop``: each generated token goes through the
     TextStream as the Engine makes it, so the Engine's StopRule ends the generation at a stop
     string (and a multi-step kernel's launch with it); ``piece`` keeps the text the token made
-    safe to show until the Stream hands it on."""
+    safe to show until the Stream hands it on (in order: in a batch the Engine may make
+    several tokens before the Stream takes the first)."""
 
     def __init__(self, stream: TextStream):
         self.stream = stream
-        self.piece = ""
+        self.pieces: collections.deque[str] = collections.deque()
 
     def __call__(self, token: int) -> bool:
-        self.piece = self.stream.push(token)
+        self.pieces.append(self.stream.push(token))
         return self.stream.stopped
 
 
@@ -189,12 +201,16 @@ class LLM:
     model. ``backend``: auto | numpy | emulator | emulator-multi | cuda | cuda-multi.
     ``max_seq_len`` (vLLM: ``max_model_len``): the context (default min(2048, the model's));
     ``enable_prefix_caching``: reuse the K/V cache of the prefix shared with the previous
-    sequence (chat turns, repeated system prompts). Other keywords are the backend's options
+    sequence (chat turns, repeated system prompts). ``max_num_seqs`` (default 32) and
+    ``max_num_batched_tokens`` (default max(512, max_num_seqs)): how many sequences a batched
+    backend (numpy) runs at once and how many rows one step takes (batching.py); the kernel
+    backends run one sequence at a time whatever they say. Other keywords are the backend's options
     (``blocks=8``, ``threads=2``: runtime.backend_options), checked before the model loads."""
 
     def __init__(self, model: str | Path | None = None, backend: str = "auto", *,
                  max_seq_len: int | None = None, progress: bool = True,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  **backend_options: Any):
         if max_model_len is not None:
             if max_seq_len is not None and max_seq_len != max_model_len:
@@ -206,6 +222,7 @@ class LLM:
                                  f"one generated), got {max_seq_len!r}")
         spec = resolve_backend(backend)  # a misspelt backend or option fails before the load
         options = spec.parse(backend_options)
+        batch_options(max_num_seqs, max_num_batched_tokens)
         self.model: LoadedModel = load_model(model, progress=progress)
         self.config = self.model.config
         self.tokenizer = self.model.tokenizer
@@ -217,7 +234,8 @@ class LLM:
                                  f"max_position_embeddings {limit}")
         self.max_seq_len = int(max_seq_len)
         self.engine = Engine(make_executor(spec, self.model, self.max_seq_len, options),
-                             prefix_caching=enable_prefix_caching)
+                             prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens)
         self.backend = self.engine.executor.name
         self.default_params = SamplingParams.from_generation_config(self.model.generation_config)
         p = Path(model) if model is not None else self.model.path
@@ -450,24 +468,39 @@ class LLM:
         return self._start(text, ids, params)
 
     def _run_all(self, text: str | None, ids: list[int], params: SamplingParams) -> Completion:
-        outputs = []
+        return self._run_batch([(text, ids, params)])[0]
+
+    def _run_batch(self, requests: list[tuple[str | None, list[int], SamplingParams]]
+                   ) -> list[Completion]:
+        """Every request (and each of its ``n`` samples) started at once, then collected in
+        order: on a batched executor they run as one batch (vLLM's semantics; each stream's
+        tokens wait in its queue while another is drained), on a one-sequence executor one
+        after another as each is drained."""
         t0 = time.perf_counter()
-        c = None
-        for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
-            s = self._start(text, ids, params, seed)
-            for _ in s.deltas():
-                pass
-            assert s.completion is not None
-            if c is None:
-                c = s.completion
-            o = s.completion.outputs[0]
-            o.index = i
-            outputs.append(o)
-        assert c is not None
-        c.outputs = outputs
-        c.elapsed_s = time.perf_counter() - t0
-        return c
+        started = [[self._start(text, ids, p, None if p.seed is None else p.seed + i)
+                    for i in range(p.n)] for text, ids, p in requests]
+        out = []
+        try:
+            for streams in started:
+                outputs = []
+                for i, s in enumerate(streams):
+                    for _ in s.deltas():
+                        pass
+                    assert s.completion is not None
+                    o = s.completion.outputs[0]
+                    o.index = i
+                    outputs.append(o)
+                c = streams[0].completion
+                assert c is not None
+                c.outputs = outputs
+                c.elapsed_s = time.perf_counter() - t0
+                out.append(c)
+        finally:
+            for streams in started:  # an error or Ctrl-C: the rest give back their slots
+                for s in streams:
+                    if s.completion is None:
+                        s.close()
+        return out
 
     def generate(self, prompts: Any, sampling_params: Any = None, *,
                  add_special_tokens: bool = True, use_tqdm: bool = False,
@@ -505,7 +538,7 @@ class LLM:
         prepared = [self._prompt_ids(p, add_special_tokens) for p in prompts]
         for _, ids in prepared:
             self.engine.check_prompt(ids)
-        return [self._run_all(text, ids, p) for (text, ids), p in zip(prepared, plist)]
+        return self._run_batch([(text, ids, p) for (text, ids), p in zip(prepared, plist)])
 
     def chat(self, messages: Any, sampling_params: Any = None, *, stream: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
@@ -530,8 +563,8 @@ class LLM:
                                      f"SamplingParams")
             ids_list = [self.chat_prompt_ids(m, add_generation_prompt, chat_template_kwargs,
                                              split_special_tokens) for m in messages]
-            return [self._run_all(None, ids, self._params(p))
-                    for ids, p in zip(ids_list, plist)]
+            return self._run_batch([(None, ids, self._params(p))
+                                    for ids, p in zip(ids_list, plist)])
         ids = self.chat_prompt_ids(messages, add_generation_prompt, chat_template_kwargs,
                                    split_special_tokens)
         p = self._params(sampling_params)

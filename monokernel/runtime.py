@@ -1,5 +1,8 @@
 """The Engine: one generation loop over the executor interface (kernel/base.py).
 
+(A batched executor, the NumPy one, runs many generations at once through batching.py; the
+rest of this docstring is the one-sequence path the kernel executors take.)
+
 An executor runs the model for one sequence. The NumPy executor runs reference.py; the kernel
 executors (emulator, cuda, and their multi-kernel baselines) share one program and one set of
 buffers and differ only in how they allocate, copy and launch. The Engine drives every one of
@@ -24,9 +27,11 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
+from .batching import Batcher, batch_options
 from .errors import (BackendUnavailableError, MonokernelError, NumericalError, ParameterError,
                      PromptError)
-from .kernel.base import Backend, BackendOptions, DeviceSample, Executor, StepResult
+from .kernel.base import (Backend, BackendOptions, DeviceSample, Executor, StepResult,
+                          StepTable)
 from .kernel.isa import StopReason
 from .model.loader import LoadedModel
 from .sampling import Sampler, SamplingParams, log_softmax, rank_of, top_logprobs
@@ -39,6 +44,8 @@ class NumpyOptions(BackendOptions):
 
     threads: int | None = field(default=None, metadata={"min": 1})
     prefill_chunk: int = field(default=32, metadata={"min": 1})  # NumpyExecutor's docstring
+    batch_invariant: bool = False  # NumpyExecutor.run_table
+    page_size: int = field(default=16, metadata={"min": 1})  # positions per K/V page
 
 
 class NumpyExecutor(Executor):
@@ -49,6 +56,10 @@ class NumpyExecutor(Executor):
     run on). Set deliberately, through threadpoolctl, around every forward pass and said on
     stderr at start: OpenBLAS's own default spun its worker threads against other work on a
     busy 2-core machine and decode fell from 6-18 to 0.7-2.3 tokens/s, unnoticed.
+
+    The Engine drives it through ``run_table`` (batching.py: many sequences per step over a
+    page pool; ``page_size`` positions per page; ``batch_invariant``: run_table's docstring).
+    ``prefill_chunk`` is for its one-sequence calls (``prefill``, ``step``: tools, tests).
 
     ``prefill_chunk``: a prompt runs in chunks that start at multiples of this many positions
     (default 32), so that a prefill from any such multiple makes exactly the calls a prefill from
@@ -62,6 +73,7 @@ class NumpyExecutor(Executor):
     1.2x the time of one 256-row chunk), reuse in coarser steps."""
 
     name = "numpy"
+    max_num_seqs = 256  # run_table takes any number; the Engine's max_num_seqs sets how many
 
     def __init__(self, model: LoadedModel, max_seq_len: int,
                  options: NumpyOptions = NumpyOptions()):
@@ -83,8 +95,10 @@ class NumpyExecutor(Executor):
 
         self.threads = int(threads)
         self.prefill_chunk = options.prefill_chunk
+        self.batch_invariant = options.batch_invariant
+        self.page_size = options.page_size
         self._blas = ThreadpoolController() if ThreadpoolController is not None else None
-        self.ref = ReferenceModel(model.config, model.weights, max_seq_len)
+        self.ref = ReferenceModel(model.config, model.weights, max_seq_len, self.page_size)
         self.forward_calls = 0  # lets the Engine notice use of the KV cache behind its back
         if self._blas is None:
             self.threads = None
@@ -102,6 +116,33 @@ class NumpyExecutor(Executor):
             return self.ref.forward(tokens, start_pos, **kw)
         with self._blas.limit(limits=self.threads, user_api="blas"):
             return self.ref.forward(tokens, start_pos, **kw)
+
+    def add_pages(self, n: int) -> range:
+        return self.ref.add_pages(n)
+
+    def run_table(self, table: StepTable) -> np.ndarray:
+        """One batched step (ReferenceModel.forward_rows). Every step of two rows or more is a
+        matrix-matrix product, so a row's numbers are those of any other such step; a step of
+        one prompt row is padded to two so that a prompt's K/V never depend on how it was cut
+        (the prefix cache relies on it). A lone decode row stays a matrix-vector product, the
+        fast batch-1 path: its logits differ from the batched ones in the last bits (~1e-5 of
+        their scale), so a sequence decoding alone and beside others agree in greedy tokens
+        and to that tolerance (``batch_invariant=True`` pads it too: bitwise, ~2x slower at
+        batch 1)."""
+        slots = sorted(table.block_tables)
+        index = {s: i for i, s in enumerate(slots)}
+        seqs = [index[int(s)] for s in table.slots]
+        lone_decode = len(table) == 1 and not table.prompt_rows[0]
+        kw = dict(logit_rows=np.flatnonzero(table.logits),
+                  pad_lone=self.batch_invariant or not lone_decode)
+        tables = [table.block_tables[s] for s in slots]
+        self.forward_calls += 1
+        if self._blas is None:
+            out = self.ref.forward_rows(table.tokens, table.positions, seqs, tables, **kw)
+        else:
+            with self._blas.limit(limits=self.threads, user_api="blas"):
+                out = self.ref.forward_rows(table.tokens, table.positions, seqs, tables, **kw)
+        return np.zeros((0, self.config.vocab_size), np.float32) if out is None else out
 
     def reset(self) -> None:
         self.forward_calls += 1
@@ -265,6 +306,7 @@ class Sampled:
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
     rank: int | None = None  # 1-based, in the whole distribution (vLLM's Logprob.rank)
+    end: StopReason | None = None  # the generation ends with this token, and why
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -290,7 +332,16 @@ class Generation:
         self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
         self.stats = GenerationStats(prompt_tokens=len(ids))  # this generation's
         self.cancelled = False
-        self._it = engine._run(self)
+        self._seq = None
+        if engine.batcher is not None:  # many at once: tokens come from the shared step loop
+            rule = StopRule.of(params, engine.config, len(ids), engine.executor.max_seq_len,
+                               text_stop)
+            sampler = Sampler(params, seed, prompt_len=len(ids), stop_ids=rule.stop_ids)
+            self._seq = engine.batcher.add(self, rule,
+                                           _HostChoice(sampler, list(ids), params.logprobs))
+            self._it = engine.batcher.pull(self._seq)
+        else:
+            self._it = engine._run(self)
 
     def __iter__(self) -> "Generation":
         return self
@@ -298,8 +349,15 @@ class Generation:
     def __next__(self) -> Sampled:
         return next(self._it)
 
+    def ready(self) -> bool:
+        """Whether ``next`` returns without running a step: a token waits in its queue, or it
+        has ended (always True on a one-sequence executor, whose ``next`` runs the step)."""
+        return self._seq is None or bool(self._seq.out) or self._seq.finished
+
     def close(self) -> None:
         self.cancelled = True
+        if self._seq is not None:  # its slot and pages go back now (or at the step's end)
+            self.engine.batcher.cancel(self._seq)
         try:
             self._it.close()
         except ValueError:  # running in another thread: it sees `cancelled` before its next step
@@ -308,6 +366,12 @@ class Generation:
 
 class Engine:
     """The generation loop: validate, prefill, then sample and step until a stop condition.
+
+    A batched executor (``max_num_seqs`` > 1: numpy) runs every generation through the
+    Batcher's step loop (batching.py): many at once, up to ``max_num_seqs``, steps of at most
+    ``max_num_batched_tokens`` rows, K/V in ``num_pages`` pages (default: a whole context per
+    slot), prompt pages reused across requests. What follows is the one-sequence path of the
+    other executors (the kernels).
 
     One sequence at a time. With ``prefix_caching`` the K/V cache of the longest common prefix
     of the previous sequence (prompt and fed tokens) and the new prompt is kept, and only the
@@ -319,11 +383,18 @@ class Engine:
     reused length is a multiple of C, and a fed-back token's K/V (a one-row decode step) is
     not reused."""
 
-    def __init__(self, executor: Executor, *, prefix_caching: bool = True):
+    def __init__(self, executor: Executor, *, prefix_caching: bool = True,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 num_pages: int | None = None):
         self.executor = executor
         self.config = executor.config
         self.prefix_caching = prefix_caching
         self.stats = GenerationStats()
+        seqs, tokens = batch_options(max_num_seqs, max_num_batched_tokens)
+        # a batched executor runs every generation through the step loop (batching.py); a
+        # one-sequence executor (today's kernels) runs them one at a time, as before
+        self.batcher = (Batcher(self, min(seqs, executor.max_num_seqs), tokens, num_pages)
+                        if executor.max_num_seqs > 1 else None)
         self._active: object | None = None  # the generation that owns the KV cache
         # tokens whose K/V sit at positions 0..: (prompt, tokens made after it, end position)
         self._kv: tuple[list[int], list[int], int] = ([], [], 0)
@@ -396,11 +467,7 @@ class Engine:
         dsample = DeviceSample(params.temperature, sampler.seed) if device else None
         host = _HostChoice(sampler, list(ids), params.logprobs)
         def keep_prompt_logprobs(every: np.ndarray) -> None:
-            lps = log_softmax(every[:-1])
-            g.prompt_logprobs = [None] + [
-                (float(lps[i, ids[i + 1]]), top_logprobs(lps[i], params.prompt_logprobs),
-                 rank_of(lps[i], ids[i + 1]))
-                for i in range(len(ids) - 1)]
+            g.prompt_logprobs = prompt_logprobs(ids, every, params.prompt_logprobs)
         prompt_logits = keep_prompt_logprobs if params.prompt_logprobs is not None else None
 
         self.stats = st = g.stats
@@ -428,7 +495,9 @@ class Engine:
                 host.history.append(tok)
                 self._note_cache(ids, me)
                 ends = rule.reason(tok, i)  # known as the token is made: before it is handed on
-                yield host.sampled(tok, rule)
+                sampled = host.sampled(tok, rule)
+                sampled.end = ends
+                yield sampled
                 if ends is not None or g.cancelled:  # a cancel: while the consumer had it
                     return
                 if self._active is not me:  # one sequence at a time: the KV cache is not ours
@@ -480,6 +549,15 @@ class StopRule:
         return None
 
 
+def prompt_logprobs(ids: list[int], every: np.ndarray, n: int
+                    ) -> list[tuple[float, list[tuple[int, float]], int] | None]:
+    """Generation.prompt_logprobs from the logits of every prompt position: None for the
+    first token, then (logprob, top ``n`` alternatives, rank) of each next one."""
+    lps = log_softmax(every[:-1])
+    return [None] + [(float(lps[i, ids[i + 1]]), top_logprobs(lps[i], n),
+                      rank_of(lps[i], ids[i + 1])) for i in range(len(ids) - 1)]
+
+
 class _HostChoice:
     """The host's sampler as ``run_steps``'s ``choose``: draws a token from logits given the
     history, keeping its logprobs when the request asked for them."""
@@ -494,6 +572,8 @@ class _HostChoice:
             lp = log_softmax(logits)
             self.last = (tok, float(lp[tok]), top_logprobs(lp, self.logprobs), rank_of(lp, tok))
         return tok
+
+    prompt_logprobs = staticmethod(prompt_logprobs)  # for the Batcher, which has no import
 
     def sampled(self, tok: int, rule: StopRule) -> Sampled:
         if self.logprobs is None:

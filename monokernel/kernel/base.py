@@ -58,6 +58,34 @@ class LaunchEnd:
     reason: StopReason
 
 
+@dataclass
+class StepTable:
+    """One step of a batched executor: T rows, each a token fed at a position of a sequence
+    slot, and whether its logits are wanted; and each slot's block table (the K/V pages of its
+    positions, in order: page j holds positions [j * page_size, (j + 1) * page_size)). Decoding
+    B sequences is a step of B rows; a prompt chunk is several rows of one slot, in position
+    order; a step may mix both. ``run_table`` returns the logits of the rows that want them,
+    in row order."""
+
+    tokens: np.ndarray  # int64 [T]
+    slots: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    logits: np.ndarray  # bool [T]
+    prompt_rows: np.ndarray  # bool [T]: the token is a prompt's (else a fed-back decode token)
+    block_tables: dict[int, list[int]]  # slot -> page ids
+
+    @classmethod
+    def of(cls, rows: list[tuple[int, int, int, bool, bool]],
+           block_tables: dict[int, list[int]]) -> "StepTable":
+        """From (token, slot, position, needs logits, is a prompt token) rows."""
+        t, s, p, g, q = zip(*rows) if rows else ((), (), (), (), ())
+        return cls(np.array(t, np.int64), np.array(s, np.int64), np.array(p, np.int64),
+                   np.array(g, bool), np.array(q, bool), block_tables)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
 # Picks the next token from float32 logits [vocab] (the host's sampler).
 Choose = Callable[[np.ndarray], int]
 
@@ -86,6 +114,19 @@ class Executor(ABC):
     prefill_chunk = 1
     multi_step = False
     launches = 0  # kernel launches the host made (a CUDA graph replay is one); 0: no kernel
+    # Batching: how many sequences ``run_table`` takes at once. 1: one sequence at a time
+    # through ``run_steps`` (the kernels, until their T-token step lands); more: the Engine
+    # schedules steps of many sequences (``add_pages``, ``run_table``).
+    max_num_seqs = 1
+    page_size = 0  # positions per K/V page of a batched executor
+
+    def add_pages(self, n: int) -> range:
+        """Room for ``n`` K/V pages of ``page_size`` positions for block tables; their ids."""
+        raise NotImplementedError(f"{self.name} runs one sequence at a time (max_num_seqs 1)")
+
+    def run_table(self, table: "StepTable") -> np.ndarray:
+        """Run one step of a batched executor: float32 logits [rows wanting logits, vocab]."""
+        raise NotImplementedError(f"{self.name} runs one sequence at a time (max_num_seqs 1)")
 
     def __init__(self, model: LoadedModel, max_seq_len: int):
         self.model = model

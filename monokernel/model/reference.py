@@ -63,17 +63,32 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 class ReferenceModel:
-    """Prefill and decode with a KV cache. ``forward(tokens, start_pos)`` returns float32 logits
-    [len(tokens), vocab] (None with ``logits=False``: only the K/V were wanted); the cache then
-    holds positions [0, start_pos + len(tokens)).
+    """Prefill and decode over a paged K/V cache, one sequence or many at once.
 
-    A row's numbers depend on the rows computed with it: BLAS runs one row as a matrix-vector
-    product and several as a matrix-matrix product, which round differently (SmolLM2's logits
-    moved by up to 5e-3). Callers that need the same numbers twice (prefix reuse) make the
-    same calls: see NumpyExecutor.prefill_all."""
+    ``forward_rows(tokens, positions, seqs, tables)`` runs one step of rows: row i feeds token
+    ``tokens[i]`` at position ``positions[i]`` of sequence ``seqs[i]``, whose K/V live in the
+    pages ``tables[seqs[i]]`` of the pool (page j holds positions [j * page_size, (j + 1) *
+    page_size)). Every linear layer is one matrix product over all rows (the weights are read
+    once per step), attention runs per row over its own sequence up to its own position
+    (causal inside a chunk, GQA). ``forward(tokens, start_pos)`` is its one-sequence case, on
+    pages of its own: float32 logits [len(tokens), vocab] (None with ``logits=False``); the
+    cache then holds positions [0, start_pos + len(tokens)).
+
+    Batch invariance (measured with OpenBLAS 0.3.31 sgemm, SkylakeX): a row of ``X @ W.T`` is
+    bitwise the same for any number of rows >= MIN_ROWS and any row offset. Fewer rows take
+    other kernels that round otherwise: one row is a matrix-vector product (~4e-5 relative),
+    and a few rows of a small matrix take OpenBLAS's small-matrix kernel (up to 12 rows for
+    the tiny test shapes' 96x96, 2 for SmolLM2's 576x576). So every product of two rows or more
+    runs on at least MIN_ROWS rows (zero rows added), and attention reduces each row over
+    exactly its own context, the same call whatever else is in the step: a row's numbers then
+    depend on nothing but its sequence. ``pad_lone`` pads a one-row step too (about 2-3x the
+    cost of the matrix-vector product, so a lone decode step may skip it: NumpyExecutor).
+    tests/model/test_batched_reference.py checks it bit for bit."""
+
+    MIN_ROWS = 16
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, page_size: int = 16):
         self.cfg = c = config
         self.max_seq_len = max_seq_len or min(c.max_position_embeddings, 4096)
         f32 = lambda name: as_float32(weights[name])  # noqa: E731
@@ -99,31 +114,95 @@ class ReferenceModel:
                 L["k_norm"] = f32(p + "self_attn.k_norm.weight")
             self.layers.append(L)
         self.cos, self.sin = c.rope_table(self.max_seq_len)
-        shape = (c.num_layers, self.max_seq_len, c.num_kv_heads, c.head_dim)
-        self.k_cache = np.zeros(shape, np.float32)
-        self.v_cache = np.zeros(shape, np.float32)
+        self.page_size = int(page_size)
+        # forward()'s own sequence: the first pages of the pool, in order
+        self.own_table = np.arange(-(-self.max_seq_len // self.page_size))
+        self._pool(0)
+
+    def _pool(self, extra_pages: int) -> None:
+        """The pool [layers, pages, page_size, kv_heads, head_dim] (float32 holding bf16
+        values): forward()'s own pages, then ``extra_pages`` for callers' block tables.
+        np.zeros maps untouched pages lazily, so memory follows the positions written."""
+        c = self.cfg
+        shape = (c.num_layers, len(self.own_table) + extra_pages, self.page_size,
+                 c.num_kv_heads, c.head_dim)
+        self.k_pages = np.zeros(shape, np.float32)
+        self.v_pages = np.zeros(shape, np.float32)
+
+    def add_pages(self, n: int) -> range:
+        """Make room for ``n`` pages beside forward()'s own (once, before any step that uses
+        them; forward()'s cache is emptied): their ids in the pool."""
+        self._pool(n)
+        return range(len(self.own_table), len(self.own_table) + n)
+
+    @property
+    def k_cache(self) -> np.ndarray:
+        """forward()'s K cache [layers, max_seq_len, kv_heads, head_dim] (a view)."""
+        return self._own(self.k_pages)
+
+    @property
+    def v_cache(self) -> np.ndarray:
+        return self._own(self.v_pages)
+
+    def _own(self, pool: np.ndarray) -> np.ndarray:
+        c, n = self.cfg, len(self.own_table)
+        return pool[:, :n].reshape(c.num_layers, n * self.page_size, c.num_kv_heads,
+                                   c.head_dim)[:, :self.max_seq_len]
 
     def reset(self) -> None:
-        self.k_cache[:] = 0
-        self.v_cache[:] = 0
+        self.k_pages[:] = 0
+        self.v_pages[:] = 0
 
     def forward(self, tokens, start_pos: int, logits: bool = True) -> np.ndarray | None:
-        c = self.cfg
-        tokens = np.asarray(tokens, dtype=np.int64)
         n = len(tokens)
         end = start_pos + n
         if end > self.max_seq_len:
             raise ValueError(f"positions up to {end} exceed the cache of {self.max_seq_len}")
+        # one row alone stays a matrix-vector product (the fast decode step, as before)
+        return self.forward_rows(tokens, np.arange(start_pos, end), np.zeros(n, np.int64),
+                                 [self.own_table], None if logits else [], pad_lone=False)
+
+    def forward_rows(self, tokens, positions, seqs, tables, logit_rows=None, *,
+                     pad_lone: bool = True) -> np.ndarray | None:
+        """One step of rows (see the class). ``tables[s]``: the pool pages of sequence s, in
+        position order, covering every row's position. Rows of one sequence come in position
+        order; each row reads the K/V of its own sequence at positions <= its own (written by
+        this step or an earlier one). ``logit_rows``: the rows whose logits are returned
+        (float32 [len(logit_rows), vocab]; None: every row; empty: none, returns None)."""
+        c = self.cfg
+        tokens = np.asarray(tokens, dtype=np.int64)
+        positions = np.asarray(positions, dtype=np.int64)
+        seqs = np.asarray(seqs, dtype=np.int64)
+        n, ps = len(tokens), self.page_size
+        if n == 0:
+            raise ValueError("a step needs at least one row")
+        if positions.min() < 0 or positions.max() >= self.max_seq_len:
+            raise ValueError(f"positions up to {positions.max() + 1} exceed the cache of "
+                             f"{self.max_seq_len}")
+        def padded(rows: int) -> int:  # the rows every product of this step runs on
+            if rows == 1 and not pad_lone:
+                return 1
+            return max(rows, self.MIN_ROWS)
+
+        def linear(h: np.ndarray, w: np.ndarray) -> np.ndarray:
+            if len(h) < pad:  # the kernel that larger steps use (see the class)
+                return (np.concatenate([h, np.zeros((pad - len(h), h.shape[1]), h.dtype)])
+                        @ w.T)[:len(h)]
+            return h @ w.T
+
+        pad = padded(n)
+
+        pages = np.array([tables[s][p // ps] for s, p in zip(seqs, positions)], np.int64)
+        offs = positions % ps
+        order = list(dict.fromkeys(seqs.tolist()))  # sequences in order of first row
+        rows_of = {s: np.flatnonzero(seqs == s) for s in order}
         x = self.embed[tokens]  # [n, H]
-        cos, sin = self.cos[start_pos:end], self.sin[start_pos:end]
+        cos, sin = self.cos[positions], self.sin[positions]
         scale = np.float32(1.0 / np.sqrt(c.head_dim))
-        # causal mask over [n queries, end keys]
-        qpos = np.arange(start_pos, end)[:, None]
-        kpos = np.arange(end)[None, :]
-        mask = np.where(kpos <= qpos, np.float32(0), np.float32(-np.inf))
+        attn = np.empty((n, c.num_kv_heads, c.group_size, c.head_dim), np.float32)
         for li, L in enumerate(self.layers):
             h = rms_norm(x, L["in_norm"], c.rms_norm_eps)
-            qkv = h @ L["wqkv"].T
+            qkv = linear(h, L["wqkv"])
             if c.attention_bias:
                 qkv = qkv + L["bqkv"]
             q = qkv[:, :c.q_dim].reshape(n, c.num_heads, c.head_dim)
@@ -132,25 +211,33 @@ class ReferenceModel:
             if c.qk_norm:
                 q = rms_norm(q, L["q_norm"], c.rms_norm_eps)
                 k = rms_norm(k, L["k_norm"], c.rms_norm_eps)
-            q = rope(q, cos, sin)
+            q = rope(q, cos, sin).reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
             k = rope(k, cos, sin)
-            self.k_cache[li, start_pos:end] = bf16_round(k)
-            self.v_cache[li, start_pos:end] = bf16_round(v)
-            K = self.k_cache[li, :end]  # [end, kvh, d]
-            V = self.v_cache[li, :end]
-            qg = q.reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
-            scores = np.einsum("nkgd,tkd->nkgt", qg, K) * scale + mask[:, None, None, :]
-            scores = scores - scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p = p / p.sum(axis=-1, keepdims=True)
-            attn = np.einsum("nkgt,tkd->nkgd", p, V).reshape(n, c.q_dim)
-            x = x + attn @ L["wo"].T
+            self.k_pages[li, pages, offs] = bf16_round(k)
+            self.v_pages[li, pages, offs] = bf16_round(v)
+            for s, rows in rows_of.items():
+                # the sequence's positions [0, its last row's], gathered once per layer
+                top = int(positions[rows[-1]]) + 1
+                used = np.asarray(tables[s][:-(-top // ps)])
+                K = self.k_pages[li, used].reshape(-1, c.num_kv_heads, c.head_dim)
+                V = self.v_pages[li, used].reshape(-1, c.num_kv_heads, c.head_dim)
+                for r in rows:  # each row over exactly its own context: the same call alone
+                    t = int(positions[r]) + 1
+                    sc = np.matmul(q[r], K[:t].transpose(1, 2, 0)) * scale  # [kvh, g, t]
+                    sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
+                    sc = sc / sc.sum(axis=-1, keepdims=True)
+                    attn[r] = np.matmul(sc, V[:t].transpose(1, 0, 2))  # [kvh, g, d]
+            x = x + linear(attn.reshape(n, c.q_dim), L["wo"])
             h = rms_norm(x, L["post_norm"], c.rms_norm_eps)
-            x = x + (silu(h @ L["wg"].T) * (h @ L["wu"].T)) @ L["wd"].T
-        if not logits:
-            return None
+            x = x + linear(silu(linear(h, L["wg"])) * linear(h, L["wu"]), L["wd"])
+        if logit_rows is not None:
+            logit_rows = np.asarray(logit_rows, dtype=np.int64)
+            if len(logit_rows) == 0:
+                return None
+            x = x[logit_rows]
+            pad = padded(len(x))
         h = rms_norm(x, self.final_norm, c.rms_norm_eps)
-        return (h @ self.lm_head.T).astype(np.float32)
+        return linear(h, self.lm_head).astype(np.float32)
 
 
 def greedy_reference_run(model, tokens: list[int], n_steps: int, *,

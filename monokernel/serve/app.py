@@ -37,6 +37,7 @@ POLL_S = 0.1  # how often a request waiting for the engine checks that its clien
 # on a GPU; OpenAI's "until the context is full" let one chat request hold the engine minutes
 DEFAULT_MAX_TOKENS = 256
 REQUEST_TIMEOUT_S = 600.0  # no request holds the engine longer (the queue waits behind it)
+DEFAULT_MAX_NUM_SEQS = 32  # requests streaming at once (a batched backend); more wait
 DRAIN_S = 30.0  # on shutdown, how long the running request may go on
 
 
@@ -69,12 +70,12 @@ class Server:
                  default_max_tokens: int = DEFAULT_MAX_TOKENS,
                  request_timeout_s: float | None = REQUEST_TIMEOUT_S,
                  api_key: str | None = None, replica: str | None = None,
-                 echo_request_id: bool = True):
+                 echo_request_id: bool = True, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS):
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
         self.llm = llm
         self.model_name = model_name or getattr(llm, "model_name", None) or llm.config.name
-        self.worker = EngineWorker(llm, max_queue, request_timeout_s)
+        self.worker = EngineWorker(llm, max_queue, request_timeout_s, max_num_seqs)
         self.tokens = P.TokenText(llm.tokenizer)
         self.created = int(time.time())
         gen = getattr(llm.model, "generation_config", None) or {}
@@ -177,7 +178,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64,
                default_max_tokens: int = DEFAULT_MAX_TOKENS,
                request_timeout_s: float | None = REQUEST_TIMEOUT_S, api_key: str | None = None,
                allowed_origins: tuple[str, ...] | list[str] = (), replica: str | None = None,
-               echo_request_id: bool = True):
+               echo_request_id: bool = True, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS):
     """The app for one loaded ``LLM``. Its lifespan starts the engine thread and stops it.
     ``allowed_origins``: the browser origins CORS lets in ("*": any). ``replica``: the name
     in the x-monokernel-replica header (default host:pid). ``echo_request_id``: False behind
@@ -192,7 +193,7 @@ def create_app(llm, *, model_name: str | None = None, max_queue: int = 64,
 
     srv = Server(llm, model_name, max_queue, default_max_tokens=default_max_tokens,
                  request_timeout_s=request_timeout_s, api_key=api_key, replica=replica,
-                 echo_request_id=echo_request_id)
+                 echo_request_id=echo_request_id, max_num_seqs=max_num_seqs)
 
     @asynccontextmanager
     async def lifespan(app):

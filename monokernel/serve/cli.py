@@ -46,6 +46,10 @@ def add_serve_command(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model's own name)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests that stream at once on a batched backend (numpy); the rest "
+                   "wait in the queue; 1: one at a time, in arrival order (default 32; the "
+                   "kernel backends run one sequence at a time)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for the engine; past that, 503 (default 64)")
     p.add_argument("--default-max-tokens", type=int, default=None,
@@ -76,10 +80,16 @@ def add_serve_command(sub) -> None:
 
 def check_serve_args(args: argparse.Namespace) -> None:
     """Every flag's range, before anything loads; fills in the defaults and the API key."""
-    from .app import DEFAULT_MAX_TOKENS, DRAIN_S, REQUEST_TIMEOUT_S
+    from ..batching import MAX_NUM_SEQS_LIMIT
+    from .app import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_TOKENS, DRAIN_S, REQUEST_TIMEOUT_S
 
     if not 0 <= args.port <= 65535:
         raise MonokernelError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_num_seqs is None:
+        args.max_num_seqs = DEFAULT_MAX_NUM_SEQS
+    elif not 1 <= args.max_num_seqs <= MAX_NUM_SEQS_LIMIT:
+        raise MonokernelError(f"--max-num-seqs must be in [1, {MAX_NUM_SEQS_LIMIT}], got "
+                              f"{args.max_num_seqs}")
     if args.max_queue < 1:
         raise MonokernelError(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.default_max_tokens is None:
@@ -111,6 +121,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
 def app_options(args: argparse.Namespace) -> dict:
     """create_app's keyword arguments from the flags (the same for one server or replicas)."""
     return {"model_name": args.served_model_name, "max_queue": args.max_queue,
+            "max_num_seqs": args.max_num_seqs,
             "default_max_tokens": args.default_max_tokens,
             "request_timeout_s": args.request_timeout, "api_key": args.api_key,
             "allowed_origins": tuple(args.allowed_origins)}
@@ -135,7 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = listen_socket(args.host, args.port)  # a port in use fails now, not after the load
     with sock:
         llm = LLM(args.model, backend=args.backend, max_seq_len=args.max_seq_len,
-                  **backend_options(args))
+                  max_num_seqs=args.max_num_seqs, **backend_options(args))
         app = create_app(llm, **app_options(args))
         name = app.state.server.model_name
         host, port = sock.getsockname()[:2]

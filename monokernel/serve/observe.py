@@ -82,7 +82,8 @@ class Metrics:
                                  "byte of a generation", buckets=REQUEST_BUCKETS, registry=r)
         queued = Gauge(p + "queue_length", "requests waiting for the engine", registry=r)
         queued.set_function(lambda: worker.stats()["queued"])
-        running = Gauge(p + "requests_running", "requests on the engine (0 or 1)", registry=r)
+        running = Gauge(p + "requests_running", "requests on the engine (up to --max-num-seqs)",
+                        registry=r)
         running.set_function(lambda: int(worker.stats()["running"]))
         for reason in CANCEL_REASONS:  # present at 0, so a rate() has a series from the start
             self.cancellations.labels(reason)

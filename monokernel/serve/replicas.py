@@ -73,7 +73,7 @@ def deployment(args: argparse.Namespace, options: dict, gpu: bool):
         setup_request_log(log_level)
         replica_id = ray_serve.get_replica_context().replica_id.unique_id
         llm = LLM(model, backend=backend, max_seq_len=max_seq_len, progress=False,
-                  **engine_options)
+                  max_num_seqs=options["max_num_seqs"], **engine_options)
         # Ray's proxy honours the client's x-request-id (or makes one), hands it on to the
         # replica and echoes it itself
         return create_app(llm, replica=f"{replica_id}@{socket.gethostname()}:{os.getpid()}",
@@ -83,9 +83,10 @@ def deployment(args: argparse.Namespace, options: dict, gpu: bool):
     ingress = serve.ingress(build_app)()
     return serve.deployment(
         ingress, name=APP_NAME, num_replicas=args.replicas,
-        # a replica takes as many requests as its own queue holds (+ the running one): it
-        # answers 503 queue_full past that, as one server does
-        max_ongoing_requests=args.max_queue + 1,
+        # a replica takes as many requests as its own queue holds (+ the running ones: one
+        # on a kernel backend, which runs one sequence at a time): it answers 503 queue_full
+        # past that, as one server does
+        max_ongoing_requests=args.max_queue + (1 if gpu else args.max_num_seqs),
         graceful_shutdown_timeout_s=args.drain_timeout,
         ray_actor_options=resources,
         # the request log (observe.py) replaces Ray's access lines

@@ -1,15 +1,19 @@
-"""One engine thread, one FIFO queue.
+"""One engine thread, one FIFO queue, up to ``max_num_seqs`` requests running at once.
 
-An LLM runs one sequence at a time (batch 1 is the design point), so every generation runs on
-one thread that owns the LLM, in arrival order. A request is a ``Job``: a function that starts a
-``Stream`` on the LLM, and a channel of events back to the event loop that serves the request:
+Every generation runs on one thread that owns the LLM. On a batched backend (numpy) that thread
+admits up to ``max_num_seqs`` jobs from the queue, hands each running job the tokens its stream
+has ready, and runs the engine's next step (batching.py) when none has any: every admitted
+request streams at once, and a request that ends frees its place for the next in the queue at
+the step boundary. On a one-sequence backend (the kernels) the thread runs one job at a time,
+in arrival order, as before. A request is a ``Job``: a function that starts a ``Stream`` on
+the LLM, and a channel of events back to the event loop that serves the request:
 ``("started", None)``, then ``("delta", Delta)`` per piece, then ``("done", Completion)``, or
 ``("error", exception)`` at any point. A job cancelled while it waits is dropped from the queue;
-one cancelled while it runs is closed between two tokens, so the next job starts at once.
+one cancelled while it runs is closed between two tokens, so its place goes to the next job.
 
 Nothing holds the engine without bound: a job that runs past ``request_timeout_s`` is closed
 with an error event, and ``begin_shutdown(drain_s)`` answers the queue with 503 at once, lets
-the running job go on until the drain deadline, then closes it with an error event too.
+the running jobs go on until the drain deadline, then closes them with an error event too.
 
 A job also carries its own record (queue time, time to the first token, tokens, how it ended),
 written here on the engine thread and read by the app for the request's log line and metrics.
@@ -57,20 +61,29 @@ class Job:
 
 class EngineWorker:
     """``submit`` queues a job (or raises 503 at once when ``max_queue`` jobs already wait);
-    the thread started by ``start`` runs them one by one until ``close``."""
+    the thread started by ``start`` runs them, up to ``max_num_seqs`` at once on a batched
+    engine (one at a time on another), until ``close``."""
 
-    def __init__(self, llm, max_queue: int = 64, request_timeout_s: float | None = None):
+    def __init__(self, llm, max_queue: int = 64, request_timeout_s: float | None = None,
+                 max_num_seqs: int = 1):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.llm = llm
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
+        engine = getattr(llm, "engine", None)
+        self._batcher = getattr(engine, "batcher", None)
+        # the engine's own slots bound it; a one-sequence engine runs one job at a time
+        self.max_num_seqs = (min(max_num_seqs, self._batcher.max_num_seqs)
+                             if self._batcher is not None else 1)
         self._drain_deadline: float | None = None  # time.monotonic(); set by begin_shutdown
         self._pending: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
-        self._running: Job | None = None
+        self._running = 0
         self._closed = False
         self._thread: threading.Thread | None = None
         self.completed = 0
@@ -106,7 +119,8 @@ class EngineWorker:
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
-            return {"queued": len(self._pending), "running": self._running is not None,
+            return {"queued": len(self._pending), "running": self._running,
+                    "max_num_seqs": self.max_num_seqs,
                     "max_queue": self.max_queue, "completed": self.completed,
                     "cancelled": self.cancelled, "timed_out": self.timed_out,
                     "shutting_down": self._closed}
@@ -145,63 +159,101 @@ class EngineWorker:
 
     # ---- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
+        active: list[tuple[Job, Any, Any]] = []  # (job, stream, its deltas)
         while True:
             with self._cv:
-                while not self._pending and not self._closed:
+                while not self._pending and not active and not self._closed:
                     self._cv.wait()
-                if self._closed:
+                if self._closed and not active:
                     return
-                job = self._running = self._pending.popleft()
-            job.started_at = time.monotonic()
-            try:
-                self._run(job)
-            except BaseException as e:  # nothing may kill the one engine thread: a bug, or a
-                # Rust panic from the tokenizer (a BaseException)
-                job.finish_reason = "error"
-                job.emit("error", e)
-            finally:
-                if job.ended_at is None:
-                    job.ended_at = time.monotonic()
-                with self._cv:
-                    self._running = None
+                new = []
+                while self._pending and len(active) + len(new) < self.max_num_seqs:
+                    new.append(self._pending.popleft())
+                self._running = len(active) + len(new)
+            for job in new:
+                job.started_at = time.monotonic()
+                run = self._begin(job)
+                if run is not None:
+                    active.append(run)
+            active = [run for run in active if self._advance(*run)]
+            with self._cv:
+                self._running = len(active)
+            if active and self._batcher is not None and not any(
+                    s.ready() for _, s, _ in active):
+                self._step(active)
 
-    def _run(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            job.finish_reason = "cancelled"
-            self._count("cancelled")
-            return
+    def _step(self, active) -> None:
         try:
+            self._batcher.step()  # an executor's failure ends its sequences, not the step loop
+        except BaseException as e:  # a bug: nothing may kill the one engine thread
+            for job, stream, _ in active:
+                self._end(job, stream, "error", e)
+            active.clear()
+
+    def _begin(self, job: Job):
+        """Start ``job``'s stream: (job, stream, deltas), or None when it ended already."""
+        try:
+            if job.cancelled.is_set():
+                job.finish_reason = "cancelled"
+                self._count("cancelled")
+                job.ended_at = time.monotonic()
+                return None
             stream = job.start(self.llm)
-        except Exception as e:  # a bad prompt or template: the request's error, not the server's
+        except BaseException as e:  # a bad prompt or template: the request's error, not the
+            # server's (or a Rust panic from the tokenizer, a BaseException)
             job.finish_reason = "error"
+            job.ended_at = time.monotonic()
             job.emit("error", e)
-            return
+            return None
         job.emit("started")
-        finished = False
+        return job, stream, stream.deltas()
+
+    def _advance(self, job: Job, stream, deltas) -> bool:
+        """Hand ``job`` the pieces its stream has ready (all of them, one step at a time, on a
+        one-sequence engine). False when the job has ended."""
+        ready = getattr(stream, "ready", None)
         try:
-            for delta in stream.deltas():
-                if self._must_stop(job):
+            while True:
+                if ready is not None and self._batcher is not None and not ready():
+                    if self._must_stop(job):  # checked every step, tokens or not
+                        self._end(job, stream)
+                        return False
+                    return True
+                try:
+                    delta = next(deltas)
+                except StopIteration:
                     break
+                if self._must_stop(job):  # between two pieces: this one is not handed on
+                    self._end(job, stream)
+                    return False
                 ids = getattr(delta, "token_ids", None)
                 if ids:
                     job.completion_tokens += len(ids)
                     if job.first_token_at is None:
                         job.first_token_at = time.monotonic()
                 job.emit("delta", delta)
-            else:
-                finished = True
-                c = stream.completion
-                job.finish_reason = getattr(c, "finish_reason", "stop")
-                job.completion_tokens = len(getattr(c, "token_ids", ())) or job.completion_tokens
-                job.ended_at = time.monotonic()  # before the event: the record is complete
-                self._count("completed")
-                job.emit("done", c)
-        except Exception as e:  # the engine failed (NaN logits, a kernel error): tell the client
-            job.finish_reason = "error"
-            job.emit("error", e)
+        except BaseException as e:  # the engine failed (NaN logits, a kernel error)
+            self._end(job, stream, "error", e)
+            return False
+        c = stream.completion
+        job.finish_reason = getattr(c, "finish_reason", "stop")
+        job.completion_tokens = len(getattr(c, "token_ids", ())) or job.completion_tokens
+        job.ended_at = time.monotonic()  # before the event: the record is complete
+        self._count("completed")
+        job.emit("done", c)
+        return False
+
+    def _end(self, job: Job, stream, reason: str | None = None,
+             error: BaseException | None = None) -> None:
+        """``job`` ends before its stream did: close it (its slot goes to the next job)."""
+        if reason is not None:
+            job.finish_reason = reason
+        if error is not None:
+            job.emit("error", error)
+        try:
+            stream.close()
         finally:
-            if not finished:
-                stream.close()  # frees the engine for the next job now
+            job.ended_at = time.monotonic()
 
     def _must_stop(self, job: Job) -> bool:
         """Checked between two pieces: the client left, the request ran out of time, or the

@@ -181,11 +181,15 @@ def test_unknown_backend(bundled_dir):
 
 
 def test_a_new_generation_invalidates_an_unfinished_stream(synth_dir):
-    """One LLM holds one KV cache: resuming a stream after another generation started must fail
-    loudly instead of continuing from the other sequence's cache."""
+    """A one-sequence executor (the kernels) holds one KV cache: resuming a stream after
+    another generation started must fail loudly instead of continuing from the other
+    sequence's cache."""
     from monokernel import LLM, MonokernelError, SamplingParams
 
-    llm = LLM(str(synth_dir("tiny")), backend="numpy", progress=False)
+    from helpers.kernel import MAX_SEQ  # the emulator build of this length is shared
+
+    llm = LLM(str(synth_dir("tiny")), backend="emulator", blocks=2, max_seq_len=MAX_SEQ,
+              progress=False)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     first = llm.stream("the cat", params)
     next(first)
@@ -193,3 +197,18 @@ def test_a_new_generation_invalidates_an_unfinished_stream(synth_dir):
     assert len(second.token_ids) == 3
     with pytest.raises(MonokernelError, match="invalidated"):
         list(first)
+
+
+def test_streams_live_side_by_side_on_a_batched_backend(synth_dir):
+    """numpy batches: a generation started while a stream is unfinished runs beside it, and
+    the stream goes on with its own text (the one it makes alone)."""
+    from monokernel import LLM, SamplingParams
+
+    llm = LLM(str(synth_dir("tiny")), backend="numpy", progress=False)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    alone = llm.generate("the cat", params).text
+    first = llm.stream("the cat", params)
+    head = next(first)
+    second = llm.generate("a dog", SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(second.token_ids) == 3
+    assert head + "".join(first) == alone

@@ -32,11 +32,10 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny(synth_dir):
-    # prefill_chunk=1: the prompt one position at a time, as a decode step runs, so every
-    # position of the cache (a fed-back token's too) is reusable; the default chunks are
-    # tests/api/test_prefix_reuse.py's
+    # page_size=1: every prompt position is a page of the prefix cache, so reuse is counted
+    # in tokens; the default pages of 16 are tests/api/test_prefix_reuse.py's
     return LLM(synth_dir("tiny"), backend="numpy", max_seq_len=MAX_SEQ, progress=False,
-               prefill_chunk=1)
+               page_size=1)
 
 
 # ==== prefix reuse ==============================================================================
@@ -50,9 +49,9 @@ def test_chat_turns_prefill_only_the_new_tokens(bundled_llm):
                      {"role": "user", "content": "And of Italy?"}]
     c2 = llm.chat(turn2, p)
     st = llm.engine.stats
-    # the numpy backend reuses the whole prefill chunks of the first prompt (the reply's K/V
-    # came from one-row decode steps, which a fresh prefill would not compute alike)
-    chunk = llm.engine.executor.prefill_chunk
+    # the numpy backend reuses the whole K/V pages of the first prompt (the prefix cache keeps
+    # prompt pages only: the reply's K/V came from decode steps, which may run alone)
+    chunk = llm.engine.batcher.pool.page_size
     n1 = len(c1.prompt_token_ids)
     assert n1 >= chunk
     assert c2.reused_prompt_tokens == st.reused_tokens == n1 - n1 % chunk
@@ -87,14 +86,15 @@ def test_reuse_on_the_kernel_backend_gives_the_same_logprobs(synth_dir):
     assert [t.logprob for t in fresh.logprobs] == [t.logprob for t in reused.logprobs]
 
 
-def test_no_reuse_after_the_cache_was_used_behind_the_engines_back(tiny):
+def test_the_executor_s_own_steps_do_not_touch_the_engine_s_pages(tiny):
+    """The batched engine's cache is its page pool: the executor's one-sequence ``step`` (a
+    tool's, a test's) writes its own pages, so the prefix cache stays right and is reused."""
     a = [5, 6, 7, 300, 41]
     want = tiny.generate(a, GREEDY)
-    tiny.engine.executor.step(9, 0)  # overwrites position 0's K/V with another token
+    tiny.engine.executor.step(9, 0)  # position 0 of the executor's own sequence
     got = tiny.generate(a, GREEDY)
-    assert got.reused_prompt_tokens == 0 and got.token_ids == want.token_ids
-    # and when nothing interfered, the same prompt reuses all but its last token
-    assert tiny.generate(a, GREEDY).reused_prompt_tokens == len(a) - 1
+    # the same prompt reuses all but its last token (pages of one position here)
+    assert got.reused_prompt_tokens == len(a) - 1 and got.token_ids == want.token_ids
 
 
 def test_prompt_logprobs_prefill_everything(tiny):
@@ -326,19 +326,20 @@ def test_sigint_to_monokernel_chat_stops_the_reply(bundled_dir):
 
 
 def test_an_interrupted_reply_keeps_the_prefix_for_the_next_turn(tiny, monkeypatch):
-    """Ctrl-C in the middle of a step: the positions before it are intact and reused."""
+    """Ctrl-C in the middle of a step: the prompt's pages are intact and reused (the
+    prefix cache keeps prompt pages; the reply's tokens run again)."""
     a = [5, 6, 7, 300, 41]
     want = tiny.generate(a + [9], GREEDY)
     ex = tiny.engine.executor
-    real, calls = ex.step, []
+    real, calls = ex.run_table, []
 
-    def step(token, pos, sample=None):
-        calls.append(pos)
-        if len(calls) == 3:
+    def run_table(table):
+        calls.append(len(table))
+        if len(calls) == 4:  # the prompt's step, two decode steps, then Ctrl-C
             raise KeyboardInterrupt
-        return real(token, pos, sample)
+        return real(table)
 
-    monkeypatch.setattr(ex, "step", step)
+    monkeypatch.setattr(ex, "run_table", run_table)
     s = tiny.stream(a, GREEDY)
     with pytest.raises(KeyboardInterrupt):
         list(s)
@@ -346,7 +347,8 @@ def test_an_interrupted_reply_keeps_the_prefix_for_the_next_turn(tiny, monkeypat
     monkeypatch.undo()
     fed = s.completion.token_ids[:2]
     got = tiny.generate(a + fed + [9], GREEDY)
-    assert got.reused_prompt_tokens == len(a) + 2
+    assert got.reused_prompt_tokens == len(a)
+    assert tiny.engine.batcher.pool.in_use == 0  # the interrupted sequence gave its pages back
     tiny.engine.prefix_caching = False
     try:
         assert tiny.generate(a + fed + [9], GREEDY).token_ids == got.token_ids

@@ -113,7 +113,8 @@ def test_blocks_on_the_numpy_backend_exits_2(synth_dir):
     r = monokernel("generate", "x", "--model", str(synth_dir("tiny")), "--backend", "numpy",
                    "--blocks", "2")
     assert r.returncode == 2
-    assert "backend 'numpy' has no option 'blocks' (its options: threads, prefill_chunk)" in r.stderr
+    assert ("backend 'numpy' has no option 'blocks' (its options: threads, prefill_chunk, "
+            "batch_invariant, page_size)") in r.stderr
 
 
 def test_examples_decode_runs(bundled_dir):

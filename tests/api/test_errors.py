@@ -293,20 +293,21 @@ def test_nan_weights_give_numerical_error(broken):
 
 
 def test_nan_mid_generation(tiny_llm, good_run, monkeypatch):
-    """Logits that turn NaN at the third decode step stop generation with NumericalError."""
+    """Logits that turn NaN at the second decode step stop generation with NumericalError
+    (the numpy backend batches: every step is a run_table)."""
     ex = tiny_llm.engine.executor
-    real_step = ex.step
+    real_run = ex.run_table
     calls = []
 
-    def step(token, pos, sample=None):
-        res = real_step(token, pos, sample)
-        calls.append(pos)
+    def run_table(table):
+        logits = real_run(table)
+        calls.append(len(table))
         if len(calls) == 3:
-            res.logits = res.logits.copy()
-            res.logits[42] = np.nan
-        return res
+            logits = logits.copy()
+            logits[:, 42] = np.nan
+        return logits
 
-    monkeypatch.setattr(ex, "step", step)
+    monkeypatch.setattr(ex, "run_table", run_table)
     with pytest.raises(NumericalError, match="42"):
         tiny_llm.generate([5, 6, 7], GREEDY8)
     assert len(calls) == 3

@@ -69,8 +69,8 @@ def rank(mod: str) -> int:
     if mod.startswith("monokernel.kernel") or mod in ("monokernel.sampling",
                                                        "monokernel.streaming"):
         return 3
-    if mod == "monokernel.runtime":
-        return 4
+    if mod in ("monokernel.runtime", "monokernel.batching", "monokernel.kv_pages"):
+        return 4  # the runtime wing
     return 5  # the face: __init__, llm, cli, tools/, serve/
 
 

@@ -1,13 +1,17 @@
-"""Prefix reuse is exact (issue 16): one seed and one set of parameters give one text, and the
-same logprobs bit for bit, whether or not the engine reused the K/V of the previous request's
-prefix, on the numpy backend, the emulator and through the server.
+"""Prefix reuse is exact (issues 16, 17): one seed and one set of parameters give one text, and
+the same logprobs bit for bit, whether or not the engine reused cached K/V of an earlier
+request's prompt, on the numpy backend, the emulator and through the server.
 
 The cause it guards against: the numpy reference computed the reused prompt's tail (often its
 last token alone: a matrix-vector product) through other BLAS calls than a fresh prefill (one
 matrix-matrix product over the whole prompt), and BLAS rounds a row differently by how many rows
-go with it: SmolLM2's first logits moved by up to 5e-3, enough to flip a Gumbel draw. A prefill
-now runs in chunks cut at fixed multiples of ``prefill_chunk``, and the engine reuses only whole
-chunks, so the tail is computed by exactly the calls a fresh prefill makes there.
+go with it: SmolLM2's first logits moved by up to 5e-3, enough to flip a Gumbel draw. The numpy
+backend now batches (batching.py): every prompt row runs in a matrix product of at least
+ReferenceModel.MIN_ROWS rows, which rounds a row alike whatever else is in it, so a prompt's K/V
+are the same in any chunking and any batch, and the engine's prefix cache reuses whole K/V
+pages of earlier prompts (a decode step may run alone, so generated tokens' pages are not kept).
+The one-sequence path's fixed ``prefill_chunk`` cuts (the executor's own ``prefill``, which
+tools use) are checked here too.
 """
 
 from __future__ import annotations
@@ -57,18 +61,24 @@ def test_a_seeded_chat_gives_one_text_with_or_without_reuse(bundled_llm):
     want = {"forest": fresh(llm, lambda: llm.chat(FOREST, p)),
             "sea": fresh(llm, lambda: llm.chat(SEA, p))}
     ids = {k: c.prompt_token_ids for k, c in want.items()}
-    # the sea's prompt is in the cache now: the forest's shares its head
-    expect = [("forest", common(ids["forest"], ids["sea"])),
-              ("forest", len(ids["forest"]) - 1), ("sea", common(ids["forest"], ids["sea"])),
-              ("forest", common(ids["forest"], ids["sea"]))]
-    got = [llm.chat(FOREST if name == "forest" else SEA, p) for name, _ in expect]
-    for (name, _), c in zip(expect, got):
+    asked = ["forest", "forest", "sea", "forest"]
+    got = [llm.chat(FOREST if name == "forest" else SEA, p) for name in asked]
+    for name, c in zip(asked, got):
         w = want[name]
         assert (c.text, c.token_ids) == (w.text, w.token_ids), name
         assert logprobs(c) == logprobs(w), name  # bit for bit
-    chunk = llm.engine.executor.prefill_chunk
-    assert [c.reused_prompt_tokens for c in got] == [n - n % chunk for _, n in expect]
-    assert all(c.reused_prompt_tokens > 0 for c in got)
+    # the fresh runs cached nothing (prefix caching off); then the forest's pages are in the
+    # cache: a repeat reuses all its whole pages (its last token always runs), the sea those
+    # of the head it shares with the forest (or more, if an earlier test cached the sea)
+    ps = llm.engine.batcher.pool.page_size
+
+    def whole(n: int) -> int:
+        return n - n % ps
+
+    n_forest, head = len(ids["forest"]) - 1, common(ids["forest"], ids["sea"])
+    assert [c.reused_prompt_tokens for c in got[1::2]] == [whole(n_forest)] * 2
+    assert whole(head) <= got[2].reused_prompt_tokens <= whole(len(ids["sea"]) - 1)
+    assert all(c.reused_prompt_tokens > 0 for c in got[1:])
 
 
 # ==== numpy: the chunks and the reuse rules, on the tiny model ===================================
@@ -106,14 +116,14 @@ def test_a_bad_prefill_chunk_is_refused(synth_dir, bad):
         LLM(synth_dir("tiny"), backend="numpy", progress=False, prefill_chunk=bad)
 
 
-@pytest.mark.parametrize("chunk", [4, 1])
-def test_reuse_is_whole_chunks_and_exact(synth_dir, chunk):
+@pytest.mark.parametrize("page", [4, 1])
+def test_reuse_is_whole_pages_and_exact(synth_dir, page):
     """A repeat, a prompt that shares a head, and a next turn that continues the prompt and
-    the tokens fed back: the reused length follows the chunks (with chunks of 4 a decode
-    step's K/V is not reused; one position at a time, it is), and every output equals the
-    fresh run's, logprobs bit for bit."""
+    the tokens fed back: the reused length is whole K/V pages of earlier prompts (the tokens
+    fed back are not kept: decode steps may run alone), and every output equals the fresh
+    run's, logprobs bit for bit."""
     llm = LLM(synth_dir("tiny"), backend="numpy", max_seq_len=MAX_SEQ, progress=False,
-              threads=1, prefill_chunk=chunk)
+              threads=1, page_size=page)
     p = SamplingParams(temperature=1.3, seed=7, max_tokens=4, ignore_eos=True, logprobs=0)
     a = [5, 6, 7, 300, 41, 9, 77, 78, 500, 3, 12]
     first = llm.generate(a, p)
@@ -122,13 +132,11 @@ def test_reuse_is_whole_chunks_and_exact(synth_dir, chunk):
     turn = a + fed + [40, 41, 42]
 
     def round_down(n: int) -> int:
-        return n - n % chunk
+        return n - n % page
 
-    # (the prompt, what it reuses of the one before; the fresh run leaves the cache as the
-    # reused one did, since both compute the same)
+    # (the prompt, what it reuses of the prompts cached before it: a's whole pages)
     for prompt, reused in ((a, round_down(len(a) - 1)), (b, round_down(9)),
-                           (a, round_down(9)),
-                           (turn, len(a) + 3 if chunk == 1 else round_down(len(a)))):
+                           (a, round_down(len(a) - 1)), (turn, round_down(len(a)))):
         got = llm.generate(prompt, p)
         want = fresh(llm, lambda: llm.generate(prompt, p))
         assert got.token_ids == want.token_ids and logprobs(got) == logprobs(want)
@@ -160,7 +168,7 @@ def test_reuse_is_exact_on_the_emulator(synth_dir):
 def test_the_server_answers_a_seeded_request_alike_with_or_without_reuse(bundled_llm):
     """The server runs the LLM's engine and has no cache of its own: repeated and
     head-sharing seeded chat requests get the replies (and logprobs) of a fresh prefill, and
-    the reused chunks are reported as cached_tokens."""
+    the reused pages are reported as cached_tokens."""
     pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
     import httpx
     from helpers.serve import running_server
@@ -182,4 +190,4 @@ def test_the_server_answers_a_seeded_request_alike_with_or_without_reuse(bundled
         assert choice["message"]["content"] == w.text
         assert [t["logprob"] for t in choice["logprobs"]["content"]] == logprobs(w)
         cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached > 0 and cached % llm.engine.executor.prefill_chunk == 0
+        assert cached > 0 and cached % llm.engine.batcher.pool.page_size == 0

@@ -31,13 +31,13 @@ def test_the_forward_pass_runs_with_the_threads_asked(synth_dir, threads, capsys
               threads=threads)
     assert f"numpy backend: {threads} BLAS thread" in capsys.readouterr().err
     ex = llm.engine.executor
-    seen, forward = [], ex.ref.forward
+    seen, forward = [], ex.ref.forward_rows
 
-    def spy(tokens, start):
+    def spy(*args, **kw):
         seen.append(blas_threads())
-        return forward(tokens, start)
+        return forward(*args, **kw)
 
-    ex.ref.forward = spy
+    ex.ref.forward_rows = spy  # every step of the batched engine
     outside = blas_threads()
     llm.generate("the cat", GREEDY)
     assert len(seen) == 3 and all(s == {threads} for s in seen)  # prefill and two steps

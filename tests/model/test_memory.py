@@ -53,7 +53,7 @@ print(json.dumps({
                         [ref.embed, ref.final_norm] + [v for L in ref.layers for v in L.values()]
                         + ([] if ref.lm_head is ref.embed else [ref.lm_head])),
     "owned_bytes": sum(owned.values()),
-    "kv_bytes": ref.k_cache.nbytes + ref.v_cache.nbytes,
+    "kv_bytes": ref.k_pages.nbytes + ref.v_pages.nbytes,  # the page pool, all sequences
     "peak_rss_mib": peak_rss_mib(),
 }))
 """

@@ -216,7 +216,7 @@ def test_chat_stream_equals_chat(client, tiny_llm):
 
 def test_the_next_turn_reuses_the_conversation_s_cache(client, tiny_llm):
     """A follow-up turn shares the rendered history with the previous request: its K/V is
-    reused (the first prompt's whole prefill chunks on the numpy backend), and usage says so
+    reused (the first prompt's whole K/V pages on the numpy backend), and usage says so
     as OpenAI does (prompt_tokens_details.cached_tokens)."""
     msgs = [{"role": "user", "content": "Tell me about cats."}]
     body = {"max_tokens": 6, "temperature": 0}
@@ -224,7 +224,7 @@ def test_the_next_turn_reuses_the_conversation_s_cache(client, tiny_llm):
     msgs += [first["choices"][0]["message"], {"role": "user", "content": "And dogs?"}]
     second = client.post("/v1/chat/completions", json={**body, "messages": msgs}).json()
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    n1, chunk = first["usage"]["prompt_tokens"], tiny_llm.engine.executor.prefill_chunk
+    n1, chunk = first["usage"]["prompt_tokens"], tiny_llm.engine.batcher.pool.page_size
     assert 0 < n1 - n1 % chunk == cached < second["usage"]["prompt_tokens"]
 
 
@@ -386,41 +386,52 @@ LONG_RUN = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": 
             "temperature": 0, "stream": True}  # ~25 s on the bundled model: never left to end
 
 
-def test_full_queue_answers_503_at_once(bundled_llm):
-    with running_server(bundled_llm, max_queue=1) as srv, \
-            httpx.Client(base_url=srv.url, timeout=TIMEOUT) as a, \
-            httpx.Client(base_url=srv.url, timeout=TIMEOUT) as b, \
-            httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
-        with a.stream("POST", "/v1/completions", json=LONG_RUN) as ra:
-            lines = ra.iter_lines()
-            assert next(lines).startswith("data: ")  # A runs
-            import threading
+@pytest.mark.parametrize("seqs", [1, 2])
+def test_full_queue_answers_503_at_once(bundled_llm, seqs):
+    """``seqs`` long requests run at once (--max-num-seqs; 1: FIFO), B waits in the queue of
+    one, C is refused with 503 at once; when the long ones' clients leave, B runs."""
+    import contextlib
+    import threading
 
-            got: dict = {}
-            tb = threading.Thread(target=lambda: got.update(
-                b=b.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
-                                                  "temperature": 0})))
-            tb.start()
-            try:
-                wait_for(lambda: srv.worker.stats()["queued"] == 1, what="B to queue")
-                t0 = time.monotonic()
-                rc = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-                assert time.monotonic() - t0 < 2.0
-                assert "queue is full" in error_of(rc, 503)
-                assert rc.json()["error"]["code"] == "queue_full"
-            finally:
-                ra.close()  # A's client leaves: B runs next
-                tb.join(30)
+    with running_server(bundled_llm, max_queue=1, max_num_seqs=seqs) as srv, \
+            contextlib.ExitStack() as stack:
+        a, b, c = (stack.enter_context(httpx.Client(base_url=srv.url, timeout=TIMEOUT))
+                   for _ in range(3))
+        long = [stack.enter_context(a.stream("POST", "/v1/completions", json=LONG_RUN))
+                for _ in range(seqs)]
+        lines = [r.iter_lines() for r in long]  # (a dropped iterator would close its stream)
+        for it in lines:
+            assert next(it).startswith("data: ")  # it runs
+        assert srv.worker.stats()["running"] == seqs
+        got: dict = {}
+        tb = threading.Thread(target=lambda: got.update(
+            b=b.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
+                                              "temperature": 0})))
+        tb.start()
+        try:
+            wait_for(lambda: srv.worker.stats()["queued"] == 1, what="B to queue")
+            t0 = time.monotonic()
+            rc = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert time.monotonic() - t0 < 2.0
+            assert "queue is full" in error_of(rc, 503)
+            assert rc.json()["error"]["code"] == "queue_full"
+        finally:
+            for r in long:
+                r.close()  # the long requests' clients leave: B runs next
+            tb.join(30)
         assert got["b"].status_code == 200, got["b"].text
         assert got["b"].json()["usage"]["completion_tokens"] == 2
-        # the metrics count A (its client left) as cancelled, and C (refused) not at all
+        # the metrics count the long ones (their clients left) as cancelled, and C (refused)
+        # not at all
         m = a.get("/metrics").text
-        assert 'monokernel_request_cancellations_total{reason="cancelled"} 1.0' in m, m
+        assert (f'monokernel_request_cancellations_total{{reason="cancelled"}} {seqs}.0'
+                in m), m
         assert 'monokernel_requests_total{route="/v1/completions",status="503"} 1.0' in m
 
 
 def test_disconnect_cancels_and_the_next_request_runs(bundled_llm):
-    with running_server(bundled_llm) as srv, \
+    # one request at a time (FIFO), so that a request waits in the queue behind a long one
+    with running_server(bundled_llm, max_num_seqs=1) as srv, \
             httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
         for path, body in (("/v1/completions", LONG_RUN),
                            ("/v1/chat/completions",

@@ -1,8 +1,10 @@
-"""A bounded load test: 48 streaming clients at once on one engine (batch 1, FIFO). Every
-request must complete with exactly the tokens it gets when it runs alone (seeded sampling, so a
-token taken from or given to the wrong request would show), and every stream must end with its
-finish_reason, its usage and [DONE]. Prints requests, concurrency, p50/p99 latency and tokens
-lost (which must be 0)."""
+"""A bounded load test (issue 17): 64 streaming clients at once on one engine that batches up
+to 32 of them per step; the rest wait in the queue. Every request must complete with exactly
+the tokens it gets when it runs alone (seeded sampling, so a token taken from or given to the
+wrong request would show; the numpy backend runs with batch_invariant=True, so alone and in a
+batch compute the same numbers bit for bit), and every stream must end with its finish_reason,
+its usage and [DONE]. Prints requests, concurrency, p50/p99 latency and tokens lost (which must
+be 0). With --max-num-seqs 1 the server is FIFO again: one request on the engine at a time."""
 
 from __future__ import annotations
 
@@ -17,14 +19,16 @@ import httpx
 
 from monokernel import LLM
 
-N_CLIENTS = 48
+N_CLIENTS = 64
+MAX_NUM_SEQS = 32
 MAX_TOKENS = 24
 TOTAL_TIMEOUT_S = 120.0  # the whole concurrent phase; one stream's read timeout is 60 s
 
 
 @pytest.fixture(scope="module")
 def tiny_llm(synth_dir):
-    return LLM(synth_dir("tiny"), backend="numpy", progress=False)
+    return LLM(synth_dir("tiny"), backend="numpy", progress=False, batch_invariant=True,
+               max_num_seqs=MAX_NUM_SEQS)
 
 
 def request(i: int) -> tuple[str, dict]:
@@ -74,18 +78,20 @@ def percentile(xs: list[float], q: float) -> float:
 
 def test_concurrent_streams_get_exactly_their_tokens(tiny_llm):
     reqs = [request(i) for i in range(N_CLIENTS)]
-    with running_server(tiny_llm, max_queue=N_CLIENTS) as srv:
+    with running_server(tiny_llm, max_queue=N_CLIENTS, max_num_seqs=MAX_NUM_SEQS) as srv:
         async def main():
             limits = httpx.Limits(max_connections=N_CLIENTS + 4)
             async with httpx.AsyncClient(base_url=srv.url, timeout=60.0, limits=limits) as c:
                 alone = [await run_one(c, p, b) for p, b in reqs]  # one at a time
 
-                peak = {"queued": 0}
+                peak = {"queued": 0, "running": 0}
                 done = asyncio.Event()
 
                 async def watch():
                     while not done.is_set():
-                        peak["queued"] = max(peak["queued"], srv.worker.stats()["queued"])
+                        st = srv.worker.stats()
+                        for k in peak:
+                            peak[k] = max(peak[k], st[k])
                         await asyncio.sleep(0.005)
 
                 w = asyncio.create_task(watch())
@@ -96,15 +102,16 @@ def test_concurrent_streams_get_exactly_their_tokens(tiny_llm):
                 finally:
                     done.set()
                     await w
-                return alone, together, time.perf_counter() - t0, peak["queued"]
+                return alone, together, time.perf_counter() - t0, peak
 
-        alone, together, wall, peak_queued = asyncio.run(main())
+        alone, together, wall, peak = asyncio.run(main())
+        assert srv.worker.stats()["running"] == 0 and srv.worker.stats()["queued"] == 0
 
     lost = sum(tokens_lost(a["ids"], b["ids"]) for a, b in zip(alone, together))
     lat = [r["latency"] for r in together]
     n_tokens = sum(len(r["ids"]) for r in together)
     print(f"\nload test: {N_CLIENTS} requests, {N_CLIENTS} concurrent streaming clients "
-          f"(peak {peak_queued} queued behind the running one), {n_tokens} tokens in "
+          f"(peak {peak['running']} running, {peak['queued']} queued), {n_tokens} tokens in "
           f"{wall:.2f} s ({n_tokens / wall:.0f} tokens/s); latency p50 {percentile(lat, 50):.3f} s,"
           f" p99 {percentile(lat, 99):.3f} s; tokens lost: {lost}")
     assert lost == 0
@@ -115,4 +122,32 @@ def test_concurrent_streams_get_exactly_their_tokens(tiny_llm):
             assert b["usage"][k] == a["usage"][k], (i, k)
         assert b["usage"]["completion_tokens"] == len(b["ids"]) + (b["finish"] == "stop"), i
     assert len({tuple(a["ids"]) for a in alone}) > N_CLIENTS // 2  # the requests differ
-    assert peak_queued >= N_CLIENTS // 2  # they really were in flight together
+    assert peak["running"] == MAX_NUM_SEQS  # they really were in flight together
+    assert peak["queued"] >= (N_CLIENTS - MAX_NUM_SEQS) // 2  # and the rest waited
+    assert tiny_llm.engine.batcher.pool.in_use == 0  # every page given back
+
+
+def test_max_num_seqs_1_serves_one_request_at_a_time(tiny_llm):
+    """--max-num-seqs 1: FIFO, one request on the engine while the others wait."""
+    reqs = [request(i) for i in range(4)]
+    with running_server(tiny_llm, max_queue=8, max_num_seqs=1) as srv:
+        assert srv.worker.max_num_seqs == 1
+
+        async def main():
+            seen = []
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60.0) as c:
+                async def watch():
+                    while True:
+                        seen.append(srv.worker.stats()["running"])
+                        await asyncio.sleep(0.002)
+
+                w = asyncio.create_task(watch())
+                try:
+                    out = await asyncio.wait_for(
+                        asyncio.gather(*(run_one(c, p, b) for p, b in reqs)), 60)
+                finally:
+                    w.cancel()
+            return out, seen
+
+        out, seen = asyncio.run(main())
+    assert len(out) == 4 and max(seen) == 1

@@ -127,7 +127,8 @@ def test_drain_lets_the_running_request_finish(bundled_llm):
     one and a new one get 503 shutting_down at once, /health says so, then the server stops
     by itself."""
     got: dict = {}
-    with running_server(bundled_llm, drain_s=60.0) as srv, \
+    # one request at a time (FIFO), so that B waits in the queue
+    with running_server(bundled_llm, drain_s=60.0, max_num_seqs=1) as srv, \
             httpx.Client(base_url=srv.url, timeout=TIMEOUT) as a, \
             httpx.Client(base_url=srv.url, timeout=TIMEOUT) as b:
         with a.stream("POST", "/v1/completions", json={**LONG, "max_tokens": 12,
@@ -193,8 +194,9 @@ def test_signal_drains_the_command(bundled_dir, sig):
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # --max-num-seqs 1: one request on the engine, the others queued behind it
     p = serve_command("--model", str(bundled_dir), "--backend", "numpy", "--port", str(port),
-                      "--drain-timeout", "3", "--log-level", "warning")
+                      "--drain-timeout", "3", "--log-level", "warning", "--max-num-seqs", "1")
     queued: dict = {}
     try:
         wait_up(p, url)
@@ -355,7 +357,12 @@ def test_api_key_from_the_environment_and_flag_checks(monkeypatch):
     assert a.allowed_origins == ["https://a.example", "https://b.example",
                                  "http://localhost:3000"]
     assert (a.default_max_tokens, a.request_timeout, a.drain_timeout) == (256, 600.0, 30.0)
+    assert a.max_num_seqs == 32 and parsed("--max-num-seqs", "1").max_num_seqs == 1
+    with pytest.raises(MonokernelError, match=re.escape("--max-num-seqs must be in [1, 1024], "
+                                                        "got 0")):
+        parsed("--max-num-seqs", "0")
     for bad in (["--default-max-tokens", "0"], ["--request-timeout", "0"],
+                ["--max-num-seqs", "1025"],
                 ["--drain-timeout", "-1"], ["--replicas", "0"], ["--ray-address", "auto"]):
         with pytest.raises(MonokernelError, match=re.escape(bad[0])):
             parsed(*bad)
