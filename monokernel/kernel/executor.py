@@ -22,6 +22,7 @@ from ..errors import KernelError, NumericalError
 from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, TRACE_WORDS,
                   Err, ErrCode, HostFlag, Op, State, StopReason, params_dtype)
 from .header import render_header
+from .includes import inline_includes
 from ..model.loader import LoadedModel
 from .base import (Backend, BackendOptions, Choose, DeviceSample, Executor, LaunchEnd,
                    StepResult, greedy, wall_times)
@@ -42,9 +43,10 @@ PROGRESS_GRACE_S = 5.0
 
 
 def kernel_source(cfg: ModelConfig, max_seq_len: int) -> str:
-    """Generated header + megakernel.cu, with #line so compiler errors point at real lines."""
+    """Generated header + megakernel.cu (its own quoted includes inlined), with #line so compiler
+    errors point at real lines."""
     return (render_header(cfg, max_seq_len) + '#line 1 "megakernel.cu"\n'
-            + SOURCE_PATH.read_text())
+            + inline_includes(SOURCE_PATH.read_text(), SOURCE_PATH.parent, "megakernel.cu"))
 
 
 def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True,

@@ -24,6 +24,7 @@ from ...progress import waiting
 
 SHIM_PATH = Path(__file__).with_name("cuda_cpu.h")
 COMMON_SHIM_PATH = SHIM_PATH.with_name("cuda_cpu_common.h")  # included by cuda_cpu.h
+MMA_SHIM_PATH = SHIM_PATH.with_name("cuda_cpu_mma.h")  # included by cuda_cpu.h (tensor-core twins)
 CXX = "g++"
 BASE_FLAGS = ("-std=c++20", "-O2", "-g", "-fPIC", "-shared", "-pthread",
               # Every kernel .so defines the same names (`__shared__ OpShared s` is a static local
@@ -209,8 +210,8 @@ def build(
     unit = (f'#line 1 "{_c_string(filename)}"\n{rewrite_shared(text)}\n'
             f'#line 1 "<emulator driver>"\n{driver}')
 
-    key = cache_key(SHIM_PATH.read_text(), COMMON_SHIM_PATH.read_text(), unit, "\0".join(flags),
-                    compiler_version(), *(p + "\0" + body for p, body in _local_includes(text, src_dir, set())))
+    key = cache_key(SHIM_PATH.read_text(), COMMON_SHIM_PATH.read_text(), MMA_SHIM_PATH.read_text(), unit,
+                    "\0".join(flags), compiler_version(), *(p + "\0" + body for p, body in _local_includes(text, src_dir, set())))
     out_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(filename).stem) or "kernel"

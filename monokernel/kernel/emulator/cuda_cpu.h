@@ -522,11 +522,11 @@ inline std::string missing_lane_message(const Block* b, int warp, const Warp& w,
              states.c_str());
 }
 
-// One warp collective: every lane named in `mask` deposits `val` (and its shuffle argument and
-// width), waits until all have, and gets `compute(warp, lane)`, evaluated for all lanes by the
-// lane that arrives last.
-inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uint64_t val, int arg, int width,
-                                     WarpCompute compute) {
+// One warp collective: every lane named in `mask` deposits (deposit(warp, lane): true when it
+// was the last lane, which then computed every lane's result), waits until all have, and returns
+// collect(warp, lane). `whole_warp`: the collective needs all 32 lanes to exist (mma, ldmatrix).
+template <class Deposit, class Collect>
+inline auto warp_rendezvous(const char* op, unsigned int mask, bool whole_warp, Deposit deposit, Collect collect) {
   Fiber* f = current_fiber();
   Block* b = f->block;
   check_abort(b);
@@ -535,6 +535,8 @@ inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uin
   Warp& w = b->warps[warp];
   if (!(mask & bit))
     fail_here(kWarpError, not_in_mask_message(warp, b->idx.x, lane, op, mask));
+  if (whole_warp && w.exists != ~0u)
+    fail_here(kWarpError, partial_warp_message(warp, b->idx.x, op, w.exists));
   // Lanes past the end of a partial last warp do not exist; they are not waited for.
   const unsigned int need = mask & w.exists;
   for (;;) {
@@ -554,12 +556,33 @@ inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uin
     }
     block_on(f, Wait::WarpFree, w.seq, op, mask);  // another collective (other mask) is open
   }
-  if (!w.deposit(lane, val, arg, width, compute)) {
+  if (!deposit(w, lane)) {
     const unsigned int seq = w.seq;
     do block_on(f, Wait::WarpFull, seq, op, mask);
     while (w.seq == seq);
   }
-  return w.results[lane];
+  return collect(w, lane);
+}
+
+// A shuffle, vote or reduction: `val` (and its shuffle argument and width) in, and
+// `compute(warp, lane)` out, evaluated for all lanes by the lane that arrives last.
+inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uint64_t val, int arg, int width,
+                                     WarpCompute compute) {
+  return warp_rendezvous(
+      op, mask, false, [&](Warp& w, unsigned int lane) { return w.deposit(lane, val, arg, width, compute); },
+      [](const Warp& w, unsigned int lane) { return w.results[lane]; });
+}
+
+// A wide exchange of the whole warp (mask 0xffffffff): `in_bytes` from `in` per lane; the last
+// lane runs compute(warp) for all; `out_bytes` of this lane's result land in `out`.
+inline void warp_exchange(const char* op, const void* in, std::size_t in_bytes, void* out, std::size_t out_bytes,
+                          WarpComputeAll compute) {
+  warp_rendezvous(
+      op, ~0u, true, [&](Warp& w, unsigned int lane) { return w.deposit_wide(lane, in, in_bytes, compute); },
+      [&](const Warp& w, unsigned int lane) {
+        std::memcpy(out, w.wide_out[lane], out_bytes);
+        return 0;
+      });
 }
 
 // ============================================================================ fiber lifecycle
@@ -1043,3 +1066,6 @@ extern "C" __attribute__((visibility("hidden"), noreturn)) void __assert_fail(
   __builtin_unreachable();
 }
 #endif  // EMU_STRICT
+
+// ---- tensor-core twins (mma.sync, ldmatrix) of kernel/mma.cuh: both runtimes
+#include "cuda_cpu_mma.h"

@@ -119,11 +119,19 @@ struct BarrierState {
 };
 
 // The exchange buffer of one warp. One collective is open at a time; the lane that completes it
-// computes every lane's result, so the buffer is free again at once.
+// computes every lane's result, so the buffer is free again at once. Two kinds of collective use
+// it: the shuffles, votes and reductions deposit 64 bits (plus a shuffle argument and width) and
+// get 64 bits computed lane by lane; a wide exchange (warp_exchange: the tensor-core twins of
+// kernel/mma.cuh) deposits up to kLaneInBytes per lane and gets up to kLaneOutBytes, computed for
+// the whole warp in one call (an mma is one 16x8 product, not 32 separate ones).
 struct Warp;
 using WarpCompute = std::uint64_t (*)(const Warp&, unsigned int lane);
+using WarpComputeAll = void (*)(Warp&);
 
 struct Warp {
+  // mma.m16n8k16 deposits its A, B and C fragments (4 + 2 + 4 words); ldmatrix.x4 a 16-byte row.
+  static constexpr std::size_t kLaneInBytes = 48, kLaneOutBytes = 16;
+
   unsigned int exists = 0;       // lanes that exist (a partial last warp has fewer)
   unsigned int exited = 0;       // lanes whose CUDA thread returned
   bool open = false;             // a collective is collecting deposits
@@ -134,6 +142,8 @@ struct Warp {
   int args[32];                  // each lane's source lane / delta / lane mask
   int widths[32];
   std::uint64_t results[32];     // lane l's result stays valid until l enters another collective
+  alignas(16) unsigned char wide_in[32][kLaneInBytes];    // a wide exchange's deposits
+  alignas(16) unsigned char wide_out[32][kLaneOutBytes];  // and results (valid as `results`)
 
   // Opens a collective of the lanes in `need`.
   void begin(unsigned int need, const char* collective) {
@@ -148,15 +158,32 @@ struct Warp {
     vals[lane] = val;
     args[lane] = arg;
     widths[lane] = width;
-    arrived |= 1u << lane;
-    if (arrived != mask) return false;
+    if (!arrive(lane)) return false;
     for (unsigned int m = mask; m != 0; m &= m - 1) {
       const unsigned int l = static_cast<unsigned int>(__builtin_ctz(m));
       results[l] = compute(*this, l);
     }
+    close();
+    return true;
+  }
+  // The same for a wide exchange: `bytes` (at most kLaneInBytes) from `in`; the last lane runs
+  // `compute` once, which fills wide_out of every lane in the mask.
+  bool deposit_wide(unsigned int lane, const void* in, std::size_t bytes, WarpComputeAll compute) {
+    std::memcpy(wide_in[lane], in, bytes);
+    if (!arrive(lane)) return false;
+    compute(*this);
+    close();
+    return true;
+  }
+
+ private:
+  bool arrive(unsigned int lane) {
+    arrived |= 1u << lane;
+    return arrived == mask;
+  }
+  void close() {
     open = false;
     ++seq;
-    return true;
   }
 };
 
@@ -170,6 +197,12 @@ inline std::string other_collective_message(int warp, unsigned int block, unsign
                                             const Warp& w) {
   return fmt("warp %d of block %u: lane %u reached %s while lanes %s wait at %s (mask 0x%08x)", warp, block, lane,
              op, lane_list(w.arrived).c_str(), w.op, w.mask);
+}
+
+// A wide exchange (mma, ldmatrix) is .sync.aligned: all 32 lanes of the warp execute it.
+inline std::string partial_warp_message(int warp, unsigned int block, const char* op, unsigned int exists) {
+  return fmt("warp %d of block %u: %s needs all 32 lanes of the warp, but only lanes %s exist (the block's "
+             "size is not a multiple of 32)", warp, block, op, lane_list(exists).c_str());
 }
 
 // One CUDA thread's run of the kernel: an abort unwinds quietly, any other exception fails the launch.

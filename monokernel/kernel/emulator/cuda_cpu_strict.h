@@ -144,10 +144,11 @@ inline void barrier(int pred, int* count, int* all, int* any) {
   b->results(s, count, all, any);
 }
 
-// One warp collective, with the fiber runtime's semantics: every lane named in `mask` deposits
-// its value, the last to arrive computes every lane's result.
-inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uint64_t val, int arg, int width,
-                                     WarpCompute compute) {
+// One warp collective, with the fiber runtime's semantics (cuda_cpu.h warp_rendezvous): every
+// lane named in `mask` deposits, the last to arrive computes every lane's result; collect(warp,
+// lane) reads this lane's under the warp's lock.
+template <class Deposit, class Collect>
+inline auto warp_rendezvous(const char* op, unsigned int mask, bool whole_warp, Deposit deposit, Collect collect) {
   Thread* t = current_thread();
   Block* b = t->block;
   const int warp = static_cast<int>(t->tid.x) >> 5;
@@ -157,6 +158,8 @@ inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uin
   check_abort(b);
   if (!(mask & bit))
     fail_here(lk, kWarpError, not_in_mask_message(warp, b->idx.x, lane, op, mask));
+  if (whole_warp && w.exists != ~0u)
+    fail_here(lk, kWarpError, partial_warp_message(warp, b->idx.x, op, w.exists));
   const unsigned int need = mask & w.exists;
   for (;;) {
     if (!w.open) {
@@ -175,14 +178,32 @@ inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uin
     w.cv.wait(lk, [&] { return w.seq != seq || aborting(b); });
     check_abort(b);
   }
-  if (w.deposit(lane, val, arg, width, compute)) {
+  if (deposit(static_cast<Warp&>(w), lane)) {
     w.cv.notify_all();
   } else {
     const unsigned int seq = w.seq;
     w.cv.wait(lk, [&] { return w.seq != seq || aborting(b); });
     check_abort(b);
   }
-  return w.results[lane];
+  return collect(static_cast<const Warp&>(w), lane);
+}
+
+inline std::uint64_t warp_collective(const char* op, unsigned int mask, std::uint64_t val, int arg, int width,
+                                     WarpCompute compute) {
+  return warp_rendezvous(
+      op, mask, false, [&](Warp& w, unsigned int lane) { return w.deposit(lane, val, arg, width, compute); },
+      [](const Warp& w, unsigned int lane) { return w.results[lane]; });
+}
+
+// A wide exchange of the whole warp (cuda_cpu.h warp_exchange).
+inline void warp_exchange(const char* op, const void* in, std::size_t in_bytes, void* out, std::size_t out_bytes,
+                          WarpComputeAll compute) {
+  warp_rendezvous(
+      op, ~0u, true, [&](Warp& w, unsigned int lane) { return w.deposit_wide(lane, in, in_bytes, compute); },
+      [&](const Warp& w, unsigned int lane) {
+        std::memcpy(out, w.wide_out[lane], out_bytes);
+        return 0;
+      });
 }
 
 // A thread returned (or unwound): a barrier or warp collective that only waits for it now fails.

@@ -29,7 +29,7 @@ import numpy as np
 
 from ...errors import KernelError
 from ..isa import ERROR_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, State
-from .build import (COMMON_SHIM_PATH, CXX, SHIM_PATH, _c_string, cache_key, compile_unit, compiler_version,
+from .build import (COMMON_SHIM_PATH, CXX, MMA_SHIM_PATH, SHIM_PATH, _c_string, cache_key, compile_unit, compiler_version,
                     default_cache_dir, rewrite_shared)
 
 STRICT_SHIM_PATH = SHIM_PATH.with_name("cuda_cpu_strict.h")
@@ -82,7 +82,8 @@ def build_strict_driver(source: str, *, tsan: bool = True, extra_flags=(),
     flags = [*STRICT_FLAGS, *(TSAN_FLAGS if tsan else ()), *extra_flags]
     unit = (f'#line 1 "megakernel.cu"\n{rewrite_shared(source)}\n'
             f'#line 1 "{_c_string(str(DRIVER_PATH))}"\n{DRIVER_PATH.read_text()}')
-    key = cache_key(SHIM_PATH.read_text(), COMMON_SHIM_PATH.read_text(), STRICT_SHIM_PATH.read_text(), unit,
+    key = cache_key(SHIM_PATH.read_text(), COMMON_SHIM_PATH.read_text(), STRICT_SHIM_PATH.read_text(),
+                    MMA_SHIM_PATH.read_text(), unit,
                     "\0".join(flags), compiler_version())
     out_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
