@@ -225,7 +225,8 @@ class Executor(ABC):
 class BackendOptions:
     """Base of a backend family's options (``LLM(backend=..., **options)``, the CLI's
     ``--option NAME=VALUE``). Subclasses are frozen dataclasses; each field's annotation is
-    the type a user must give, and ``field(metadata={"min": n})`` a lower bound.
+    the type a user must give, ``field(metadata={"min": n})`` a lower bound and ``"max"`` an
+    upper one.
     ``from_user`` is the one check: an unknown or misspelt name, a wrong type or a value out
     of range is a ParameterError naming the option, never a TypeError from a constructor."""
 
@@ -247,12 +248,13 @@ class BackendOptions:
                 elif close:
                     msg += f"; did you mean {close[0]!r}?"
                 raise ParameterError(msg)
-            bound = cls.__dataclass_fields__[name].metadata.get("min")
-            if not _accepts(hints[name], value) or (
-                    bound is not None and value is not None and value < bound):
+            meta = cls.__dataclass_fields__[name].metadata
+            bound, top = meta.get("min"), meta.get("max")
+            if not _accepts(hints[name], value) or value is not None and (
+                    (bound is not None and value < bound) or (top is not None and value > top)):
                 raise ParameterError(
                     f"backend {backend!r}: option {name} must be "
-                    f"{_describe(hints[name], bound)}, got {value!r} "
+                    f"{_describe(hints[name], bound, top)}, got {value!r} "
                     f"({type(value).__name__})")
         return cls(**given, **fixed)
 
@@ -277,14 +279,18 @@ def _accepts(tp: Any, value: Any) -> bool:
     return isinstance(value, tp)
 
 
-def _describe(tp: Any, bound: Any = None) -> str:
+def _describe(tp: Any, bound: Any = None, top: Any = None) -> str:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(_describe(t, bound) for t in typing.get_args(tp))
+        return " or ".join(_describe(t, bound, top) for t in typing.get_args(tp))
     if tp is type(None):
         return "None"
     text = {bool: "True or False", int: "an integer", float: "a number",
             str: "a string"}.get(tp, f"a {getattr(tp, '__name__', tp)}")
-    return f"{text} >= {bound}" if bound is not None and tp in (int, float) else text
+    if tp not in (int, float) or bound is None and top is None:
+        return text
+    if bound is not None and top is not None:
+        return f"{text} in [{bound}, {top}]"
+    return f"{text} >= {bound}" if bound is not None else f"{text} <= {top}"
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from .base import (Backend, BackendOptions, Choose, DeviceSample, Executor, Laun
                    StepResult, greedy, wall_times)
 from .devices.emulator import EmulatorDevice
 from .program import Program
-from .schedule import schedule
+from .schedule import MAX_STEP_TOKENS, schedule
 
 SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
@@ -42,16 +42,16 @@ NO_TOKEN = -2
 PROGRESS_GRACE_S = 5.0
 
 
-def kernel_source(cfg: ModelConfig, max_seq_len: int) -> str:
+def kernel_source(cfg: ModelConfig, max_seq_len: int, tokens: int = 1) -> str:
     """Generated header + megakernel.cu (its own quoted includes inlined), with #line so compiler
-    errors point at real lines."""
-    return (render_header(cfg, max_seq_len) + '#line 1 "megakernel.cu"\n'
+    errors point at real lines. ``tokens``: the program's most tokens per step."""
+    return (render_header(cfg, max_seq_len, tokens) + '#line 1 "megakernel.cu"\n'
             + inline_includes(SOURCE_PATH.read_text(), SOURCE_PATH.parent, "megakernel.cu"))
 
 
 def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True,
                  trace: bool = False, pdl: bool = False,
-                 sync: int | None = None) -> tuple[str, dict[str, str]]:
+                 sync: int | None = None, tokens: int = 1) -> tuple[str, dict[str, str]]:
     """(source, -D defines) of the kernel an executor with these options compiles: the one
     place that decides them, so the GPU check's prepare step (tools/prepare.py) compiles
     exactly what the executors will ask for."""
@@ -62,7 +62,7 @@ def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True,
         defines["MK_PDL"] = "1"
     if sync is not None:  # the hop (megakernel.cu MK_SYNC; default 2: release/acquire)
         defines["MK_SYNC"] = str(sync)
-    return kernel_source(cfg, max_seq_len), defines
+    return kernel_source(cfg, max_seq_len, tokens), defines
 
 
 # kernel_weights() per live model: every executor of one model uploads the same stacked arrays
@@ -148,7 +148,8 @@ class KernelExecutor(Executor):
                  trace: bool = False, program: Program | None = None, name: str | None = None,
                  attn_min_chunk: int | None = None,
                  multi_step: bool = True, steps_per_launch: int = 0,
-                 sync: int | None = None, merge_ticket_min: int | None = None):
+                 sync: int | None = None, merge_ticket_min: int | None = None,
+                 step_tokens: int = 1):
         super().__init__(model, max_seq_len)
         self.device = device or EmulatorDevice()
         if pdl and not multi:
@@ -176,10 +177,11 @@ class KernelExecutor(Executor):
         c = self.config
         self.program = program or schedule(c, blocks, max_seq_len, attn_splits,
                                            attn_min_chunk=attn_min_chunk,
-                                           merge_ticket_min=merge_ticket_min)
+                                           merge_ticket_min=merge_ticket_min,
+                                           tokens=step_tokens)
         self.blocks = self.program.num_blocks
         source, defines = kernel_build(c, max_seq_len, prefetch=prefetch, trace=trace, pdl=pdl,
-                                       sync=sync)
+                                       sync=sync, tokens=self.program.tokens)
         self.module = self.device.compile(source, KERNEL_NAMES, defines)
         self._alloc_buffers(model)
         self._broken: str | None = None
@@ -272,6 +274,7 @@ class KernelExecutor(Executor):
         st[State.WATCHDOG_MS] = self.watchdog_ms
         st[State.PROGRAM_LEN] = self.program.max_len
         st[State.STEP_COUNTER] = self.program.num_counters
+        st[State.NTOK] = 1  # run_steps feeds a prompt in chunks of up to program.tokens
         return st
 
     def launch_step(self, token: int, pos: int, sample: DeviceSample | None) -> np.ndarray:
@@ -358,6 +361,7 @@ class KernelExecutor(Executor):
         flags[:] = 0
         words = self.state_words(int(tokens[0]), start_pos, sample)
         words[State.FEED_END] = start_pos + n
+        words[State.NTOK] = min(self.program.tokens, n)  # the prompt's first chunk
         words[State.STOP_POS] = stop_pos
         most = stop_pos - start_pos  # steps to the stop position
         words[State.STEPS] = min(self.steps_per_launch, most) if self.steps_per_launch else most
@@ -534,6 +538,9 @@ class KernelOptions(BackendOptions):
     steps_per_launch: int = field(default=0, metadata={"min": 0})
     sync: int | None = None
     merge_ticket_min: int | None = field(default=None, metadata={"min": 0})
+    # a prompt runs in steps of up to this many tokens (megakernel.cu MK_T_MAX), each bitwise
+    # the one-token steps' (docs/many-tokens.md, slice 2)
+    step_tokens: int = field(default=1, metadata={"min": 1, "max": MAX_STEP_TOKENS})
 
     def executor_kwargs(self) -> dict:
         """KernelExecutor's keywords: every option but the device's own."""

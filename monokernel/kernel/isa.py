@@ -93,6 +93,9 @@ class State(IntEnum):
     STEP_COUNTER = 10  # index of the step counter (after the program's counters)
     RUN = 11  # written at each step's end: 1 if the launch goes on to the next step
     STOP_REASON = 12  # why the launch ended (StopReason), written with RUN
+    # the step's tokens: positions POS..POS+NTOK-1 (> 1 only for a prompt chunk, in a program
+    # built for steps of several tokens: Program.tokens); TOKEN is the first, feed[] the rest
+    NTOK = 13
 
 
 STATE_WORDS = 16

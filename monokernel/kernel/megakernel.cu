@@ -40,6 +40,17 @@
 // Positions of one attention unit processed per pass (scores live in shared memory).
 #define T_TILE MK_T_TILE  // isa.T_TILE
 
+// A step carries up to MK_T_MAX tokens (Program.tokens): positions POS..POS+NTOK-1 of one
+// sequence, a prompt chunk. Every op loops over them with the one-token step's arithmetic, so a
+// chunk's K/V and logits are bitwise those of one token per step (docs/many-tokens.md, slice 2);
+// per-token activations are rows of MK_T_MAX-row buffers. Built for one token, the loops fold
+// away and the kernel compiles as before.
+#ifndef MK_T_MAX
+#define MK_T_MAX 1
+#endif
+// Late q/k attention keeps the chunk's keys (bf16) in shared memory: OpShared::kc.
+#define KC_ELEMS (MK_QK_NORM && MK_T_MAX > 1 ? MK_T_MAX * MK_HEAD_DIM : 1)
+
 static_assert(MK_THREADS % 32 == 0, "whole warps only");
 static_assert(MK_HIDDEN % 8 == 0 && MK_FFN % 8 == 0 && MK_Q_DIM % 8 == 0,
               "mat-vec rows are read 8 bf16 (16 bytes) at a time");
@@ -55,12 +66,16 @@ __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // the same space.
 #define VEC_MAX cmax(cmax(MK_HIDDEN, cmax(COPY_SPAN(MK_FFN), COPY_SPAN(MK_Q_DIM))), \
                      (MK_THREADS / 32) * cmax(MK_GROUP, 2) * MK_HEAD_DIM)
-static_assert(VEC_MAX * 4 + (2 * MK_GROUP * MK_HEAD_DIM + MK_GROUP * T_TILE) * 4 < 46 * 1024,
-              "static shared memory budget (48 KB) exceeded for this model");
+static_assert(VEC_MAX * 4 + (2 * MK_GROUP * MK_HEAD_DIM + MK_GROUP * T_TILE) * 4 + KC_ELEMS * 2
+                  < 46 * 1024,
+              "static shared memory budget (48 KB) exceeded for this model (and MK_T_MAX)");
 
 // ================================================================================================
 // Device helpers: bf16, warp/block reductions, acquire/timer, RNG
 // ================================================================================================
+// The step's tokens: NTOK from the state words, or 1 in a kernel built for one (MK_T_MAX 1).
+__device__ __forceinline__ int step_tokens(const int* st) { return MK_T_MAX == 1 ? 1 : st[S_NTOK]; }
+
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
   return __uint_as_float(((unsigned)b) << 16);
 }
@@ -476,6 +491,7 @@ struct OpShared {
   alignas(16) float q[MK_GROUP * MK_HEAD_DIM];  // ATTENTION: the group's queries
   alignas(16) float o[MK_GROUP * MK_HEAD_DIM];  // ATTENTION: running outputs
   float score[MK_GROUP * T_TILE];           // ATTENTION: scores, then probabilities
+  alignas(16) unsigned short kc[KC_ELEMS];  // ATTENTION (late q/k): the chunk's earlier keys
   float m[MK_GROUP], l[MK_GROUP], corr[MK_GROUP];
   float best[NWARPS];
   int best_id[NWARPS];
@@ -488,14 +504,19 @@ struct OpShared {
 // false (every block then stops) for a token outside the vocabulary: a NaN step leaves -1 in
 // the state (the host reads it as the NaN), and a launch repeated as it is (the bench's
 // replays) must not embed it from outside the table.
+// A chunk's tokens after the first come from feed[] (the prompt, written before the launch).
 __device__ bool op_embed(const Params& P, const int* ins, const int* st, int instr) {
-  const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], token = st[S_TOKEN];
-  if (token < 0 || token >= MK_VOCAB) {
-    if (threadIdx.x == 0) record_error(P, ERR_BAD_TOKEN, instr, OP_EMBED, -1, MK_VOCAB, token);
-    return false;
+  const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], ntok = step_tokens(st);
+  for (int tok = 0; tok < ntok; ++tok) {
+    const int token = tok == 0 ? st[S_TOKEN] : P.feed[st[S_POS] + tok];
+    if (token < 0 || token >= MK_VOCAB) {
+      if (threadIdx.x == 0) record_error(P, ERR_BAD_TOKEN, instr, OP_EMBED, -1, MK_VOCAB, token);
+      return false;
+    }
+    const unsigned short* row = P.embed + (size_t)token * H;
+    float* res = P.residual + (size_t)tok * H;
+    for (int i = b + threadIdx.x; i < e; i += MK_THREADS) res[i] = bf16_to_f32(__ldg(row + i));
   }
-  const unsigned short* row = P.embed + (size_t)token * H;
-  for (int i = b + threadIdx.x; i < e; i += MK_THREADS) P.residual[i] = bf16_to_f32(__ldg(row + i));
   return true;
 }
 
@@ -551,62 +572,70 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
                                 const float (&g)[RMS_PER]) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   if (b >= e) return;
-  const int t = threadIdx.x;
-  rms_apply(P.residual, g, s.vec);
-  const int pos = st[S_POS];
+  const int t = threadIdx.x, ntok = step_tokens(st);
   const unsigned short* W = P.wqkv + (size_t)layer * MK_QKV_DIM * H;
-  for (int p = b; p < e;) {
-    const int head = p / HALF;  // q heads, then k heads, then v heads
-    const int j0 = p % HALF;
-    const int j1 = min(HALF, j0 + (e - p));
-    const int n = j1 - j0;
-    const bool is_q = head < MK_HEADS, is_k = !is_q && head < MK_HEADS + MK_KV_HEADS;
-    // late q/k (QK_NORM): q and k leave raw; ATTENTION norms and ropes them
-    const bool rotate = (is_q || is_k) && !LATE_QK;
-    // thread t: RoPE entry j0 + t, q/k-norm weight of element t (issued with the rows below)
-    float cs = 1.f, sn = 0.f;
-    if (rotate && t < n) {
-      cs = __ldg(P.rope_cos + (size_t)pos * HALF + j0 + t);
-      sn = __ldg(P.rope_sin + (size_t)pos * HALF + j0 + t);
-    }
-    // rows k < n: j0 + k; rows k >= n: their RoPE partners j0 + k - n + HALF
-    auto row_j = [&](int k) { return k < n ? j0 + k : j0 + k - n + HALF; };
-    block_dot_rows<H>(
-        2 * n, [&](int k) { return W + (size_t)(head * D + row_j(k)) * H; }, s.vec,
-        [&](int k) {
-#if MK_HAS_BIAS
-          return bf16_to_f32(__ldg(P.bqkv + (size_t)layer * MK_QKV_DIM + head * D + row_j(k)));
-#else
-          (void)k;
-          return 0.f;
+  for (int tok = 0; tok < ntok; ++tok) {
+    rms_apply(P.residual + (size_t)tok * H, g, s.vec);
+    const int pos = st[S_POS] + tok;
+    float* q_out = P.q + (size_t)tok * MK_Q_DIM;
+#if LATE_QK
+    float* k_raw = P.k_raw + (size_t)tok * MK_KV_DIM;
 #endif
-        },
-        [&](int k, float v, float bias) { s.row[row_j(k)] = v + bias; });
-    __syncthreads();
-    if (t < n) {
-      const int j = j0 + t;
-      float a = s.row[j], c = s.row[j + HALF];
-      if (rotate) {  // rotate-half RoPE
-        const float ra = a * cs - c * sn, rc = c * cs + a * sn;
-        a = ra;
-        c = rc;
+    for (int p = b; p < e;) {
+      const int head = p / HALF;  // q heads, then k heads, then v heads
+      const int j0 = p % HALF;
+      const int j1 = min(HALF, j0 + (e - p));
+      const int n = j1 - j0;
+      const bool is_q = head < MK_HEADS, is_k = !is_q && head < MK_HEADS + MK_KV_HEADS;
+      // late q/k (QK_NORM): q and k leave raw; ATTENTION norms and ropes them
+      const bool rotate = (is_q || is_k) && !LATE_QK;
+      // thread t: RoPE entry j0 + t, q/k-norm weight of element t (issued with the rows below)
+      float cs = 1.f, sn = 0.f;
+      if (rotate && t < n) {
+        cs = __ldg(P.rope_cos + (size_t)pos * HALF + j0 + t);
+        sn = __ldg(P.rope_sin + (size_t)pos * HALF + j0 + t);
       }
-      if (is_q) {
-        P.q[head * D + j] = a;
-        P.q[head * D + j + HALF] = c;
-      } else if (LATE_QK && is_k) {
-        P.k_raw[(head - MK_HEADS) * D + j] = a;
-        P.k_raw[(head - MK_HEADS) * D + j + HALF] = c;
-      } else {
-        const int kvh = is_k ? head - MK_HEADS : head - MK_HEADS - MK_KV_HEADS;
-        unsigned short* cache = is_k ? P.k_cache : P.v_cache;
-        const size_t at = (((size_t)layer * MK_MAX_SEQ + pos) * MK_KV_HEADS + kvh) * D;
-        cache[at + j] = f32_to_bf16(a);
-        cache[at + j + HALF] = f32_to_bf16(c);
+      // rows k < n: j0 + k; rows k >= n: their RoPE partners j0 + k - n + HALF
+      auto row_j = [&](int k) { return k < n ? j0 + k : j0 + k - n + HALF; };
+      block_dot_rows<H>(
+          2 * n, [&](int k) { return W + (size_t)(head * D + row_j(k)) * H; }, s.vec,
+          [&](int k) {
+#if MK_HAS_BIAS
+            return bf16_to_f32(__ldg(P.bqkv + (size_t)layer * MK_QKV_DIM + head * D + row_j(k)));
+#else
+            (void)k;
+            return 0.f;
+#endif
+          },
+          [&](int k, float v, float bias) { s.row[row_j(k)] = v + bias; });
+      __syncthreads();
+      if (t < n) {
+        const int j = j0 + t;
+        float a = s.row[j], c = s.row[j + HALF];
+        if (rotate) {  // rotate-half RoPE
+          const float ra = a * cs - c * sn, rc = c * cs + a * sn;
+          a = ra;
+          c = rc;
+        }
+        if (is_q) {
+          q_out[head * D + j] = a;
+          q_out[head * D + j + HALF] = c;
+#if LATE_QK
+        } else if (is_k) {
+          k_raw[(head - MK_HEADS) * D + j] = a;
+          k_raw[(head - MK_HEADS) * D + j + HALF] = c;
+#endif
+        } else {
+          const int kvh = is_k ? head - MK_HEADS : head - MK_HEADS - MK_KV_HEADS;
+          unsigned short* cache = is_k ? P.k_cache : P.v_cache;
+          const size_t at = (((size_t)layer * MK_MAX_SEQ + pos) * MK_KV_HEADS + kvh) * D;
+          cache[at + j] = f32_to_bf16(a);
+          cache[at + j + HALF] = f32_to_bf16(c);
+        }
       }
+      __syncthreads();  // s.row is reused by the next head
+      p += n;
     }
-    __syncthreads();  // s.row is reused by the next head
-    p += n;
   }
 }
 
@@ -637,23 +666,36 @@ __device__ __forceinline__ uint4 load_kv(const unsigned short* p) {
 // result is not used: the callers mask by i < cnt. (Loading zeros there instead made the loads
 // predicated, and at head_dim 64 ptxas then issued each one only after the previous row's dot
 // product: one K load in flight instead of KV_UNROLL; tests/kernel/test_sass.py counts them.)
+// Late q/k with chunks: positions >= chunk_from come from `chunk` (rows of HEAD_DIM bf16,
+// position chunk_from first) instead: the chunk's keys, which the cache gets only after the
+// layer's attention (O_PROJ caches them).
 __device__ __forceinline__ void load_kv_rows(const unsigned short* rows, int base, int cnt,
-                                             int i0, int c, uint4 (&kv)[KV_UNROLL]) {
+                                             int i0, int c, uint4 (&kv)[KV_UNROLL],
+                                             const unsigned short* chunk, int chunk_from) {
 #pragma unroll
   for (int u = 0; u < KV_UNROLL; ++u) {
     const int i = min(i0 + u * KV_SLOTS, cnt - 1);
+#if LATE_QK && MK_T_MAX > 1
+    if (chunk != nullptr && base + i >= chunk_from) {
+      kv[u] = *reinterpret_cast<const uint4*>(chunk + (size_t)(base + i - chunk_from) * D + c * 8);
+      continue;
+    }
+#else
+    (void)chunk;
+    (void)chunk_from;
+#endif
     kv[u] = load_kv(rows + (size_t)(base + i) * MK_KV_DIM + c * 8);
   }
 }
 
-// s.score[h][i] = q_h . K[base + i] * scale for i < cnt
+// s.score[h][i] = q_h . K[base + i] * scale for i < cnt (K rows from chunk_from on: s.kc)
 __device__ void attention_scores(OpShared& s, const unsigned short* Kg, int base, int cnt,
-                                 float scale) {
+                                 float scale, int chunk_from) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int c = lane % KV_LANES, slot = warp * KV_PPW + lane / KV_LANES;
   for (int i0 = slot; i0 - slot < cnt; i0 += KV_SLOTS * KV_UNROLL) {
     uint4 kv[KV_UNROLL];
-    load_kv_rows(Kg, base, cnt, i0, c, kv);
+    load_kv_rows(Kg, base, cnt, i0, c, kv, s.kc, chunk_from);
     // every dot product of the KV_UNROLL rows first, then their reductions side by side, then
     // the stores: KV_UNROLL x GROUP independent chains instead of one chain per row, each ended
     // by a store before the next row's work
@@ -693,7 +735,7 @@ __device__ void attention_values(OpShared& s, const unsigned short* Vg, int base
     for (int e = 0; e < 8; ++e) acc[h][e] = 0.f;
   for (int i0 = slot; i0 - slot < cnt; i0 += KV_SLOTS * KV_UNROLL) {
     uint4 kv[KV_UNROLL];
-    load_kv_rows(Vg, base, cnt, i0, c, kv);
+    load_kv_rows(Vg, base, cnt, i0, c, kv, nullptr, 0);
 #pragma unroll
     for (int u = 0; u < KV_UNROLL; ++u) {
       const int i = i0 + u * KV_SLOTS;
@@ -752,9 +794,11 @@ __device__ __forceinline__ int splits_used(int n_pos, int splits, int min_chunk)
 #define MERGE_CHUNK MK_MERGE_CHUNK  // isa.MERGE_CHUNK
 static_assert(MK_HEAD_DIM % 8 == 0, "the merge reads 8 output elements per thread");
 
+// tok: the step's token whose partials are merged (rows of KV_HEADS x splits units).
 template <int WAYS>
-__device__ void merge_splits(const Params& P, float* out, int t_begin, int t_end, int splits,
-                             int used) {
+__device__ void merge_splits(const Params& P, int tok, float* out, int t_begin, int t_end,
+                             int splits, int used) {
+  const size_t unit0 = (size_t)tok * MK_KV_HEADS * splits;
   static_assert(WAYS >= 1 && WAYS <= 32 && (WAYS & (WAYS - 1)) == 0, "WAYS: a power of 2");
   const int n = (t_end - t_begin) * WAYS;
   const int n_warps = (n + 31) / 32 * 32;  // whole warps run the loop (the shuffles)
@@ -774,7 +818,7 @@ __device__ void merge_splits(const Params& P, float* out, int t_begin, int t_end
       for (int k = 0; k < MERGE_CHUNK; ++k) {  // every load of the chunk first
         const int sp = sp0 + k * WAYS;
         const bool ok = sp < last;
-        const size_t unit = (size_t)g * splits + sp;
+        const size_t unit = unit0 + (size_t)g * splits + sp;
         const float* ml = P.attn_ml + (unit * MK_GROUP + h) * 2;
         const float* o = P.attn_o + (unit * MK_GROUP + h) * D + d;
         m[k] = ok ? ml[0] : NEG_INF;
@@ -833,8 +877,10 @@ __device__ __forceinline__ bool merge_by_ticket(int used, int least) {
   return least > 0 && used >= least;
 }
 
+// A chunk's tokens each merge by ticket or not by their own used splits (the last token uses
+// the most: the ticket is drawn when it merges; O_PROJ decides per token alike).
 __device__ void attention_ticket(const Params& P, int ticket, int tickets, int g, int splits,
-                                 int used) {
+                                 int min_chunk, int least, int pos0, int ntok) {
   __shared__ int s_last;
   __syncthreads();  // every thread's partial stores are issued
   if (threadIdx.x == 0) {
@@ -843,95 +889,121 @@ __device__ void attention_ticket(const Params& P, int ticket, int tickets, int g
     s_last = last;
   }
   __syncthreads();
-  if (s_last)
-    merge_splits<MK_MERGE_TICKET_WAYS>(P, P.attn, g * MK_GROUP * D / 8,
-                                       (g + 1) * MK_GROUP * D / 8, splits, used);
+  if (!s_last) return;
+  for (int tok = 0; tok < ntok; ++tok) {
+    const int used = splits_used(pos0 + tok + 1, splits, min_chunk);
+    if (merge_by_ticket(used, least))
+      merge_splits<MK_MERGE_TICKET_WAYS>(P, tok, P.attn + (size_t)tok * MK_Q_DIM,
+                                         g * MK_GROUP * D / 8, (g + 1) * MK_GROUP * D / 8,
+                                         splits, used);
+  }
 }
 
 __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
-  const int splits = ins[A_ATTENTION_SPLITS];
+  const int splits = ins[A_ATTENTION_SPLITS], min_chunk = ins[A_ATTENTION_MIN_CHUNK];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n_pos = st[S_POS] + 1;
-  const int chunk = split_chunk(n_pos, splits, ins[A_ATTENTION_MIN_CHUNK]);
+  const int pos0 = st[S_POS], ntok = step_tokens(st);
   const float scale = 1.0f / sqrtf((float)D);
-  for (int u = b; u < e; ++u) {
-    const int g = u / splits, split = u % splits;
-    const int t0 = split * chunk, t1 = min(n_pos, t0 + chunk);
+  const size_t kv_layer = (size_t)layer * MK_MAX_SEQ * MK_KV_HEADS * D;
+  for (int tok = 0; tok < ntok; ++tok) {  // the chunk's tokens, each over its own context
+    const int pos = pos0 + tok, n_pos = pos + 1;
+    const int chunk = split_chunk(n_pos, splits, min_chunk);
+    for (int u = b; u < e; ++u) {
+      const int g = u / splits, split = u % splits;
+      const int t0 = split * chunk, t1 = min(n_pos, t0 + chunk);
 #if LATE_QK
-    // warp h < GROUP: query head h of the group; warp GROUP: the new key (into s.row)
-    static_assert(MK_GROUP + 1 <= NWARPS, "late q/k gives each head vector a warp");
-    if (warp < MK_GROUP)
-      warp_qk_norm_rope(P, P.q + (g * MK_GROUP + warp) * D, P.q_norm + (size_t)layer * D,
-                        st[S_POS], s.q + warp * D);
-    else if (warp == MK_GROUP)
-      warp_qk_norm_rope(P, P.k_raw + g * D, P.k_norm + (size_t)layer * D, st[S_POS], s.row);
-    for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) s.o[i] = 0.f;
+      // warp h < GROUP: query head h of the group; warp GROUP: the new key (into s.row)
+      static_assert(MK_GROUP + 1 <= NWARPS, "late q/k gives each head vector a warp");
+      if (warp < MK_GROUP)
+        warp_qk_norm_rope(P, P.q + (size_t)tok * MK_Q_DIM + (g * MK_GROUP + warp) * D,
+                          P.q_norm + (size_t)layer * D, pos, s.q + warp * D);
+      else if (warp == MK_GROUP)
+        warp_qk_norm_rope(P, P.k_raw + (size_t)tok * MK_KV_DIM + g * D,
+                          P.k_norm + (size_t)layer * D, pos, s.row);
+      for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) s.o[i] = 0.f;
 #else
-    for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) {
-      s.q[i] = P.q[g * MK_GROUP * D + i];
-      s.o[i] = 0.f;
-    }
+      for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) {
+        s.q[i] = P.q[(size_t)tok * MK_Q_DIM + g * MK_GROUP * D + i];
+        s.o[i] = 0.f;
+      }
 #endif
-    if (threadIdx.x < MK_GROUP) {
-      s.m[threadIdx.x] = NEG_INF;
-      s.l[threadIdx.x] = 0.f;
-    }
-    __syncthreads();
-    const size_t kv0 = ((size_t)layer * MK_MAX_SEQ * MK_KV_HEADS + g) * D;
-    const unsigned short* Kg = P.k_cache + kv0;
-    const unsigned short* Vg = P.v_cache + kv0;
-    for (int base = t0; base < t1; base += T_TILE) {
-      const int cnt = min(T_TILE, t1 - base);
-      attention_scores(s, Kg, base, cnt, scale);
-#if LATE_QK
-      // the cache does not hold this step's key yet (O_PROJ writes it): score pos from s.row
-      if (base <= n_pos - 1 && n_pos - 1 < base + cnt) {
+      if (threadIdx.x < MK_GROUP) {
+        s.m[threadIdx.x] = NEG_INF;
+        s.l[threadIdx.x] = 0.f;
+      }
+      __syncthreads();
+#if LATE_QK && MK_T_MAX > 1
+      // the chunk's earlier keys in this unit's positions [c0, c1), as O_PROJ will cache them
+      // after the layer's attention (bf16 of the normed, roped key): one warp per key, the
+      // warp's s.vec rows as scratch (attention_values uses s.vec only later)
+      const int c0 = max(t0, pos0), c1 = min(t1, pos);
+      if (c0 < c1) {
+        for (int p = c0 + warp; p < c1; p += NWARPS) {
+          float* tmp = s.vec + warp * D;
+          warp_qk_norm_rope(P, P.k_raw + (size_t)(p - pos0) * MK_KV_DIM + g * D,
+                            P.k_norm + (size_t)layer * D, p, tmp);
+          for (int d = lane; d < D; d += 32) s.kc[(p - pos0) * D + d] = f32_to_bf16(tmp[d]);
+        }
         __syncthreads();
-        if (warp < MK_GROUP) {
-          float acc = 0.f;
-          for (int d = lane; d < D; d += 32) acc += s.q[warp * D + d] * s.row[d];
-          acc = warp_sum(acc);
-          if (lane == 0) s.score[warp * T_TILE + (n_pos - 1 - base)] = acc * scale;
-        }
       }
 #endif
-      __syncthreads();
-      for (int h = warp; h < MK_GROUP; h += NWARPS) {  // online softmax, one warp per head
-        float mx = NEG_INF;
-        for (int i = lane; i < cnt; i += 32) mx = fmaxf(mx, s.score[h * T_TILE + i]);
-        mx = warp_max(mx);
-        const float m_new = fmaxf(s.m[h], mx);
-        float sum = 0.f;
-        for (int i = lane; i < cnt; i += 32) {
-          const float p = expf(s.score[h * T_TILE + i] - m_new);
-          s.score[h * T_TILE + i] = p;
-          sum += p;
+      const unsigned short* Kg = P.k_cache + kv_layer + (size_t)g * D;
+      const unsigned short* Vg = P.v_cache + kv_layer + (size_t)g * D;
+      for (int base = t0; base < t1; base += T_TILE) {
+        const int cnt = min(T_TILE, t1 - base);
+        attention_scores(s, Kg, base, cnt, scale, pos0);
+#if LATE_QK
+        // the cache does not hold this step's key yet (O_PROJ writes it): score pos from s.row
+        if (base <= n_pos - 1 && n_pos - 1 < base + cnt) {
+          __syncthreads();
+          if (warp < MK_GROUP) {
+            float acc = 0.f;
+            for (int d = lane; d < D; d += 32) acc += s.q[warp * D + d] * s.row[d];
+            acc = warp_sum(acc);
+            if (lane == 0) s.score[warp * T_TILE + (n_pos - 1 - base)] = acc * scale;
+          }
         }
-        sum = warp_sum(sum);
-        if (lane == 0) {
-          const float corr = expf(s.m[h] - m_new);
-          s.corr[h] = corr;
-          s.l[h] = s.l[h] * corr + sum;
-          s.m[h] = m_new;
+#endif
+        __syncthreads();
+        for (int h = warp; h < MK_GROUP; h += NWARPS) {  // online softmax, one warp per head
+          float mx = NEG_INF;
+          for (int i = lane; i < cnt; i += 32) mx = fmaxf(mx, s.score[h * T_TILE + i]);
+          mx = warp_max(mx);
+          const float m_new = fmaxf(s.m[h], mx);
+          float sum = 0.f;
+          for (int i = lane; i < cnt; i += 32) {
+            const float p = expf(s.score[h * T_TILE + i] - m_new);
+            s.score[h * T_TILE + i] = p;
+            sum += p;
+          }
+          sum = warp_sum(sum);
+          if (lane == 0) {
+            const float corr = expf(s.m[h] - m_new);
+            s.corr[h] = corr;
+            s.l[h] = s.l[h] * corr + sum;
+            s.m[h] = m_new;
+          }
         }
+        __syncthreads();
+        attention_values(s, Vg, base, cnt);
+        __syncthreads();
       }
-      __syncthreads();
-      attention_values(s, Vg, base, cnt);
-      __syncthreads();
+      const size_t unit = (size_t)tok * MK_KV_HEADS * splits + (size_t)g * splits + split;
+      for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) P.attn_o[unit * MK_GROUP * D + i] = s.o[i];
+      if (threadIdx.x < MK_GROUP) {
+        P.attn_ml[(unit * MK_GROUP + threadIdx.x) * 2] = s.m[threadIdx.x];
+        P.attn_ml[(unit * MK_GROUP + threadIdx.x) * 2 + 1] = s.l[threadIdx.x];
+      }
+      __syncthreads();  // s.q / s.o are reused by the next unit
     }
-    const size_t unit = (size_t)g * splits + split;
-    for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) P.attn_o[unit * MK_GROUP * D + i] = s.o[i];
-    if (threadIdx.x < MK_GROUP) {
-      P.attn_ml[(unit * MK_GROUP + threadIdx.x) * 2] = s.m[threadIdx.x];
-      P.attn_ml[(unit * MK_GROUP + threadIdx.x) * 2 + 1] = s.l[threadIdx.x];
-    }
-    __syncthreads();  // s.q / s.o are reused by the next unit
   }
-  const int used = splits_used(n_pos, splits, ins[A_ATTENTION_MIN_CHUNK]);
+  // the last token uses the most splits: when it merges by ticket the ticket is drawn
+  const int used = splits_used(pos0 + ntok, splits, min_chunk);
   const int tickets = ins[A_ATTENTION_TICKETS];  // > 0: the units lie in one KV group
   if (tickets > 0 && merge_by_ticket(used, ins[A_ATTENTION_MERGE_MIN]))
-    attention_ticket(P, ins[A_ATTENTION_TICKET], tickets, b / splits, splits, used);
+    attention_ticket(P, ins[A_ATTENTION_TICKET], tickets, b / splits, splits, min_chunk,
+                     ins[A_ATTENTION_MERGE_MIN], pos0, ntok);
 }
 
 // ================================================================================================
@@ -941,38 +1013,48 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
 __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[A_O_PROJ_RESIDUAL_SPLITS];
+  const int pos0 = st[S_POS], ntok = step_tokens(st);
 #if LATE_QK
   {  // this block caches the step's keys of KV heads [ARG2, ARG3): one warp per head
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, pos = st[S_POS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kv_end = ins[A_O_PROJ_RESIDUAL_KV_END];
-    for (int kvh = ins[A_O_PROJ_RESIDUAL_KV_FIRST] + warp; kvh < kv_end; kvh += NWARPS) {
-      float* out = s.vec + warp * D;  // scratch: the merge below rewrites s.vec after a barrier
-      warp_qk_norm_rope(P, P.k_raw + kvh * D, P.k_norm + (size_t)layer * D, pos, out);
-      const size_t at = (((size_t)layer * MK_MAX_SEQ + pos) * MK_KV_HEADS + kvh) * D;
-      for (int d = lane; d < D; d += 32) P.k_cache[at + d] = f32_to_bf16(out[d]);
+    for (int tok = 0; tok < ntok; ++tok) {
+      const int pos = pos0 + tok;
+      for (int kvh = ins[A_O_PROJ_RESIDUAL_KV_FIRST] + warp; kvh < kv_end; kvh += NWARPS) {
+        float* out = s.vec + warp * D;  // scratch: the merge below rewrites s.vec after a barrier
+        warp_qk_norm_rope(P, P.k_raw + (size_t)tok * MK_KV_DIM + kvh * D,
+                          P.k_norm + (size_t)layer * D, pos, out);
+        const size_t at = (((size_t)layer * MK_MAX_SEQ + pos) * MK_KV_HEADS + kvh) * D;
+        for (int d = lane; d < D; d += 32) P.k_cache[at + d] = f32_to_bf16(out[d]);
+      }
     }
     __syncthreads();
   }
   static_assert(!LATE_QK || NWARPS * MK_HEAD_DIM <= VEC_MAX, "late q/k scratch in s.vec");
 #endif
   if (b >= e) return;
-  const int used = splits_used(st[S_POS] + 1, splits, ins[A_O_PROJ_RESIDUAL_MIN_CHUNK]);
-  // ATTENTION merged it: read it, one round
-  if (merge_by_ticket(used, ins[A_O_PROJ_RESIDUAL_MERGE_MIN])) {
-    copy_to_shared<MK_Q_DIM>(s.vec, P.attn);
-  } else {
-    // MK_MERGE_WAYS (isa.merge_block_ways) lanes per output chunk: the block's threads in one pass
-    static_assert(MK_Q_DIM / 8 * MK_MERGE_WAYS <= MK_THREADS, "merge_block_ways: one pass");
-    merge_splits<MK_MERGE_WAYS>(P, s.vec, 0, MK_Q_DIM / 8, splits, used);
-  }
-  __syncthreads();
   // the tile's residual rows are this block's own (EMBED, O_PROJ and DOWN share the row
   // tiles), so each is read in the same round trip as its weights
   const unsigned short* W = P.wo + ((size_t)layer * H + b) * MK_Q_DIM;
-  block_dot_rows<MK_Q_DIM>(
-      e - b, [&](int k) { return W + (size_t)k * MK_Q_DIM; }, s.vec,
-      [&](int k) { return P.residual[b + k]; },
-      [&](int k, float v, float before) { P.residual[b + k] = before + v; });
+  for (int tok = 0; tok < ntok; ++tok) {
+    const int used = splits_used(pos0 + tok + 1, splits, ins[A_O_PROJ_RESIDUAL_MIN_CHUNK]);
+    // ATTENTION merged it: read it, one round
+    if (merge_by_ticket(used, ins[A_O_PROJ_RESIDUAL_MERGE_MIN])) {
+      copy_to_shared<MK_Q_DIM>(s.vec, P.attn + (size_t)tok * MK_Q_DIM);
+    } else {
+      // MK_MERGE_WAYS (isa.merge_block_ways) lanes per output chunk: the block's threads in
+      // one pass
+      static_assert(MK_Q_DIM / 8 * MK_MERGE_WAYS <= MK_THREADS, "merge_block_ways: one pass");
+      merge_splits<MK_MERGE_WAYS>(P, tok, s.vec, 0, MK_Q_DIM / 8, splits, used);
+    }
+    __syncthreads();
+    float* res = P.residual + (size_t)tok * H;
+    block_dot_rows<MK_Q_DIM>(
+        e - b, [&](int k) { return W + (size_t)k * MK_Q_DIM; }, s.vec,
+        [&](int k) { return res[b + k]; },
+        [&](int k, float v, float before) { res[b + k] = before + v; });
+    if (tok + 1 < ntok) __syncthreads();  // s.vec: the next token's input
+  }
 }
 
 // ================================================================================================
@@ -983,11 +1065,16 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
                                const float (&g)[RMS_PER]) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   if (b >= e) return;
-  rms_apply(P.residual, g, s.vec);
+  const int ntok = step_tokens(st);
   const size_t off = ((size_t)layer * MK_FFN + b) * H;
-  block_dot_row_pairs<H>(e - b, P.wg + off, P.wu + off, s.vec, [&](int k, float gv, float uv) {
-    P.ffn_h[b + k] = gv / (1.0f + expf(-gv)) * uv;
-  });
+  for (int tok = 0; tok < ntok; ++tok) {
+    rms_apply(P.residual + (size_t)tok * H, g, s.vec);
+    float* h = P.ffn_h + (size_t)tok * MK_FFN;
+    // (the next token's rms_apply writes s.vec only after its block_sum's barriers)
+    block_dot_row_pairs<H>(e - b, P.wg + off, P.wu + off, s.vec, [&](int k, float gv, float uv) {
+      h[b + k] = gv / (1.0f + expf(-gv)) * uv;
+    });
+  }
 }
 
 // ================================================================================================
@@ -997,13 +1084,18 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
 __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   if (b >= e) return;
-  copy_to_shared<MK_FFN>(s.vec, P.ffn_h);
-  __syncthreads();
+  const int ntok = step_tokens(st);
   const unsigned short* W = P.wd + ((size_t)layer * H + b) * MK_FFN;
-  block_dot_rows<MK_FFN>(
-      e - b, [&](int k) { return W + (size_t)k * MK_FFN; }, s.vec,
-      [&](int k) { return P.residual[b + k]; },
-      [&](int k, float v, float before) { P.residual[b + k] = before + v; });
+  for (int tok = 0; tok < ntok; ++tok) {
+    copy_to_shared<MK_FFN>(s.vec, P.ffn_h + (size_t)tok * MK_FFN);
+    __syncthreads();
+    float* res = P.residual + (size_t)tok * H;
+    block_dot_rows<MK_FFN>(
+        e - b, [&](int k) { return W + (size_t)k * MK_FFN; }, s.vec,
+        [&](int k) { return res[b + k]; },
+        [&](int k, float v, float before) { res[b + k] = before + v; });
+    if (tok + 1 < ntok) __syncthreads();  // s.vec: the next token's input
+  }
 }
 
 // ================================================================================================
@@ -1041,7 +1133,8 @@ __device__ __forceinline__ int read_host_stop(const Params& P) {
 
 __device__ __forceinline__ void finish_step(const Params& P, const int* st, int token,
                                             int host_stop) {
-  const int pos = st[S_POS], next_pos = pos + 1;
+  // a chunk's positions pos..pos+NTOK-1: the next token of each but the last is fed
+  const int first = st[S_POS], pos = first + step_tokens(st) - 1, next_pos = pos + 1;
   const bool prompt = next_pos < st[S_FEED_END];
   const int next = prompt ? P.feed[next_pos] : token;
   int reason = STOP_NONE;
@@ -1051,9 +1144,14 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
     reason = STOP_POSITION;
   else if (host_stop != 0) reason = STOP_HOST;
   else if (st[S_STEPS] <= 1) reason = STOP_BUDGET;
+  for (int p = first; p < pos; ++p)  // in position order: the host polls them in turn
+    *reinterpret_cast<volatile int*>(P.out_tokens + p) = P.feed[p + 1];
   *reinterpret_cast<volatile int*>(P.out_tokens + pos) = next;
   P.state[S_TOKEN] = next;
   P.state[S_POS] = next_pos;
+#if MK_T_MAX > 1
+  P.state[S_NTOK] = prompt ? min(MK_T_MAX, st[S_FEED_END] - next_pos) : 1;
+#endif
   P.state[S_STEP] = st[S_STEP] + 1;
   P.state[S_RUN] = reason == STOP_NONE;
   P.state[S_STOP_REASON] = reason;
@@ -1097,13 +1195,15 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
   const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], slot = ins[A_RMS_LM_HEAD_SLOT];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float temp = __int_as_float(st[S_TEMPERATURE]);
-  const unsigned seed = (unsigned)st[S_SEED], pos = (unsigned)st[S_POS];
+  // the step's last token: the only one whose next token is drawn
+  const int last = step_tokens(st) - 1;
+  const unsigned seed = (unsigned)st[S_SEED], pos = (unsigned)(st[S_POS] + last);
   float best = NEG_INF;
   int best_id = -1;
   // a prompt step's sample is not used (the next position embeds the fed token): no logits
   const bool prompt = (int)pos + 1 < st[S_FEED_END];
   if (b < e && !prompt) {
-    rms_apply(P.residual, g, s.vec);
+    rms_apply(P.residual + (size_t)last * H, g, s.vec);
     block_dot_rows<H>(
         e - b, [&](int k) { return P.lm_head + (size_t)(b + k) * H; }, s.vec,
         [](int) { return 0.f; },

@@ -100,6 +100,13 @@ class Program:
     # a step using at least this many splits merges them once per KV group, by ticket, in
     # ATTENTION (isa.merge_ticket_min_splits); 0: every O_PROJ block merges them itself
     merge_ticket_min: int = 0
+    # the most tokens a step carries (positions POS..POS+NTOK-1 of one sequence: a prompt
+    # chunk); every per-token activation buffer has this many rows. Instructions and their
+    # regions are per token row: an op touches the same columns of each token's row, and no
+    # op reads another token's row but through a counter (K/V of the chunk's positions:
+    # RMS_QKV_ROPE -> ATTENTION; the LM head reads the last row), so verify() of the
+    # queues proves every row.
+    tokens: int = 1
 
     @property
     def max_len(self) -> int:
@@ -133,15 +140,15 @@ class Program:
 
     def buffer_sizes(self) -> dict[str, int]:
         """Elements of each activation buffer the program touches."""
-        c = self.config
+        c, T = self.config, self.tokens
         return {
-            "residual": c.hidden_size, "q": c.q_dim,
-            "attn_o": c.num_kv_heads * self.attn_splits * c.group_size * c.head_dim,
-            "attn_ml": c.num_kv_heads * self.attn_splits * c.group_size * 2,
-            **({"attn": c.q_dim} if self.merge_ticket_min else {}),
-            "ffn_h": c.intermediate_size, "logits": c.vocab_size,
+            "residual": T * c.hidden_size, "q": T * c.q_dim,
+            "attn_o": T * c.num_kv_heads * self.attn_splits * c.group_size * c.head_dim,
+            "attn_ml": T * c.num_kv_heads * self.attn_splits * c.group_size * 2,
+            **({"attn": T * c.q_dim} if self.merge_ticket_min else {}),
+            "ffn_h": T * c.intermediate_size, "logits": c.vocab_size,
             "lm_part": self.lm_partials * 2, "out_tokens": self.max_seq_len,
-            **({"k_raw": c.kv_dim} if c.qk_norm else {}),
+            **({"k_raw": T * c.kv_dim} if c.qk_norm else {}),
         }
 
     # ---- verification ---------------------------------------------------------------------
@@ -150,7 +157,8 @@ class Program:
         the counters and the grid. Equal fingerprints, equal verdicts."""
         h = hashlib.sha256()
         h.update(f"verify v{VERIFY_VERSION}".encode())  # a new check invalidates old proofs
-        h.update(repr((self.num_blocks, self.max_seq_len, self.counter_names)).encode())
+        h.update(repr((self.num_blocks, self.max_seq_len, self.counter_names,
+                       self.tokens)).encode())
         h.update(self.words().tobytes())
         for q in self.queues:
             for ins in q:

@@ -33,6 +33,9 @@ STEP: tuple[tuple[Op, bool], ...] = (
 # cost model picked it (benchmarks/NOTES.md): SmolLM2 16, Qwen3 16, Llama 16 at 132 blocks.
 LONG_CONTEXT = 2048
 MAX_DEFAULT_SPLITS = 16
+# The most tokens a step may carry: a late q/k model's attention keeps the chunk's keys in
+# static shared memory (megakernel.cu OpShared::kc, bf16 [T_MAX, HEAD_DIM]).
+MAX_STEP_TOKENS = 64
 
 
 def default_attn_splits(cfg: ModelConfig, num_blocks: int, max_seq_len: int | None = None) -> int:
@@ -58,6 +61,7 @@ class Plan:
     attn_splits: int
     min_chunk: int  # fewest positions per attention split
     merge_min: int = 0  # fewest used splits a step merges by ticket (0: never)
+    tokens: int = 1  # the most tokens a step carries (Program.tokens)
     counters: list[str] = field(default_factory=list)
 
     def counter(self, name: str) -> int:
@@ -73,7 +77,7 @@ _VERIFIED_MAX = 16
 
 def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
              attn_splits: int | None = None, attn_min_chunk: int | None = None,
-             merge_ticket_min: int | None = None) -> Program:
+             merge_ticket_min: int | None = None, tokens: int = 1) -> Program:
     """Build and verify the decode-step program for ``num_blocks`` persistent blocks.
 
     ``attn_splits``: position splits per KV head (default: ``default_attn_splits``);
@@ -82,6 +86,7 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     ``merge_ticket_min``: fewest used splits a step merges by ticket (default
     isa.merge_ticket_min_splits, 0: never, the per-block merge of every O_PROJ block). It
     applies only where no attention instruction holds units of two KV groups.
+    ``tokens``: the most tokens a step carries (a prompt chunk; at most MAX_STEP_TOKENS).
 
     Memoised: the same arguments return the same (shared) Program. Never edit a returned
     Program in place; ``copy.deepcopy`` it first (the tests that break programs do)."""
@@ -94,10 +99,12 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
         merge_ticket_min = merge_ticket_min_splits(cfg)
     if merge_ticket_min < 0:
         raise ProgramError(f"merge_ticket_min must be >= 0, got {merge_ticket_min}")
-    key = (cfg, num_blocks, max_seq_len, splits, attn_min_chunk, merge_ticket_min)
+    if not 1 <= tokens <= MAX_STEP_TOKENS:
+        raise ProgramError(f"tokens per step must be in [1, {MAX_STEP_TOKENS}], got {tokens}")
+    key = (cfg, num_blocks, max_seq_len, splits, attn_min_chunk, merge_ticket_min, tokens)
     prog = _VERIFIED.get(key)
     if prog is None:
-        plan = Plan(cfg, num_blocks, max_seq_len, splits, attn_min_chunk)
+        plan = Plan(cfg, num_blocks, max_seq_len, splits, attn_min_chunk, tokens=tokens)
         plan.merge_min = ops.attention.merge_min(plan, merge_ticket_min)
         prog = build(plan)
         prog.verify()
@@ -137,4 +144,5 @@ def build(plan: Plan) -> Program:
             first.reads = first.reads + [("state", 0, STATE_WORDS)]
     return Program(config=plan.config, num_blocks=B, max_seq_len=plan.max_seq_len,
                    queues=queues, counter_names=plan.counters, attn_splits=plan.attn_splits,
-                   lm_partials=B, attn_min_chunk=plan.min_chunk, merge_ticket_min=plan.merge_min)
+                   lm_partials=B, attn_min_chunk=plan.min_chunk, merge_ticket_min=plan.merge_min,
+                   tokens=plan.tokens)

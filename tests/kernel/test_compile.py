@@ -231,8 +231,9 @@ def test_only_weights_are_read_through_the_non_coherent_path(built, shape):
 # Mutants of the source that read data written during the launch through the read-only path:
 # the check must flag exactly the mutated buffer. (Negative controls for the tracer.)
 MUTANTS = {
-    "ffn_h": ("copy_to_shared<MK_FFN>(s.vec, P.ffn_h);",
-              "for (int i = threadIdx.x; i < MK_FFN; i += MK_THREADS) s.vec[i] = __ldg(P.ffn_h + i);"),
+    "ffn_h": ("copy_to_shared<MK_FFN>(s.vec, P.ffn_h + (size_t)tok * MK_FFN);",
+              "for (int i = threadIdx.x; i < MK_FFN; i += MK_THREADS) "
+              "s.vec[i] = __ldg(P.ffn_h + (size_t)tok * MK_FFN + i);"),
     "k_cache": ("  return *reinterpret_cast<const uint4*>(p);  // the KV cache: plain loads",
                 "  return __ldg(reinterpret_cast<const uint4*>(p));  // the KV cache: plain loads"),
     "state": ("if (threadIdx.x < MK_STATE_WORDS) st[threadIdx.x] = P.state[threadIdx.x];",
@@ -351,3 +352,18 @@ def test_pdl_sass_has_the_grid_dependency_instructions(built_pdl):
         assert len(re.findall(r"\bPREEXIT\b", sass)) == 1, name
         assert len(re.findall(r"\bACQBULK\b", sass)) == 1, name
         assert sass.index("PREEXIT") < sass.index("ACQBULK"), name
+
+
+@pytest.mark.slow  # nvcc of two shapes for sm_90 (~40 s on 2 cores)
+@pytest.mark.parametrize("shape,tokens", [("qwen3-0.6b", 64), ("llama-3.2-1b", 16)])
+def test_steps_of_many_tokens_compile_without_spills(tmp_path, shape, tokens):
+    """A kernel built for prompt chunks (MK_T_MAX > 1: token loops in every op; late q/k keeps
+    the chunk's keys in static shared memory, largest at Qwen3's head_dim and the most tokens
+    a step may carry) fits the shared-memory budget and keeps no stack and no spills."""
+    src = tmp_path / f"{shape}-t{tokens}.cu"
+    src.write_text(kernel_source(ModelConfig.from_name(shape), MAX_SEQ, tokens))
+    props = ptxas_properties(nvcc(src, tmp_path / "k.cubin", "-cubin", "-arch=sm_90",
+                                  "-Xptxas", "-v"))
+    assert set(KERNEL_NAMES) <= set(props)
+    bad = {f: p for f, p in props.items() if p != (0, 0, 0)}
+    assert not bad, f"{shape} T_MAX={tokens}: (stack frame, spill stores, spill loads): {bad}"

@@ -210,3 +210,43 @@ def test_negative_control_relaxed_ticket_is_reported(tiny):
     with pytest.raises(DataRaceError) as info:
         run_strict(ex, STEPS[:2], source=source)
     assert "merge_splits" in info.value.report, info.value.report[:4000]
+
+
+def chunk_executor(model) -> KernelExecutor:
+    """Steps of up to 3 tokens: a chained run of 4 fed positions is a chunk of 3, then 1."""
+    ex = KernelExecutor(model, MAX_SEQ, blocks=BLOCKS, step_tokens=3)
+    ex.poison()
+    return ex
+
+
+@needs_tsan
+def test_strict_tsan_prompt_chunks_no_race_match_reference(tiny):
+    """Prompt chunks (issue 17 slice 2): each op loops over the chunk's tokens, reusing its
+    shared memory from one token to the next; the chunk's K/V reach ATTENTION through the
+    layer's counters. Race-free, and the last position's logits are the reference's."""
+    steps = STEPS + [(23, 3)]
+    want = reference_logits(tiny, steps)
+    ex = chunk_executor(tiny)
+    controls, logits, report = run_strict(ex, steps, chained=True)
+    assert report == ""
+    assert float(np.abs(logits[0] - want[-1]).max()) <= 2e-3 * float(np.abs(want[-1]).max())
+    assert controls[0][0:3].tolist() == [int(np.argmax(logits[0])), 4, 2]  # token, pos, step
+    assert ex.steps_run == 2
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+def test_negative_control_missing_barrier_between_a_chunks_tokens_is_reported(tiny):
+    """DOWN_RESIDUAL without the barrier between two tokens of a chunk: the next token's copy
+    of h overwrites the shared input vector while other warps still read it; TSan must see
+    it. (RMS_GATE_UP needs no such barrier: RMSNorm's block sum orders it.)"""
+    source = kernel_source(tiny.config, MAX_SEQ, 3)
+    m = re.search(r"__device__ void op_down_residual\(.*?\n}\n", source, re.DOTALL)
+    assert m, "op_down_residual not found in the kernel source"
+    old = "if (tok + 1 < ntok) __syncthreads();"
+    assert m.group(0).count(old) == 1, "the barrier between tokens is not where this test expects"
+    source = source[:m.start()] + m.group(0).replace(old, "") + source[m.end():]
+    with pytest.raises(DataRaceError) as info:
+        run_strict(chunk_executor(tiny), STEPS + [(23, 3)], chained=True, source=source)
+    assert re.search(r"copy_to_shared|block_dot_rows|op_down_residual", info.value.report), \
+        info.value.report[:4000]

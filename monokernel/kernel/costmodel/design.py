@@ -101,7 +101,12 @@ class KernelDesign:
     # once their loaded HBM latency is not hidden behind the residual's L2 trip. False: they are
     # in L2 or registers before they are needed (prefetch_norm of the previous instruction)
     norm_weights_late: bool = False
-    # ---- steps of many tokens (issue 17; costmodel/tokens.py): predicted, not built yet
+    # ---- steps of many tokens (issue 17; costmodel/tokens.py)
+    # steps of up to prefill_chunk tokens of one sequence (a prompt chunk; megakernel.cu
+    # MK_T_MAX), every op looping over them on CUDA cores: each token's arithmetic is the
+    # one-token step's, its weights re-read from L2 after the first token's pass
+    token_loop: bool = False
+    # ---- predicted, not built yet
     # mat-muls of the step's tokens on tensor cores (mma.sync m16n8k16); False: one token per
     # step only (the kernel as built)
     tensor_cores: bool = False
@@ -158,15 +163,21 @@ DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v7": V7, "v7-rows": V7_
 def design_for(program=None, sync: int = 2, multi_step: bool = True) -> KernelDesign:
     """The design megakernel.cu implements: V6 with the default hop (MK_SYNC=2) and many steps
     per launch; its A/B twins with one launch per step (backend cuda-1step) or the fenced hop
-    (MK_SYNC=1, backend cuda-sync1). A kernel change updates these in the same commit."""
+    (MK_SYNC=1, backend cuda-sync1); with a program of steps of up to T tokens (``tokens``),
+    the token loop and prompts in chunks of T. A kernel change updates these in the same
+    commit."""
     d = V6
     if sync < 2:
         d = d.replace(signal_sc_fence=True, poll_loads=2, poll_sleep=True)
     if not multi_step:
         d = d.replace(steps_per_launch=1)
+    tokens = getattr(program, "tokens", 1)
+    if tokens > 1:  # prompt chunks of up to `tokens` (MK_T_MAX)
+        d = d.replace(token_loop=True, prefill_chunk=tokens)
     if d is V6:
         return d
-    return d.replace(name="v6" + ("" if sync >= 2 else "-sync1") + ("" if multi_step else "-1step"))
+    return d.replace(name="v6" + ("" if sync >= 2 else "-sync1") + ("" if multi_step else "-1step")
+                     + (f"-t{tokens}" if tokens > 1 else ""))
 
 
 def design(name: str) -> KernelDesign:

@@ -162,9 +162,11 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
     if T == 0:  # nothing to multiply (the LM head of a chunk that needs no logits)
         z = np.zeros(len(rows))
         return Phases(z, z.copy(), z.copy(), z.copy(), z.copy(), z.copy())
+    if d.token_loop and not d.tensor_cores:
+        return _token_loop(ph, T, g)
     if not d.tensor_cores:
-        raise CostModelError(f"design {d.name} has no tensor cores: a step of {T} tokens "
-                             "is not modelled on CUDA-core FMA")
+        raise CostModelError(f"design {d.name} has no tensor cores nor a token loop: a step "
+                             f"of {T} tokens is not modelled on it")
     busy = (rows > 0).astype(np.float64)
     c, s = tile_split(rows, k, T, g, d)
     t_in, t_w, t_red = _tile_us(int(np.max(rows)) if len(rows) else 0, k, T, c, s, g, d)
@@ -174,6 +176,18 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
     return Phases(ph.l2_trips, ph.hbm_trips, ph.other_us + busy * (t_in + t_w + t_red) + epilogue,
                   ph.rounds, ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue,
                   compute, (c, s))
+
+
+def _token_loop(ph: Phases, T: int, g) -> Phases:
+    """The token loop (``token_loop``): the op's one-token work again for each token after
+    the first, its weights from L2 (their rounds at L2 latency, or the SM's L2 share), its
+    own trips and fixed work (the norm's residual, the reductions) again."""
+    l2_share = g.l2_bw / g.sms
+    issue = ph.issue if ph.issue is not None else 0.0
+    again = np.maximum(ph.rounds * g.l2_latency + issue, ph.stream_bytes / l2_share) \
+        + ph.other_us + ph.l2_trips * g.l2_latency + ph.hbm_trips * g.hbm_latency
+    return Phases(ph.l2_trips, ph.hbm_trips, ph.other_us + (T - 1) * again, ph.rounds,
+                  ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue, ph.compute)
 
 
 def widen_attention(b: OpBatch, g, d, one_token) -> Phases:
@@ -193,7 +207,10 @@ def widen_attention(b: OpBatch, g, d, one_token) -> Phases:
     tot = {k: 0.0 for k in ("l2", "hbm", "other", "rounds", "bytes", "pref", "units")}
     flops = 0.0
     cache: dict[int, tuple] = {}
-    for seg in shape.segments:
+    segments = shape.segments
+    if not d.attn_tensor_cores:  # CUDA cores: every token is its own pass over its context
+        segments = tuple(Segment(s.context + i) for s in segments for i in range(s.tokens))
+    for seg in segments:
         ctx = seg.context + seg.tokens - 1  # the last token's context: the most K/V
         if ctx not in cache:
             one = one_token(OpBatch(b.program, ctx, b.layer, b.lo, b.hi, b.weight_bytes,

@@ -151,8 +151,9 @@ def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
     ``source`` replaces the generated kernel source (tests mutate it); ``defines`` are extra -D
     macros. Returns (control words [steps, STATE_WORDS + ERROR_WORDS], logits [steps, vocab],
     TSan report text). ``chained``: the steps (consecutive positions) run as ONE launch, the
-    tokens fed from the feed buffer (State.FEED_END, State.STEPS): one control record and the
-    last step's logits come back. The executor's buffers and step count afterwards are as if it had run the
+    tokens fed from the feed buffer (State.FEED_END, State.STEPS; in chunks of up to
+    ``program.tokens`` positions a step): one control record and the last step's logits come
+    back. The executor's buffers and step count afterwards are as if it had run the
     steps itself. Raises DataRaceError (a KernelError) with the report when TSan reports anything,
     KernelError when the emulator or the kernel's error record reports an error or the driver
     runs past ``timeout_s``.
@@ -177,12 +178,16 @@ def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
         feed[[p for _, p in steps]] = [t for t, _ in steps]
         executor.buffers["feed"][...] = feed
         controls[0][State.FEED_END] = steps[-1][1] + 1
-        controls[0][State.STEPS] = len(steps)
+        # a program of steps of several tokens takes the fed positions in chunks
+        T = executor.program.tokens
+        controls[0][State.NTOK] = min(T, len(steps))
+        controls[0][State.STEPS] = -(-len(steps) // T)
         controls = controls[:1]
     controls = np.array(controls, np.int32).reshape(len(controls), STATE_WORDS + ERROR_WORDS)
     flags = [f"-D{k}={v}" for k, v in (defines or {}).items()]
     exe = build_strict_driver(source if source is not None else
-                              kernel_source(executor.config, executor.max_seq_len),
+                              kernel_source(executor.config, executor.max_seq_len,
+                                            executor.program.tokens),
                               tsan=tsan, extra_flags=flags)
     blob, offsets, data_off = write_blob(executor, controls, timeout_s)
     env = dict(os.environ, TSAN_OPTIONS=TSAN_OPTIONS)
