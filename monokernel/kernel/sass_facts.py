@@ -51,8 +51,10 @@ def cuobjdump() -> str:
     return found
 
 
-def compile_sass(shape: str, *defines: str, function: str = "megakernel") -> str:
-    """The sm_90 SASS of ``function`` in megakernel.cu built for a known shape."""
+def compile_sass(shape: str, *defines: str, function: str = "megakernel",
+                 tokens: int = 1) -> str:
+    """The sm_90 SASS of ``function`` in megakernel.cu built for a known shape (and steps of
+    up to ``tokens`` tokens)."""
     from ..model.config import ModelConfig
     from .executor import kernel_source
 
@@ -62,7 +64,7 @@ def compile_sass(shape: str, *defines: str, function: str = "megakernel") -> str
     tool = cuobjdump()
     with tempfile.TemporaryDirectory(prefix="mk-sass-") as tmp:
         src, cubin = Path(tmp) / f"{shape}.cu", Path(tmp) / f"{shape}.cubin"
-        src.write_text(kernel_source(ModelConfig.from_name(shape), MAX_SEQ))
+        src.write_text(kernel_source(ModelConfig.from_name(shape), MAX_SEQ, tokens))
         proc = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-std=c++17", *defines, str(src),
                                "-o", str(cubin)], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:

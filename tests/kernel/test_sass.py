@@ -189,3 +189,25 @@ def test_step_end_has_no_system_fence_and_matvecs_are_row_shape(tmp_path, shape)
     per_load = sf.matvec_issue_per_load(sass, chunks)
     assert 15 <= per_load <= 20, per_load  # 8 FFMA + ~8 bf16 unpacks + x's LDS per 16 bytes
     assert abs(cm.V6.matvec_issue_per_load - per_load) <= 1.0
+
+
+# the facts a kernel built for prompt chunks must keep from the one-token build: its decode
+# step (one token) then compiles to the same memory parallelism, hops and tickets
+KEPT_WITH_CHUNKS = ("copy_loads_per_round", "kv_loads_in_flight", "program_word_branches",
+                    "system_fences", "signal", "tickets", "poll_loads")
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-3.2-1b"])
+def test_a_kernel_of_prompt_chunks_keeps_the_decode_facts(shape):
+    """MK_T_MAX = 16 (backend option step_tokens=16) loops every op over the chunk's tokens; a
+    decode step is a chunk of one. Its SASS must keep what the cost model reads of the
+    one-token build: every mat-vec >= 8 loads per lane in flight, the same K/V loads in
+    flight, copies, hops, tickets and polls (measured 2026-12-02: identical but Llama's
+    largest mat-vec chunk, 13 loads per lane instead of 14)."""
+    try:
+        chunked = sf.measure(shape, sf.compile_sass(shape, tokens=16))
+    except SassToolMissing as e:
+        pytest.skip(str(e))
+    one = sf.load()[shape]
+    assert min(chunked["matvec_loads_per_chunk"]) >= 8, chunked["matvec_loads_per_chunk"]
+    assert {k: chunked[k] for k in KEPT_WITH_CHUNKS} == {k: one[k] for k in KEPT_WITH_CHUNKS}
