@@ -6,6 +6,8 @@ measured speed, and its timeline.
     monokernel calibrate TRACE.json [--model DIR | --shape NAME] [--gpu h200] [--design v1]
     monokernel bench [--model DIR | --shape NAME[,NAME...]] [--backends LIST]
                      [--context 16,512,2048] [--steps N] [--warmup N] [--blocks N] [--out DIR]
+    monokernel bench ... --batch B [--prompt P] [--new-tokens N] [--repeats R] [--step-tokens T]
+                     (served rates: time to first token, aggregate tokens/s at batch B)
     monokernel trace [--model DIR | --shape NAME] [--backend emulator|cuda] [--blocks N]
                      [--context N] [--out DIR]
 
@@ -88,6 +90,18 @@ def add_commands(sub) -> None:
                    help="the executors' KV-cache length (default: what the rows need; the GPU "
                         "check gives every step one length, so they share compiled kernels)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
+    p.add_argument("--batch", type=int, default=None, metavar="B",
+                   help="served rates instead of decode latency: B sequences generating "
+                        "together (aggregate tokens/s) and a prompt's time to first token, "
+                        "through the Engine (tools/bench_batch.py)")
+    p.add_argument("--prompt", type=int, default=None, metavar="P",
+                   help="with --batch: prompt length in tokens (default 32)")
+    p.add_argument("--new-tokens", type=int, default=16, metavar="N",
+                   help="with --batch: tokens each sequence generates (default 16)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="with --batch: prompts timed for the time to first token (default 3)")
+    p.add_argument("--step-tokens", type=int, default=None, metavar="T",
+                   help="with --batch: kernel backends' option step_tokens (prompt chunks)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("trace", help="timeline of one traced decode step (Perfetto JSON + PNG)")
@@ -185,6 +199,9 @@ def cmd_bench(args) -> int:
 
     from .bench import cuda_unavailable_reason
 
+    if getattr(args, "batch", None) is not None or getattr(args, "prompt", None) is not None:
+        return cmd_bench_batch(args)
+
     if any(getattr(args, k) is None for k in GPU_DEFAULTS):
         no_gpu = cuda_unavailable_reason()
         defaults = CPU_DEFAULTS if no_gpu else GPU_DEFAULTS
@@ -220,6 +237,43 @@ def cmd_bench(args) -> int:
     failed = [r for r in doc["results"] if r.get("error") and r["backend"] in
               KERNEL_BACKENDS + ("numpy",)]
     return 1 if failed else 0
+
+
+def cmd_bench_batch(args) -> int:
+    """``bench --batch B [--prompt P]``: served rates (tools/bench_batch.py)."""
+    from . import bench_batch as bb
+    from .bench import check_backends, cuda_unavailable_reason
+
+    batch = 1 if args.batch is None else args.batch
+    prompt = 32 if args.prompt is None else args.prompt
+    for flag, v in (("--batch", batch), ("--prompt", prompt), ("--new-tokens", args.new_tokens),
+                    ("--repeats", args.repeats)):
+        if v < 1:
+            raise SystemExit(f"monokernel: error: {flag} must be >= 1, got {v}")
+    if args.backends is None:
+        args.backends = "numpy,emulator" if cuda_unavailable_reason() else "cuda,numpy"
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    check_backends(backends)
+    if "hf" in backends or "hf-compile" in backends:
+        raise SystemExit("monokernel: error: --batch measures monokernel's backends only "
+                         "(not hf, hf-compile)")
+    options = {} if args.step_tokens is None else {"step_tokens": args.step_tokens}
+    shapes = [s.strip() for s in args.shape.split(",")] if args.shape else [None]
+    models = [_load(args, s) for s in shapes]
+    doc = bb.run(models, backends, batch, prompt, args.new_tokens, args.repeats, args.blocks,
+                 options, log=lambda s: print(s, file=sys.stderr, flush=True))
+    parts = ["monokernel", "bench"] + (["--shape", args.shape] if args.shape else
+                                        ["--model", _safe_path(args.model)] if args.model else [])
+    parts += ["--backends", args.backends, "--batch", str(batch), "--prompt", str(prompt),
+              "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+    if args.blocks is not None:
+        parts += ["--blocks", str(args.blocks)]
+    if args.step_tokens is not None:
+        parts += ["--step-tokens", str(args.step_tokens)]
+    doc["command"] = shlex.join(parts + ["--out", _safe_path(args.out)])
+    print(bb.format_table(doc))
+    print(f"wrote {bb.write(doc, args.out)}")
+    return 1 if any(r.get("error") for r in doc["results"]) else 0
 
 
 # ================================================================================================

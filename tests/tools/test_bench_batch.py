@@ -1,0 +1,41 @@
+"""`monokernel bench --batch B --prompt P` (tools/bench_batch.py): served rates through the
+Engine on this machine: a batched backend runs its sequences in one step loop, a kernel backend
+one at a time (said in the row); every sequence generates its tokens; bad input is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from monokernel.cli import main
+
+
+def test_bench_batch_rows(tmp_path, capsys):
+    out = tmp_path / "res"
+    assert main(["bench", "--shape", "tiny", "--backends", "numpy,emulator", "--batch", "3",
+                 "--prompt", "9", "--new-tokens", "3", "--repeats", "2", "--blocks", "2",
+                 "--step-tokens", "4", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "TTFT ms" in text and "tokens/s" in text
+    [path] = out.glob("bench-batch-*.json")
+    doc = json.loads(path.read_text())
+    assert doc["command"].startswith("monokernel bench --shape tiny --backends numpy,emulator "
+                                     "--batch 3 --prompt 9")
+    rows = {r["backend"]: r for r in doc["results"]}
+    assert rows["numpy"]["mode"].startswith("batched") and "one sequence" in rows["emulator"]["mode"]
+    assert rows["emulator"]["options"] == {"step_tokens": 4, "blocks": 2}
+    for r in rows.values():
+        assert r["generated"] == 3 * 3 and r["tokens_per_s"] > 0
+        assert len(r["ttft_s"]) == 2 and min(r["ttft_s"]) > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "0"], "--batch must be >= 1"),
+    (["--batch", "2", "--prompt", "0"], "--prompt must be >= 1"),
+    (["--batch", "2", "--backends", "hf"], "monokernel's backends only"),
+])
+def test_bench_batch_refuses_bad_input(tmp_path, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--shape", "tiny", "--out", str(tmp_path)] + argv)
+    assert message in str(e.value)
