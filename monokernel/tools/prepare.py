@@ -11,7 +11,7 @@ pay for again, done once and in parallel before any of them runs.
 - then the reference's greedy runs the smoke step and the GPU tests compare with
   ($MONOKERNEL_CACHE/reference: one float32 model per shape, built once, not in every step).
 
-    python -m monokernel.tools.prepare --max-seq N --build SHAPE:BACKEND[:trace] [...]
+    python -m monokernel.tools.prepare --max-seq N --build SHAPE:BACKEND[:trace][:tokens=N]
                                        [--program SHAPE[,KEY=N...] ...]
                                        [--reference TOKENS:STEPS ...] [--jobs N]
 
@@ -29,18 +29,29 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 
-def parse_build(spec: str) -> tuple[str, str, bool]:
-    """"smollm2-135m:cuda" or "smollm2-135m:cuda:trace" -> (shape, backend, trace)."""
+def parse_build(spec: str) -> tuple[str, str, bool, int]:
+    """"smollm2-135m:cuda", "smollm2-135m:cuda:trace" or "smollm2-135m:cuda:tokens=16" ->
+    (shape, backend, trace, tokens per step)."""
     parts = spec.split(":")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "trace"):
+    trace, tokens = False, 1
+    for extra in parts[2:]:
+        key, _, value = extra.partition("=")
+        if extra == "trace" and not trace:
+            trace = True
+        elif key == "tokens" and value.isdigit() and int(value) >= 1 and tokens == 1:
+            tokens = int(value)
+        else:
+            parts = []
+            break
+    if len(parts) < 2:
         raise SystemExit(f"monokernel prepare: error: --build {spec!r}: expected "
-                         "SHAPE:BACKEND or SHAPE:BACKEND:trace")
+                         "SHAPE:BACKEND[:trace][:tokens=N]")
     from ..kernel.cuda_backend import BUILD_OPTIONS
 
     if parts[1] not in BUILD_OPTIONS:
         raise SystemExit(f"monokernel prepare: error: --build {spec!r}: unknown backend "
                          f"{parts[1]!r} (known: {', '.join(BUILD_OPTIONS)})")
-    return parts[0], parts[1], len(parts) == 3
+    return parts[0], parts[1], trace, tokens
 
 
 def _compile(label: str, source: str, defines: dict[str, str]) -> tuple[str, float]:
@@ -92,7 +103,7 @@ def _verify(label: str, cfg, max_seq: int, options: dict) -> tuple[str, float]:
     return label, time.perf_counter() - t0
 
 
-PROGRAM_OPTIONS = ("attn_splits", "attn_min_chunk", "merge_ticket_min")
+PROGRAM_OPTIONS = ("attn_splits", "attn_min_chunk", "merge_ticket_min", "tokens")
 
 
 def parse_program(spec: str) -> tuple[str, dict]:
@@ -113,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-seq", type=int, required=True,
                     help="the KV-cache length every later step uses")
-    ap.add_argument("--build", action="append", default=[], metavar="SHAPE:BACKEND[:trace]",
+    ap.add_argument("--build", action="append", default=[],
+                    metavar="SHAPE:BACKEND[:trace][:tokens=N]",
                     help="a kernel the later steps build (repeat the option)")
     ap.add_argument("--program", action="append", default=[],
                     metavar="SHAPE[,attn_splits=N][,attn_min_chunk=N][,merge_ticket_min=N]",
@@ -132,22 +144,25 @@ def main(argv: list[str] | None = None) -> int:
     from .commands import synthetic_dir
 
     builds = [parse_build(b) for b in args.build]
-    shapes = list(dict.fromkeys(s for s, _, _ in builds))
+    shapes = list(dict.fromkeys(s for s, _, _, _ in builds))
     # the kernels need only the configs: they compile while the checkpoints are written
     configs = {shape: synthetic_config(shape) for shape in shapes}
     compiles: dict[tuple, tuple[str, str, dict]] = {}  # one per distinct (source, defines)
     proofs: dict[tuple, tuple[str, object, int, dict]] = {}
-    for shape, backend, trace in builds:
-        opts = dict(BUILD_OPTIONS[backend], trace=trace)
+    for shape, backend, trace, tokens in builds:
+        opts = dict(BUILD_OPTIONS[backend], trace=trace, tokens=tokens)
         source, defines = kernel_build(configs[shape], args.max_seq, **opts)
         key = (source, tuple(sorted(defines.items())))
-        label = f"{shape}:{backend}" + (":trace" if trace else "")
+        label = f"{shape}:{backend}" + (":trace" if trace else "") \
+            + (f":tokens={tokens}" if tokens > 1 else "")
         if key in compiles:
             compiles[key] = (compiles[key][0] + f" = {label}",) + compiles[key][1:]
         else:
             compiles[key] = (label, source, defines)
-        if (shape, ()) not in proofs:
-            proofs[(shape, ())] = (f"program {shape}", configs[shape], args.max_seq, {})
+        prog = (("tokens", tokens),) if tokens > 1 else ()
+        if (shape, prog) not in proofs:
+            proofs[(shape, prog)] = (f"program {shape}" + (f",tokens={tokens}" if prog else ""),
+                                     configs[shape], args.max_seq, dict(prog))
     for spec in args.program:
         shape, options = parse_program(spec)
         if shape not in configs:

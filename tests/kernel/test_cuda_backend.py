@@ -625,3 +625,50 @@ def test_build_options_are_what_each_backend_compiles(fake_cupy, tiny):
             assert fake.kernel_defines == defines, (backend, trace)
             # the same (source, defines) is the executor's module: an in-process cache hit
             assert ex.device.compile(source, KERNEL_NAMES, defines) is ex.module, backend
+
+
+def test_a_prepared_chunk_build_is_what_step_tokens_compiles(fake_cupy, tiny):
+    """`prepare --build SHAPE:cuda:tokens=16` (the GPU check) compiles what a cuda executor
+    with step_tokens=16 asks NVRTC for; a bad spec is refused, naming the form."""
+    from monokernel.kernel.cuda_backend import BUILD_OPTIONS
+    from monokernel.kernel.executor import KERNEL_NAMES, kernel_build
+    from monokernel.runtime import make_executor
+    from monokernel.tools.prepare import parse_build
+
+    shape, backend, trace, tokens = parse_build("tiny:cuda:tokens=16")
+    assert (shape, backend, trace, tokens) == ("tiny", "cuda", False, 16)
+    assert parse_build("tiny:cuda:trace:tokens=4")[2:] == (True, 4)
+    fake = fake_cupy(num_sms=3, launch_mode="noop")
+    ex = make_executor("cuda", tiny[0], 160, step_tokens=16)
+    source, defines = kernel_build(tiny[0].config, 160, tokens=16, **BUILD_OPTIONS["cuda"])
+    assert fake.kernel_defines == defines and ex.program.tokens == 16
+    assert "#define MK_T_MAX 16" in source
+    assert ex.device.compile(source, KERNEL_NAMES, defines) is ex.module  # the same source
+    for bad in ("tiny:cuda:tokens=0", "tiny:cuda:tokens=x", "tiny:cuda:trace:trace",
+                "tiny:cuda:fast"):
+        with pytest.raises(SystemExit, match="SHAPE:BACKEND"):
+            parse_build(bad)
+
+
+@pytest.mark.gpu
+def test_gpu_prompt_chunks_are_bitwise_the_one_token_steps(gpu_case):
+    """Prompt chunks (step_tokens=16, issue 17 slice 2; prepared as smollm2-135m:cuda:tokens=16)
+    on the real grid: a 40-token prompt in chunks of 16, 16 and 8, then 8 greedy tokens, bitwise
+    the one-token kernel's tokens, last logits and K/V (the emulator proves the same on the CPU;
+    this is the PTX path)."""
+    from monokernel.runtime import make_executor
+
+    m = gpu_case("smollm2-135m")[0]
+    prompt = (PROMPT * 7)[:40]
+    runs = []
+    for tokens in (1, 16):
+        ex = make_executor("cuda", m, GPU_MAX_SEQ, step_tokens=tokens)
+        ex.reset()
+        got = list(ex.run_steps(prompt, 0, DeviceSample(0.0, 0), stop_pos=len(prompt) + 8))
+        runs.append((got, ex.logits().copy(), ex.read_buffer("k_cache")[:, :48].copy(),
+                     ex.read_buffer("v_cache")[:, :48].copy(), ex.steps_run))
+    (t1, l1, k1, v1, s1), (t16, l16, k16, v16, s16) = runs
+    assert t16 == t1 and len(t1) == 9
+    assert np.array_equal(l16.view(np.uint32), l1.view(np.uint32))
+    assert np.array_equal(k16, k1) and np.array_equal(v16, v1)
+    assert (s1, s16) == (48, 3 + 8)
