@@ -29,35 +29,16 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_replicas import REPO, free_port  # noqa: E402  (the sibling script's helpers)
+from serve_replicas import REPO, launch  # noqa: E402  (the sibling script's helpers)
 
 
 def start(args, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "monokernel", "serve", "--backend", args.backend, "--port",
-           str(port), "--log-level", "warning", "--max-num-seqs", str(args.requests),
-           "--max-queue", str(max(64, args.requests)), "--request-timeout", "3000"]
+    serve = ["--backend", args.backend, "--log-level", "warning", "--max-num-seqs",
+             str(args.requests), "--max-queue", str(max(64, args.requests)),
+             "--request-timeout", "3000"]
     if args.model:
-        cmd += ["--model", args.model]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    with open(log, "w") as out:
-        p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if p.poll() is not None:
-            raise SystemExit(f"the server exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            stop(p)
-            raise SystemExit("the server did not come up")
-        time.sleep(0.5)
+        serve += ["--model", args.model]
+    p, url = launch(serve, log)
     httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=600)
     return p, url
 

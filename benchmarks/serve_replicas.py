@@ -37,18 +37,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(replicas: int, model: str | None, backend: str, log: Path) -> tuple[subprocess.Popen,
-                                                                                 str]:
+def launch(serve_args: list[str], log: Path, **env_extra: str) -> tuple[subprocess.Popen, str]:
+    """`monokernel serve <serve_args>` on a free 127.0.0.1 port, in a session of its own, its
+    output in ``log``; returns once /health answers (or exits naming why it did not)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "monokernel", "serve", "--backend", backend, "--port",
-           str(port), "--log-level", "warning"]
-    if model:
-        cmd += ["--model", model]
-    if replicas:
-        cmd += ["--replicas", str(replicas)]
+    cmd = [sys.executable, "-m", "monokernel", "serve", "--port", str(port), *serve_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO),
                                                        os.environ.get("PYTHONPATH", "")]),
-               RAY_USAGE_STATS_ENABLED="0")
+               **env_extra)
     with open(log, "w") as out:
         p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                              start_new_session=True)
@@ -63,9 +59,20 @@ def start(replicas: int, model: str | None, backend: str, log: Path) -> tuple[su
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
-            p.kill()
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
             raise SystemExit("the server did not come up")
         time.sleep(0.5)
+
+
+def start(replicas: int, model: str | None, backend: str, log: Path) -> tuple[subprocess.Popen,
+                                                                                 str]:
+    args = ["--backend", backend, "--log-level", "warning"]
+    if model:
+        args += ["--model", model]
+    if replicas:
+        args += ["--replicas", str(replicas)]
+    return launch(args, log, RAY_USAGE_STATS_ENABLED="0")
 
 
 def run_load(url: str, n: int, max_tokens: int) -> dict:

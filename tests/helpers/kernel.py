@@ -9,6 +9,8 @@ import numpy as np
 
 from monokernel.kernel.executor import KernelExecutor
 from monokernel.kernel.isa import split_chunk, splits_used
+from monokernel.kernel.schedule import schedule
+from monokernel.model.config import ModelConfig
 from monokernel.model.reference import ReferenceModel
 
 # Kernel and reference both compute in float32 from the same bf16 weights and round K/V to bf16;
@@ -23,6 +25,21 @@ RTOL_OF_MAX = 2e-3
 # One MAX_SEQ for every test that needs no other: MK_MAX_SEQ is compiled into the kernel, so each
 # distinct (shape, MAX_SEQ) is a separate emulator build (~3 s).
 MAX_SEQ = 160
+
+_PROGRAMS: dict[tuple, object] = {}
+
+
+def program(name: str, blocks: int = 132, max_seq: int = 1025, **changes):
+    """The program of a named shape (its config ``replace``d by ``changes``), scheduled once
+    per session: scheduling takes seconds. One program at 1025 positions serves contexts 16
+    and 1024 (max_seq_len only sizes out_tokens). The cost-model tests share it."""
+    key = (name, blocks, max_seq, tuple(sorted(changes.items())))
+    if key not in _PROGRAMS:
+        cfg = ModelConfig.from_name(name)
+        if changes:
+            cfg = cfg.replace(**changes)
+        _PROGRAMS[key] = schedule(cfg, blocks, max_seq)
+    return _PROGRAMS[key]
 
 
 def relative_error(kernel: np.ndarray, ref: np.ndarray) -> float:

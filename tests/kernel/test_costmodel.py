@@ -13,6 +13,7 @@ import re
 import numpy as np
 import pytest
 
+from helpers.kernel import program
 from monokernel.cli import main
 from monokernel.errors import CostModelError
 from monokernel.kernel import costmodel as cm
@@ -20,21 +21,6 @@ from monokernel.kernel.isa import Op
 from monokernel.kernel.schedule import schedule
 from monokernel.model.config import ModelConfig
 from monokernel.tools import calibrate as cal
-
-_PROGRAMS: dict[tuple[str, int], object] = {}
-
-
-def program(name: str, blocks: int = 132, max_seq: int = 1025, **changes):
-    """Scheduling takes seconds: once per (shape, blocks, changes) in this module. One program
-    at 1025 positions serves contexts 16 and 1024 (max_seq_len only sizes out_tokens)."""
-    key = (name, blocks, max_seq, tuple(sorted(changes.items())))
-    if key not in _PROGRAMS:
-        cfg = ModelConfig.from_name(name)
-        if changes:
-            cfg = cfg.replace(**changes)
-        _PROGRAMS[key] = schedule(cfg, blocks, max_seq)
-    return _PROGRAMS[key]
-
 
 def small(**changes):
     """A 3-layer SmolLM2 on 32 blocks: quick to schedule, every op present."""

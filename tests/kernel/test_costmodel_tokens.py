@@ -9,26 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers.kernel import program
 from monokernel.cli import main
 from monokernel.errors import CostModelError
 from monokernel.kernel import costmodel as cm
 from monokernel.kernel.costmodel.tokens import (Segment, StepShape, mma_us, prefill_shapes,
                                                 tile_split)
 from monokernel.kernel.isa import Op
-from monokernel.kernel.schedule import schedule
-from monokernel.model.config import ModelConfig
-
-_PROGRAMS: dict = {}
-
-
-def program(name: str, blocks: int = 132, max_seq: int = 1100, **changes):
-    key = (name, blocks, max_seq, tuple(sorted(changes.items())))
-    if key not in _PROGRAMS:
-        cfg = ModelConfig.from_name(name)
-        if changes:
-            cfg = cfg.replace(**changes)
-        _PROGRAMS[key] = schedule(cfg, blocks, max_seq)
-    return _PROGRAMS[key]
 
 
 def small():
