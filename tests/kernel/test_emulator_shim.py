@@ -532,6 +532,36 @@ extern "C" __global__ void tiny(const P* p) { p->out[threadIdx.x] = threadIdx.x 
 """
 
 
+def _maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="no /proc/self/maps here")
+def test_every_module_shares_the_process_fiber_stack_pool(tmp_path):
+    """Each module is its own .so with its own statics; its fiber stacks (two mappings each:
+    the guard page splits them) must come from one pool per process, or a session's dozens of
+    modules exhaust the kernel's mappings (65530; mmap fails with ENOMEM, as CI saw). Eight
+    distinct modules of 4 x 256 threads each add about one launch's stacks, not eight."""
+    mods = [build(TINY.replace("* 2", f"* {k}"), ["tiny"], filename=f"tiny{k}.cu",
+                  cache_dir=tmp_path) for k in range(2, 10)]
+    pools = set()
+    for m in mods:
+        size = ctypes.c_ulong()
+        fn = m._lib.emu_stack_pool
+        fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_ulong)], ctypes.c_void_p
+        pools.add(fn(ctypes.byref(size)))
+    assert len(pools) == 1
+    out = np.zeros(256, np.int32)
+    params = ctypes.c_void_p(ptr(out))
+    mods[0].launch("tiny", 4, 256, ctypes.addressof(params), 10.0)  # the pool holds 1024 stacks
+    before = _maps()
+    for k, m in enumerate(mods[1:], 3):
+        m.launch("tiny", 4, 256, ctypes.addressof(params), 10.0)
+        assert out[5] == 5 * k
+    assert _maps() - before < 1024, "every module mapped stacks of its own"
+
+
 def test_build_cache_hit_and_broken_source(tmp_path):
     first = build(TINY, ["tiny"], filename="tiny.cu", cache_dir=tmp_path)
     assert not first.cache_hit

@@ -113,7 +113,31 @@ def driver_source(kernel_names: Sequence[str]) -> str:
         )
     lines.append('extern "C" __attribute__((visibility("default"))) const char* emu_last_error(void) '
                  "{ return emu::last_error(); }")
+    # the process's one fiber-stack pool per stack size (cuda_cpu.h stack_pool_slot)
+    lines.append('extern "C" __attribute__((visibility("default"))) void* emu_stack_pool('
+                 "unsigned long* stack_bytes) { *stack_bytes = emu::detail::kStackBytes; "
+                 "return emu::detail::stack_pool_slot(); }")
+    lines.append('extern "C" __attribute__((visibility("default"))) int emu_adopt_stack_pool('
+                 "void* pool, unsigned long stack_bytes) { if (stack_bytes != emu::detail::kStackBytes) "
+                 "return 0; emu::detail::stack_pool_slot() = static_cast<emu::detail::StackPool*>(pool); "
+                 "return 1; }")
     return "\n".join(lines) + "\n"
+
+
+# stack size -> the fiber-stack pool of the first module loaded in this process with that size:
+# every later module adopts it (cuda_cpu.h stack_pool_slot says why)
+_STACK_POOLS: dict[int, int] = {}
+
+
+def _share_stack_pool(lib: ctypes.CDLL) -> None:
+    get, adopt = lib.emu_stack_pool, lib.emu_adopt_stack_pool
+    get.argtypes, get.restype = [ctypes.POINTER(ctypes.c_ulong)], ctypes.c_void_p
+    adopt.argtypes, adopt.restype = [ctypes.c_void_p, ctypes.c_ulong], ctypes.c_int
+    size = ctypes.c_ulong()
+    pool = get(ctypes.byref(size))
+    first = _STACK_POOLS.setdefault(size.value, pool)
+    if first != pool and not adopt(first, size.value):
+        raise MonokernelError("emulator: a module refused the process's fiber-stack pool")
 
 
 def _local_includes(text: str, directory: Path | None, seen: set[Path]) -> list[tuple[str, str]]:
@@ -141,6 +165,7 @@ class EmulatorModule:
         self.cache_hit = cache_hit
         self.sanitize = sanitize
         self._lib = ctypes.CDLL(str(self.path))
+        _share_stack_pool(self._lib)  # before its first launch: no stack of its own is out
         self._launchers = {}
         for name in self.kernel_names:
             fn = getattr(self._lib, f"emu_launch_{name}")

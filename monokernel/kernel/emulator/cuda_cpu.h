@@ -451,10 +451,17 @@ struct StackPool {
   }
 };
 
-inline StackPool& stack_pool() {
+// One pool per process and stack size, not one per module: every emulator .so has its own copy
+// of this header's statics (-fno-gnu-unique), and each pooled stack is two memory mappings (its
+// guard page splits it), so a test session's dozens of modules, each keeping its last launch's
+// stacks, ran out of the kernel's 65530 mappings per process (mmap: ENOMEM, seen in CI). The
+// loader (build.py) hands each new module the first module's pool before its first launch
+// (emu_stack_pool / emu_adopt_stack_pool in the generated driver).
+inline StackPool*& stack_pool_slot() {
   static StackPool* pool = new StackPool;  // never destroyed: detached block threads may use it
-  return *pool;
+  return pool;
 }
+inline StackPool& stack_pool() { return *stack_pool_slot(); }
 
 // ============================================================================ yield points
 inline Fiber* current_fiber() {
