@@ -215,16 +215,18 @@ class EngineWorker:
         try:
             while True:
                 if ready is not None and self._batcher is not None and not ready():
-                    if self._must_stop(job):  # checked every step, tokens or not
-                        self._end(job, stream)
+                    stop = self._must_stop(job)  # checked every step, tokens or not
+                    if stop is not None:
+                        self._end(job, stream, *stop)
                         return False
                     return True
                 try:
                     delta = next(deltas)
                 except StopIteration:
                     break
-                if self._must_stop(job):  # between two pieces: this one is not handed on
-                    self._end(job, stream)
+                stop = self._must_stop(job)  # between two pieces: this one is not handed on
+                if stop is not None:
+                    self._end(job, stream, *stop)
                     return False
                 ids = getattr(delta, "token_ids", None)
                 if ids:
@@ -245,39 +247,37 @@ class EngineWorker:
 
     def _end(self, job: Job, stream, reason: str | None = None,
              error: BaseException | None = None) -> None:
-        """``job`` ends before its stream did: close it (its slot goes to the next job)."""
+        """``job`` ends before its stream did: close it (its slot goes to the next job), then
+        send the error event, if any: whoever receives it finds the stream closed and the
+        record complete."""
         if reason is not None:
             job.finish_reason = reason
-        if error is not None:
-            job.emit("error", error)
         try:
             stream.close()
         finally:
             job.ended_at = time.monotonic()
+            if error is not None:
+                job.emit("error", error)
 
-    def _must_stop(self, job: Job) -> bool:
+    def _must_stop(self, job: Job) -> tuple[str, APIError | None] | None:
         """Checked between two pieces: the client left, the request ran out of time, or the
-        server's drain deadline passed. The last two end the request with an error event."""
+        server's drain deadline passed. (finish reason, the error event the request ends with:
+        the last two), or None to go on."""
         if job.cancelled.is_set():
-            job.finish_reason = "cancelled"
             self._count("cancelled")
-            return True
+            return "cancelled", None
         now = time.monotonic()
         if self.request_timeout_s is not None and now - job.started_at > self.request_timeout_s:
-            job.finish_reason = "timeout"
             self._count("timed_out")
-            job.emit("error", APIError(
+            return "timeout", APIError(
                 504, f"the request ran past the server's limit of {self.request_timeout_s:g} s "
                 f"per request ({job.completion_tokens} tokens generated); ask for fewer "
-                "`max_tokens`", code="request_timeout"))
-            return True
+                "`max_tokens`", code="request_timeout")
         deadline = self._drain_deadline
         if deadline is not None and now >= deadline:
-            job.finish_reason = "shutdown"
-            job.emit("error", APIError(503, f"{SHUTTING_DOWN}: the request was stopped after "
-                                       f"{job.completion_tokens} tokens", code="shutting_down"))
-            return True
-        return False
+            return "shutdown", APIError(503, f"{SHUTTING_DOWN}: the request was stopped after "
+                                        f"{job.completion_tokens} tokens", code="shutting_down")
+        return None
 
     def _count(self, what: str) -> None:
         with self._cv:
