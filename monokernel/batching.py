@@ -41,25 +41,40 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 MAX_NUM_SEQS_LIMIT = 1024
 
 
-def batch_options(max_num_seqs: int | None, max_num_batched_tokens: int | None
+def batch_options(max_num_seqs: int | None, max_num_batched_tokens: int | None,
+                  most_seqs: int | None = None, most_rows: int | None = None
                   ) -> tuple[int, int]:
-    """(max_num_seqs, max_num_batched_tokens) with defaults filled in, validated."""
+    """(max_num_seqs, max_num_batched_tokens) with defaults filled in, validated. An executor
+    that takes at most ``most_seqs`` sequences and ``most_rows`` rows a step (a kernel of
+    ``slots``) caps them: the sequences silently (32 asked, 8 slots: 8 run), the rows by
+    default, and an explicit max_num_batched_tokens above them is refused."""
     seqs = DEFAULT_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs
+    check_batch_options(seqs, None)
+    if most_seqs is not None:
+        seqs = min(seqs, most_seqs)
     tokens = max_num_batched_tokens
+    if tokens is not None:
+        check_batch_options(seqs, tokens)
+    if most_rows is not None and tokens is not None and tokens > most_rows:
+        raise ParameterError(f"max_num_batched_tokens {tokens} exceeds the {most_rows} rows one "
+                             "step of this backend takes (its step_tokens option)")
     if tokens is None:
-        tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, seqs) if isinstance(seqs, int) else 1
+        tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, seqs)
+        tokens = tokens if most_rows is None else min(tokens, most_rows)
     check_batch_options(seqs, tokens)
     return int(seqs), int(tokens)
 
 
-def check_batch_options(max_num_seqs: int, max_num_batched_tokens: int) -> None:
-    """ParameterError naming the option and its valid range."""
+def check_batch_options(max_num_seqs: int, max_num_batched_tokens: int | None) -> None:
+    """ParameterError naming the option and its valid range (None: max_num_seqs alone)."""
     def is_int(v) -> bool:
         return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
     if not is_int(max_num_seqs) or not 1 <= max_num_seqs <= MAX_NUM_SEQS_LIMIT:
         raise ParameterError(f"max_num_seqs must be an integer in [1, {MAX_NUM_SEQS_LIMIT}], "
                              f"got {max_num_seqs!r}")
+    if max_num_batched_tokens is None:
+        return
     if not is_int(max_num_batched_tokens) or max_num_batched_tokens < max_num_seqs:
         raise ParameterError(f"max_num_batched_tokens must be an integer >= max_num_seqs "
                              f"({max_num_seqs}: every running sequence decodes a token per "

@@ -203,8 +203,9 @@ class LLM:
     ``enable_prefix_caching``: reuse the K/V cache of the prefix shared with the previous
     sequence (chat turns, repeated system prompts). ``max_num_seqs`` (default 32) and
     ``max_num_batched_tokens`` (default max(512, max_num_seqs)): how many sequences a batched
-    backend (numpy) runs at once and how many rows one step takes (batching.py); the kernel
-    backends run one sequence at a time whatever they say. Other keywords are the backend's options
+    backend runs at once and how many rows one step takes (batching.py): numpy, or a kernel
+    backend built with ``slots=N`` (at most N sequences and ``step_tokens`` rows; without it a
+    kernel runs one sequence at a time whatever they say). Other keywords are the backend's options
     (``blocks=8``, ``threads=2``: runtime.backend_options), checked before the model loads."""
 
     def __init__(self, model: str | Path | None = None, backend: str = "auto", *,
@@ -222,7 +223,7 @@ class LLM:
                                  f"one generated), got {max_seq_len!r}")
         spec = resolve_backend(backend)  # a misspelt backend or option fails before the load
         options = spec.parse(backend_options)
-        batch_options(max_num_seqs, max_num_batched_tokens)
+        batch_options(max_num_seqs, max_num_batched_tokens, *options.batch_limits())
         self.model: LoadedModel = load_model(model, progress=progress)
         self.config = self.model.config
         self.tokenizer = self.model.tokenizer

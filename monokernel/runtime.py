@@ -390,11 +390,13 @@ class Engine:
         self.config = executor.config
         self.prefix_caching = prefix_caching
         self.stats = GenerationStats()
-        seqs, tokens = batch_options(max_num_seqs, max_num_batched_tokens)
+        batched = executor.max_num_seqs > 1
+        seqs, tokens = batch_options(max_num_seqs, max_num_batched_tokens,
+                                     executor.max_num_seqs if batched else None,
+                                     executor.max_step_rows if batched else None)
         # a batched executor runs every generation through the step loop (batching.py); a
-        # one-sequence executor (today's kernels) runs them one at a time, as before
-        self.batcher = (Batcher(self, min(seqs, executor.max_num_seqs), tokens, num_pages)
-                        if executor.max_num_seqs > 1 else None)
+        # one-sequence executor runs them one at a time
+        self.batcher = Batcher(self, seqs, tokens, num_pages) if batched else None
         self._active: object | None = None  # the generation that owns the KV cache
         # tokens whose K/V sit at positions 0..: (prompt, tokens made after it, end position)
         self._kv: tuple[list[int], list[int], int] = ([], [], 0)

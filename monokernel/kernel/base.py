@@ -119,6 +119,7 @@ class Executor(ABC):
     # schedules steps of many sequences (``add_pages``, ``run_table``).
     max_num_seqs = 1
     page_size = 0  # positions per K/V page of a batched executor
+    max_step_rows: int | None = None  # the most rows run_table takes (None: any number)
 
     def add_pages(self, n: int) -> range:
         """Room for ``n`` K/V pages of ``page_size`` positions for block tables; their ids."""
@@ -261,6 +262,11 @@ class BackendOptions:
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    def batch_limits(self) -> tuple[int | None, int | None]:
+        """(most sequences, most rows per step) the executor these options build takes at
+        once, None: no limit of its own (checked before a model loads: batching.batch_options)."""
+        return None, None
 
 
 def _accepts(tp: Any, value: Any) -> bool:

@@ -19,13 +19,14 @@ import numpy as np
 
 from ..model.config import ModelConfig
 from ..errors import KernelError, NumericalError
-from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, TRACE_WORDS,
-                  Err, ErrCode, HostFlag, Op, State, StopReason, params_dtype)
-from .header import render_header
+from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, NUM_THREADS, PARAMS, ROW_WORDS, STATE_WORDS,
+                  TRACE_WORDS, Err, ErrCode, HostFlag, Op, RowWord, State, StopReason,
+                  params_dtype)
+from .header import render_header, slot_pages
 from .includes import inline_includes
 from ..model.loader import LoadedModel
 from .base import (Backend, BackendOptions, Choose, DeviceSample, Executor, LaunchEnd,
-                   StepResult, greedy, wall_times)
+                   StepResult, StepTable, greedy, wall_times)
 from .devices.emulator import EmulatorDevice
 from .program import Program
 from .schedule import MAX_STEP_TOKENS, schedule
@@ -40,18 +41,24 @@ ACTIVATIONS = ("residual", "q", "k_raw", "attn_o", "attn_ml", "attn", "ffn_h", "
 NO_TOKEN = -2
 # A multi-step launch that finishes no step for this long beyond the kernel's watchdog is hung.
 PROGRESS_GRACE_S = 5.0
+# Positions per K/V page of a kernel of many sequences (``slots``), as the NumPy backend's.
+DEFAULT_PAGE_SIZE = 16
 
 
-def kernel_source(cfg: ModelConfig, max_seq_len: int, tokens: int = 1) -> str:
+def kernel_source(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: int = 0,
+                  page_size: int = 0) -> str:
     """Generated header + megakernel.cu (its own quoted includes inlined), with #line so compiler
-    errors point at real lines. ``tokens``: the program's most tokens per step."""
-    return (render_header(cfg, max_seq_len, tokens) + '#line 1 "megakernel.cu"\n'
+    errors point at real lines. ``tokens``: the program's most tokens per step; ``slots`` (> 0):
+    steps of many sequences from the token table, K/V in pages of ``page_size`` positions."""
+    return (render_header(cfg, max_seq_len, tokens, slots, page_size)
+            + '#line 1 "megakernel.cu"\n'
             + inline_includes(SOURCE_PATH.read_text(), SOURCE_PATH.parent, "megakernel.cu"))
 
 
 def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True,
                  trace: bool = False, pdl: bool = False,
-                 sync: int | None = None, tokens: int = 1) -> tuple[str, dict[str, str]]:
+                 sync: int | None = None, tokens: int = 1, slots: int = 0,
+                 page_size: int = 0) -> tuple[str, dict[str, str]]:
     """(source, -D defines) of the kernel an executor with these options compiles: the one
     place that decides them, so the GPU check's prepare step (tools/prepare.py) compiles
     exactly what the executors will ask for."""
@@ -62,7 +69,7 @@ def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True,
         defines["MK_PDL"] = "1"
     if sync is not None:  # the hop (megakernel.cu MK_SYNC; default 2: release/acquire)
         defines["MK_SYNC"] = str(sync)
-    return kernel_source(cfg, max_seq_len, tokens), defines
+    return kernel_source(cfg, max_seq_len, tokens, slots, page_size), defines
 
 
 # kernel_weights() per live model: every executor of one model uploads the same stacked arrays
@@ -149,8 +156,21 @@ class KernelExecutor(Executor):
                  attn_min_chunk: int | None = None,
                  multi_step: bool = True, steps_per_launch: int = 0,
                  sync: int | None = None, merge_ticket_min: int | None = None,
-                 step_tokens: int = 1):
+                 step_tokens: int = 1, slots: int = 1, page_size: int = DEFAULT_PAGE_SIZE):
         super().__init__(model, max_seq_len)
+        # slots > 1: steps of many sequences from a token table, K/V in pages (run_table; the
+        # Engine batches on it); 1: the one-sequence kernel of many steps per launch
+        self.table = slots > 1
+        if self.table:
+            if program is not None and program.tokens < slots:
+                raise KernelError(f"a kernel of {slots} slots needs a program of at least "
+                                  f"{slots} tokens per step, got {program.tokens}")
+            step_tokens = max(step_tokens, slots)  # every slot decodes a row per step
+            self.slots, self.page_size = slots, page_size
+            self.max_num_seqs, self.max_step_rows = slots, step_tokens
+            self.slot_pages = slot_pages(max_seq_len, page_size)
+            self.device_sampling = False  # the host samples the logits rows (slice 4: device)
+            multi_step = False  # one step per launch: the host writes each step's table
         self.device = device or EmulatorDevice()
         if pdl and not multi:
             raise KernelError("pdl=True is for the multi-kernel baseline (multi=True): the "
@@ -181,11 +201,14 @@ class KernelExecutor(Executor):
                                            tokens=step_tokens)
         self.blocks = self.program.num_blocks
         source, defines = kernel_build(c, max_seq_len, prefetch=prefetch, trace=trace, pdl=pdl,
-                                       sync=sync, tokens=self.program.tokens)
+                                       sync=sync, tokens=self.program.tokens,
+                                       slots=slots if self.table else 0,
+                                       page_size=page_size if self.table else 0)
         self.module = self.device.compile(source, KERNEL_NAMES, defines)
         self._alloc_buffers(model)
         self._broken: str | None = None
         self._state_on_device: tuple | None = None
+        self._last_logits: np.ndarray | None = None  # a table step's logits rows
         self.reset()
 
     # ---- buffers --------------------------------------------------------------------------
@@ -205,12 +228,24 @@ class KernelExecutor(Executor):
         for name, n in p.buffer_sizes().items():
             if name == "out_tokens":  # the host polls it while a launch runs
                 b[name] = dev.alloc_mapped((n,), np.int32)
+            elif name == "logits" and self.table:  # a row per step row that wants logits
+                b[name] = dev.alloc((p.tokens * c.vocab_size,), np.float32)
             else:
                 b[name] = dev.alloc((n,), np.float32)
         b["feed"] = dev.alloc((self.max_seq_len,), np.int32)
         b["stop_mask"] = dev.alloc(((c.vocab_size + 31) // 32,), np.uint32)
         b["host_flags"] = dev.alloc_mapped((HOST_FLAG_WORDS,), np.int32)
-        kv = (c.num_layers, self.max_seq_len, c.num_kv_heads, c.head_dim)
+        kv_rows = self.max_seq_len
+        if self.table:
+            # pages [0, slot_pages): the one-sequence calls' own (block table row `slots`, the
+            # identity); then a context for each slot, handed out by add_pages
+            kv_rows = (self.slots + 1) * self.slot_pages * self.page_size
+            b["rows"] = dev.alloc((p.tokens * ROW_WORDS,), np.int32)
+            bt = np.zeros((self.slots + 1, self.slot_pages), np.int32)
+            bt[self.slots] = np.arange(self.slot_pages)
+            b["block_table"] = dev.upload(bt)
+            self._block_table = bt
+        kv = (c.num_layers, kv_rows, c.num_kv_heads, c.head_dim)
         b["k_cache"] = dev.alloc(kv, np.uint16)
         b["v_cache"] = dev.alloc(kv, np.uint16)
         self.buffers = b
@@ -490,7 +525,121 @@ class KernelExecutor(Executor):
                     f"(the program scheduled {where} there); every block stopped")
         return f"{self.name}: kernel error code {r.code} at {where}"
 
+    # ---- steps of many sequences (slots > 1) ---------------------------------------------------
+    def add_pages(self, n: int) -> range:
+        """Page ids [slot_pages, slot_pages + n) of the pool (a context per slot): a later
+        Engine on this executor takes them over (Batcher.pages_owner)."""
+        if not self.table:
+            return super().add_pages(n)
+        most = self.slots * self.slot_pages
+        if not 0 < n <= most:
+            raise KernelError(f"{self.name}: the K/V pool holds {most} pages of "
+                              f"{self.page_size} positions for {self.slots} slots; asked for {n}")
+        return range(self.slot_pages, self.slot_pages + n)
+
+    def run_table(self, table: StepTable) -> np.ndarray:
+        """One step of the rows of ``table`` (one launch): float32 logits [rows wanting logits,
+        vocab] in row order. Each row runs the one-token step's arithmetic at its own position
+        over its own slot's pages, so a sequence's numbers do not depend on the other rows."""
+        self._check_table(table)
+        return self._table_step(table.tokens, table.slots, table.positions, table.logits,
+                                table.block_tables)
+
+    def _check_table(self, t: StepTable) -> None:
+        """KernelError naming what is wrong before anything is written to the device (the
+        kernel trusts the table: a bad page or row order would read another sequence's K/V)."""
+        n, c = len(t), self.config
+        where = f"{self.name}: step table"
+        if not 1 <= n <= self.max_step_rows:
+            raise KernelError(f"{where} has {n} rows; this kernel takes 1 to "
+                              f"{self.max_step_rows} (step_tokens)")
+        if np.any((t.slots < 0) | (t.slots >= self.slots)):
+            raise KernelError(f"{where}: slots must be in [0, {self.slots}), got "
+                              f"{sorted(set(int(x) for x in t.slots))}")
+        if np.any((t.positions < 0) | (t.positions >= self.max_seq_len)):
+            raise KernelError(f"{where}: positions must be in [0, {self.max_seq_len})")
+        if np.any((t.tokens < 0) | (t.tokens >= c.vocab_size)):
+            raise KernelError(f"{where}: tokens must be in [0, {c.vocab_size})")
+        seen = set()
+        for i in range(n):
+            s = int(t.slots[i])
+            if i and s == t.slots[i - 1]:
+                if t.positions[i] != t.positions[i - 1] + 1:
+                    raise KernelError(f"{where}: slot {s}'s rows {i - 1} and {i} are at "
+                                      f"positions {t.positions[i - 1]} and {t.positions[i]}; "
+                                      "a slot's rows must be consecutive positions")
+                continue
+            if s in seen:
+                raise KernelError(f"{where}: slot {s}'s rows are not consecutive")
+            seen.add(s)
+            pages = t.block_tables.get(s)
+            last = int(t.positions[i:][t.slots[i:] == s].max())
+            if pages is None or len(pages) <= last // self.page_size:
+                raise KernelError(f"{where}: slot {s}'s block table does not reach position "
+                                  f"{last} (pages of {self.page_size})")
+            lo, hi = self.slot_pages, (self.slots + 1) * self.slot_pages
+            if len(pages) > self.slot_pages or any(not lo <= p < hi for p in pages):
+                raise KernelError(f"{where}: slot {s}'s pages must be ids from add_pages, "
+                                  f"at most {self.slot_pages} of them")
+
+    def _table_step(self, tokens, slots, positions, want, tables: dict) -> np.ndarray:
+        self._end_running()
+        self.check_usable()
+        n = len(tokens)
+        rows = np.zeros((self.program.tokens, ROW_WORDS), np.int32)
+        rows[:n, RowWord.TOKEN], rows[:n, RowWord.SLOT] = tokens, slots
+        rows[:n, RowWord.POS] = positions
+        new_seg = np.ones(n, bool)
+        new_seg[1:] = np.asarray(slots[1:]) != np.asarray(slots[:-1])
+        rows[:n, RowWord.SEG] = np.maximum.accumulate(np.where(new_seg, np.arange(n), 0))
+        want = np.asarray(want, bool)
+        rows[:n, RowWord.LOGITS] = np.where(want, np.cumsum(want) - 1, -1)
+        bt = self._block_table
+        for s, pages in tables.items():
+            bt[s, :len(pages)] = pages
+        dev, b = self.device, self.buffers
+        dev.write(b["rows"], rows.reshape(-1))
+        dev.write(b["block_table"], bt)
+        words = self.state_words(0, 0, None)
+        words[State.NTOK], words[State.STEPS] = n, 1
+        dev.write(b["control"], words)
+        self._state_on_device = None
+        try:
+            self.run_launches()
+            control = dev.read(b["control"])
+        except KernelError as e:
+            self._broken = str(e).splitlines()[0]
+            raise KernelError(f"{self.name}: a step of {n} rows (step {self._steps}) failed: "
+                              f"{e}") from None
+        self.check_error(control)
+        self._steps += 1
+        m = int(want.sum())
+        self._last_logits = dev.read(b["logits"])[:m * self.config.vocab_size].reshape(
+            m, self.config.vocab_size)
+        return self._last_logits
+
+    def _own_rows(self, tokens: list[int], start_pos: int, want: str) -> np.ndarray:
+        """One-sequence calls on a kernel of many (tools, tests, a prompt's logprobs): the
+        tokens at positions start_pos.. in steps of up to max_step_rows rows of the own slot
+        (block table row ``slots``: the identity, pages [0, slot_pages)); the logits of the last
+        row (``want`` "last") or of every row ("all")."""
+        if start_pos < 0 or start_pos + len(tokens) > self.max_seq_len:
+            raise KernelError(f"positions [{start_pos}, {start_pos + len(tokens)}) are outside "
+                              f"the KV cache [0, {self.max_seq_len})")
+        out, T = [], self.max_step_rows
+        for i in range(0, len(tokens), T):
+            part = np.asarray(tokens[i:i + T], np.int64)
+            pos = start_pos + i + np.arange(len(part))
+            w = np.ones(len(part), bool) if want == "all" else \
+                (i + np.arange(len(part)) == len(tokens) - 1)
+            if np.any((part < 0) | (part >= self.config.vocab_size)):
+                raise KernelError(f"{self.name}: tokens must be in [0, {self.config.vocab_size})")
+            out.append(self._table_step(part, np.full(len(part), self.slots), pos, w, {}))
+        return np.concatenate(out)
+
     def step(self, token: int, pos: int, sample: DeviceSample | None = None) -> StepResult:
+        if self.table:  # the host samples (device_sampling is off)
+            return StepResult(token=None, logits=self._own_rows([token], pos, "last")[0])
         control = self.launch_step(token, pos, sample)
         if sample is not None:
             nxt = int(control[State.TOKEN])
@@ -500,11 +649,21 @@ class KernelExecutor(Executor):
         return StepResult(token=None, logits=self.logits())
 
     def prefill(self, tokens: list[int], start_pos: int = 0) -> np.ndarray:
+        if self.table:
+            return self._own_rows(tokens, start_pos, "last")[-1]
         for i, t in enumerate(tokens):
             self.launch_step(t, start_pos + i, None)
         return self.logits()
 
+    def prefill_all(self, tokens: list[int], start_pos: int = 0) -> np.ndarray:
+        if self.table:
+            return self._own_rows(tokens, start_pos, "all")
+        return super().prefill_all(tokens, start_pos)
+
     def logits(self) -> np.ndarray:
+        """float32 [vocab] of the last step (a step of many rows: its last logits row)."""
+        if self.table:
+            return self._last_logits[-1].copy()
         return self.device.read(self.buffers["logits"])
 
     def read_buffer(self, name: str) -> np.ndarray:
@@ -541,6 +700,15 @@ class KernelOptions(BackendOptions):
     # a prompt runs in steps of up to this many tokens (megakernel.cu MK_T_MAX), each bitwise
     # the one-token steps' (docs/many-tokens.md, slice 2)
     step_tokens: int = field(default=1, metadata={"min": 1, "max": MAX_STEP_TOKENS})
+    # > 1: steps of up to max(step_tokens, slots) rows of up to this many sequences, K/V in
+    # pages of page_size positions; the Engine batches on it (docs/many-tokens.md, slice 3)
+    slots: int = field(default=1, metadata={"min": 1, "max": MAX_STEP_TOKENS})
+    page_size: int = field(default=DEFAULT_PAGE_SIZE, metadata={"min": 1})
+
+    def batch_limits(self) -> tuple[int | None, int | None]:
+        if self.slots > 1:
+            return self.slots, max(self.step_tokens, self.slots)
+        return None, None
 
     def executor_kwargs(self) -> dict:
         """KernelExecutor's keywords: every option but the device's own."""

@@ -101,6 +101,21 @@ class State(IntEnum):
 STATE_WORDS = 16
 
 
+class RowWord(IntEnum):
+    """int32 words of one row of a step's token table (a kernel built with ``slots``: steps of
+    many sequences, docs/many-tokens.md). Rows of one sequence are consecutive and in position
+    order (a prompt chunk is a segment of rows); State.NTOK counts the step's rows."""
+
+    TOKEN = 0  # the token the row embeds
+    SLOT = 1  # its sequence slot: the slot's block table maps positions to K/V pages
+    POS = 2  # its position
+    SEG = 3  # the first row of its segment (late q/k: the earlier keys of the same step)
+    LOGITS = 4  # the row of `logits` it writes, -1: none (a prompt row before the last)
+
+
+ROW_WORDS = len(RowWord)
+
+
 class StopReason(IntEnum):
     """Why a launch ended (State.STOP_REASON), decided by the block that ends each step."""
 
@@ -181,8 +196,11 @@ PARAMS: list[tuple[str, str, str]] = [
     ("feed", "int*", "[MAX_SEQ] tokens fed at positions < FEED_END (written before a launch)"),
     ("stop_mask", "unsigned*", "[(VOCAB + 31) / 32] bitmap of the stop tokens"),
     ("host_flags", "int*", "[HOST_FLAG_WORDS] host-mapped: the host writes them mid-launch"),
-    ("k_cache", "unsigned short*", "[LAYERS, MAX_SEQ, KV_HEADS, HEAD_DIM] bf16"),
-    ("v_cache", "unsigned short*", "[LAYERS, MAX_SEQ, KV_HEADS, HEAD_DIM] bf16"),
+    ("k_cache", "unsigned short*", "[LAYERS, KV_ROWS, KV_HEADS, HEAD_DIM] bf16 (KV_ROWS: MAX_SEQ,"
+     " or the pages' positions)"),
+    ("v_cache", "unsigned short*", "[LAYERS, KV_ROWS, KV_HEADS, HEAD_DIM] bf16"),
+    ("rows", "int*", "[T_MAX, ROW_WORDS] the step's token table (SLOTS builds)"),
+    ("block_table", "int*", "[SLOTS + 1, SLOT_PAGES] K/V page of each slot's positions (SLOTS)"),
     ("rope_cos", "const float*", "[MAX_SEQ, HEAD_DIM/2]"),
     ("rope_sin", "const float*", "[MAX_SEQ, HEAD_DIM/2]"),
     ("embed", "const unsigned short*", "[VOCAB, H] bf16"),

@@ -76,6 +76,42 @@ static_assert(VEC_MAX * 4 + (2 * MK_GROUP * MK_HEAD_DIM + MK_GROUP * T_TILE) * 4
 // The step's tokens: NTOK from the state words, or 1 in a kernel built for one (MK_T_MAX 1).
 __device__ __forceinline__ int step_tokens(const int* st) { return MK_T_MAX == 1 ? 1 : st[S_NTOK]; }
 
+// ---- The step's rows ----------------------------------------------------------------------
+// A kernel built with MK_SLOTS > 0 runs steps of many sequences: row tok of the step is a row of
+// the token table (isa.RowWord: token, slot, position, the first row of its segment, its logits
+// row), copied into shared memory after the state words (load_state), and a slot's positions
+// live in K/V pages of MK_PAGE positions found through its block table (kv_row). With MK_SLOTS
+// 0 a step is positions POS..POS+NTOK-1 of the one sequence (a prompt chunk: TOKEN, then feed[]),
+// the cache row is the position, and these accessors fold to what the kernel read before.
+__device__ __forceinline__ const int* step_row(const int* st, int tok) {
+  return st + MK_STATE_WORDS + tok * MK_ROW_WORDS;
+}
+__device__ __forceinline__ int row_pos(const int* st, int tok) {
+  return MK_SLOTS ? step_row(st, tok)[R_POS] : st[S_POS] + tok;
+}
+__device__ __forceinline__ int row_slot(const int* st, int tok) {
+  return MK_SLOTS ? step_row(st, tok)[R_SLOT] : 0;
+}
+// The first row of tok's segment (its sequence's rows in this step): late q/k reads the keys
+// of the rows between it and tok from k_raw, the cache getting them only after the attention.
+__device__ __forceinline__ int row_seg(const int* st, int tok) {
+  return MK_SLOTS ? step_row(st, tok)[R_SEG] : 0;
+}
+// The cache row (of one layer's [KV_ROWS, KV_HEADS, HEAD_DIM]) of a slot's position. The block
+// table is written by the host between launches only: plain loads, from L1 after the first.
+__device__ __forceinline__ int kv_row(const Params& P, int slot, int pos) {
+#if MK_SLOTS
+  return P.block_table[slot * MK_SLOT_PAGES + pos / MK_PAGE] * MK_PAGE + pos % MK_PAGE;
+#else
+  (void)P;
+  (void)slot;
+  return pos;
+#endif
+}
+__device__ __forceinline__ size_t kv_at(const Params& P, int layer, int slot, int pos, int kvh) {
+  return (((size_t)layer * MK_KV_ROWS + kv_row(P, slot, pos)) * MK_KV_HEADS + kvh) * D;
+}
+
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
   return __uint_as_float(((unsigned)b) << 16);
 }
@@ -504,11 +540,13 @@ struct OpShared {
 // false (every block then stops) for a token outside the vocabulary: a NaN step leaves -1 in
 // the state (the host reads it as the NaN), and a launch repeated as it is (the bench's
 // replays) must not embed it from outside the table.
-// A chunk's tokens after the first come from feed[] (the prompt, written before the launch).
+// A chunk's tokens after the first come from feed[] (the prompt, written before the launch);
+// a step of many sequences' from its token table.
 __device__ bool op_embed(const Params& P, const int* ins, const int* st, int instr) {
   const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], ntok = step_tokens(st);
   for (int tok = 0; tok < ntok; ++tok) {
-    const int token = tok == 0 ? st[S_TOKEN] : P.feed[st[S_POS] + tok];
+    const int token = MK_SLOTS ? step_row(st, tok)[R_TOKEN]
+                      : tok == 0 ? st[S_TOKEN] : P.feed[st[S_POS] + tok];
     if (token < 0 || token >= MK_VOCAB) {
       if (threadIdx.x == 0) record_error(P, ERR_BAD_TOKEN, instr, OP_EMBED, -1, MK_VOCAB, token);
       return false;
@@ -576,7 +614,7 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
   const unsigned short* W = P.wqkv + (size_t)layer * MK_QKV_DIM * H;
   for (int tok = 0; tok < ntok; ++tok) {
     rms_apply(P.residual + (size_t)tok * H, g, s.vec);
-    const int pos = st[S_POS] + tok;
+    const int pos = row_pos(st, tok), slot = row_slot(st, tok);
     float* q_out = P.q + (size_t)tok * MK_Q_DIM;
 #if LATE_QK
     float* k_raw = P.k_raw + (size_t)tok * MK_KV_DIM;
@@ -628,7 +666,7 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
         } else {
           const int kvh = is_k ? head - MK_HEADS : head - MK_HEADS - MK_KV_HEADS;
           unsigned short* cache = is_k ? P.k_cache : P.v_cache;
-          const size_t at = (((size_t)layer * MK_MAX_SEQ + pos) * MK_KV_HEADS + kvh) * D;
+          const size_t at = kv_at(P, layer, slot, pos, kvh);
           cache[at + j] = f32_to_bf16(a);
           cache[at + j + HALF] = f32_to_bf16(c);
         }
@@ -668,8 +706,10 @@ __device__ __forceinline__ uint4 load_kv(const unsigned short* p) {
 // product: one K load in flight instead of KV_UNROLL; tests/kernel/test_sass.py counts them.)
 // Late q/k with chunks: positions >= chunk_from come from `chunk` (rows of HEAD_DIM bf16,
 // position chunk_from first) instead: the chunk's keys, which the cache gets only after the
-// layer's attention (O_PROJ caches them).
-__device__ __forceinline__ void load_kv_rows(const unsigned short* rows, int base, int cnt,
+// layer's attention (O_PROJ caches them). `rows`: the layer's cache at the unit's KV head;
+// position p's row is kv_row(seq, p), seq the row's sequence slot (p itself without slots).
+__device__ __forceinline__ void load_kv_rows(const Params& P, int seq,
+                                             const unsigned short* rows, int base, int cnt,
                                              int i0, int c, uint4 (&kv)[KV_UNROLL],
                                              const unsigned short* chunk, int chunk_from) {
 #pragma unroll
@@ -684,18 +724,19 @@ __device__ __forceinline__ void load_kv_rows(const unsigned short* rows, int bas
     (void)chunk;
     (void)chunk_from;
 #endif
-    kv[u] = load_kv(rows + (size_t)(base + i) * MK_KV_DIM + c * 8);
+    kv[u] = load_kv(rows + (size_t)kv_row(P, seq, base + i) * MK_KV_DIM + c * 8);
   }
 }
 
 // s.score[h][i] = q_h . K[base + i] * scale for i < cnt (K rows from chunk_from on: s.kc)
-__device__ void attention_scores(OpShared& s, const unsigned short* Kg, int base, int cnt,
-                                 float scale, int chunk_from) {
+__device__ void attention_scores(const Params& P, OpShared& s, int seq,
+                                 const unsigned short* Kg, int base, int cnt, float scale,
+                                 int chunk_from) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int c = lane % KV_LANES, slot = warp * KV_PPW + lane / KV_LANES;
   for (int i0 = slot; i0 - slot < cnt; i0 += KV_SLOTS * KV_UNROLL) {
     uint4 kv[KV_UNROLL];
-    load_kv_rows(Kg, base, cnt, i0, c, kv, s.kc, chunk_from);
+    load_kv_rows(P, seq, Kg, base, cnt, i0, c, kv, s.kc, chunk_from);
     // every dot product of the KV_UNROLL rows first, then their reductions side by side, then
     // the stores: KV_UNROLL x GROUP independent chains instead of one chain per row, each ended
     // by a store before the next row's work
@@ -725,7 +766,8 @@ __device__ void attention_scores(OpShared& s, const unsigned short* Kg, int base
 }
 
 // s.o[h][d] = s.o[h][d] * corr[h] + sum_i p_h[i] V[base + i][d], p in s.score
-__device__ void attention_values(OpShared& s, const unsigned short* Vg, int base, int cnt) {
+__device__ void attention_values(const Params& P, OpShared& s, int seq,
+                                 const unsigned short* Vg, int base, int cnt) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int c = lane % KV_LANES, slot = warp * KV_PPW + lane / KV_LANES;
   float acc[MK_GROUP][8];
@@ -735,7 +777,7 @@ __device__ void attention_values(OpShared& s, const unsigned short* Vg, int base
     for (int e = 0; e < 8; ++e) acc[h][e] = 0.f;
   for (int i0 = slot; i0 - slot < cnt; i0 += KV_SLOTS * KV_UNROLL) {
     uint4 kv[KV_UNROLL];
-    load_kv_rows(Vg, base, cnt, i0, c, kv, nullptr, 0);
+    load_kv_rows(P, seq, Vg, base, cnt, i0, c, kv, nullptr, 0);
 #pragma unroll
     for (int u = 0; u < KV_UNROLL; ++u) {
       const int i = i0 + u * KV_SLOTS;
@@ -877,10 +919,10 @@ __device__ __forceinline__ bool merge_by_ticket(int used, int least) {
   return least > 0 && used >= least;
 }
 
-// A chunk's tokens each merge by ticket or not by their own used splits (the last token uses
-// the most: the ticket is drawn when it merges; O_PROJ decides per token alike).
-__device__ void attention_ticket(const Params& P, int ticket, int tickets, int g, int splits,
-                                 int min_chunk, int least, int pos0, int ntok) {
+// The step's rows each merge by ticket or not by their own used splits (the ticket is drawn
+// when any row merges: steps_max_used; O_PROJ decides per row alike).
+__device__ void attention_ticket(const Params& P, const int* st, int ticket, int tickets, int g,
+                                 int splits, int min_chunk, int least, int ntok) {
   __shared__ int s_last;
   __syncthreads();  // every thread's partial stores are issued
   if (threadIdx.x == 0) {
@@ -891,7 +933,7 @@ __device__ void attention_ticket(const Params& P, int ticket, int tickets, int g
   __syncthreads();
   if (!s_last) return;
   for (int tok = 0; tok < ntok; ++tok) {
-    const int used = splits_used(pos0 + tok + 1, splits, min_chunk);
+    const int used = splits_used(row_pos(st, tok) + 1, splits, min_chunk);
     if (merge_by_ticket(used, least))
       merge_splits<MK_MERGE_TICKET_WAYS>(P, tok, P.attn + (size_t)tok * MK_Q_DIM,
                                          g * MK_GROUP * D / 8, (g + 1) * MK_GROUP * D / 8,
@@ -903,11 +945,16 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[A_ATTENTION_SPLITS], min_chunk = ins[A_ATTENTION_MIN_CHUNK];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int pos0 = st[S_POS], ntok = step_tokens(st);
+  const int ntok = step_tokens(st);
   const float scale = 1.0f / sqrtf((float)D);
-  const size_t kv_layer = (size_t)layer * MK_MAX_SEQ * MK_KV_HEADS * D;
-  for (int tok = 0; tok < ntok; ++tok) {  // the chunk's tokens, each over its own context
-    const int pos = pos0 + tok, n_pos = pos + 1;
+  const size_t kv_layer = (size_t)layer * MK_KV_ROWS * MK_KV_HEADS * D;
+  int most_used = 0;  // the most splits a row uses: the ticket is drawn when it merges
+  for (int tok = 0; tok < ntok; ++tok) {  // the step's rows, each over its own context
+    const int pos = row_pos(st, tok), n_pos = pos + 1, slot = row_slot(st, tok);
+    // the row's segment (its sequence's rows in this step) starts at row seg, position pos0
+    const int seg = row_seg(st, tok), pos0 = row_pos(st, seg);
+    (void)seg;
+    most_used = max(most_used, splits_used(n_pos, splits, min_chunk));
     const int chunk = split_chunk(n_pos, splits, min_chunk);
     for (int u = b; u < e; ++u) {
       const int g = u / splits, split = u % splits;
@@ -941,7 +988,7 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
       if (c0 < c1) {
         for (int p = c0 + warp; p < c1; p += NWARPS) {
           float* tmp = s.vec + warp * D;
-          warp_qk_norm_rope(P, P.k_raw + (size_t)(p - pos0) * MK_KV_DIM + g * D,
+          warp_qk_norm_rope(P, P.k_raw + (size_t)(seg + p - pos0) * MK_KV_DIM + g * D,
                             P.k_norm + (size_t)layer * D, p, tmp);
           for (int d = lane; d < D; d += 32) s.kc[(p - pos0) * D + d] = f32_to_bf16(tmp[d]);
         }
@@ -952,7 +999,7 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
       const unsigned short* Vg = P.v_cache + kv_layer + (size_t)g * D;
       for (int base = t0; base < t1; base += T_TILE) {
         const int cnt = min(T_TILE, t1 - base);
-        attention_scores(s, Kg, base, cnt, scale, pos0);
+        attention_scores(P, s, slot, Kg, base, cnt, scale, pos0);
 #if LATE_QK
         // the cache does not hold this step's key yet (O_PROJ writes it): score pos from s.row
         if (base <= n_pos - 1 && n_pos - 1 < base + cnt) {
@@ -986,7 +1033,7 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
           }
         }
         __syncthreads();
-        attention_values(s, Vg, base, cnt);
+        attention_values(P, s, slot, Vg, base, cnt);
         __syncthreads();
       }
       const size_t unit = (size_t)tok * MK_KV_HEADS * splits + (size_t)g * splits + split;
@@ -998,12 +1045,10 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
       __syncthreads();  // s.q / s.o are reused by the next unit
     }
   }
-  // the last token uses the most splits: when it merges by ticket the ticket is drawn
-  const int used = splits_used(pos0 + ntok, splits, min_chunk);
   const int tickets = ins[A_ATTENTION_TICKETS];  // > 0: the units lie in one KV group
-  if (tickets > 0 && merge_by_ticket(used, ins[A_ATTENTION_MERGE_MIN]))
-    attention_ticket(P, ins[A_ATTENTION_TICKET], tickets, b / splits, splits, min_chunk,
-                     ins[A_ATTENTION_MERGE_MIN], pos0, ntok);
+  if (tickets > 0 && merge_by_ticket(most_used, ins[A_ATTENTION_MERGE_MIN]))
+    attention_ticket(P, st, ins[A_ATTENTION_TICKET], tickets, b / splits, splits, min_chunk,
+                     ins[A_ATTENTION_MERGE_MIN], ntok);
 }
 
 // ================================================================================================
@@ -1013,18 +1058,18 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
 __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[A_O_PROJ_RESIDUAL_SPLITS];
-  const int pos0 = st[S_POS], ntok = step_tokens(st);
+  const int ntok = step_tokens(st);
 #if LATE_QK
   {  // this block caches the step's keys of KV heads [ARG2, ARG3): one warp per head
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kv_end = ins[A_O_PROJ_RESIDUAL_KV_END];
     for (int tok = 0; tok < ntok; ++tok) {
-      const int pos = pos0 + tok;
+      const int pos = row_pos(st, tok), slot = row_slot(st, tok);
       for (int kvh = ins[A_O_PROJ_RESIDUAL_KV_FIRST] + warp; kvh < kv_end; kvh += NWARPS) {
         float* out = s.vec + warp * D;  // scratch: the merge below rewrites s.vec after a barrier
         warp_qk_norm_rope(P, P.k_raw + (size_t)tok * MK_KV_DIM + kvh * D,
                           P.k_norm + (size_t)layer * D, pos, out);
-        const size_t at = (((size_t)layer * MK_MAX_SEQ + pos) * MK_KV_HEADS + kvh) * D;
+        const size_t at = kv_at(P, layer, slot, pos, kvh);
         for (int d = lane; d < D; d += 32) P.k_cache[at + d] = f32_to_bf16(out[d]);
       }
     }
@@ -1037,7 +1082,7 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   // tiles), so each is read in the same round trip as its weights
   const unsigned short* W = P.wo + ((size_t)layer * H + b) * MK_Q_DIM;
   for (int tok = 0; tok < ntok; ++tok) {
-    const int used = splits_used(pos0 + tok + 1, splits, ins[A_O_PROJ_RESIDUAL_MIN_CHUNK]);
+    const int used = splits_used(row_pos(st, tok) + 1, splits, ins[A_O_PROJ_RESIDUAL_MIN_CHUNK]);
     // ATTENTION merged it: read it, one round
     if (merge_by_ticket(used, ins[A_O_PROJ_RESIDUAL_MERGE_MIN])) {
       copy_to_shared<MK_Q_DIM>(s.vec, P.attn + (size_t)tok * MK_Q_DIM);
@@ -1133,6 +1178,15 @@ __device__ __forceinline__ int read_host_stop(const Params& P) {
 
 __device__ __forceinline__ void finish_step(const Params& P, const int* st, int token,
                                             int host_stop) {
+#if MK_SLOTS
+  // a step of the token table: the host reads the logits rows and writes the next table (one
+  // step per launch until the device samples per slot: docs/many-tokens.md, slices 4-5)
+  (void)token;
+  (void)host_stop;
+  P.state[S_STEP] = st[S_STEP] + 1;
+  P.state[S_RUN] = 0;
+  P.state[S_STOP_REASON] = STOP_BUDGET;
+#else
   // a chunk's positions pos..pos+NTOK-1: the next token of each but the last is fed
   const int first = st[S_POS], pos = first + step_tokens(st) - 1, next_pos = pos + 1;
   const bool prompt = next_pos < st[S_FEED_END];
@@ -1155,6 +1209,7 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
   P.state[S_STEP] = st[S_STEP] + 1;
   P.state[S_RUN] = reason == STOP_NONE;
   P.state[S_STOP_REASON] = reason;
+#endif
 #if MK_SYNC >= 2
   red_add_release(&P.counters[st[S_STEP_COUNTER]], 1);  // this thread wrote all of it
 #else
@@ -1202,6 +1257,26 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
   int best_id = -1;
   // a prompt step's sample is not used (the next position embeds the fed token): no logits
   const bool prompt = (int)pos + 1 < st[S_FEED_END];
+#if MK_SLOTS
+  // a step of the token table: the logits of every row that wants them (isa.RowWord.LOGITS),
+  // each row's own mat-vec; the host samples them
+  (void)prompt;
+  (void)temp;
+  (void)seed;
+  (void)last;
+  if (b < e) {
+    for (int tok = 0; tok < step_tokens(st); ++tok) {
+      const int out = step_row(st, tok)[R_LOGITS];
+      if (out < 0) continue;
+      rms_apply(P.residual + (size_t)tok * H, g, s.vec);
+      float* logits = P.logits + (size_t)out * MK_VOCAB;
+      block_dot_rows<H>(
+          e - b, [&](int k) { return P.lm_head + (size_t)(b + k) * H; }, s.vec,
+          [](int) { return 0.f; }, [&](int k, float v, float) { logits[b + k] = v; });
+      __syncthreads();  // s.vec: the next row's input
+    }
+  }
+#else
   if (b < e && !prompt) {
     rms_apply(P.residual + (size_t)last * H, g, s.vec);
     block_dot_rows<H>(
@@ -1213,6 +1288,7 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
           best_of(best, best_id, temp > 0.f ? v / temp + gumbel(seed, pos, (unsigned)r) : v, r);
         });
   }
+#endif
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {  // the warp's best: every lane ends with it
     const float ov = __shfl_xor_sync(FULL_MASK, best, o);
@@ -1254,26 +1330,27 @@ __device__ void prefetch_weights(const Params& P, const int* w, const int* st) {
     case OP_ATTENTION: {
       // the units' K and V rows of the positions cached before this step (the new position's
       // row is written during it), at most PREFETCH_MAX_BYTES of each per unit; late q/k: the
-      // norm weights and the position's RoPE row
+      // norm weights and the position's RoPE row. Of the step's first row (its sequence).
       constexpr int LINES = (D * 2 + 127) / 128;  // 128-byte lines per K or V row
-      const int splits = w[A_ATTENTION_SPLITS], n_pos = st[S_POS] + 1;
+      const int pos = row_pos(st, 0), slot = row_slot(st, 0);
+      const int splits = w[A_ATTENTION_SPLITS], n_pos = pos + 1;
       const int chunk = split_chunk(n_pos, splits, w[A_ATTENTION_MIN_CHUNK]);
       for (int u = b; u < e; ++u) {
         const int t0 = (u % splits) * chunk;
         const int t1 = min(min(n_pos - 1, t0 + chunk), t0 + PREFETCH_MAX_BYTES / (D * 2));
-        const size_t kv0 = ((size_t)layer * MK_MAX_SEQ * MK_KV_HEADS + u / splits) * D;
+        const size_t kv0 = ((size_t)layer * MK_KV_ROWS * MK_KV_HEADS + u / splits) * D;
         for (int k = threadIdx.x; k < (t1 - t0) * 2 * LINES; k += MK_THREADS) {
           const int t = t0 + k / (2 * LINES), r = k % (2 * LINES);
           const unsigned short* row = (r < LINES ? P.k_cache : P.v_cache) + kv0 +
-                                      (size_t)t * MK_KV_DIM;
+                                      (size_t)kv_row(P, slot, t) * MK_KV_DIM;
           prefetch_line(row + (r % LINES) * 64);
         }
       }
 #if LATE_QK
       prefetch_l2(P.q_norm + (size_t)layer * D, D * 2);
       prefetch_l2(P.k_norm + (size_t)layer * D, D * 2);
-      prefetch_l2(P.rope_cos + (size_t)st[S_POS] * HALF, HALF * 4);
-      prefetch_l2(P.rope_sin + (size_t)st[S_POS] * HALF, HALF * 4);
+      prefetch_l2(P.rope_cos + (size_t)pos * HALF, HALF * 4);
+      prefetch_l2(P.rope_sin + (size_t)pos * HALF, HALF * 4);
 #endif
       break;
     }
@@ -1419,10 +1496,17 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
   return true;
 }
 
-// The state words into shared memory; STEPS becomes the steps left in this launch.
+// The state words into shared memory; STEPS becomes the steps left in this launch. A kernel of
+// many sequences (MK_SLOTS) copies the step's token table after them (step_row), all of it:
+// the host writes it before the launch.
+#define ST_WORDS (MK_STATE_WORDS + (MK_SLOTS ? MK_T_MAX * MK_ROW_WORDS : 0))
 __device__ __forceinline__ void load_state(const Params& P, int* st, int steps_left) {
   if (threadIdx.x < MK_STATE_WORDS) st[threadIdx.x] = P.state[threadIdx.x];
   if (threadIdx.x == S_STEPS) st[S_STEPS] = steps_left;
+#if MK_SLOTS
+  for (int i = threadIdx.x; i < MK_T_MAX * MK_ROW_WORDS; i += MK_THREADS)
+    st[MK_STATE_WORDS + i] = P.rows[i];
+#endif
   __syncthreads();
 }
 
@@ -1435,7 +1519,7 @@ __device__ __forceinline__ void load_state(const Params& P, int* st, int steps_l
 template <int ONLY>
 __device__ void run_instructions(const Params& P, int begin, int end) {
   __shared__ OpShared s;
-  __shared__ int st[MK_STATE_WORDS];
+  __shared__ int st[ST_WORDS];
   const int steps = ONLY == OP_NOOP ? max(P.state[S_STEPS], 1) : 1;
   load_state(P, st, steps);
   const long long deadline_ns = (long long)st[S_WATCHDOG_MS] * 1000000LL;

@@ -1,0 +1,286 @@
+"""Steps of many sequences on the CPU emulator (issue 17, slice 3: ``slots``, a token table and
+paged K/V, megakernel.cu MK_SLOTS).
+
+The oracle is the one-sequence kernel: every row of a step runs the one-token step's arithmetic
+at its own position over its own slot's pages, so each sequence's logits at every position and
+its K/V must be bitwise those of the same sequence run alone, one token per step, whatever
+shares its steps: other sequences at other positions, prompt chunks crossing a page boundary,
+a sequence at the cache's last position, one ending or joining between steps. The NumPy
+reference is the tolerance oracle of the same runs. Also: the Engine's batched path on the
+emulator (a list of prompts gives each prompt's solo text), the table's validation, the
+options.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers.kernel import assert_logits_match
+from monokernel.batching import batch_options
+from monokernel.errors import KernelError, ParameterError
+from monokernel.kernel.base import StepTable
+from monokernel.kernel.executor import KernelExecutor
+from monokernel.model.reference import ReferenceModel
+from monokernel.runtime import Engine, backend_options
+from monokernel.sampling import SamplingParams
+
+MAX_SEQ = 48
+PAGE = 8
+
+
+def prompt_of(model, n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(1, model.config.vocab_size, n)]
+
+
+class Solo:
+    """A sequence run alone on the one-sequence kernel, one token per step: its logits at every
+    position (greedy continuation after the prompt) and its K/V."""
+
+    def __init__(self, ex: KernelExecutor, prompt: list[int], total: int):
+        ex.reset()
+        ex.poison()
+        self.tokens, self.logits = list(prompt), []
+        for pos in range(total):
+            lg = ex.step(self.tokens[pos], pos).logits.copy()
+            self.logits.append(lg)
+            if pos + 1 >= len(self.tokens):
+                self.tokens.append(int(np.argmax(lg)))
+        self.k = ex.read_buffer("k_cache")[:, :total].copy()
+        self.v = ex.read_buffer("v_cache")[:, :total].copy()
+
+
+class Batch:
+    """Sequences on a kernel of many slots, driven by hand: each step takes ``plan[i]`` rows of
+    sequence i (its prompt in chunks, then one decode row), pages handed out as positions are
+    reached. Records each sequence's logits by position."""
+
+    def __init__(self, ex: KernelExecutor):
+        self.ex = ex
+        self.free = list(ex.add_pages(ex.slots * ex.slot_pages))
+        self.seqs: dict[int, dict] = {}
+
+    def join(self, slot: int, prompt: list[int]) -> None:
+        self.seqs[slot] = {"tokens": list(prompt), "prompt": len(prompt), "done": 0,
+                           "pages": [], "logits": {}}
+
+    def leave(self, slot: int) -> dict:
+        s = self.seqs.pop(slot)
+        self.free = s["pages"] + self.free  # the next pages handed out
+        return s
+
+    def step(self, plan: dict[int, int]) -> None:
+        rows, want = [], []
+        for slot, n in plan.items():
+            s = self.seqs[slot]
+            for p in range(s["done"], s["done"] + n):
+                rows.append((s["tokens"][p], slot, p, True, p < s["prompt"]))
+            while len(s["pages"]) * PAGE < s["done"] + n:
+                s["pages"].append(self.free.pop(0))
+        table = StepTable.of(rows, {slot: self.seqs[slot]["pages"] for slot in plan})
+        logits = self.ex.run_table(table)
+        assert logits.shape == (len(rows), self.ex.config.vocab_size)
+        for (tok, slot, pos, _, _), lg in zip(rows, logits):
+            s = self.seqs[slot]
+            s["logits"][pos] = lg.copy()
+            if pos + 1 == len(s["tokens"]):
+                s["tokens"].append(int(np.argmax(lg)))
+        for slot, n in plan.items():
+            self.seqs[slot]["done"] += n
+
+    def kv(self, slot: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The slot's K and V of positions [0, n), gathered from its pages."""
+        s = self.seqs[slot]
+        rows = [s["pages"][p // PAGE] * PAGE + p % PAGE for p in range(n)]
+        return (self.ex.read_buffer("k_cache")[:, rows], self.ex.read_buffer("v_cache")[:, rows])
+
+
+def assert_same(batch_seq: dict, solo: Solo, what: str, kv=None) -> None:
+    for pos, lg in batch_seq["logits"].items():
+        assert np.array_equal(lg.view(np.uint32), solo.logits[pos].view(np.uint32)), \
+            f"{what}: logits at position {pos}"
+    assert batch_seq["tokens"] == solo.tokens[:len(batch_seq["tokens"])], f"{what}: tokens"
+    if kv is not None:
+        n = len(batch_seq["logits"])
+        assert np.array_equal(kv[0], solo.k[:, :n]), f"{what}: K"
+        assert np.array_equal(kv[1], solo.v[:, :n]), f"{what}: V"
+
+
+def drive(b: Batch, budget: int, steps: int, events=None) -> None:
+    """``steps`` steps of at most ``budget`` rows: every decoding sequence's row first, then
+    prompt chunks in slot order (vLLM's order); ``events[i](b)`` runs before step i."""
+    for i in range(steps):
+        if events and i in events:
+            events[i](b)
+        plan, left = {}, budget
+        for slot, s in b.seqs.items():
+            if s["done"] >= s["prompt"] and left:
+                plan[slot], left = 1, left - 1
+        for slot, s in b.seqs.items():
+            if s["done"] < s["prompt"] and left:
+                plan[slot] = min(s["prompt"] - s["done"], left)
+                left -= plan[slot]
+        b.step(plan)
+
+
+# (architecture, slots, step rows, blocks): late q/k with GQA, plain Llama, q/k/v bias
+ARCHS = [("qwen3-gqa-tiny", 3, 17, 3), ("llama3-tiny", 4, 6, 2), ("qwen2-tiny", 3, 3, 4)]
+
+
+@pytest.mark.parametrize("arch,slots,T,blocks", ARCHS, ids=[a for a, *_ in ARCHS])
+def test_mixed_steps_are_bitwise_each_sequence_alone(synth_model, arch, slots, T, blocks):
+    """Sequences at different positions in one step: prompt chunks beside decode rows, chunks
+    crossing a page boundary, one sequence ending and two joining (one into its slot, on its
+    recycled pages) between steps; every logits row and K/V row bitwise the one-sequence
+    kernel's."""
+    model = synth_model(arch)
+    ex = KernelExecutor(model, MAX_SEQ, blocks=blocks, slots=slots, step_tokens=T,
+                        page_size=PAGE)
+    assert ex.max_step_rows == T and ex.max_num_seqs == slots
+    ex.poison()
+    one = KernelExecutor(model, MAX_SEQ, blocks=blocks)
+    prompts = [prompt_of(model, 11, 1), prompt_of(model, 5, 2), prompt_of(model, 3, 3),
+               prompt_of(model, 7, 4)]
+    solo = [Solo(one, p, len(p) + 18) for p in prompts]
+    b = Batch(ex)
+    b.join(0, prompts[0])
+    b.join(1, prompts[1])
+    left = {}
+
+    def swap(b: Batch) -> None:
+        left["kv"] = b.kv(1, b.seqs[1]["done"])
+        left["seq"] = b.leave(1)
+        b.join(1, prompts[2])
+        b.join(2, prompts[3])
+
+    drive(b, T, 16, {7: swap})
+    assert left["seq"]["done"] > len(prompts[1])  # it decoded before it left
+    assert_same(left["seq"], solo[1], f"{arch} seq 1", left["kv"])
+    assert_same(b.seqs[0], solo[0], f"{arch} seq 0", b.kv(0, b.seqs[0]["done"]))
+    assert_same(b.seqs[1], solo[2], f"{arch} seq 2 (slot 1, recycled pages)",
+                b.kv(1, b.seqs[1]["done"]))
+    assert_same(b.seqs[2], solo[3], f"{arch} seq 3", b.kv(2, b.seqs[2]["done"]))
+    assert all(s["done"] > s["prompt"] for s in b.seqs.values())
+
+
+def test_a_sequence_alone_or_beside_1_5_and_15_others(synth_model):
+    """Batch invariance: one sequence's logits rows, bitwise, alone and in steps of 2, 6 and 16
+    sequences at other positions (a step of 16 decode rows: T_MAX)."""
+    model = synth_model("qwen3-gqa-tiny")
+    ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=16, page_size=PAGE)
+    assert ex.max_step_rows == 16
+    me = prompt_of(model, 9, 10)
+    others = [prompt_of(model, 2 + k % 7, 20 + k) for k in range(15)]
+    runs = []
+    for company in (0, 1, 5, 15):
+        b = Batch(ex)
+        b.join(0, me)
+        for k in range(company):
+            b.join(k + 1, others[k])
+        b.step({0: 9})  # my prompt alone, then everyone's prompt row by row beside my decode
+        for _ in range(8):
+            b.step({slot: 1 for slot in b.seqs})
+        runs.append(b.seqs[0])
+    for company, run in zip((1, 5, 15), runs[1:]):
+        assert run["logits"].keys() == runs[0]["logits"].keys()
+        for pos in run["logits"]:
+            assert np.array_equal(run["logits"][pos].view(np.uint32),
+                                  runs[0]["logits"][pos].view(np.uint32)), \
+                f"beside {company} others: position {pos}"
+        assert run["tokens"] == runs[0]["tokens"]
+
+
+def test_the_rows_agree_with_the_reference(synth_model):
+    """The tolerance oracle: a step of three sequences' rows (two prompt chunks, one reaching
+    the cache's last position) against the NumPy reference run on each alone."""
+    model = synth_model("llama3-tiny")
+    ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=3, step_tokens=MAX_SEQ // 2,
+                        page_size=PAGE)
+    ex.poison()
+    long = prompt_of(model, MAX_SEQ, 31)
+    short = prompt_of(model, 6, 32)
+    b = Batch(ex)
+    b.join(0, long)
+    b.join(1, short)
+    b.step({0: MAX_SEQ // 2 - 6, 1: 6})
+    b.step({0: MAX_SEQ // 2 - 1, 1: 1})
+    b.step({0: 7})  # positions up to MAX_SEQ - 1: the cache's last
+    assert max(b.seqs[0]["logits"]) == MAX_SEQ - 1
+    for slot, prompt in ((0, long), (1, short)):
+        ref = ReferenceModel(model.config, model.weights, MAX_SEQ)
+        toks = b.seqs[slot]["tokens"]
+        want = ref.forward(toks[:len(b.seqs[slot]["logits"])], 0)
+        got = np.stack([b.seqs[slot]["logits"][p] for p in sorted(b.seqs[slot]["logits"])])
+        assert_logits_match(got, want, f"slot {slot}")
+
+
+def test_the_engine_batches_on_the_emulator(synth_model):
+    """``Engine`` on a kernel of 2 slots: three seeded requests (the third joins when a slot
+    frees), each the text it gets alone on the one-sequence kernel; the step table's rows stay
+    within step_tokens."""
+    model = synth_model("llama3-tiny")
+    ids = [prompt_of(model, n, 40 + n) for n in (5, 12, 3)]
+    params = [SamplingParams(max_new_tokens=m, temperature=0.8, seed=7 + m, ignore_eos=True)
+              for m in (6, 3, 5)]
+    solo = []
+    for p, sp in zip(ids, params):
+        eng = Engine(KernelExecutor(model, MAX_SEQ, blocks=2))
+        solo.append([s.token for s in eng.generate(p, sp)])
+    ex = KernelExecutor(model, MAX_SEQ, blocks=2, slots=2, step_tokens=4, page_size=PAGE)
+    eng = Engine(ex, max_num_seqs=8)
+    assert eng.batcher is not None and eng.batcher.max_num_seqs == 2
+    assert eng.batcher.max_num_batched_tokens == 4
+    gens = [eng.generate(p, sp) for p, sp in zip(ids, params)]
+    its = [iter(g) for g in gens]
+    got: list[list[int]] = [[], [], []]
+    live = {0, 1, 2}
+    while live:  # round robin: the steps carry whoever is running
+        for i in sorted(live):
+            try:
+                got[i].append(next(its[i]).token)
+            except StopIteration:
+                live.discard(i)
+    assert got == solo
+    with pytest.raises(ParameterError, match="max_num_batched_tokens 8 exceeds the 4 rows"):
+        Engine(ex, max_num_batched_tokens=8)
+    with pytest.raises(ParameterError, match="max_num_batched_tokens 5 exceeds the 4 rows"):
+        batch_options(None, 5, *backend_options("emulator", {"slots": 2, "step_tokens": 4})
+                      .batch_limits())
+    # 32 sequences asked by default, 2 slots: 2 run, and 3 rows a step is enough for them
+    assert batch_options(None, 3, 2, 4) == (2, 3)
+
+
+def test_a_bad_table_is_refused_before_the_launch(synth_model):
+    model = synth_model("llama3-tiny")
+    ex = KernelExecutor(model, MAX_SEQ, blocks=2, slots=2, step_tokens=4, page_size=PAGE)
+    pages = list(ex.add_pages(4))
+    good = {0: pages[:1], 1: pages[1:2]}
+    cases = [
+        ([(1, 0, 0, True, True)] * 5, good, "5 rows"),
+        ([(1, 2, 0, True, True)], good, "slots must be"),
+        ([(1, 0, MAX_SEQ, True, True)], good, "positions must be"),
+        ([(model.config.vocab_size, 0, 0, True, True)], good, "tokens must be"),
+        ([(1, 0, 0, True, True), (1, 0, 2, True, True)], good, "consecutive positions"),
+        ([(1, 0, 0, True, True), (1, 1, 0, True, True), (1, 0, 1, True, True)], good,
+         "not consecutive"),
+        ([(1, 0, PAGE, True, True)], good, "does not reach"),
+        ([(1, 0, 0, True, True)], {0: [0]}, "ids from add_pages"),
+    ]
+    for rows, tables, match in cases:
+        with pytest.raises(KernelError, match=match):
+            ex.run_table(StepTable.of(rows, tables))
+    assert ex.steps_run == 0  # nothing ran, the executor stays usable
+    ex.run_table(StepTable.of([(1, 0, 0, True, True)], good))
+    with pytest.raises(KernelError, match="holds 4 pages"):  # 2 slots x 16 positions
+        KernelExecutor(model, 16, blocks=2, slots=2, page_size=PAGE).add_pages(5)
+
+
+def test_the_options_are_validated():
+    for bad in (0, 65, "2"):
+        with pytest.raises(ParameterError, match="slots"):
+            backend_options("emulator", {"slots": bad})
+    with pytest.raises(ParameterError, match="page_size"):
+        backend_options("emulator", {"page_size": 0})
+    o = backend_options("emulator", {"slots": 8, "page_size": 32})
+    assert (o.slots, o.page_size) == (8, 32)
