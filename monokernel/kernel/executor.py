@@ -204,6 +204,7 @@ class KernelExecutor(Executor):
                                        sync=sync, tokens=self.program.tokens,
                                        slots=slots if self.table else 0,
                                        page_size=page_size if self.table else 0)
+        self.source = source  # as compiled, but for the -D defines (strict mode rebuilds it)
         self.module = self.device.compile(source, KERNEL_NAMES, defines)
         self._alloc_buffers(model)
         self._broken: str | None = None
@@ -581,10 +582,24 @@ class KernelExecutor(Executor):
             if len(pages) > self.slot_pages or any(not lo <= p < hi for p in pages):
                 raise KernelError(f"{where}: slot {s}'s pages must be ids from add_pages, "
                                   f"at most {self.slot_pages} of them")
+        # a page the step writes belongs to its slot alone (shared prefix pages are only read):
+        # another slot reading it would see this step's K/V in its context
+        written = {(int(s), t.block_tables[int(s)][int(p) // self.page_size])
+                   for s, p in zip(t.slots, t.positions)}
+        for s, page in written:
+            other = [o for o in seen if o != s and page in t.block_tables[o]]
+            if other:
+                raise KernelError(f"{where}: page {page}, which slot {s} writes, is also in "
+                                  f"slot {other[0]}'s block table")
 
-    def _table_step(self, tokens, slots, positions, want, tables: dict) -> np.ndarray:
-        self._end_running()
-        self.check_usable()
+    def write_table(self, table: StepTable) -> np.ndarray:
+        """Check ``table`` and write its rows and block tables to the device; return the
+        control words of its step (for a launch, or a strict-mode run: emulator/strict.py)."""
+        self._check_table(table)
+        return self._write_rows(table.tokens, table.slots, table.positions, table.logits,
+                                table.block_tables)
+
+    def _write_rows(self, tokens, slots, positions, want, tables: dict) -> np.ndarray:
         n = len(tokens)
         rows = np.zeros((self.program.tokens, ROW_WORDS), np.int32)
         rows[:n, RowWord.TOKEN], rows[:n, RowWord.SLOT] = tokens, slots
@@ -602,7 +617,14 @@ class KernelExecutor(Executor):
         dev.write(b["block_table"], bt)
         words = self.state_words(0, 0, None)
         words[State.NTOK], words[State.STEPS] = n, 1
-        dev.write(b["control"], words)
+        return words
+
+    def _table_step(self, tokens, slots, positions, want, tables: dict) -> np.ndarray:
+        self._end_running()
+        self.check_usable()
+        n = len(tokens)
+        dev, b = self.device, self.buffers
+        dev.write(b["control"], self._write_rows(tokens, slots, positions, want, tables))
         self._state_on_device = None
         try:
             self.run_launches()
@@ -613,7 +635,7 @@ class KernelExecutor(Executor):
                               f"{e}") from None
         self.check_error(control)
         self._steps += 1
-        m = int(want.sum())
+        m = int(np.count_nonzero(want))
         self._last_logits = dev.read(b["logits"])[:m * self.config.vocab_size].reshape(
             m, self.config.vocab_size)
         return self._last_logits

@@ -1273,7 +1273,7 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
       block_dot_rows<H>(
           e - b, [&](int k) { return P.lm_head + (size_t)(b + k) * H; }, s.vec,
           [](int) { return 0.f; }, [&](int k, float v, float) { logits[b + k] = v; });
-      __syncthreads();  // s.vec: the next row's input
+      // (the next row's rms_apply writes s.vec only after its block_sum's barriers)
     }
   }
 #else

@@ -105,3 +105,69 @@ def test_negative_control_one_element_short_logits_buffer(synth_dir):
     assert proc.returncode != 0 and "not reported" not in proc.stdout
     assert "AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
     assert "in op_rms_lm_head" in proc.stderr and "megakernel.cu:" in proc.stderr
+
+
+TABLE_SCRIPT = r"""
+import sys
+import numpy as np
+from monokernel.kernel.base import StepTable
+from monokernel.kernel.devices.emulator import EmulatorDevice
+from monokernel.kernel.executor import KernelExecutor
+from monokernel.model.loader import load_model
+from monokernel.model.reference import ReferenceModel
+
+MAX_SEQ, PAGE = 11, 4
+m = load_model(sys.argv[1], progress=False)
+ex = KernelExecutor(m, MAX_SEQ, blocks=3, slots=3, step_tokens=8, page_size=PAGE,
+                    device=EmulatorDevice(sanitize="address"))
+pages = list(ex.add_pages(9))
+if sys.argv[2] == "short":  # the K cache one page short: the pool's last page is past its end
+    c = m.config
+    short = np.zeros(ex.buffers["k_cache"].size - PAGE * c.num_kv_heads * c.head_dim, np.uint16)
+    ex.buffers["k_cache"] = short
+    ex.params["k_cache"] = short.ctypes.data
+# slot 0 on the pool's last pages up to the cache's last position, slot 2 beside it; a full
+# table of 8 rows, every row's logits (the logits buffer's last row)
+tables = {0: pages[-3:], 2: pages[:3]}
+rng = np.random.default_rng(0)
+seqs = {0: [int(t) for t in rng.integers(0, m.config.vocab_size, MAX_SEQ)],
+        2: [m.config.vocab_size - 1] + [int(t) for t in rng.integers(0, 99, 6)]}
+plan = [{0: 6, 2: 2}, {0: 4, 2: 4}, {0: 1, 2: 1}]
+done, worst = {0: 0, 2: 0}, 0.0
+for step in plan:
+    rows = [(seqs[s][p], s, p, True, True) for s, n in step.items()
+            for p in range(done[s], done[s] + n)]
+    ex.poison()
+    logits = ex.run_table(StepTable.of(rows, tables))
+    for (tok, s, p, _, _), got in zip(rows, logits):
+        want = ReferenceModel(m.config, m.weights, MAX_SEQ).forward(seqs[s][:p + 1], 0)[-1]
+        worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    for s, n in step.items():
+        done[s] += n
+assert done[0] == MAX_SEQ and worst <= 2e-3, (done, worst)
+print(f"ok {worst:.2e}")
+"""
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@pytest.mark.parametrize("shape", ["tiny", "qwen3-tiny"])
+def test_steps_of_many_sequences_under_address_sanitizer(synth_dir, shape):
+    """A kernel of 3 slots (issue 17 slice 3): full token tables, a sequence on the K/V pool's
+    last page up to the cache's last position, every logits row: no report, the reference's
+    logits."""
+    proc = subprocess.run([sys.executable, "-c", TABLE_SCRIPT, str(synth_dir(shape)), "full"],
+                          env=asan_preload_env(), capture_output=True, text=True, timeout=600)
+    assert "AddressSanitizer" not in proc.stderr, proc.stderr[-6000:]
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.startswith("ok"), proc.stdout
+
+
+@pytest.mark.slow
+def test_negative_control_k_pool_one_page_short(synth_dir):
+    """The same run with the K cache one page short: ASan must name the kernel's K write into
+    the pool's last page (through the block table)."""
+    proc = subprocess.run([sys.executable, "-c", TABLE_SCRIPT, str(synth_dir("tiny")), "short"],
+                          env=asan_preload_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "ok" not in proc.stdout
+    assert "AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
+    assert "in op_rms_qkv_rope" in proc.stderr and "megakernel.cu:" in proc.stderr

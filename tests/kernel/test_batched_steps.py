@@ -266,6 +266,8 @@ def test_a_bad_table_is_refused_before_the_launch(synth_model):
          "not consecutive"),
         ([(1, 0, PAGE, True, True)], good, "does not reach"),
         ([(1, 0, 0, True, True)], {0: [0]}, "ids from add_pages"),
+        ([(1, 0, 0, True, True), (1, 1, 3, True, True)], {0: pages[:1], 1: pages[:1]},
+         "which slot 0 writes, is also in slot 1"),
     ]
     for rows, tables, match in cases:
         with pytest.raises(KernelError, match=match):

@@ -250,3 +250,72 @@ def test_negative_control_missing_barrier_between_a_chunks_tokens_is_reported(ti
         run_strict(chunk_executor(tiny), STEPS + [(23, 3)], chained=True, source=source)
     assert re.search(r"copy_to_shared|block_dot_rows|op_down_residual", info.value.report), \
         info.value.report[:4000]
+
+
+def table_executor(model) -> KernelExecutor:
+    """A kernel of 2 sequence slots, steps of up to 3 rows, K/V pages of 2 positions."""
+    ex = KernelExecutor(model, MAX_SEQ, blocks=BLOCKS, slots=2, step_tokens=3, page_size=2)
+    ex.poison()
+    return ex
+
+
+def table_steps(ex: KernelExecutor):
+    """Two steps of two sequences: slot 0's prompt chunk of 2 (crossing into its second page
+    in the next step) beside slot 1's first token, then the other way round."""
+    from monokernel.kernel.base import StepTable
+
+    pages = list(ex.add_pages(6))
+    tables = {0: [pages[5], pages[0]], 1: [pages[2], pages[3]]}  # slot 0 on the pool's end
+    return [StepTable.of([(5, 0, 0, True, True), (999, 0, 1, True, True),
+                          (17, 1, 0, True, True)], tables),
+            StepTable.of([(23, 0, 2, True, True), (7, 1, 1, True, True),
+                          (999, 1, 2, True, True)], tables)]
+
+
+@needs_tsan
+def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny):
+    """Steps of many sequences (issue 17 slice 3): the token table copied into shared memory
+    with the state, rows of two slots in one step, K/V through block tables. Race-free, and
+    every row's logits the reference's for its own sequence."""
+    ex = table_executor(tiny)
+    seqs = {0: [], 1: []}
+    for t in table_steps(ex):
+        _, logits, report = run_strict(ex, [], table=t)
+        assert report == ""
+        rows = logits[0].reshape(ex.program.tokens, -1)
+        for i, (tok, slot, pos) in enumerate(zip(t.tokens, t.slots, t.positions)):
+            seqs[int(slot)].append(int(tok))
+            want = ReferenceModel(tiny.config, tiny.weights, MAX_SEQ).forward(seqs[int(slot)],
+                                                                              0)[-1]
+            assert float(np.abs(rows[i] - want).max()) <= 2e-3 * float(np.abs(want).max()), \
+                (slot, pos)
+    assert ex.steps_run == 2
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+def test_negative_control_a_segments_keys_without_their_barrier_is_reported(synth_dir):
+    """Late q/k (Qwen3) with slot 1's segment starting at row 1: its second row scores the
+    first row's key from shared memory (s.kc, filled per unit from the segment's k_raw rows).
+    Without the barrier after the fill, other warps read keys still being written: TSan must
+    see it (and the kernel as built is race-free on the same table)."""
+    from monokernel.kernel.base import StepTable
+
+    model = load_model(synth_dir("qwen3-tiny"), progress=False)
+    ex = table_executor(model)
+    pages = list(ex.add_pages(4))
+    table = StepTable.of([(5, 0, 0, True, True), (17, 1, 0, True, True),
+                          (999, 1, 1, True, True)], {0: [pages[0]], 1: [pages[3]]})
+    source = ex.source
+    old = ("s.kc[(p - pos0) * D + d] = f32_to_bf16(tmp[d]);\n        }\n"
+           "        __syncthreads();\n")
+    assert source.count(old) == 1, "the segment keys' barrier is not where this test expects"
+    _, _, report = run_strict(ex, [], table=table)
+    assert report == ""
+    ex = table_executor(model)
+    ex.add_pages(4)
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, [], table=table, source=source.replace(old, old.replace(
+            "        __syncthreads();\n", "")))
+    assert re.search(r"op_attention|attention_scores|load_kv_rows", info.value.report), \
+        info.value.report[:4000]

@@ -144,7 +144,7 @@ def tsan_report(stderr: str) -> str:
 
 def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
                source: str | None = None, defines: dict[str, str] | None = None,
-               chained: bool = False):
+               chained: bool = False, table=None):
     """Runs decode steps [(token, pos), ...] of a persistent-kernel ``KernelExecutor`` on the
     emulator device in strict mode (under ThreadSanitizer when ``tsan``).
 
@@ -153,20 +153,23 @@ def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
     TSan report text). ``chained``: the steps (consecutive positions) run as ONE launch, the
     tokens fed from the feed buffer (State.FEED_END, State.STEPS; in chunks of up to
     ``program.tokens`` positions a step): one control record and the last step's logits come
-    back. The executor's buffers and step count afterwards are as if it had run the
-    steps itself. Raises DataRaceError (a KernelError) with the report when TSan reports anything,
+    back. ``table`` (a StepTable, ``steps`` empty): one step of a kernel of many sequences
+    (``slots``), its rows and block tables written first. The executor's buffers and step count
+    afterwards are as if it had run the steps itself. Raises DataRaceError (a KernelError) with the report when TSan reports anything,
     KernelError when the emulator or the kernel's error record reports an error or the driver
     runs past ``timeout_s``.
     """
     from ..devices.emulator import EmulatorDevice
-    from ..executor import kernel_source
 
     if not isinstance(executor.device, EmulatorDevice) or executor.multi:
         raise KernelError(f"{executor.name}: strict mode runs the persistent megakernel of an "
                           "emulator executor only")
     executor.check_usable()
     steps = [(int(t), int(p)) for t, p in steps]
-    controls = []
+    if (table is not None) == bool(steps) or (table is not None) != executor.table:
+        raise KernelError("strict mode: give steps of a one-sequence kernel, or one table of a "
+                          "kernel of many sequences (slots)")
+    controls = [] if table is None else [executor.write_table(table)]
     for i, (token, pos) in enumerate(steps):
         if not 0 <= pos < executor.max_seq_len:
             raise KernelError(f"position {pos} is outside the KV cache [0, {executor.max_seq_len})")
@@ -185,9 +188,7 @@ def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
         controls = controls[:1]
     controls = np.array(controls, np.int32).reshape(len(controls), STATE_WORDS + ERROR_WORDS)
     flags = [f"-D{k}={v}" for k, v in (defines or {}).items()]
-    exe = build_strict_driver(source if source is not None else
-                              kernel_source(executor.config, executor.max_seq_len,
-                                            executor.program.tokens),
+    exe = build_strict_driver(source if source is not None else executor.source,
                               tsan=tsan, extra_flags=flags)
     blob, offsets, data_off = write_blob(executor, controls, timeout_s)
     env = dict(os.environ, TSAN_OPTIONS=TSAN_OPTIONS)
@@ -229,5 +230,6 @@ def run_strict(executor, steps, tsan: bool = True, timeout_s: float = 300.0, *,
         try:  # the executor takes each step's count; its next launch writes fresh words
             executor.absorb_control(np.array(control))
         except KernelError as e:
-            raise KernelError(f"strict-mode step {i} (position {steps[i][1]}): {e}") from None
+            where = f"position {steps[i][1]}" if steps else "a table"
+            raise KernelError(f"strict-mode step {i} ({where}): {e}") from None
     return records["control"].copy(), records["logits"].copy(), report
