@@ -586,8 +586,8 @@ class KernelExecutor(Executor):
         # another slot reading it would see this step's K/V in its context
         written = {(int(s), t.block_tables[int(s)][int(p) // self.page_size])
                    for s, p in zip(t.slots, t.positions)}
-        for s, page in written:
-            other = [o for o in seen if o != s and page in t.block_tables[o]]
+        for s, page in sorted(written):
+            other = sorted(o for o in seen if o != s and page in t.block_tables[o])
             if other:
                 raise KernelError(f"{where}: page {page}, which slot {s} writes, is also in "
                                   f"slot {other[0]}'s block table")
