@@ -354,16 +354,21 @@ def test_pdl_sass_has_the_grid_dependency_instructions(built_pdl):
         assert sass.index("PREEXIT") < sass.index("ACQBULK"), name
 
 
-@pytest.mark.slow  # nvcc of two shapes for sm_90 (~40 s on 2 cores)
-@pytest.mark.parametrize("shape,tokens", [("qwen3-0.6b", 64), ("llama-3.2-1b", 16)])
-def test_steps_of_many_tokens_compile_without_spills(tmp_path, shape, tokens):
+@pytest.mark.slow  # nvcc of three shapes for sm_90 (~50 s on 2 cores)
+@pytest.mark.parametrize("shape,tokens,slots", [("qwen3-0.6b", 64, 0), ("llama-3.2-1b", 16, 0),
+                                                ("qwen3-0.6b", 64, 64)])
+def test_steps_of_many_tokens_compile_without_spills(tmp_path, shape, tokens, slots):
     """A kernel built for prompt chunks (MK_T_MAX > 1: token loops in every op; late q/k keeps
     the chunk's keys in static shared memory, largest at Qwen3's head_dim and the most tokens
-    a step may carry) fits the shared-memory budget and keeps no stack and no spills."""
-    src = tmp_path / f"{shape}-t{tokens}.cu"
-    src.write_text(kernel_source(ModelConfig.from_name(shape), MAX_SEQ, tokens))
+    a step may carry), or for steps of many sequences (``slots``: the token table copied into
+    shared memory, K/V through block tables), fits the shared-memory budget and keeps no stack
+    and no spills."""
+    src = tmp_path / f"{shape}-t{tokens}-s{slots}.cu"
+    src.write_text(kernel_source(ModelConfig.from_name(shape), MAX_SEQ, tokens, slots,
+                                 16 if slots else 0))
     props = ptxas_properties(nvcc(src, tmp_path / "k.cubin", "-cubin", "-arch=sm_90",
                                   "-Xptxas", "-v"))
     assert set(KERNEL_NAMES) <= set(props)
     bad = {f: p for f, p in props.items() if p != (0, 0, 0)}
-    assert not bad, f"{shape} T_MAX={tokens}: (stack frame, spill stores, spill loads): {bad}"
+    assert not bad, (f"{shape} T_MAX={tokens} slots={slots}: (stack frame, spill stores, spill "
+                     f"loads): {bad}")
