@@ -151,3 +151,45 @@ def test_max_num_seqs_1_serves_one_request_at_a_time(tiny_llm):
 
         out, seen = asyncio.run(main())
     assert len(out) == 4 and max(seen) == 1
+
+
+def test_a_kernel_backend_serves_its_slots_concurrently(synth_dir):
+    """The emulator built with slots=4 (issue 17 slice 3: steps of many sequences, K/V in
+    pages): 12 concurrent streaming clients, 4 on the engine at once, each response exactly
+    what the request gets alone, every page given back."""
+    llm = LLM(synth_dir("tiny"), backend="emulator", progress=False, max_seq_len=64, slots=4,
+              step_tokens=8, blocks=2)
+    assert llm.engine.batcher is not None and llm.engine.batcher.max_num_seqs == 4
+    reqs = [request(i) for i in range(12)]
+    for _, body in reqs:
+        body["max_tokens"] = 6
+    with running_server(llm, max_queue=16, max_num_seqs=8) as srv:
+        assert srv.worker.max_num_seqs == 4  # the kernel's slots
+
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60.0) as c:
+                alone = [await run_one(c, p, b) for p, b in reqs]
+                peak = 0
+                done = asyncio.Event()
+
+                async def watch():
+                    nonlocal peak
+                    while not done.is_set():
+                        peak = max(peak, srv.worker.stats()["running"])
+                        await asyncio.sleep(0.005)
+
+                w = asyncio.create_task(watch())
+                try:
+                    together = await asyncio.wait_for(
+                        asyncio.gather(*(run_one(c, p, b) for p, b in reqs)), TOTAL_TIMEOUT_S)
+                finally:
+                    done.set()
+                    await w
+                return alone, together, peak
+
+        alone, together, peak = asyncio.run(main())
+    assert [b["ids"] for b in together] == [a["ids"] for a in alone]
+    assert [b["text"] for b in together] == [a["text"] for a in alone]
+    assert len({tuple(a["ids"]) for a in alone}) > 6  # the requests differ
+    assert peak == 4
+    assert llm.engine.batcher.pool.in_use == 0
