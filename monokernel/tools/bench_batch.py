@@ -5,9 +5,9 @@ through the Engine as ``LLM.generate`` drives it.
   token, the median of ``repeats`` different prompts.
 - Throughput: B different P-token prompts started together, each generating ``new_tokens``
   greedy tokens (EOS ignored); the aggregate generated tokens/s over the wall time until the last
-  one ends. A batched executor (numpy: ``max_num_seqs`` > 1) runs them in one step loop; a kernel
-  backend runs one sequence at a time (its steps of many sequences are not built yet), so its B
-  sequences run in turn and the row says so.
+  one ends. A batched executor (numpy; a kernel backend built with ``--option slots=N``, at
+  most N sequences a step) runs them in one step loop; a kernel backend without slots runs one
+  sequence at a time, so its B sequences run in turn, and the row says which.
 
 A measurement of this machine (a CPU here); the H200's figures for the kernel's design of many
 tokens per step are predicted by ``monokernel plan --predict h200 --batch B / --prompt P``.
@@ -42,8 +42,7 @@ def measure(backend: str, label: str, model: LoadedModel, batch: int, prompt: in
         options = dict(options, blocks=blocks)
     max_seq = prompt + new_tokens + 2
     ex = make_executor(backend, model, max_seq, **options)
-    eng = Engine(ex, prefix_caching=False, max_num_seqs=batch,
-                 max_num_batched_tokens=max(batch, 512))
+    eng = Engine(ex, prefix_caching=False, max_num_seqs=batch)  # rows: the default, capped
     batched = eng.batcher is not None
     vocab = model.config.vocab_size
     first = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)

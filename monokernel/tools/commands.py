@@ -7,6 +7,7 @@ measured speed, and its timeline.
     monokernel bench [--model DIR | --shape NAME[,NAME...]] [--backends LIST]
                      [--context 16,512,2048] [--steps N] [--warmup N] [--blocks N] [--out DIR]
     monokernel bench ... --batch B [--prompt P] [--new-tokens N] [--repeats R] [--step-tokens T]
+                         [--slots S]
                      (served rates: time to first token, aggregate tokens/s at batch B)
     monokernel trace [--model DIR | --shape NAME] [--backend emulator|cuda] [--blocks N]
                      [--context N] [--out DIR]
@@ -102,6 +103,9 @@ def add_commands(sub) -> None:
                    help="with --batch: prompts timed for the time to first token (default 3)")
     p.add_argument("--step-tokens", type=int, default=None, metavar="T",
                    help="with --batch: kernel backends' option step_tokens (prompt chunks)")
+    p.add_argument("--slots", type=int, default=None, metavar="S",
+                   help="with --batch: kernel backends' option slots (steps of up to S "
+                        "sequences; without it a kernel runs one sequence at a time)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("trace", help="timeline of one traced decode step (Perfetto JSON + PNG)")
@@ -257,7 +261,8 @@ def cmd_bench_batch(args) -> int:
     if "hf" in backends or "hf-compile" in backends:
         raise SystemExit("monokernel: error: --batch measures monokernel's backends only "
                          "(not hf, hf-compile)")
-    options = {} if args.step_tokens is None else {"step_tokens": args.step_tokens}
+    options = {k: v for k, v in (("step_tokens", args.step_tokens), ("slots", args.slots))
+               if v is not None}
     shapes = [s.strip() for s in args.shape.split(",")] if args.shape else [None]
     models = [_load(args, s) for s in shapes]
     doc = bb.run(models, backends, batch, prompt, args.new_tokens, args.repeats, args.blocks,
@@ -270,6 +275,8 @@ def cmd_bench_batch(args) -> int:
         parts += ["--blocks", str(args.blocks)]
     if args.step_tokens is not None:
         parts += ["--step-tokens", str(args.step_tokens)]
+    if args.slots is not None:
+        parts += ["--slots", str(args.slots)]
     doc["command"] = shlex.join(parts + ["--out", _safe_path(args.out)])
     print(bb.format_table(doc))
     print(f"wrote {bb.write(doc, args.out)}")

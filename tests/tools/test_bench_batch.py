@@ -1,6 +1,7 @@
 """`monokernel bench --batch B --prompt P` (tools/bench_batch.py): served rates through the
 Engine on this machine: a batched backend runs its sequences in one step loop, a kernel backend
-one at a time (said in the row); every sequence generates its tokens; bad input is refused."""
+one at a time unless built with slots (said in the row); every sequence generates its tokens;
+bad input is refused."""
 
 from __future__ import annotations
 
@@ -28,6 +29,22 @@ def test_bench_batch_rows(tmp_path, capsys):
     for r in rows.values():
         assert r["generated"] == 3 * 3 and r["tokens_per_s"] > 0
         assert len(r["ttft_s"]) == 2 and min(r["ttft_s"]) > 0
+
+
+def test_bench_batch_on_a_kernel_of_slots(tmp_path, capsys):
+    """``--slots 3``: the emulator runs the 3 sequences in one step loop, steps of up to 4
+    rows (the Engine's rows capped at the kernel's step_tokens)."""
+    out = tmp_path / "res"
+    assert main(["bench", "--shape", "tiny", "--backends", "emulator", "--batch", "3",
+                 "--prompt", "5", "--new-tokens", "3", "--repeats", "1", "--blocks", "2",
+                 "--step-tokens", "4", "--slots", "3", "--out", str(out)]) == 0
+    [path] = out.glob("bench-batch-*.json")
+    doc = json.loads(path.read_text())
+    assert "--step-tokens 4 --slots 3" in doc["command"]
+    [row] = doc["results"]
+    assert row["mode"] == "batched: up to 3 sequences a step", row
+    assert row["options"] == {"step_tokens": 4, "slots": 3, "blocks": 2}
+    assert row["generated"] == 3 * 3
 
 
 @pytest.mark.parametrize("argv, message", [
