@@ -11,7 +11,7 @@ pay for again, done once and in parallel before any of them runs.
 - then the reference's greedy runs the smoke step and the GPU tests compare with
   ($MONOKERNEL_CACHE/reference: one float32 model per shape, built once, not in every step).
 
-    python -m monokernel.tools.prepare --max-seq N --build SHAPE:BACKEND[:trace][:tokens=N]
+    python -m monokernel.tools.prepare --max-seq N --build SHAPE:BACKEND[:trace][:slots=N][:tokens=N]
                                        [--program SHAPE[,KEY=N...] ...]
                                        [--reference TOKENS:STEPS ...] [--jobs N]
 
@@ -29,29 +29,32 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 
-def parse_build(spec: str) -> tuple[str, str, bool, int]:
-    """"smollm2-135m:cuda", "smollm2-135m:cuda:trace" or "smollm2-135m:cuda:tokens=16" ->
-    (shape, backend, trace, tokens per step)."""
+def parse_build(spec: str) -> tuple[str, str, bool, int, int]:
+    """"smollm2-135m:cuda", "smollm2-135m:cuda:trace", "smollm2-135m:cuda:tokens=16" or
+    "smollm2-135m:cuda:slots=4:tokens=32" -> (shape, backend, trace, tokens per step, slots).
+    A kernel of slots takes at least as many rows a step (executor.KernelExecutor)."""
     parts = spec.split(":")
-    trace, tokens = False, 1
+    trace, tokens, slots = False, 1, 1
     for extra in parts[2:]:
         key, _, value = extra.partition("=")
         if extra == "trace" and not trace:
             trace = True
         elif key == "tokens" and value.isdigit() and int(value) >= 1 and tokens == 1:
             tokens = int(value)
+        elif key == "slots" and value.isdigit() and int(value) >= 2 and slots == 1:
+            slots = int(value)
         else:
             parts = []
             break
     if len(parts) < 2:
         raise SystemExit(f"monokernel prepare: error: --build {spec!r}: expected "
-                         "SHAPE:BACKEND[:trace][:tokens=N]")
+                         "SHAPE:BACKEND[:trace][:slots=N][:tokens=N]")
     from ..kernel.cuda_backend import BUILD_OPTIONS
 
     if parts[1] not in BUILD_OPTIONS:
         raise SystemExit(f"monokernel prepare: error: --build {spec!r}: unknown backend "
                          f"{parts[1]!r} (known: {', '.join(BUILD_OPTIONS)})")
-    return parts[0], parts[1], trace, tokens
+    return parts[0], parts[1], trace, max(tokens, slots if slots > 1 else 1), slots
 
 
 def _compile(label: str, source: str, defines: dict[str, str]) -> tuple[str, float]:
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seq", type=int, required=True,
                     help="the KV-cache length every later step uses")
     ap.add_argument("--build", action="append", default=[],
-                    metavar="SHAPE:BACKEND[:trace][:tokens=N]",
+                    metavar="SHAPE:BACKEND[:trace][:slots=N][:tokens=N]",
                     help="a kernel the later steps build (repeat the option)")
     ap.add_argument("--program", action="append", default=[],
                     metavar="SHAPE[,attn_splits=N][,attn_min_chunk=N][,merge_ticket_min=N]",
@@ -138,23 +141,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="parallel NVRTC processes (default: the CPU count)")
     args = ap.parse_args(argv)
     from ..kernel.cuda_backend import BUILD_OPTIONS
-    from ..kernel.executor import kernel_build
+    from ..kernel.executor import DEFAULT_PAGE_SIZE, kernel_build
     from ..model.config import ModelConfig
     from ..model.synth import synthetic_config
     from .commands import synthetic_dir
 
     builds = [parse_build(b) for b in args.build]
-    shapes = list(dict.fromkeys(s for s, _, _, _ in builds))
+    shapes = list(dict.fromkeys(s for s, *_ in builds))
     # the kernels need only the configs: they compile while the checkpoints are written
     configs = {shape: synthetic_config(shape) for shape in shapes}
     compiles: dict[tuple, tuple[str, str, dict]] = {}  # one per distinct (source, defines)
     proofs: dict[tuple, tuple[str, object, int, dict]] = {}
-    for shape, backend, trace, tokens in builds:
+    for shape, backend, trace, tokens, slots in builds:
         opts = dict(BUILD_OPTIONS[backend], trace=trace, tokens=tokens)
+        if slots > 1:
+            opts.update(slots=slots, page_size=DEFAULT_PAGE_SIZE)
         source, defines = kernel_build(configs[shape], args.max_seq, **opts)
         key = (source, tuple(sorted(defines.items())))
         label = f"{shape}:{backend}" + (":trace" if trace else "") \
-            + (f":tokens={tokens}" if tokens > 1 else "")
+            + (f":slots={slots}" if slots > 1 else "") + (f":tokens={tokens}" if tokens > 1 else "")
         if key in compiles:
             compiles[key] = (compiles[key][0] + f" = {label}",) + compiles[key][1:]
         else:

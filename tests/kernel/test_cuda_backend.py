@@ -631,23 +631,63 @@ def test_a_prepared_chunk_build_is_what_step_tokens_compiles(fake_cupy, tiny):
     """`prepare --build SHAPE:cuda:tokens=16` (the GPU check) compiles what a cuda executor
     with step_tokens=16 asks NVRTC for; a bad spec is refused, naming the form."""
     from monokernel.kernel.cuda_backend import BUILD_OPTIONS
-    from monokernel.kernel.executor import KERNEL_NAMES, kernel_build
+    from monokernel.kernel.executor import DEFAULT_PAGE_SIZE, KERNEL_NAMES, kernel_build
     from monokernel.runtime import make_executor
     from monokernel.tools.prepare import parse_build
 
-    shape, backend, trace, tokens = parse_build("tiny:cuda:tokens=16")
-    assert (shape, backend, trace, tokens) == ("tiny", "cuda", False, 16)
-    assert parse_build("tiny:cuda:trace:tokens=4")[2:] == (True, 4)
+    shape, backend, trace, tokens, slots = parse_build("tiny:cuda:tokens=16")
+    assert (shape, backend, trace, tokens, slots) == ("tiny", "cuda", False, 16, 1)
+    assert parse_build("tiny:cuda:trace:tokens=4")[2:] == (True, 4, 1)
+    assert parse_build("tiny:cuda:slots=4")[3:] == (4, 4)  # a row per slot at least
     fake = fake_cupy(num_sms=3, launch_mode="noop")
     ex = make_executor("cuda", tiny[0], 160, step_tokens=16)
     source, defines = kernel_build(tiny[0].config, 160, tokens=16, **BUILD_OPTIONS["cuda"])
     assert fake.kernel_defines == defines and ex.program.tokens == 16
     assert "#define MK_T_MAX 16" in source
     assert ex.device.compile(source, KERNEL_NAMES, defines) is ex.module  # the same source
+    # the kernel of slots (slice 3) as the GPU check prepares it
+    ex = make_executor("cuda", tiny[0], 160, slots=4, step_tokens=32)
+    source, defines = kernel_build(tiny[0].config, 160, tokens=32, slots=4,
+                                   page_size=DEFAULT_PAGE_SIZE, **BUILD_OPTIONS["cuda"])
+    assert "#define MK_SLOTS 4" in source and ex.program.tokens == 32
+    assert ex.device.compile(source, KERNEL_NAMES, defines) is ex.module
     for bad in ("tiny:cuda:tokens=0", "tiny:cuda:tokens=x", "tiny:cuda:trace:trace",
-                "tiny:cuda:fast"):
+                "tiny:cuda:fast", "tiny:cuda:slots=1", "tiny:cuda:slots=2:slots=3"):
         with pytest.raises(SystemExit, match="SHAPE:BACKEND"):
             parse_build(bad)
+
+
+@pytest.mark.gpu
+def test_gpu_steps_of_many_sequences_are_bitwise_each_alone(gpu_case):
+    """Steps of many sequences (slots=4, step_tokens=32, issue 17 slice 3; prepared as
+    smollm2-135m:cuda:slots=4:tokens=32) on the real grid: four prompts of 3-13 tokens in one
+    step of 30 rows (each crossing pages of 16 or not), then 5 steps of 4 greedy decode rows;
+    every logits row bitwise the one-sequence kernel's at that position (the emulator proves
+    the same on the CPU; this is the PTX path: token table, block tables, logits rows)."""
+    from monokernel.kernel.base import StepTable
+    from monokernel.runtime import make_executor
+
+    m = gpu_case("smollm2-135m")[0]
+    prompts = [(PROMPT * 3)[:n] for n in (5, 9, 13, 3)]
+    ex = make_executor("cuda", m, GPU_MAX_SEQ, slots=4, step_tokens=32)
+    pages = list(ex.add_pages(4 * 2))
+    tables = {s: pages[2 * s:2 * s + 2] for s in range(4)}
+    seqs = [list(p) for p in prompts]
+    got = {s: {} for s in range(4)}
+    rows = [(t, s, i, True, True) for s, p in enumerate(prompts) for i, t in enumerate(p)]
+    for _ in range(6):
+        logits = ex.run_table(StepTable.of(rows, tables))
+        for (_, s, pos, _, _), lg in zip(rows, logits):
+            got[s][pos] = lg.copy()
+        for s in range(4):
+            seqs[s].append(int(np.argmax(got[s][len(seqs[s]) - 1])))
+        rows = [(seqs[s][-1], s, len(seqs[s]) - 1, True, False) for s in range(4)]
+    one = make_executor("cuda", m, GPU_MAX_SEQ)
+    for s in range(4):
+        one.reset()
+        for pos in range(len(seqs[s]) - 1):
+            want = one.step(seqs[s][pos], pos).logits
+            assert np.array_equal(got[s][pos].view(np.uint32), want.view(np.uint32)), (s, pos)
 
 
 @pytest.mark.gpu
