@@ -286,3 +286,21 @@ def test_the_options_are_validated():
         backend_options("emulator", {"page_size": 0})
     o = backend_options("emulator", {"slots": 8, "page_size": 32})
     assert (o.slots, o.page_size) == (8, 32)
+
+
+def test_a_reused_prefix_gives_the_same_text(synth_model):
+    """The Batcher's prefix cache on a kernel of slots: a second prompt sharing two whole pages
+    with the first reuses them (16 positions not prefilled) and gets, bit for bit, the seeded
+    text it gets with prefix caching off."""
+    model = synth_model("qwen3-gqa-tiny")
+    head = prompt_of(model, 19, 50)
+    first, second = head + [7, 8], head[:17] + [9, 10, 11]
+    params = SamplingParams(max_new_tokens=5, temperature=0.9, seed=3, ignore_eos=True)
+    texts = []
+    for caching in (True, False):
+        ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=2, step_tokens=8, page_size=PAGE)
+        eng = Engine(ex, prefix_caching=caching)
+        [s.token for s in eng.generate(first, params)]
+        texts.append([s.token for s in eng.generate(second, params)])
+        assert eng.stats.reused_tokens == (2 * PAGE if caching else 0)
+    assert texts[0] == texts[1] and len(texts[0]) == 5
