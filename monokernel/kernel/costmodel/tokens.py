@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import CostModelError
+from . import levers
 from .parts import OpBatch, Phases
 
 
@@ -108,14 +109,18 @@ def mma_us(rows, k: int, tokens: int, g) -> np.ndarray:
     return np.where(np.asarray(rows) > 0, flops / (g.mma_tflops * 1e6 / g.sms), 0.0)
 
 
-def _tile_us(n: int, k: int, tokens: int, c: int, s: int, g, d) -> tuple[float, float, float]:
+def _tile_us(n: int, k: int, tokens: int, c: int, s: int, g, d, local_input: bool = False
+             ) -> tuple[float, float, float]:
     """(input, weight re-read, reduction) us of a tile that takes c times the row tile's ``n``
-    rows for 1/c of the tokens and 1/s of the input: the input T/c x K/s from L2; the weights
-    its c - 1 other token groups also read, from L2 (HBM streams each weight byte once, as in
-    the row tile); with s > 1, the row group's last block to draw its ticket (one L2 round)
-    reads the s partial sums of the group's rows and writes their sum, in a fixed order."""
+    rows for 1/c of the tokens and 1/s of the input: the input T/c x K/s from L2 (at
+    levers.input_rate, LL words with data-as-flag hops; nothing with ``local_input``, the
+    fused FFN's own h); the weights its c - 1 other token groups also read, from L2 (HBM
+    streams each weight byte once, as in the row tile); with s > 1, the row group's last block
+    to draw its ticket (one L2 round) reads the s partial sums of the group's rows and writes
+    their sum, in a fixed order."""
     l2_share = g.l2_bw / g.sms
-    t_in = (tokens / c) * (k / s) * d.input_bytes / l2_share
+    t_in = 0.0 if local_input else \
+        (tokens / c) * (k / s) * d.input_bytes * levers.flag_factor(d) / levers.input_rate(g, d)
     t_w = (c - 1) * n * (k / s) * 2.0 / l2_share if c > 1 else 0.0
     t_red = 0.0
     if s > 1:
@@ -124,13 +129,14 @@ def _tile_us(n: int, k: int, tokens: int, c: int, s: int, g, d) -> tuple[float, 
     return t_in, t_w, t_red
 
 
-def tile_split(rows, k: int, tokens: int, g, d) -> tuple[int, int]:
+def tile_split(rows, k: int, tokens: int, g, d, local_input: bool = False) -> tuple[int, int]:
     """How an op's tiles split for a step of ``tokens`` tokens: (c, s), c token groups and s
     input slices per row group (c x s blocks share what one row tile of c x s x the rows
     would do). (1, 1) without ``tile_2d`` (row tiles: every block reads every token's whole
     input); else the cheapest for the op's busiest tile of c, s powers of two with c x s at
-    most the blocks and token groups of 8 or more (the mma's n side). A token's outputs come from
-    one block's k-loop, or from a fixed-order sum over s: never from the step's other tokens."""
+    most the blocks and token groups of 8 or more (the mma's n side); s = 1 with
+    ``local_input`` (nothing to split). A token's outputs come from one block's k-loop, or from
+    a fixed-order sum over s: never from the step's other tokens."""
     if not d.tile_2d or tokens <= 1:
         return 1, 1
     n = int(np.max(rows)) if np.size(rows) else 0
@@ -139,10 +145,10 @@ def tile_split(rows, k: int, tokens: int, g, d) -> tuple[int, int]:
     for c in (2 ** i for i in range(8)):
         if c > 1 and tokens / c < 8:
             break
-        for s in (2 ** i for i in range(8)):
+        for s in (2 ** i for i in range(1 if local_input else 8)):
             if c * s > blocks:
                 break
-            t = sum(_tile_us(n, k, tokens, c, s, g, d))
+            t = sum(_tile_us(n, k, tokens, c, s, g, d, local_input))
             if best_t is None or t < best_t:
                 best, best_t = (c, s), t
     return best
@@ -168,11 +174,24 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
         raise CostModelError(f"design {d.name} has no tensor cores nor a token loop: a step "
                              f"of {T} tokens is not modelled on it")
     busy = (rows > 0).astype(np.float64)
-    c, s = tile_split(rows, k, T, g, d)
-    t_in, t_w, t_red = _tile_us(int(np.max(rows)) if len(rows) else 0, k, T, c, s, g, d)
+    fused = levers.fused_down(b, d)
+    n = int(np.max(rows)) if len(rows) else 0
+    if fused:  # the token groups of the block's GATE_UP, whose h rows it multiplies
+        F, B = b.program.config.intermediate_size, len(rows)
+        c, s = tile_split(np.full(B, 2 * -(-F // B)), b.program.config.hidden_size, T, g, d)
+        s = 1
+    else:
+        c, s = tile_split(rows, k, T, g, d)
+    t_in, t_w, t_red = _tile_us(n, k, T, c, s, g, d, local_input=fused)
     compute = mma_us(rows, k, T, g) + (ph.compute if ph.compute is not None else 0.0)
-    # the tile's outputs per token: written once (the residual's rows read and written)
-    epilogue = busy * T * rows * 8.0 / (g.l2_bw / g.sms)
+    if fused:  # its partial of every residual row for its T / c tokens, by atomics
+        epilogue = busy * levers.atomic_us(b.program.config.hidden_size, T / c, g)
+    else:  # the tile's outputs per token: written once (the residual's rows read and written)
+        epilogue = busy * T * rows * 8.0 * levers.flag_factor(d) / (g.l2_bw / g.sms)
+        if d.fused_ffn and b.instructions and b.instructions[0].op.name == "O_PROJ_RESIDUAL":
+            # and again into the residual the fused FFN's atomics add to (GATE_UP still reads
+            # this one: levers.py)
+            epilogue = epilogue * 1.5
     return Phases(ph.l2_trips, ph.hbm_trips, ph.other_us + busy * (t_in + t_w + t_red) + epilogue,
                   ph.rounds, ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue,
                   compute, (c, s))
