@@ -200,7 +200,7 @@ V7_ROWS = V7.replace(name="v7-rows", tile_2d=False)
 # neighbours and needing no GPU answer first (issue 17, PREDICTED): K/V, and the weights of a
 # step of many tokens, by cp.async at the copy rate; data-as-flag hops in steps of up to 16
 # tokens (beyond that the flags' doubled input bytes cost more than the hops they save: at
-# batch 64 -7% on Qwen3, -13% on Llama; at batch 16 they break even on Llama). v8-cluster
+# batch 64 -7% on Qwen3, -11% on Llama; at batch 16 they break even on Llama). v8-cluster
 # adds input multicast in clusters of 2, if a cooperative launch with clusters keeps 132
 # co-resident blocks (a GPU question). The fused FFN (fused_ffn) is in neither: float
 # atomics, so not batch invariant, and slower at batch 64 on Qwen3 and Llama.

@@ -41,6 +41,17 @@ def flag_factor(d: KernelDesign) -> float:
     return LL_FACTOR if d.data_flag_hops else 1.0
 
 
+def output_factor(b: OpBatch, d: KernelDesign) -> float:
+    """What a mat-mul's outputs move per byte of its one-token-per-row epilogue (the residual
+    rows read and written): LL words with data flags; with the fused FFN, O_PROJ also writes its
+    rows into the second residual the fused FFN's atomics add to (GATE_UP still reads the first:
+    adding into the one other blocks are still reading would race)."""
+    f = flag_factor(d)
+    if d.fused_ffn and b.instructions and b.instructions[0].op == Op.O_PROJ_RESIDUAL:
+        f *= 1.5  # one more 4-byte store per row and token beside the 8 bytes read + written
+    return f
+
+
 def input_rate(g, d: KernelDesign) -> float:
     """Bytes/us at which a block receives a mat-mul input every block of its cluster reads:
     its L2 share, or with multicast m x that (L2 sends each line once per cluster) up to the

@@ -129,14 +129,13 @@ def _tile_us(n: int, k: int, tokens: int, c: int, s: int, g, d, local_input: boo
     return t_in, t_w, t_red
 
 
-def tile_split(rows, k: int, tokens: int, g, d, local_input: bool = False) -> tuple[int, int]:
+def tile_split(rows, k: int, tokens: int, g, d) -> tuple[int, int]:
     """How an op's tiles split for a step of ``tokens`` tokens: (c, s), c token groups and s
     input slices per row group (c x s blocks share what one row tile of c x s x the rows
     would do). (1, 1) without ``tile_2d`` (row tiles: every block reads every token's whole
     input); else the cheapest for the op's busiest tile of c, s powers of two with c x s at
-    most the blocks and token groups of 8 or more (the mma's n side); s = 1 with
-    ``local_input`` (nothing to split). A token's outputs come from one block's k-loop, or from
-    a fixed-order sum over s: never from the step's other tokens."""
+    most the blocks and token groups of 8 or more (the mma's n side). A token's outputs come from
+    one block's k-loop, or from a fixed-order sum over s: never from the step's other tokens."""
     if not d.tile_2d or tokens <= 1:
         return 1, 1
     n = int(np.max(rows)) if np.size(rows) else 0
@@ -145,10 +144,10 @@ def tile_split(rows, k: int, tokens: int, g, d, local_input: bool = False) -> tu
     for c in (2 ** i for i in range(8)):
         if c > 1 and tokens / c < 8:
             break
-        for s in (2 ** i for i in range(1 if local_input else 8)):
+        for s in (2 ** i for i in range(8)):
             if c * s > blocks:
                 break
-            t = sum(_tile_us(n, k, tokens, c, s, g, d, local_input))
+            t = sum(_tile_us(n, k, tokens, c, s, g, d))
             if best_t is None or t < best_t:
                 best, best_t = (c, s), t
     return best
@@ -187,11 +186,7 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
     if fused:  # its partial of every residual row for its T / c tokens, by atomics
         epilogue = busy * levers.atomic_us(b.program.config.hidden_size, T / c, g)
     else:  # the tile's outputs per token: written once (the residual's rows read and written)
-        epilogue = busy * T * rows * 8.0 * levers.flag_factor(d) / (g.l2_bw / g.sms)
-        if d.fused_ffn and b.instructions and b.instructions[0].op.name == "O_PROJ_RESIDUAL":
-            # and again into the residual the fused FFN's atomics add to (GATE_UP still reads
-            # this one: levers.py)
-            epilogue = epilogue * 1.5
+        epilogue = busy * T * rows * 8.0 * levers.output_factor(b, d) / (g.l2_bw / g.sms)
     return Phases(ph.l2_trips, ph.hbm_trips, ph.other_us + busy * (t_in + t_w + t_red) + epilogue,
                   ph.rounds, ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue,
                   compute, (c, s))
