@@ -163,3 +163,15 @@ def test_plan_batch_prints_the_named_lever_design(capsys):
     expected = cm.predict(program("smollm2-135m", 32, 2048), "h200", cm.design("v8-cluster"),
                           shape=StepShape.decode(64, 16)).tokens_per_s
     assert tps == pytest.approx(expected, abs=1)
+
+
+def test_no_lever_beats_the_bytes_a_step_moves():
+    """Weights once and every sequence's K/V once at the copy rate: every lever on at once
+    (multicast 8, past the fill path) still predicts above that floor."""
+    prog, g = small(), cm.gpu("h200")
+    c = prog.config
+    every = cm.design("v8-cluster").replace(name="every", input_multicast=8, fused_ffn=True)
+    for batch, ctx in ((64, 256), (16, 256), (64, 16)):
+        p = cm.predict(prog, g, every, shape=StepShape.decode(batch, ctx))
+        kv = batch * (ctx + 1) * c.num_layers * c.kv_dim * 2 * 2
+        assert p.step_us > (c.weight_bytes_per_token() + kv) / g.hbm_bw, (batch, ctx)
