@@ -104,7 +104,11 @@ def batch_report(prog, gpu_name: str, design_name: str | None, context: int,
     for r in p.op_rows():
         lines.append(f"{r['op']:<16} {r['busy_mean_us']:>8.2f} {r['critical_us']:>8.1f} "
                      f"{r['critical_us'] / p.total_us:>6.1%}")
+    fast, slow = (cm.predict(prog, cm.corner(g.name, f), d, context, shape=shape).tokens_per_s
+                  for f in (True, False))
     lines += [f"tiles (token groups x input slices): {_tiles(st)}",
+              f"range: low {slow:.0f} / nominal {p.tokens_per_s:.0f} / high {fast:.0f} tokens/s "
+              "(every constant at its slow / table / fast end at once)",
               f"as built ({one.design.name}, one token per step): {one.total_us:.0f} us/token, "
               f"{one.tokens_per_s:.0f} tokens/s whatever the batch",
               f"predicted on {g.name}: {p.total_us:.0f} us/step, {p.tokens_per_s:.0f} tokens/s "

@@ -44,9 +44,13 @@ def test_design_for_is_the_kernel_as_built():
 
     for knob, value in sass_facts.compiled_knobs().items():
         assert getattr(cm.V6, knob) == value, knob
-    assert set(cm.DESIGNS) == {"v5", "v6", "v7", "v7-rows"}
-    # v7 (issue 17's steps of many tokens) is predicted only: no backend implements it yet
-    assert not any(getattr(cm.V6, k) for k in ("tensor_cores", "tile_2d", "attn_tensor_cores"))
+    assert set(cm.DESIGNS) == {"v5", "v6", "v7", "v7-rows", "v8", "v8-cluster"}
+    # v7 and v8 (issue 17's steps of many tokens and its levers) are predicted only: no backend
+    # implements them yet
+    assert not any(getattr(cm.V6, k) for k in ("tensor_cores", "tile_2d", "attn_tensor_cores",
+                                               "fused_ffn", "kv_copy_rate", "weights_copy_rate",
+                                               "data_flag_hops"))
+    assert cm.V6.input_multicast == 1
 
 
 def test_round_trips_and_hops_of_the_kernel_as_built():

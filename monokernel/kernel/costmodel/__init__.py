@@ -9,6 +9,8 @@ Split by concern, each in one place:
   kernel);
 - ``parts``: the costs the ops share and the types of an op's cost entry;
 - each op's own entry: ``cost`` in kernel/ops/<op>.py, beside its tiling;
+- ``tokens``: steps of many tokens (designs v7, v8); ``levers``: what the throughput levers
+  of the many-token design charge (design v8's knobs);
 - ``simulate``: the discrete-event simulation of the per-block queues, ``predict``.
 
 Every number this package prints is a prediction, not a measurement.

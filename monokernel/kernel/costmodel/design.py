@@ -129,6 +129,46 @@ class KernelDesign:
     kv_bytes_in_flight: int = 0
     # a prompt is prefilled this many tokens per step (the step's token budget)
     prefill_chunk: int = 128
+    # ---- the throughput levers of the many-token design (issue 17; predicted, not built;
+    # costmodel/levers.py charges them). Off: v7 as predicted in slice 1.
+    # Lever 1, fewer grid-wide waits: gate_up and down fused in one instruction. A block
+    # multiplies its own h rows (in shared memory) by Wd's columns for them (Wd stored
+    # transposed) and adds its partial of every residual row with red.global.add.v4.f32: no
+    # wait between gate_up and down, no h copy, no h input read; its H x T fp32 partial goes
+    # to L2 as atomics (charged at the SM's L2 share). Float adds in arrival order: NOT batch
+    # invariant (nor run-to-run identical); an ordered sum of the partials needs a grid-wide
+    # wait of its own, the hop it saves (PERFORMANCE.md 3), so there is no deterministic twin.
+    fused_ffn: bool = False
+    # Lever 2, K/V at the copy rate: ATTENTION's K/V move by cp.async.bulk (TMA) into a ring
+    # of kv_bytes_in_flight in shared memory and the mma reads the stages there, so no register
+    # load and no FMA stands between the loads: the stream runs at the copy rate (hbm_bw), not
+    # at a GEMV's achieved rate (gemv_bw). Its rounds still obey Little's law (rounds of
+    # kv_bytes_in_flight at HBM latency)
+    kv_copy_rate: bool = False
+    # ... and the weights of a step of many tokens the same way: there the mma reads its
+    # weight fragments from shared memory (ldmatrix), so they go there by cp.async.bulk as the
+    # K/V do, at the copy rate (a step of one token keeps the mat-vec's loads and rate)
+    weights_copy_rate: bool = False
+    # Lever 3, input multicast: thread-block clusters of this many blocks that read the same
+    # mat-mul input (same token group and input slice, different rows) load it once from L2
+    # by TMA `.multicast::cluster` into every member's shared memory: the input reaches a
+    # block at min(m x its L2 share, l2_fill). 1: no clusters. Needs a cooperative launch
+    # with clusters that keeps one block per SM on all SMs: a GPU question
+    input_multicast: int = 1
+    # Lever 4, data-as-flag hops: a producer stores its outputs as 8-byte words of 4 data
+    # bytes and the step's 4-byte flag (st.relaxed.gpu.u64, NCCL's LL protocol: single-copy
+    # atomic), with no barrier nor release before a counter add; the consumer's read of its
+    # input is the poll (it re-reads the words whose flag is stale), so the signal costs
+    # nothing, and the input's own L2 trip after the wait merges into the poll. Relaxed flags
+    # order only the flagged words themselves, so everything read after a hop in the same step
+    # is written as LL words (residual, inputs, q, ffn_h, the merged attention, and the new
+    # position's k/v in a side buffer beside its plain cache row); the plain K/V cache rows
+    # reach the next step through the step's acq_rel ticket and the step counter, which stays
+    # a counter. The price:
+    # every waited-on input and every output store moves twice its bytes, so the kernel keeps
+    # both protocols and takes the flags for steps of up to this many tokens (the step's
+    # token count is in its token table, the same for every block); 0: counters always
+    data_flag_hops: int = 0
 
     @property
     def warps(self) -> int:
@@ -156,8 +196,19 @@ V7 = V6.replace(name="v7", tensor_cores=True, tile_2d=True, input_bytes=2,
                 attn_units_in_flight=8, attn_tensor_cores=True, kv_bytes_in_flight=32 * 1024,
                 prefill_chunk=512)
 V7_ROWS = V7.replace(name="v7-rows", tile_2d=False)
+# V8: v7 with the levers a kernel can build keeping a sequence's numbers independent of its
+# neighbours and needing no GPU answer first (issue 17, PREDICTED): K/V, and the weights of a
+# step of many tokens, by cp.async at the copy rate; data-as-flag hops in steps of up to 16
+# tokens (beyond that the flags' doubled input bytes cost more than the hops they save: at
+# batch 64 -7% on Qwen3, -11% on Llama; at batch 16 they break even on Llama). v8-cluster
+# adds input multicast in clusters of 2, if a cooperative launch with clusters keeps 132
+# co-resident blocks (a GPU question). The fused FFN (fused_ffn) is in neither: float
+# atomics, so not batch invariant, and slower at batch 64 on Qwen3 and Llama.
+V8 = V7.replace(name="v8", kv_copy_rate=True, weights_copy_rate=True, data_flag_hops=16)
+V8_CLUSTER = V8.replace(name="v8-cluster", input_multicast=2)
 # Every design a prediction can name (`monokernel plan --design`).
-DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v7": V7, "v7-rows": V7_ROWS}
+DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v7": V7, "v7-rows": V7_ROWS, "v8": V8,
+                                    "v8-cluster": V8_CLUSTER}
 
 
 def design_for(program=None, sync: int = 2, multi_step: bool = True) -> KernelDesign:

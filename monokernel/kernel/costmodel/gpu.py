@@ -82,6 +82,11 @@ CONSTANTS: dict[str, tuple[str, dict[str, tuple[float, float, float]], str]] = {
                    "bf16 mma.sync m16n8k16 with fp32 accumulate, the whole chip: ~400 of the "
                    "~990 dense TFLOP/s that wgmma reaches (PERFORMANCE.md 0.1); assumed, a GPU "
                    "run of the mma test kernel measures it. Only steps of many tokens use it"),
+    "l2_fill": ("B/clk", {"h200": (64.0, 32.0, 64.0), "h100": (64.0, 32.0, 64.0)},
+                "one SM's fill path from L2 (bytes per clock into the SM): assumed 64, a 128-byte "
+                "line every two clocks, 32 at the slow end. Without multicast the SMs' share of "
+                "l2_bw (~27 B/clk each on an H200) binds first; only a cluster's multicast "
+                "(input_multicast) can use the rest. A GPU probe of one SM reading L2 measures it"),
     "launch": ("us", {"h200": (8.0, 5.0, 12.0), "h100": (8.0, 5.0, 12.0)},
                "host submit + cooperative launch + drain per launch; assumed so that R6 (N steps "
                "per launch) saves 7-8 us per token, as PERFORMANCE.md 3 predicts"),
@@ -115,6 +120,7 @@ class GPU:
     sys_fence: float
     launch: float
     mma_tflops: float
+    l2_fill: float  # bytes/us into one SM from L2 (CONSTANTS' B/clk x the clock)
 
     def replace(self, **changes) -> "GPU":
         return dataclasses.replace(self, **changes)
@@ -132,6 +138,7 @@ def gpu(name: str) -> GPU:
     vals["hbm_bw"] *= _TB_S
     vals["l2_bw"] *= _TB_S
     vals["gemv_bw"] *= _TB_S
+    vals["l2_fill"] *= vals["clock_ghz"] * 1e3
     vals["sms"] = int(vals["sms"])
     vals["schedulers"] = int(vals["schedulers"])
     return GPU(name=key, **vals)
@@ -145,7 +152,7 @@ def constant_range(gpu_name: str, constant: str) -> tuple[float, float]:
 
 # Constants whose HIGH end makes a step faster (rates, counts); for every other one, the low end.
 _FASTER_WHEN_HIGH = frozenset({"sms", "clock_ghz", "hbm_bw", "l2_bw", "gemv_bw", "schedulers",
-                               "mma_tflops"})
+                               "mma_tflops", "l2_fill"})
 
 
 def corner(gpu_name: str, fast: bool) -> GPU:
@@ -157,5 +164,6 @@ def corner(gpu_name: str, fast: bool) -> GPU:
         lo, hi = constant_range(base.name, c)
         v = hi if (c in _FASTER_WHEN_HIGH) == fast else lo
         vals[c] = v * _TB_S if c in ("hbm_bw", "l2_bw", "gemv_bw") else v
+    vals["l2_fill"] *= vals["clock_ghz"] * 1e3
     vals["sms"], vals["schedulers"] = int(vals["sms"]), int(vals["schedulers"])
     return base.replace(**vals)

@@ -18,6 +18,8 @@ def hop_parts(g: GPU, d: KernelDesign) -> dict[str, float]:
     propagate: the atomic reaching L2; detect: the poll loop noticing (half a poll period on
     average, then the load's way back) and the block barrier after it."""
     signal = g.bar_sync + (g.fence + g.cctl if d.signal_sc_fence else g.release)
+    if d.data_flag_hops:  # the outputs' own flagged stores are the signal (levers.py): only
+        signal = g.bar_sync  # the block's end barrier stays (its shared memory's next user)
     period = d.poll_loads * g.l2_latency + g.timer + (g.nanosleep if d.poll_sleep else 0.0)
     return {"signal": signal, "propagate": g.l2_latency / 2,
             "detect": period / 2 + g.l2_latency / 2 + g.bar_sync}
@@ -114,6 +116,9 @@ class Phases:
     # tokens.py): the stream runs beside it, so the slower of the two bounds the op
     compute: np.ndarray | None = None
     tiles: tuple[int, int] = (1, 1)  # 2D tiles' (token groups, input slices): tokens.tile_split
+    # 1.0 where the stream runs at the copy rate (hbm_bw) rather than the GEMV's (gemv_bw):
+    # K/V by cp.async (levers.py, kv_copy_rate)
+    copy: np.ndarray | None = None
 
 
 @dataclass

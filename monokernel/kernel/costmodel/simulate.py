@@ -18,6 +18,7 @@ import numpy as np
 from ...errors import CostModelError
 from .. import ops
 from ..isa import Op
+from . import levers
 from .design import KernelDesign, design_for
 from .gpu import GPU, constant_range, corner, gpu
 from .parts import OpBatch, fetch_us, hop_parts, step_end_us
@@ -121,6 +122,7 @@ class Static:
             shape = StepShape.decode(1, context)
         if shape is not None:
             context = shape.max_context
+        d = levers.for_step(d, shape)
         self.step = shape
         if context < 0 or context + 1 > program.max_seq_len:
             raise CostModelError(
@@ -130,16 +132,16 @@ class Static:
         self.shape = (B, L)
         self.fields = {k: np.zeros((B, L)) for k in
                        ("l2", "hbm", "other", "rounds", "bytes", "pref", "early", "issue",
-                        "compute")}
+                        "compute", "copy")}
         self.tiles: dict[str, tuple[int, int]] = {}  # per op: tokens.tile_split's (c, s)
         for op, (where, batch) in _batches(program, context, shape).items():
-            ph = ops.module(op).cost(batch, g, d)
+            ph = levers.apply(op, batch, ops.module(op).cost(batch, g, d), g, d)
             bi = tuple(np.array(where).T)
             f = self.fields
             f["l2"][bi], f["hbm"][bi], f["other"][bi] = ph.l2_trips, ph.hbm_trips, ph.other_us
             f["rounds"][bi], f["bytes"][bi] = ph.rounds, ph.stream_bytes
             f["pref"][bi] = np.minimum(ph.prefetch_bytes, ph.stream_bytes)
-            for name in ("early", "issue", "compute"):
+            for name in ("early", "issue", "compute", "copy"):
                 if getattr(ph, name) is not None:
                     f[name][bi] = getattr(ph, name)
             self.tiles[op.name] = ph.tiles
@@ -157,21 +159,22 @@ def predict(program, g: GPU | str = "h200", d: KernelDesign | None = None, conte
     if shape is not None and shape.single:
         context, shape = shape.segments[0].context, None  # the one-token step
     st = static or Static(program, context, g, d, shape)
+    d = levers.for_step(d, st.step)
     return _simulate(program, g, d, context if st.step is None else st.step.max_context, st)
 
 
 def busy_constants(g: GPU, d: KernelDesign, num_blocks: int) -> tuple[float, ...]:
     """What ``busy_us`` needs of the GPU and design: (HBM share per SM (at the GEMV rate with
     gemv_rate), L2 share per SM, L2 latency, HBM latency, signal cost, barrier, loaded HBM
-    latency, 1.0 with stream_ramp else 0.0)."""
+    latency, 1.0 with stream_ramp else 0.0, HBM share per SM at the copy rate)."""
     bw = g.gemv_bw if d.gemv_rate else g.hbm_bw
     return (bw / min(num_blocks, g.sms), g.l2_bw / min(num_blocks, g.sms), g.l2_latency,
             g.hbm_latency, hop_parts(g, d)["signal"], g.bar_sync, g.hbm_loaded_latency,
-            float(d.stream_ramp))
+            float(d.stream_ramp), g.hbm_bw / min(num_blocks, g.sms))
 
 
 def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, lead, signals,
-            mn=min, mx=max, early=0.0, issue=0.0, compute=0.0):
+            mn=min, mx=max, early=0.0, issue=0.0, compute=0.0, copy=0.0):
     """Ready -> end of one instruction (or of arrays of them: pass ``mn=np.minimum,
     mx=np.maximum``): its dependent round trips and fixed work, then its weight stream at
     min(bytes in flight / latency, the SM's HBM share), then its signal. ``k`` is
@@ -179,9 +182,11 @@ def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, lead, si
     ``early``: HBM loads issued at the start that its first L2 trip needs (their loaded
     latency past the lead and that trip is on the path); ``issue``: the stream's compute after
     its data (on the path of a latency-bound stream only); ``compute``: tensor-core time of the
-    stream's products (a step of many tokens), running beside the stream. The one formula the
-    simulation and the calibration share."""
-    share, l2_share, L2, HBM, sig, bar, HBM_loaded, ramp = k
+    stream's products (a step of many tokens), running beside the stream; ``copy``: 1.0 for a
+    stream at the copy rate (levers.py). The one formula the simulation and the calibration
+    share."""
+    share, l2_share, L2, HBM, sig, bar, HBM_loaded, ramp, copy_share = k
+    share = share + copy * (copy_share - share)
     fixed = l2 * L2 + hbm * HBM + other + early * mx(HBM_loaded - lead - L2, 0.0)
     hits = mn(pref, share * (lead + fixed))  # the prefetch ran from the start until the stream
     h = hits / mx(nbytes, 1.0)
@@ -211,7 +216,7 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> P
     n_sig = [0] * program.num_counters
     for q in queues:
         for ins in q:
-            if ins.signal is not None:
+            if levers.signals(ins, d):
                 n_sig[ins.signal] += 1
     sig_ends: list[list[tuple[float, int, int]]] = [[] for _ in range(program.num_counters)]
     visible: list[float | None] = [None] * program.num_counters
@@ -225,9 +230,12 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> P
     bound: list[list] = [[None] * L for _ in range(B)]
     t_block = [0.0] * B
     prev_node: list[tuple[int, int] | None] = [None] * B
+    prev_ins: list = [None] * B  # the block's last instruction run (levers.waits)
     ptr = [0] * B
-    if d.steps_per_launch > 1:  # EMBED waits for the previous step's token: one more hop
-        t_block = [sum(parts.values())] * B
+    if d.steps_per_launch > 1:  # EMBED waits for the previous step's token: one more hop,
+        # on the step counter whatever the other hops are (levers.py: it orders the step's
+        # plain K/V cache stores before the next step's reads)
+        t_block = [sum(hop_parts(g, d.replace(data_flag_hops=0)).values())] * B
 
     def resolve(c: int, need: int, stuck: bool) -> bool:
         ends = sig_ends[c]
@@ -254,7 +262,7 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> P
                     continue
                 s = t_block[b] + fetch
                 t_check = s + issue[b][i]
-                if ins.wait is not None:
+                if ins.wait is not None and levers.waits(prev_ins[b], ins, d):
                     c, need = ins.wait
                     if not resolve(c, need, stuck):
                         break
@@ -265,16 +273,25 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> P
                         r, bnd = t_check + check, (prev_node[b], False)
                 else:
                     r, bnd = t_check, (prev_node[b], False)
-                sig = ins.signal is not None
+                lead = r - s
+                if ins.wait is not None and prev_node[b] is not None and \
+                        not levers.waits(prev_ins[b], ins, d):
+                    # a fused DOWN's prefetch went out with its GATE_UP's, before that wait,
+                    # behind GATE_UP's own prefetch (the same HBM share)
+                    pb, pi = prev_node[b]
+                    lead = max(ready[pb][pi] - start[pb][pi] - f["pref"][pb][pi] / k[0], 0.0)
+                sig = levers.signals(ins, d)
                 e = r + busy_us(k, f["l2"][b][i], f["hbm"][b][i], f["other"][b][i],
                                 f["rounds"][b][i], f["bytes"][b][i], f["pref"][b][i],
-                                r - s, 1.0 if sig else 0.0, early=f["early"][b][i],
-                                issue=f["issue"][b][i], compute=f["compute"][b][i])
+                                lead, 1.0 if sig else 0.0, early=f["early"][b][i],
+                                issue=f["issue"][b][i], compute=f["compute"][b][i],
+                                copy=f["copy"][b][i])
                 start[b][i], ready[b][i], end[b][i], bound[b][i] = s, r, e, bnd
                 if sig:
                     sig_ends[ins.signal].append((e, b, i))
                 t_block[b] = e
                 prev_node[b] = (b, i)
+                prev_ins[b] = ins
                 ptr[b] += 1
                 remaining -= 1
                 progress = True

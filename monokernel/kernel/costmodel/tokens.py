@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import CostModelError
+from . import levers
 from .parts import OpBatch, Phases
 
 
@@ -108,14 +109,18 @@ def mma_us(rows, k: int, tokens: int, g) -> np.ndarray:
     return np.where(np.asarray(rows) > 0, flops / (g.mma_tflops * 1e6 / g.sms), 0.0)
 
 
-def _tile_us(n: int, k: int, tokens: int, c: int, s: int, g, d) -> tuple[float, float, float]:
+def _tile_us(n: int, k: int, tokens: int, c: int, s: int, g, d, local_input: bool = False
+             ) -> tuple[float, float, float]:
     """(input, weight re-read, reduction) us of a tile that takes c times the row tile's ``n``
-    rows for 1/c of the tokens and 1/s of the input: the input T/c x K/s from L2; the weights
-    its c - 1 other token groups also read, from L2 (HBM streams each weight byte once, as in
-    the row tile); with s > 1, the row group's last block to draw its ticket (one L2 round)
-    reads the s partial sums of the group's rows and writes their sum, in a fixed order."""
+    rows for 1/c of the tokens and 1/s of the input: the input T/c x K/s from L2 (at
+    levers.input_rate, LL words with data-as-flag hops; nothing with ``local_input``, the
+    fused FFN's own h); the weights its c - 1 other token groups also read, from L2 (HBM
+    streams each weight byte once, as in the row tile); with s > 1, the row group's last block
+    to draw its ticket (one L2 round) reads the s partial sums of the group's rows and writes
+    their sum, in a fixed order."""
     l2_share = g.l2_bw / g.sms
-    t_in = (tokens / c) * (k / s) * d.input_bytes / l2_share
+    t_in = 0.0 if local_input else \
+        (tokens / c) * (k / s) * d.input_bytes * levers.flag_factor(d) / levers.input_rate(g, d)
     t_w = (c - 1) * n * (k / s) * 2.0 / l2_share if c > 1 else 0.0
     t_red = 0.0
     if s > 1:
@@ -168,11 +173,20 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
         raise CostModelError(f"design {d.name} has no tensor cores nor a token loop: a step "
                              f"of {T} tokens is not modelled on it")
     busy = (rows > 0).astype(np.float64)
-    c, s = tile_split(rows, k, T, g, d)
-    t_in, t_w, t_red = _tile_us(int(np.max(rows)) if len(rows) else 0, k, T, c, s, g, d)
+    fused = levers.fused_down(b, d)
+    n = int(np.max(rows)) if len(rows) else 0
+    if fused:  # the token groups of the block's GATE_UP, whose h rows it multiplies
+        F, B = b.program.config.intermediate_size, len(rows)
+        c, s = tile_split(np.full(B, 2 * -(-F // B)), b.program.config.hidden_size, T, g, d)
+        s = 1
+    else:
+        c, s = tile_split(rows, k, T, g, d)
+    t_in, t_w, t_red = _tile_us(n, k, T, c, s, g, d, local_input=fused)
     compute = mma_us(rows, k, T, g) + (ph.compute if ph.compute is not None else 0.0)
-    # the tile's outputs per token: written once (the residual's rows read and written)
-    epilogue = busy * T * rows * 8.0 / (g.l2_bw / g.sms)
+    if fused:  # its partial of every residual row for its T / c tokens, by atomics
+        epilogue = busy * levers.atomic_us(b.program.config.hidden_size, T / c, g)
+    else:  # the tile's outputs per token: written once (the residual's rows read and written)
+        epilogue = busy * T * rows * 8.0 * levers.output_factor(b, d) / (g.l2_bw / g.sms)
     return Phases(ph.l2_trips, ph.hbm_trips, ph.other_us + busy * (t_in + t_w + t_red) + epilogue,
                   ph.rounds, ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue,
                   compute, (c, s))
