@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .errors import MonokernelError, NumericalError, ParameterError, PromptError
-from .kernel.base import StepTable
+from .kernel.base import DeviceSample, StepTable, TableResult
 from .kv_pages import PagePool
 
 # The runtime's Engine, Generation and Sampled appear in annotations only: runtime.py imports
@@ -84,8 +84,10 @@ def check_batch_options(max_num_seqs: int, max_num_batched_tokens: int | None) -
 class Seq:
     """One generation's place in the batch."""
 
-    def __init__(self, gen: "Generation", rule, host, need_pages: int):
+    def __init__(self, gen: "Generation", rule, host, need_pages: int,
+                 draw: DeviceSample | None = None):
         self.gen = gen
+        self.draw = draw  # the device samples its tokens (greedy or Gumbel-max), or None
         self.prompt = gen.ids
         self.tokens = list(gen.ids)  # the prompt, then every sampled token
         self.rule = rule
@@ -138,7 +140,12 @@ class Batcher:
                               f"{self.pool.page_size} positions (its prompt of {len(gen.ids)} "
                               f"tokens and up to {rule.stop_pos - len(gen.ids) + 1} generated); "
                               f"the pool holds {self.pool.total}: ask for fewer max_tokens")
-        seq = Seq(gen, rule, host, need)
+        params = gen.params
+        draw = None  # the kernel draws what the host sampler would, bit for bit
+        if (self.executor.table_draws and params.kernel_samplable and params.logprobs is None
+                and params.prompt_logprobs is None):
+            draw = DeviceSample(params.temperature, host.sampler.seed)
+        seq = Seq(gen, rule, host, need, draw)
         with self.lock:
             self.waiting.append(seq)
         return seq
@@ -183,18 +190,19 @@ class Batcher:
             if not self.running:
                 return
             rows, chunks = self._plan()
-            table = StepTable.of(rows, {s.slot: s.pages for s in chunks})
+            table = StepTable.of(rows, {s.slot: s.pages for s in chunks},
+                                 {s.slot: s.draw for s in chunks if s.draw is not None})
             try:
                 if self.executor.pages_owner is not self:
                     raise MonokernelError(f"another Engine was made on this {self.executor.name}"
                                           f" executor and took its K/V pages: use that one")
-                logits = self.executor.run_table(table)
+                out = self.executor.run_table(table)
             except Exception as e:  # the executor failed: every sequence in the step ends
                 for s in chunks:
                     self._finish(s, e)
                 return
             self.steps += 1
-            self._take(chunks, logits)
+            self._take(chunks, out)
 
     def _admit(self) -> None:
         pool = self.pool
@@ -245,13 +253,23 @@ class Batcher:
                 s.pages.append(self.pool.allocate())
         return rows, chunks
 
-    def _take(self, chunks: list[Seq], logits: np.ndarray) -> None:
-        """Hand each sequence its logits rows (in row order: decode rows, then chunks)."""
-        row = 0
+    def _take(self, chunks: list[Seq], out: TableResult) -> None:
+        """Hand each sequence its logits rows or its drawn token (in row order: decode rows,
+        then chunks)."""
+        row = drawn = 0
         for s in chunks:
             decoding = s.prefilled
             n = 1 if decoding or not s.want_prompt else s.chunk
             ends_prompt = not decoding and s.computed + s.chunk == len(s.prompt)
+            if s.draw is not None:  # the device drew its token: no logits rows
+                s.computed += s.chunk
+                if not decoding:
+                    self._register(s)
+                if decoding or ends_prompt:
+                    self._accept(s, int(out.tokens[drawn]))
+                    drawn += 1
+                continue
+            logits = out.logits
             mine = logits[row:row + n] if (decoding or ends_prompt or s.want_prompt) else None
             row += 0 if mine is None else n
             s.computed += s.chunk
@@ -270,6 +288,14 @@ class Batcher:
             tok = s.host(logits)
         except NumericalError as e:  # NaN logits (the sampler names the token id): this
             self._finish(s, e)  # sequence ends, the others go on
+            return
+        self._accept(s, tok)
+
+    def _accept(self, s: Seq, tok: int) -> None:
+        """``tok`` (the host's or the device's draw) is ``s``'s next token."""
+        if tok < 0:  # the device's draw from NaN logits
+            self._finish(s, NumericalError(f"{self.executor.name}: NaN in the logits at "
+                                           f"position {len(s.tokens) - 1}"))
             return
         s.host.history.append(tok)
         s.tokens.append(tok)

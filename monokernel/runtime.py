@@ -31,7 +31,7 @@ from .batching import Batcher, batch_options
 from .errors import (BackendUnavailableError, MonokernelError, NumericalError, ParameterError,
                      PromptError)
 from .kernel.base import (Backend, BackendOptions, DeviceSample, Executor, StepResult,
-                          StepTable)
+                          StepTable, TableResult)
 from .kernel.isa import StopReason
 from .model.loader import LoadedModel
 from .sampling import Sampler, SamplingParams, log_softmax, rank_of, top_logprobs
@@ -120,7 +120,7 @@ class NumpyExecutor(Executor):
     def add_pages(self, n: int) -> range:
         return self.ref.add_pages(n)
 
-    def run_table(self, table: StepTable) -> np.ndarray:
+    def run_table(self, table: StepTable) -> TableResult:
         """One batched step (ReferenceModel.forward_rows). Every step of two rows or more is a
         matrix-matrix product, so a row's numbers are those of any other such step; a step of
         one prompt row is padded to two so that a prompt's K/V never depend on how it was cut
@@ -128,7 +128,9 @@ class NumpyExecutor(Executor):
         fast batch-1 path: its logits differ from the batched ones in the last bits (~1e-5 of
         their scale), so a sequence decoding alone and beside others agree in greedy tokens
         and to that tolerance (``batch_invariant=True`` pads it too: bitwise, ~2x slower at
-        batch 1)."""
+        batch 1). The host samples every row (no ``device_sampling``: no draws)."""
+        if table.draws:
+            raise MonokernelError(f"{self.name}: the host samples every row (no draws)")
         slots = sorted(table.block_tables)
         index = {s: i for i, s in enumerate(slots)}
         seqs = [index[int(s)] for s in table.slots]
@@ -142,7 +144,8 @@ class NumpyExecutor(Executor):
         else:
             with self._blas.limit(limits=self.threads, user_api="blas"):
                 out = self.ref.forward_rows(table.tokens, table.positions, seqs, tables, **kw)
-        return np.zeros((0, self.config.vocab_size), np.float32) if out is None else out
+        logits = np.zeros((0, self.config.vocab_size), np.float32) if out is None else out
+        return TableResult(logits, np.zeros(0, np.int64))
 
     def reset(self) -> None:
         self.forward_calls += 1

@@ -64,8 +64,9 @@ class StepTable:
     slot, and whether its logits are wanted; and each slot's block table (the K/V pages of its
     positions, in order: page j holds positions [j * page_size, (j + 1) * page_size)). Decoding
     B sequences is a step of B rows; a prompt chunk is several rows of one slot, in position
-    order; a step may mix both. ``run_table`` returns the logits of the rows that want them,
-    in row order."""
+    order; a step may mix both. ``draws`` (an executor with ``device_sampling``): the slots whose
+    rows with logits the device samples (DeviceSample: greedy or Gumbel-max keyed by the seed
+    and the row's position), their logits not read back. ``run_table`` returns a TableResult."""
 
     tokens: np.ndarray  # int64 [T]
     slots: np.ndarray  # int64 [T]
@@ -73,17 +74,34 @@ class StepTable:
     logits: np.ndarray  # bool [T]
     prompt_rows: np.ndarray  # bool [T]: the token is a prompt's (else a fed-back decode token)
     block_tables: dict[int, list[int]]  # slot -> page ids
+    draws: dict[int, "DeviceSample"] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, rows: list[tuple[int, int, int, bool, bool]],
-           block_tables: dict[int, list[int]]) -> "StepTable":
+           block_tables: dict[int, list[int]],
+           draws: dict[int, "DeviceSample"] | None = None) -> "StepTable":
         """From (token, slot, position, needs logits, is a prompt token) rows."""
         t, s, p, g, q = zip(*rows) if rows else ((), (), (), (), ())
         return cls(np.array(t, np.int64), np.array(s, np.int64), np.array(p, np.int64),
-                   np.array(g, bool), np.array(q, bool), block_tables)
+                   np.array(g, bool), np.array(q, bool), block_tables, dict(draws or {}))
+
+    @property
+    def drawn(self) -> np.ndarray:
+        """bool [T]: the rows whose next token the device draws."""
+        return self.logits & np.isin(self.slots, list(self.draws))
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+@dataclass
+class TableResult:
+    """What one step of a StepTable gives back, each in row order: the logits of the rows that
+    want them and are not drawn on the device (the host samples them), and the tokens the
+    device drew (-1: the row's logits held a NaN)."""
+
+    logits: np.ndarray  # float32 [rows, vocab]
+    tokens: np.ndarray  # int64 [drawn rows]
 
 
 # Picks the next token from float32 logits [vocab] (the host's sampler).
@@ -120,13 +138,15 @@ class Executor(ABC):
     max_num_seqs = 1
     page_size = 0  # positions per K/V page of a batched executor
     max_step_rows: int | None = None  # the most rows run_table takes (None: any number)
+    # run_table draws the tokens of the slots a table names (StepTable.draws) on the device
+    table_draws = False
 
     def add_pages(self, n: int) -> range:
         """Room for ``n`` K/V pages of ``page_size`` positions for block tables; their ids."""
         raise NotImplementedError(f"{self.name} runs one sequence at a time (max_num_seqs 1)")
 
-    def run_table(self, table: "StepTable") -> np.ndarray:
-        """Run one step of a batched executor: float32 logits [rows wanting logits, vocab]."""
+    def run_table(self, table: "StepTable") -> "TableResult":
+        """Run one step of a batched executor (TableResult)."""
         raise NotImplementedError(f"{self.name} runs one sequence at a time (max_num_seqs 1)")
 
     def __init__(self, model: LoadedModel, max_seq_len: int):

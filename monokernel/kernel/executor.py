@@ -26,7 +26,7 @@ from .header import render_header, slot_pages
 from .includes import inline_includes
 from ..model.loader import LoadedModel
 from .base import (Backend, BackendOptions, Choose, DeviceSample, Executor, LaunchEnd,
-                   StepResult, StepTable, greedy, wall_times)
+                   StepResult, StepTable, TableResult, greedy, wall_times)
 from .devices.emulator import EmulatorDevice
 from .program import Program
 from .schedule import MAX_STEP_TOKENS, schedule
@@ -162,6 +162,7 @@ class KernelExecutor(Executor):
         # Engine batches on it); 1: the one-sequence kernel of many steps per launch
         self.table = slots > 1
         if self.table:
+            self.table_draws = True
             if program is not None and program.tokens < slots:
                 raise KernelError(f"a kernel of {slots} slots needs a program of at least "
                                   f"{slots} tokens per step, got {program.tokens}")
@@ -169,7 +170,7 @@ class KernelExecutor(Executor):
             self.slots, self.page_size = slots, page_size
             self.max_num_seqs, self.max_step_rows = slots, step_tokens
             self.slot_pages = slot_pages(max_seq_len, page_size)
-            self.device_sampling = False  # the host samples the logits rows (slice 4: device)
+            self.device_sampling = False  # step(): logits for the host (run_table draws)
             multi_step = False  # one step per launch: the host writes each step's table
         self.device = device or EmulatorDevice()
         if pdl and not multi:
@@ -210,6 +211,7 @@ class KernelExecutor(Executor):
         self._broken: str | None = None
         self._state_on_device: tuple | None = None
         self._last_logits: np.ndarray | None = None  # a table step's logits rows
+        self.logits_rows_read = 0  # logits rows read back by table steps (the host's samples)
         self.reset()
 
     # ---- buffers --------------------------------------------------------------------------
@@ -229,8 +231,8 @@ class KernelExecutor(Executor):
         for name, n in p.buffer_sizes().items():
             if name == "out_tokens":  # the host polls it while a launch runs
                 b[name] = dev.alloc_mapped((n,), np.int32)
-            elif name == "logits" and self.table:  # a row per step row that wants logits
-                b[name] = dev.alloc((p.tokens * c.vocab_size,), np.float32)
+            elif name in ("logits", "lm_part") and self.table:  # each row's own
+                b[name] = dev.alloc((p.tokens * n,), np.float32)
             else:
                 b[name] = dev.alloc((n,), np.float32)
         b["feed"] = dev.alloc((self.max_seq_len,), np.int32)
@@ -242,6 +244,7 @@ class KernelExecutor(Executor):
             # identity); then a context for each slot, handed out by add_pages
             kv_rows = (self.slots + 1) * self.slot_pages * self.page_size
             b["rows"] = dev.alloc((p.tokens * ROW_WORDS,), np.int32)
+            b["row_tokens"] = dev.alloc((p.tokens,), np.int32)
             bt = np.zeros((self.slots + 1, self.slot_pages), np.int32)
             bt[self.slots] = np.arange(self.slot_pages)
             b["block_table"] = dev.upload(bt)
@@ -538,13 +541,14 @@ class KernelExecutor(Executor):
                               f"{self.page_size} positions for {self.slots} slots; asked for {n}")
         return range(self.slot_pages, self.slot_pages + n)
 
-    def run_table(self, table: StepTable) -> np.ndarray:
-        """One step of the rows of ``table`` (one launch): float32 logits [rows wanting logits,
-        vocab] in row order. Each row runs the one-token step's arithmetic at its own position
-        over its own slot's pages, so a sequence's numbers do not depend on the other rows."""
+    def run_table(self, table: StepTable) -> TableResult:
+        """One step of the rows of ``table`` (one launch): the logits of the rows that want
+        them, but for the ones the device draws (``table.draws``: their tokens), in row order.
+        Each row runs the one-token step's arithmetic at its own position over its own slot's
+        pages, so a sequence's numbers, and its draws, do not depend on the other rows."""
         self._check_table(table)
         return self._table_step(table.tokens, table.slots, table.positions, table.logits,
-                                table.block_tables)
+                                table.block_tables, table.drawn, table.draws)
 
     def _check_table(self, t: StepTable) -> None:
         """KernelError naming what is wrong before anything is written to the device (the
@@ -597,9 +601,10 @@ class KernelExecutor(Executor):
         control words of its step (for a launch, or a strict-mode run: emulator/strict.py)."""
         self._check_table(table)
         return self._write_rows(table.tokens, table.slots, table.positions, table.logits,
-                                table.block_tables)
+                                table.block_tables, table.drawn, table.draws)
 
-    def _write_rows(self, tokens, slots, positions, want, tables: dict) -> np.ndarray:
+    def _write_rows(self, tokens, slots, positions, want, tables: dict, drawn=None,
+                    draws=None) -> np.ndarray:
         n = len(tokens)
         rows = np.zeros((self.program.tokens, ROW_WORDS), np.int32)
         rows[:n, RowWord.TOKEN], rows[:n, RowWord.SLOT] = tokens, slots
@@ -608,7 +613,16 @@ class KernelExecutor(Executor):
         new_seg[1:] = np.asarray(slots[1:]) != np.asarray(slots[:-1])
         rows[:n, RowWord.SEG] = np.maximum.accumulate(np.where(new_seg, np.arange(n), 0))
         want = np.asarray(want, bool)
-        rows[:n, RowWord.LOGITS] = np.where(want, np.cumsum(want) - 1, -1)
+        drawn = np.zeros(n, bool) if drawn is None else np.asarray(drawn, bool)
+        # logits rows: the host's rows first (read back), then the drawn ones (not read)
+        host = want & ~drawn
+        order = np.concatenate([np.flatnonzero(host), np.flatnonzero(drawn)])
+        rows[:n, RowWord.LOGITS] = -1
+        rows[order, RowWord.LOGITS] = np.arange(len(order))
+        for s, d in (draws or {}).items():
+            mine = np.flatnonzero(np.asarray(slots) == s)
+            rows[mine, RowWord.TEMPERATURE] = np.float32(d.temperature).view(np.int32)
+            rows[mine, RowWord.SEED] = d.seed & 0x7FFFFFFF
         bt = self._block_table
         for s, pages in tables.items():
             bt[s, :len(pages)] = pages
@@ -619,12 +633,14 @@ class KernelExecutor(Executor):
         words[State.NTOK], words[State.STEPS] = n, 1
         return words
 
-    def _table_step(self, tokens, slots, positions, want, tables: dict) -> np.ndarray:
+    def _table_step(self, tokens, slots, positions, want, tables: dict, drawn=None,
+                    draws=None) -> TableResult:
         self._end_running()
         self.check_usable()
         n = len(tokens)
         dev, b = self.device, self.buffers
-        dev.write(b["control"], self._write_rows(tokens, slots, positions, want, tables))
+        dev.write(b["control"], self._write_rows(tokens, slots, positions, want, tables, drawn,
+                                                 draws))
         self._state_on_device = None
         try:
             self.run_launches()
@@ -635,10 +651,13 @@ class KernelExecutor(Executor):
                               f"{e}") from None
         self.check_error(control)
         self._steps += 1
-        m = int(np.count_nonzero(want))
-        self._last_logits = dev.read(b["logits"])[:m * self.config.vocab_size].reshape(
-            m, self.config.vocab_size)
-        return self._last_logits
+        V = self.config.vocab_size
+        drawn = np.zeros(n, bool) if drawn is None else np.asarray(drawn, bool)
+        m = int(np.count_nonzero(np.asarray(want, bool) & ~drawn))
+        self._last_logits = dev.read(b["logits"])[:m * V].reshape(m, V)
+        self.logits_rows_read += m
+        tokens = dev.read(b["row_tokens"])[:n][drawn].astype(np.int64)
+        return TableResult(self._last_logits, tokens)
 
     def _own_rows(self, tokens: list[int], start_pos: int, want: str) -> np.ndarray:
         """One-sequence calls on a kernel of many (tools, tests, a prompt's logprobs): the
@@ -656,7 +675,7 @@ class KernelExecutor(Executor):
                 (i + np.arange(len(part)) == len(tokens) - 1)
             if np.any((part < 0) | (part >= self.config.vocab_size)):
                 raise KernelError(f"{self.name}: tokens must be in [0, {self.config.vocab_size})")
-            out.append(self._table_step(part, np.full(len(part), self.slots), pos, w, {}))
+            out.append(self._table_step(part, np.full(len(part), self.slots), pos, w, {}).logits)
         return np.concatenate(out)
 
     def step(self, token: int, pos: int, sample: DeviceSample | None = None) -> StepResult:

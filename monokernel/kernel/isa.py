@@ -111,6 +111,10 @@ class RowWord(IntEnum):
     POS = 2  # its position
     SEG = 3  # the first row of its segment (late q/k: the earlier keys of the same step)
     LOGITS = 4  # the row of `logits` it writes, -1: none (a prompt row before the last)
+    # a row with logits also draws the token after it (row_tokens): argmax of logits /
+    # TEMPERATURE + Gumbel noise keyed by (SEED, POS), the one-sequence kernel's draw
+    TEMPERATURE = 5  # float32 bits; 0: greedy
+    SEED = 6
 
 
 ROW_WORDS = len(RowWord)
@@ -200,6 +204,7 @@ PARAMS: list[tuple[str, str, str]] = [
      " or the pages' positions)"),
     ("v_cache", "unsigned short*", "[LAYERS, KV_ROWS, KV_HEADS, HEAD_DIM] bf16"),
     ("rows", "int*", "[T_MAX, ROW_WORDS] the step's token table (SLOTS builds)"),
+    ("row_tokens", "int*", "[T_MAX] the token drawn after each row with logits (SLOTS)"),
     ("block_table", "int*", "[SLOTS + 1, SLOT_PAGES] K/V page of each slot's positions (SLOTS)"),
     ("rope_cos", "const float*", "[MAX_SEQ, HEAD_DIM/2]"),
     ("rope_sin", "const float*", "[MAX_SEQ, HEAD_DIM/2]"),

@@ -1229,7 +1229,31 @@ __device__ void lm_head_ticket(const Params& P, OpShared& s, const int* st, int 
   if (threadIdx.x == 0)  // the last drawer acquires the other blocks' partials (ticket_add)
     s_last = ticket_add(&P.counters[ticket], 1) == tickets * (st[S_STEP] + 1) - 1;
   __syncthreads();
-  if (!s_last || threadIdx.x >= 32) return;
+  if (!s_last) return;
+#if MK_SLOTS
+  {  // every row with logits: its draw from its partials, a warp per row
+    const int lane = threadIdx.x & 31;
+    for (int tok = threadIdx.x >> 5; tok < step_tokens(st); tok += NWARPS) {
+      if (step_row(st, tok)[R_LOGITS] < 0) continue;
+      const float* part = P.lm_part + (size_t)tok * tickets * 2;
+      float best = NEG_INF;
+      int best_id = -1;
+      for (int i = lane; i < tickets; i += 32)
+        best_of(best, best_id, part[i * 2], __float_as_int(part[i * 2 + 1]));
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, best, o);
+        const int oid = __shfl_xor_sync(FULL_MASK, best_id, o);
+        best_of(best, best_id, ov, oid);
+      }
+      if (lane == 0) P.row_tokens[tok] = best == best ? best_id : -1;
+    }
+    __syncthreads();  // the rows' tokens are issued before thread 0's release (finish_step)
+    if (threadIdx.x == 0) finish_step(P, st, -1, host_stop);
+    return;
+  }
+#endif
+  if (threadIdx.x >= 32) return;
   const int lane = threadIdx.x;
   float best = NEG_INF;
   int best_id = -1;
@@ -1264,17 +1288,46 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
   (void)temp;
   (void)seed;
   (void)last;
-  if (b < e) {
-    for (int tok = 0; tok < step_tokens(st); ++tok) {
-      const int out = step_row(st, tok)[R_LOGITS];
-      if (out < 0) continue;
+  (void)best;
+  (void)best_id;
+  const int parts = ins[A_RMS_LM_HEAD_TICKETS];  // partials per row: one per block
+  for (int tok = 0; tok < step_tokens(st); ++tok) {
+    const int* row = step_row(st, tok);
+    const int out = row[R_LOGITS];
+    if (out < 0) continue;
+    const float t = __int_as_float(row[R_TEMPERATURE]);
+    const unsigned sd = (unsigned)row[R_SEED], p = (unsigned)row[R_POS];
+    float rbest = NEG_INF;
+    int rid = -1;
+    if (b < e) {
       rms_apply(P.residual + (size_t)tok * H, g, s.vec);
       float* logits = P.logits + (size_t)out * MK_VOCAB;
       block_dot_rows<H>(
           e - b, [&](int k) { return P.lm_head + (size_t)(b + k) * H; }, s.vec,
-          [](int) { return 0.f; }, [&](int k, float v, float) { logits[b + k] = v; });
-      // (the next row's rms_apply writes s.vec only after its block_sum's barriers)
+          [](int) { return 0.f; },
+          [&](int k, float v, float) {
+            const int r = b + k;
+            logits[r] = v;
+            best_of(rbest, rid, t > 0.f ? v / t + gumbel(sd, p, (unsigned)r) : v, r);
+          });
     }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {  // the warp's best, then the block's (thread 0)
+      const float ov = __shfl_xor_sync(FULL_MASK, rbest, o);
+      const int oid = __shfl_xor_sync(FULL_MASK, rid, o);
+      best_of(rbest, rid, ov, oid);
+    }
+    if (lane == 0) {
+      s.best[warp] = rbest;
+      s.best_id[warp] = rid;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < NWARPS; ++w) best_of(rbest, rid, s.best[w], s.best_id[w]);
+      P.lm_part[((size_t)tok * parts + slot) * 2] = rbest;
+      P.lm_part[((size_t)tok * parts + slot) * 2 + 1] = __int_as_float(rid);
+    }
+    __syncthreads();  // s.best: the next row's
   }
 #else
   if (b < e && !prompt) {
@@ -1288,7 +1341,6 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
           best_of(best, best_id, temp > 0.f ? v / temp + gumbel(seed, pos, (unsigned)r) : v, r);
         });
   }
-#endif
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {  // the warp's best: every lane ends with it
     const float ov = __shfl_xor_sync(FULL_MASK, best, o);
@@ -1305,6 +1357,7 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
     P.lm_part[slot * 2] = best;
     P.lm_part[slot * 2 + 1] = __int_as_float(best_id);
   }
+#endif
   const int ticket = ins[A_RMS_LM_HEAD_TICKET], tickets = ins[A_RMS_LM_HEAD_TICKETS];
   if (tickets > 0) lm_head_ticket(P, s, st, ticket, tickets, host_stop);
 }

@@ -300,12 +300,12 @@ def test_nan_mid_generation(tiny_llm, good_run, monkeypatch):
     calls = []
 
     def run_table(table):
-        logits = real_run(table)
+        out = real_run(table)
         calls.append(len(table))
         if len(calls) == 3:
-            logits = logits.copy()
-            logits[:, 42] = np.nan
-        return logits
+            out.logits = out.logits.copy()
+            out.logits[:, 42] = np.nan
+        return out
 
     monkeypatch.setattr(ex, "run_table", run_table)
     with pytest.raises(NumericalError, match="42"):

@@ -138,7 +138,7 @@ for step in plan:
     rows = [(seqs[s][p], s, p, True, True) for s, n in step.items()
             for p in range(done[s], done[s] + n)]
     ex.poison()
-    logits = ex.run_table(StepTable.of(rows, tables))
+    logits = ex.run_table(StepTable.of(rows, tables)).logits
     for (tok, s, p, _, _), got in zip(rows, logits):
         want = ReferenceModel(m.config, m.weights, MAX_SEQ).forward(seqs[s][:p + 1], 0)[-1]
         worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))

@@ -27,6 +27,7 @@ from monokernel.sampling import SamplingParams
 
 MAX_SEQ = 48
 PAGE = 8
+HOT = 25.0  # the synthetic models' draws vary from position to position at this temperature
 
 
 def prompt_of(model, n: int, seed: int) -> list[int]:
@@ -79,7 +80,7 @@ class Batch:
             while len(s["pages"]) * PAGE < s["done"] + n:
                 s["pages"].append(self.free.pop(0))
         table = StepTable.of(rows, {slot: self.seqs[slot]["pages"] for slot in plan})
-        logits = self.ex.run_table(table)
+        logits = self.ex.run_table(table).logits
         assert logits.shape == (len(rows), self.ex.config.vocab_size)
         for (tok, slot, pos, _, _), lg in zip(rows, logits):
             s = self.seqs[slot]
@@ -217,8 +218,8 @@ def test_the_rows_agree_with_the_reference(synth_model):
 
 def test_the_engine_batches_on_the_emulator(synth_model):
     """``Engine`` on a kernel of 2 slots: three seeded requests (the third joins when a slot
-    frees), each the text it gets alone on the one-sequence kernel; the step table's rows stay
-    within step_tokens."""
+    frees), each the text it gets alone on the one-sequence kernel, drawn on the device; the
+    step table's rows stay within step_tokens."""
     model = synth_model("llama3-tiny")
     ids = [prompt_of(model, n, 40 + n) for n in (5, 12, 3)]
     params = [SamplingParams(max_new_tokens=m, temperature=0.8, seed=7 + m, ignore_eos=True)
@@ -242,6 +243,12 @@ def test_the_engine_batches_on_the_emulator(synth_model):
             except StopIteration:
                 live.discard(i)
     assert got == solo
+    assert ex.logits_rows_read == 0  # every token drawn on the device (slice 4)
+    # logprobs need the logits: that request's rows come back and the host samples them, the
+    # same draw from the same logits
+    with_lp = [s for s in eng.generate(ids[0], params[0].replace(logprobs=1))]
+    assert [s.token for s in with_lp] == solo[0] and ex.logits_rows_read == len(solo[0])
+    assert all(s.logprob is not None for s in with_lp)
     with pytest.raises(ParameterError, match="max_num_batched_tokens 8 exceeds the 4 rows"):
         Engine(ex, max_num_batched_tokens=8)
     with pytest.raises(ParameterError, match="max_num_batched_tokens 5 exceeds the 4 rows"):
@@ -304,3 +311,35 @@ def test_a_reused_prefix_gives_the_same_text(synth_model):
         texts.append([s.token for s in eng.generate(second, params)])
         assert eng.stats.reused_tokens == (2 * PAGE if caching else 0)
     assert texts[0] == texts[1] and len(texts[0]) == 5
+
+
+def test_the_device_draws_what_the_host_sampler_would(synth_model):
+    """``StepTable.draws``: the rows of the named slots get their next token drawn in the LM
+    head (greedy, or Gumbel-max keyed by the slot's seed and the row's position), bit for bit
+    the host sampler's draw from the same logits, and their logits are not read back."""
+    from monokernel.kernel.base import DeviceSample
+    from monokernel.sampling import Sampler
+
+    model = synth_model("qwen3-gqa-tiny")
+    rows = [(t, 0, p, p == 8, True) for p, t in enumerate(prompt_of(model, 9, 60))] + \
+        [(t, 1, p, True, True) for p, t in enumerate(prompt_of(model, 3, 61))] + \
+        [(t, 2, p, p == 1, True) for p, t in enumerate(prompt_of(model, 2, 62))]
+    draws = {0: DeviceSample(0.0, 0), 1: DeviceSample(HOT, 1234)}
+    got = []
+    for d in ({}, draws):
+        ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=3, step_tokens=16, page_size=PAGE)
+        pages = list(ex.add_pages(6))
+        got.append(ex.run_table(StepTable.of(rows, {s: pages[2 * s:2 * s + 2] for s in range(3)},
+                                             d)))
+        assert ex.logits_rows_read == len(got[-1].logits)
+    host, dev = got
+    # without draws: every row with logits (1 + 3 + 1); with: slot 2's only
+    assert host.logits.shape[0] == 5 and dev.logits.shape[0] == 1 and len(host.tokens) == 0
+    assert np.array_equal(dev.logits.view(np.uint32), host.logits[4:].view(np.uint32))
+    want = [int(np.argmax(host.logits[0]))]  # slot 0, greedy, after position 8
+    for k, pos in enumerate((0, 1, 2)):  # slot 1, every row drawn at temperature HOT
+        params = SamplingParams(temperature=HOT, seed=1234)
+        history = [0] * (pos + 1)  # the noise is keyed by the position, len(history) - 1
+        want.append(Sampler(params, 1234)(host.logits[1 + k], history))
+    assert dev.tokens.tolist() == want
+    assert len(set(want[1:])) > 1  # the noise moved the draws

@@ -676,7 +676,7 @@ def test_gpu_steps_of_many_sequences_are_bitwise_each_alone(gpu_case):
     got = {s: {} for s in range(4)}
     rows = [(t, s, i, True, True) for s, p in enumerate(prompts) for i, t in enumerate(p)]
     for _ in range(6):
-        logits = ex.run_table(StepTable.of(rows, tables))
+        logits = ex.run_table(StepTable.of(rows, tables)).logits
         for (_, s, pos, _, _), lg in zip(rows, logits):
             got[s][pos] = lg.copy()
         for s in range(4):
