@@ -261,15 +261,17 @@ def table_executor(model) -> KernelExecutor:
 
 def table_steps(ex: KernelExecutor):
     """Two steps of two sequences: slot 0's prompt chunk of 2 (crossing into its second page
-    in the next step) beside slot 1's first token, then the other way round."""
-    from monokernel.kernel.base import StepTable
+    in the next step) beside slot 1's first token, then the other way round; slot 1's tokens
+    drawn on the device at a high temperature (the LM head's per-row partials and draws)."""
+    from monokernel.kernel.base import DeviceSample, StepTable
 
     pages = list(ex.add_pages(6))
     tables = {0: [pages[5], pages[0]], 1: [pages[2], pages[3]]}  # slot 0 on the pool's end
+    draws = {1: DeviceSample(25.0, 9)}
     return [StepTable.of([(5, 0, 0, True, True), (999, 0, 1, True, True),
-                          (17, 1, 0, True, True)], tables),
+                          (17, 1, 0, True, True)], tables, draws),
             StepTable.of([(23, 0, 2, True, True), (7, 1, 1, True, True),
-                          (999, 1, 2, True, True)], tables)]
+                          (999, 1, 2, True, True)], tables, draws)]
 
 
 @needs_tsan
@@ -277,18 +279,26 @@ def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny):
     """Steps of many sequences (issue 17 slice 3): the token table copied into shared memory
     with the state, rows of two slots in one step, K/V through block tables. Race-free, and
     every row's logits the reference's for its own sequence."""
+    from monokernel.sampling import Sampler, SamplingParams
+
     ex = table_executor(tiny)
     seqs = {0: [], 1: []}
     for t in table_steps(ex):
         _, logits, report = run_strict(ex, [], table=t)
         assert report == ""
         rows = logits[0].reshape(ex.program.tokens, -1)
-        for i, (tok, slot, pos) in enumerate(zip(t.tokens, t.slots, t.positions)):
-            seqs[int(slot)].append(int(tok))
-            want = ReferenceModel(tiny.config, tiny.weights, MAX_SEQ).forward(seqs[int(slot)],
-                                                                              0)[-1]
-            assert float(np.abs(rows[i] - want).max()) <= 2e-3 * float(np.abs(want).max()), \
+        # logits rows: the host's rows (slot 0's) first, then the drawn ones (slot 1's)
+        order = np.concatenate([np.flatnonzero(t.slots == 0), np.flatnonzero(t.slots == 1)])
+        drawn = ex.buffers["row_tokens"][:len(t)]
+        for k, i in enumerate(order):
+            slot, pos = int(t.slots[i]), int(t.positions[i])
+            seqs[slot].append(int(t.tokens[i]))
+            want = ReferenceModel(tiny.config, tiny.weights, MAX_SEQ).forward(seqs[slot], 0)[-1]
+            assert float(np.abs(rows[k] - want).max()) <= 2e-3 * float(np.abs(want).max()), \
                 (slot, pos)
+            if slot == 1:  # the device's draw from the row's own logits
+                host = Sampler(SamplingParams(temperature=25.0, seed=9), 9)
+                assert drawn[i] == host(rows[k], [0] * (pos + 1)), (slot, pos)
     assert ex.steps_run == 2
 
 
