@@ -654,7 +654,9 @@ class KernelExecutor(Executor):
         V = self.config.vocab_size
         drawn = np.zeros(n, bool) if drawn is None else np.asarray(drawn, bool)
         m = int(np.count_nonzero(np.asarray(want, bool) & ~drawn))
-        self._last_logits = dev.read(b["logits"])[:m * V].reshape(m, V)
+        # only the host's rows cross back (the drawn rows' logits stay on the device)
+        self._last_logits = (dev.read(b["logits"][:m * V]).reshape(m, V) if m else
+                             np.zeros((0, V), np.float32))
         self.logits_rows_read += m
         tokens = dev.read(b["row_tokens"])[:n][drawn].astype(np.int64)
         return TableResult(self._last_logits, tokens)
