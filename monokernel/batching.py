@@ -121,8 +121,10 @@ class Batcher:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         ps = ex.page_size
-        if num_pages is None:  # every slot can hold a whole context
+        if num_pages is None:  # every slot can hold a whole context, or the executor's pool
             num_pages = max_num_seqs * -(-ex.max_seq_len // ps)
+            if ex.max_pages is not None:
+                num_pages = min(num_pages, ex.max_pages)
         self.pool = PagePool(ex.add_pages(num_pages), ps)
         ex.pages_owner = self  # a later Engine on this executor takes the pool over
         self.lock = threading.RLock()

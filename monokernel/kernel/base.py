@@ -140,6 +140,7 @@ class Executor(ABC):
     max_step_rows: int | None = None  # the most rows run_table takes (None: any number)
     # run_table draws the tokens of the slots a table names (StepTable.draws) on the device
     table_draws = False
+    max_pages: int | None = None  # the most K/V pages add_pages hands out (None: any number)
 
     def add_pages(self, n: int) -> range:
         """Room for ``n`` K/V pages of ``page_size`` positions for block tables; their ids."""

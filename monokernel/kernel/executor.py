@@ -46,11 +46,12 @@ DEFAULT_PAGE_SIZE = 16
 
 
 def kernel_source(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: int = 0,
-                  page_size: int = 0) -> str:
+                  page_size: int = 0, pool_pages: int = 0) -> str:
     """Generated header + megakernel.cu (its own quoted includes inlined), with #line so compiler
     errors point at real lines. ``tokens``: the program's most tokens per step; ``slots`` (> 0):
-    steps of many sequences from the token table, K/V in pages of ``page_size`` positions."""
-    return (render_header(cfg, max_seq_len, tokens, slots, page_size)
+    steps of many sequences from the token table, K/V in pages of ``page_size`` positions,
+    ``pool_pages`` of them for the slots (0: a context per slot)."""
+    return (render_header(cfg, max_seq_len, tokens, slots, page_size, pool_pages)
             + '#line 1 "megakernel.cu"\n'
             + inline_includes(SOURCE_PATH.read_text(), SOURCE_PATH.parent, "megakernel.cu"))
 
@@ -58,7 +59,7 @@ def kernel_source(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: in
 def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True,
                  trace: bool = False, pdl: bool = False,
                  sync: int | None = None, tokens: int = 1, slots: int = 0,
-                 page_size: int = 0) -> tuple[str, dict[str, str]]:
+                 page_size: int = 0, pool_pages: int = 0) -> tuple[str, dict[str, str]]:
     """(source, -D defines) of the kernel an executor with these options compiles: the one
     place that decides them, so the GPU check's prepare step (tools/prepare.py) compiles
     exactly what the executors will ask for."""
@@ -69,7 +70,7 @@ def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True,
         defines["MK_PDL"] = "1"
     if sync is not None:  # the hop (megakernel.cu MK_SYNC; default 2: release/acquire)
         defines["MK_SYNC"] = str(sync)
-    return kernel_source(cfg, max_seq_len, tokens, slots, page_size), defines
+    return kernel_source(cfg, max_seq_len, tokens, slots, page_size, pool_pages), defines
 
 
 # kernel_weights() per live model: every executor of one model uploads the same stacked arrays
@@ -156,7 +157,8 @@ class KernelExecutor(Executor):
                  attn_min_chunk: int | None = None,
                  multi_step: bool = True, steps_per_launch: int = 0,
                  sync: int | None = None, merge_ticket_min: int | None = None,
-                 step_tokens: int = 1, slots: int = 1, page_size: int = DEFAULT_PAGE_SIZE):
+                 step_tokens: int = 1, slots: int = 1, page_size: int = DEFAULT_PAGE_SIZE,
+                 kv_pages: int | None = None):
         super().__init__(model, max_seq_len)
         # slots > 1: steps of many sequences from a token table, K/V in pages (run_table; the
         # Engine batches on it); 1: the one-sequence kernel of many steps per launch
@@ -170,6 +172,10 @@ class KernelExecutor(Executor):
             self.slots, self.page_size = slots, page_size
             self.max_num_seqs, self.max_step_rows = slots, step_tokens
             self.slot_pages = slot_pages(max_seq_len, page_size)
+            # the pool's pages for the slots (beside the one-sequence calls' own): a context
+            # each by default; fewer make memory follow the tokens in use (the Batcher admits
+            # a request only when the pages it may need are free)
+            self.max_pages = self.slots * self.slot_pages if kv_pages is None else kv_pages
             self.device_sampling = False  # step(): logits for the host (run_table draws)
             multi_step = False  # one step per launch: the host writes each step's table
         self.device = device or EmulatorDevice()
@@ -204,7 +210,8 @@ class KernelExecutor(Executor):
         source, defines = kernel_build(c, max_seq_len, prefetch=prefetch, trace=trace, pdl=pdl,
                                        sync=sync, tokens=self.program.tokens,
                                        slots=slots if self.table else 0,
-                                       page_size=page_size if self.table else 0)
+                                       page_size=page_size if self.table else 0,
+                                       pool_pages=self.max_pages if self.table else 0)
         self.source = source  # as compiled, but for the -D defines (strict mode rebuilds it)
         self.module = self.device.compile(source, KERNEL_NAMES, defines)
         self._alloc_buffers(model)
@@ -242,7 +249,7 @@ class KernelExecutor(Executor):
         if self.table:
             # pages [0, slot_pages): the one-sequence calls' own (block table row `slots`, the
             # identity); then a context for each slot, handed out by add_pages
-            kv_rows = (self.slots + 1) * self.slot_pages * self.page_size
+            kv_rows = (self.slot_pages + self.max_pages) * self.page_size
             b["rows"] = dev.alloc((p.tokens * ROW_WORDS,), np.int32)
             b["row_tokens"] = dev.alloc((p.tokens,), np.int32)
             bt = np.zeros((self.slots + 1, self.slot_pages), np.int32)
@@ -535,10 +542,11 @@ class KernelExecutor(Executor):
         Engine on this executor takes them over (Batcher.pages_owner)."""
         if not self.table:
             return super().add_pages(n)
-        most = self.slots * self.slot_pages
+        most = self.max_pages
         if not 0 < n <= most:
             raise KernelError(f"{self.name}: the K/V pool holds {most} pages of "
-                              f"{self.page_size} positions for {self.slots} slots; asked for {n}")
+                              f"{self.page_size} positions for {self.slots} slots (option "
+                              f"kv_pages); asked for {n}")
         return range(self.slot_pages, self.slot_pages + n)
 
     def run_table(self, table: StepTable) -> TableResult:
@@ -582,7 +590,7 @@ class KernelExecutor(Executor):
             if pages is None or len(pages) <= last // self.page_size:
                 raise KernelError(f"{where}: slot {s}'s block table does not reach position "
                                   f"{last} (pages of {self.page_size})")
-            lo, hi = self.slot_pages, (self.slots + 1) * self.slot_pages
+            lo, hi = self.slot_pages, self.slot_pages + self.max_pages
             if len(pages) > self.slot_pages or any(not lo <= p < hi for p in pages):
                 raise KernelError(f"{where}: slot {s}'s pages must be ids from add_pages, "
                                   f"at most {self.slot_pages} of them")
@@ -747,6 +755,9 @@ class KernelOptions(BackendOptions):
     # pages of page_size positions; the Engine batches on it (docs/many-tokens.md, slice 3)
     slots: int = field(default=1, metadata={"min": 1, "max": MAX_STEP_TOKENS})
     page_size: int = field(default=DEFAULT_PAGE_SIZE, metadata={"min": 1})
+    # the K/V pool's pages for the slots (None: a context for each); fewer: memory follows the
+    # tokens in use, and requests wait for pages
+    kv_pages: int | None = field(default=None, metadata={"min": 1})
 
     def batch_limits(self) -> tuple[int | None, int | None]:
         if self.slots > 1:

@@ -291,6 +291,8 @@ def test_the_options_are_validated():
             backend_options("emulator", {"slots": bad})
     with pytest.raises(ParameterError, match="page_size"):
         backend_options("emulator", {"page_size": 0})
+    with pytest.raises(ParameterError, match="kv_pages"):
+        backend_options("emulator", {"kv_pages": 0})
     o = backend_options("emulator", {"slots": 8, "page_size": 32})
     assert (o.slots, o.page_size) == (8, 32)
 
@@ -343,3 +345,35 @@ def test_the_device_draws_what_the_host_sampler_would(synth_model):
         want.append(Sampler(params, 1234)(host.logits[1 + k], history))
     assert dev.tokens.tolist() == want
     assert len(set(want[1:])) > 1  # the noise moved the draws
+
+
+def test_a_pool_smaller_than_a_context_per_slot(synth_model):
+    """``kv_pages=3``: the K/V pool holds 3 pages for 2 slots (memory follows the tokens): two
+    requests of 2 pages each run one after the other (the second waits for pages), each its
+    solo text; a request that could never fit is refused up front."""
+    from monokernel.errors import PromptError
+
+    model = synth_model("llama3-tiny")
+    ex = KernelExecutor(model, MAX_SEQ, blocks=2, slots=2, page_size=PAGE, kv_pages=3)
+    c = model.config
+    assert ex.buffers["k_cache"].shape == (c.num_layers, (MAX_SEQ // PAGE + 3) * PAGE,
+                                           c.num_kv_heads, c.head_dim)
+    eng = Engine(ex)
+    assert eng.batcher.pool.total == 3
+    params = SamplingParams(max_new_tokens=6, temperature=0.7, seed=5, ignore_eos=True)
+    ids = [prompt_of(model, 5, 70), prompt_of(model, 7, 71)]
+    solo = [[s.token for s in Engine(KernelExecutor(model, MAX_SEQ, blocks=2)).generate(p, params)]
+            for p in ids]
+    its = [iter(eng.generate(p, params)) for p in ids]
+    got, peak = [[], []], 0
+    live = {0, 1}
+    while live:
+        for i in sorted(live):
+            try:
+                got[i].append(next(its[i]).token)
+            except StopIteration:
+                live.discard(i)
+            peak = max(peak, eng.batcher.stats()["running"])
+    assert got == solo and peak == 1
+    with pytest.raises(PromptError, match="the pool holds 3"):
+        eng.generate(prompt_of(model, 20, 72), params)
