@@ -64,9 +64,13 @@ class StepTable:
     slot, and whether its logits are wanted; and each slot's block table (the K/V pages of its
     positions, in order: page j holds positions [j * page_size, (j + 1) * page_size)). Decoding
     B sequences is a step of B rows; a prompt chunk is several rows of one slot, in position
-    order; a step may mix both. ``draws`` (an executor with ``device_sampling``): the slots whose
+    order; a step may mix both. ``draws`` (an executor with ``table_draws``): the slots whose
     rows with logits the device samples (DeviceSample: greedy or Gumbel-max keyed by the seed
-    and the row's position), their logits not read back. ``run_table`` returns a TableResult."""
+    and the row's position), their logits not read back. ``steps`` > 1 (every row with logits
+    drawn): the launch goes on for up to that many steps, each drawn row becoming its slot's
+    decode row of the next step until the slot draws one of its ``stops`` tokens or reaches its
+    stop position (``stops[slot] = (stop ids, stop position)``: the token at the stop position
+    is the slot's last). ``run_table`` returns a TableResult."""
 
     tokens: np.ndarray  # int64 [T]
     slots: np.ndarray  # int64 [T]
@@ -75,15 +79,19 @@ class StepTable:
     prompt_rows: np.ndarray  # bool [T]: the token is a prompt's (else a fed-back decode token)
     block_tables: dict[int, list[int]]  # slot -> page ids
     draws: dict[int, "DeviceSample"] = dataclasses.field(default_factory=dict)
+    steps: int = 1
+    stops: dict[int, tuple[frozenset[int], int]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, rows: list[tuple[int, int, int, bool, bool]],
            block_tables: dict[int, list[int]],
-           draws: dict[int, "DeviceSample"] | None = None) -> "StepTable":
+           draws: dict[int, "DeviceSample"] | None = None, steps: int = 1,
+           stops: dict[int, tuple[frozenset[int], int]] | None = None) -> "StepTable":
         """From (token, slot, position, needs logits, is a prompt token) rows."""
         t, s, p, g, q = zip(*rows) if rows else ((), (), (), (), ())
         return cls(np.array(t, np.int64), np.array(s, np.int64), np.array(p, np.int64),
-                   np.array(g, bool), np.array(q, bool), block_tables, dict(draws or {}))
+                   np.array(g, bool), np.array(q, bool), block_tables, dict(draws or {}),
+                   steps, dict(stops or {}))
 
     @property
     def drawn(self) -> np.ndarray:
@@ -98,10 +106,13 @@ class StepTable:
 class TableResult:
     """What one step of a StepTable gives back, each in row order: the logits of the rows that
     want them and are not drawn on the device (the host samples them), and the tokens the
-    device drew (-1: the row's logits held a NaN)."""
+    device drew (-1: the row's logits held a NaN); with ``steps`` > 1, each drawn slot's tokens
+    of the later steps, in order (its last one a stop token, or the one at its stop position,
+    or the launch's last)."""
 
     logits: np.ndarray  # float32 [rows, vocab]
     tokens: np.ndarray  # int64 [drawn rows]
+    later: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 # Picks the next token from float32 logits [vocab] (the host's sampler).
@@ -141,6 +152,7 @@ class Executor(ABC):
     # run_table draws the tokens of the slots a table names (StepTable.draws) on the device
     table_draws = False
     max_pages: int | None = None  # the most K/V pages add_pages hands out (None: any number)
+    max_table_steps = 1  # the most steps one run_table may run (StepTable.steps)
 
     def add_pages(self, n: int) -> range:
         """Room for ``n`` K/V pages of ``page_size`` positions for block tables; their ids."""

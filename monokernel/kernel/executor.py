@@ -43,6 +43,9 @@ NO_TOKEN = -2
 PROGRESS_GRACE_S = 5.0
 # Positions per K/V page of a kernel of many sequences (``slots``), as the NumPy backend's.
 DEFAULT_PAGE_SIZE = 16
+# Decode steps one launch of a kernel of slots runs at most (option steps_per_launch): requests
+# waiting to join wait at most this many steps for the launch to end.
+DEFAULT_TABLE_STEPS = 8
 
 
 def kernel_source(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: int = 0,
@@ -172,6 +175,9 @@ class KernelExecutor(Executor):
             self.slots, self.page_size = slots, page_size
             self.max_num_seqs, self.max_step_rows = slots, step_tokens
             self.slot_pages = slot_pages(max_seq_len, page_size)
+            self.max_table_steps = steps_per_launch or DEFAULT_TABLE_STEPS
+            self._stop_masks = np.zeros((slots + 1) * ((self.config.vocab_size + 31) // 32),
+                                        np.uint32)
             # the pool's pages for the slots (beside the one-sequence calls' own): a context
             # each by default; fewer make memory follow the tokens in use (the Batcher admits
             # a request only when the pages it may need are free)
@@ -237,13 +243,15 @@ class KernelExecutor(Executor):
         b["trace"] = dev.alloc((p.num_blocks, p.max_len, TRACE_WORDS), np.uint64)
         for name, n in p.buffer_sizes().items():
             if name == "out_tokens":  # the host polls it while a launch runs
-                b[name] = dev.alloc_mapped((n,), np.int32)
+                b[name] = dev.alloc_mapped((n * (self.slots + 1 if self.table else 1),),
+                                           np.int32)
             elif name in ("logits", "lm_part") and self.table:  # each row's own
                 b[name] = dev.alloc((p.tokens * n,), np.float32)
             else:
                 b[name] = dev.alloc((n,), np.float32)
         b["feed"] = dev.alloc((self.max_seq_len,), np.int32)
-        b["stop_mask"] = dev.alloc(((c.vocab_size + 31) // 32,), np.uint32)
+        masks = self.slots + 1 if self.table else 1  # a kernel of slots: one per slot
+        b["stop_mask"] = dev.alloc((masks * ((c.vocab_size + 31) // 32),), np.uint32)
         b["host_flags"] = dev.alloc_mapped((HOST_FLAG_WORDS,), np.int32)
         kv_rows = self.max_seq_len
         if self.table:
@@ -556,7 +564,8 @@ class KernelExecutor(Executor):
         pages, so a sequence's numbers, and its draws, do not depend on the other rows."""
         self._check_table(table)
         return self._table_step(table.tokens, table.slots, table.positions, table.logits,
-                                table.block_tables, table.drawn, table.draws)
+                                table.block_tables, table.drawn, table.draws, table.steps,
+                                table.stops)
 
     def _check_table(self, t: StepTable) -> None:
         """KernelError naming what is wrong before anything is written to the device (the
@@ -594,10 +603,28 @@ class KernelExecutor(Executor):
             if len(pages) > self.slot_pages or any(not lo <= p < hi for p in pages):
                 raise KernelError(f"{where}: slot {s}'s pages must be ids from add_pages, "
                                   f"at most {self.slot_pages} of them")
+        if not 1 <= t.steps <= self.max_table_steps:
+            raise KernelError(f"{where}: steps must be in [1, {self.max_table_steps}] "
+                              f"(steps_per_launch), got {t.steps}")
+        if t.steps > 1:
+            drawn = t.drawn
+            if np.any(t.logits & ~drawn):
+                raise KernelError(f"{where}: a launch of {t.steps} steps needs every row with "
+                                  "logits drawn on the device (draws)")
+            for s, p in zip(t.slots[drawn], t.positions[drawn]):
+                last = min(int(p) + t.steps - 1, t.stops.get(int(s), ((), self.max_seq_len))[1] - 1,
+                           self.max_seq_len - 1)  # the last position the slot may feed
+                if len(t.block_tables[int(s)]) <= last // self.page_size:
+                    raise KernelError(f"{where}: slot {s}'s block table does not reach position "
+                                      f"{last}, which {t.steps} steps may write")
         # a page the step writes belongs to its slot alone (shared prefix pages are only read):
         # another slot reading it would see this step's K/V in its context
         written = {(int(s), t.block_tables[int(s)][int(p) // self.page_size])
                    for s, p in zip(t.slots, t.positions)}
+        for s, p in zip(t.slots[t.drawn], t.positions[t.drawn]):  # and the later steps'
+            stop = t.stops.get(int(s), ((), self.max_seq_len))[1]
+            for q in range(int(p) + 1, min(int(p) + t.steps, stop, self.max_seq_len)):
+                written.add((int(s), t.block_tables[int(s)][q // self.page_size]))
         for s, page in sorted(written):
             other = sorted(o for o in seen if o != s and page in t.block_tables[o])
             if other:
@@ -609,10 +636,11 @@ class KernelExecutor(Executor):
         control words of its step (for a launch, or a strict-mode run: emulator/strict.py)."""
         self._check_table(table)
         return self._write_rows(table.tokens, table.slots, table.positions, table.logits,
-                                table.block_tables, table.drawn, table.draws)
+                                table.block_tables, table.drawn, table.draws, table.steps,
+                                table.stops)
 
     def _write_rows(self, tokens, slots, positions, want, tables: dict, drawn=None,
-                    draws=None) -> np.ndarray:
+                    draws=None, steps: int = 1, stops=None) -> np.ndarray:
         n = len(tokens)
         rows = np.zeros((self.program.tokens, ROW_WORDS), np.int32)
         rows[:n, RowWord.TOKEN], rows[:n, RowWord.SLOT] = tokens, slots
@@ -631,24 +659,39 @@ class KernelExecutor(Executor):
             mine = np.flatnonzero(np.asarray(slots) == s)
             rows[mine, RowWord.TEMPERATURE] = np.float32(d.temperature).view(np.int32)
             rows[mine, RowWord.SEED] = d.seed & 0x7FFFFFFF
+        rows[:n, RowWord.STOP_POS] = self.max_seq_len
+        W = (self.config.vocab_size + 31) // 32
+        masks = self._stop_masks
+        for s, (ids, stop_pos) in (stops or {}).items():
+            rows[:n][np.asarray(slots) == s, RowWord.STOP_POS] = stop_pos
+            ids = np.array(sorted(t for t in ids if 0 <= t < self.config.vocab_size), np.int64)
+            m = np.zeros(W, np.uint32)
+            np.bitwise_or.at(m, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+            masks[s * W:(s + 1) * W] = m
+        # the drawn rows' slots: their out_tokens row from the first step's position on
+        out = self.buffers["out_tokens"]
+        for s, p in zip(np.asarray(slots)[drawn], np.asarray(positions)[drawn]):
+            out[s * self.max_seq_len + p:(s + 1) * self.max_seq_len] = NO_TOKEN
         bt = self._block_table
         for s, pages in tables.items():
             bt[s, :len(pages)] = pages
         dev, b = self.device, self.buffers
         dev.write(b["rows"], rows.reshape(-1))
         dev.write(b["block_table"], bt)
+        if stops:
+            dev.write(b["stop_mask"], masks)
         words = self.state_words(0, 0, None)
-        words[State.NTOK], words[State.STEPS] = n, 1
+        words[State.NTOK], words[State.STEPS] = n, steps
         return words
 
     def _table_step(self, tokens, slots, positions, want, tables: dict, drawn=None,
-                    draws=None) -> TableResult:
+                    draws=None, steps: int = 1, stops=None) -> TableResult:
         self._end_running()
         self.check_usable()
         n = len(tokens)
         dev, b = self.device, self.buffers
         dev.write(b["control"], self._write_rows(tokens, slots, positions, want, tables, drawn,
-                                                 draws))
+                                                 draws, steps, stops))
         self._state_on_device = None
         try:
             self.run_launches()
@@ -658,7 +701,8 @@ class KernelExecutor(Executor):
             raise KernelError(f"{self.name}: a step of {n} rows (step {self._steps}) failed: "
                               f"{e}") from None
         self.check_error(control)
-        self._steps += 1
+        ran = int(control[State.STEP]) - self._steps
+        self._steps += ran
         V = self.config.vocab_size
         drawn = np.zeros(n, bool) if drawn is None else np.asarray(drawn, bool)
         m = int(np.count_nonzero(np.asarray(want, bool) & ~drawn))
@@ -666,8 +710,17 @@ class KernelExecutor(Executor):
         self._last_logits = (dev.read(b["logits"][:m * V]).reshape(m, V) if m else
                              np.zeros((0, V), np.float32))
         self.logits_rows_read += m
-        tokens = dev.read(b["row_tokens"])[:n][drawn].astype(np.int64)
-        return TableResult(self._last_logits, tokens)
+        # each drawn row's token, and the later steps' of its slot, from the slot's out_tokens
+        # row (host-mapped: the step's end writes it at the fed position)
+        out, M = b["out_tokens"], self.max_seq_len
+        tokens, later = [], {}
+        for s, p in zip(np.asarray(slots)[drawn], np.asarray(positions)[drawn]):
+            tokens.append(int(out[s * M + p]))
+            if ran > 1:
+                row = out[s * M + p + 1:s * M + min(p + ran, M)]
+                got = int(np.argmax(row == NO_TOKEN)) if np.any(row == NO_TOKEN) else len(row)
+                later[int(s)] = [int(t) for t in row[:got]]
+        return TableResult(self._last_logits, np.array(tokens, np.int64), later)
 
     def _own_rows(self, tokens: list[int], start_pos: int, want: str) -> np.ndarray:
         """One-sequence calls on a kernel of many (tools, tests, a prompt's logprobs): the

@@ -115,6 +115,10 @@ class RowWord(IntEnum):
     # TEMPERATURE + Gumbel noise keyed by (SEED, POS), the one-sequence kernel's draw
     TEMPERATURE = 5  # float32 bits; 0: greedy
     SEED = 6
+    # a launch of many table steps (State.STEPS > 1): the step's end makes each row with
+    # logits a decode row of the next step, fed its drawn token, unless the token is one of its
+    # slot's stop tokens (stop_mask row SLOT), a NaN's -1, or the next position reaches STOP_POS
+    STOP_POS = 7
 
 
 ROW_WORDS = len(RowWord)
@@ -196,9 +200,11 @@ PARAMS: list[tuple[str, str, str]] = [
     ("ffn_h", "float*", "[FFN] silu(gate) * up"),
     ("logits", "float*", "[VOCAB]"),
     ("lm_part", "float*", "[max_partials, 2] (best score, its token id as float bits)"),
-    ("out_tokens", "int*", "[MAX_SEQ] token each step at pos chose for pos + 1 (host-mapped)"),
+    ("out_tokens", "int*", "[MAX_SEQ] token each step at pos chose for pos + 1 (host-mapped); "
+     "SLOTS: [SLOTS + 1, MAX_SEQ], a row per slot"),
     ("feed", "int*", "[MAX_SEQ] tokens fed at positions < FEED_END (written before a launch)"),
-    ("stop_mask", "unsigned*", "[(VOCAB + 31) / 32] bitmap of the stop tokens"),
+    ("stop_mask", "unsigned*", "[(VOCAB + 31) / 32] bitmap of the stop tokens; SLOTS: one per "
+     "slot"),
     ("host_flags", "int*", "[HOST_FLAG_WORDS] host-mapped: the host writes them mid-launch"),
     ("k_cache", "unsigned short*", "[LAYERS, KV_ROWS, KV_HEADS, HEAD_DIM] bf16 (KV_ROWS: MAX_SEQ,"
      " or the pages' positions)"),

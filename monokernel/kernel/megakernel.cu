@@ -1179,13 +1179,38 @@ __device__ __forceinline__ int read_host_stop(const Params& P) {
 __device__ __forceinline__ void finish_step(const Params& P, const int* st, int token,
                                             int host_stop) {
 #if MK_SLOTS
-  // a step of the token table: the host reads the logits rows and writes the next table (one
-  // step per launch until the device samples per slot: docs/many-tokens.md, slices 4-5)
+  // a step of the token table. Every row with logits: its drawn token to its slot's row of
+  // out_tokens, at the row's position; in a launch of more steps, the row becomes a decode row
+  // of the next table (P.rows, which every block copies after the step counter moves), fed
+  // that token at the next position, unless its slot stops there (isa.RowWord.STOP_POS).
   (void)token;
-  (void)host_stop;
+  const bool more = st[S_STEPS] > 1 && host_stop == 0;
+  int k = 0;
+  for (int tok = 0; tok < step_tokens(st); ++tok) {
+    const int* row = step_row(st, tok);
+    if (row[R_LOGITS] < 0) continue;
+    const int slot = row[R_SLOT], next_pos = row[R_POS] + 1, t = P.row_tokens[tok];
+    *reinterpret_cast<volatile int*>(P.out_tokens + (size_t)slot * MK_MAX_SEQ + row[R_POS]) = t;
+    const bool stop = t < 0 ||
+        ((P.stop_mask[(size_t)slot * ((MK_VOCAB + 31) / 32) + (t >> 5)] >> (t & 31)) & 1u) ||
+        next_pos >= row[R_STOP_POS] || next_pos >= MK_MAX_SEQ;
+    if (stop || !more) continue;
+    int* next = P.rows + k * MK_ROW_WORDS;
+    next[R_TOKEN] = t;
+    next[R_SLOT] = slot;
+    next[R_POS] = next_pos;
+    next[R_SEG] = k;
+    next[R_LOGITS] = k;
+    next[R_TEMPERATURE] = row[R_TEMPERATURE];
+    next[R_SEED] = row[R_SEED];
+    next[R_STOP_POS] = row[R_STOP_POS];
+    ++k;
+  }
+  P.state[S_NTOK] = k;
   P.state[S_STEP] = st[S_STEP] + 1;
-  P.state[S_RUN] = 0;
-  P.state[S_STOP_REASON] = STOP_BUDGET;
+  P.state[S_RUN] = k > 0;
+  P.state[S_STOP_REASON] = k > 0 ? STOP_NONE : host_stop ? STOP_HOST
+                         : st[S_STEPS] <= 1 ? STOP_BUDGET : STOP_TOKEN;
 #else
   // a chunk's positions pos..pos+NTOK-1: the next token of each but the last is fed
   const int first = st[S_POS], pos = first + step_tokens(st) - 1, next_pos = pos + 1;

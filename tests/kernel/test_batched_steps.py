@@ -377,3 +377,65 @@ def test_a_pool_smaller_than_a_context_per_slot(synth_model):
     assert got == solo and peak == 1
     with pytest.raises(PromptError, match="the pool holds 3"):
         eng.generate(prompt_of(model, 20, 72), params)
+
+
+def test_a_launch_of_many_table_steps_is_the_steps_one_by_one(synth_model):
+    """``StepTable.steps``: one launch runs up to 6 decode steps of 4 slots, the kernel feeding
+    each slot its drawn token until the slot draws a stop token (slot 1), reaches its stop
+    position (slot 2) or the launch ends (slots 0, 3); the tokens and K/V are bitwise those of
+    one launch per step with the host feeding the same draws."""
+    from monokernel.kernel.base import DeviceSample
+
+    model = synth_model("llama3-tiny")
+    prompts = [prompt_of(model, n, 80 + n) for n in (3, 6, 2, 9)]
+    draws = {s: DeviceSample(HOT if s % 2 else 0.0, 100 + s) for s in range(4)}
+    runs = []
+    for one_by_one in (True, False):
+        ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=4, step_tokens=24, page_size=PAGE)
+        ex.poison()
+        pages = list(ex.add_pages(8))
+        tables = {s: pages[2 * s:2 * s + 2] for s in range(4)}
+        rows = [(t, s, p, p == len(pr) - 1, True) for s, pr in enumerate(prompts)
+                for p, t in enumerate(pr)]
+        first = ex.run_table(StepTable.of(rows, tables, draws))
+        seqs = {s: list(p) + [int(t)] for s, (p, t) in enumerate(zip(prompts, first.tokens))}
+        if not runs:  # slot 1 stops at the token it draws third; slot 2 at position 5
+            probe = KernelExecutor(model, MAX_SEQ, blocks=3, slots=4, step_tokens=24,
+                                   page_size=PAGE)
+            probe.add_pages(8)
+            probe.run_table(StepTable.of(rows, tables, draws))
+            s1 = list(seqs[1])
+            for _ in range(2):
+                out = probe.run_table(StepTable.of([(s1[-1], 1, len(s1) - 1, True, False)],
+                                                   tables, draws))
+                s1.append(int(out.tokens[0]))
+            stops = {1: (frozenset({s1[-1]}), MAX_SEQ), 2: (frozenset(), 5)}
+        if one_by_one:
+            live = {0, 1, 2, 3}
+            for _ in range(6):
+                step = [(seqs[s][-1], s, len(seqs[s]) - 1, True, False) for s in sorted(live)]
+                out = ex.run_table(StepTable.of(step, tables, draws))
+                for (_, s, pos, _, _), tok in zip(step, out.tokens):
+                    seqs[s].append(int(tok))
+                    stop_ids, stop_pos = stops.get(s, (frozenset(), MAX_SEQ))
+                    if tok in stop_ids or pos + 1 >= stop_pos:
+                        live.discard(s)
+        else:
+            step = [(seqs[s][-1], s, len(seqs[s]) - 1, True, False) for s in range(4)]
+            steps0 = ex.steps_run
+            out = ex.run_table(StepTable.of(step, tables, draws, steps=6, stops=stops))
+            assert ex.steps_run - steps0 == 6
+            for (_, s, _, _, _), tok in zip(step, out.tokens):
+                seqs[s] += [int(tok)] + out.later.get(s, [])
+        kv = [ex.read_buffer("k_cache").copy(), ex.read_buffer("v_cache").copy()]
+        runs.append((seqs, kv))
+    (a, kva), (b, kvb) = runs
+    assert a == b
+    # generated: the prompt step's token, then 6 more, or up to the stop token (the third) or
+    # the token at the stop position (5)
+    lens = {s: len(b[s]) - len(prompts[s]) for s in range(4)}
+    assert lens == {0: 7, 1: 3, 2: 5 - len(prompts[2]) + 1, 3: 7}
+    for s in range(4):
+        rows = [tables[s][p // PAGE] * PAGE + p % PAGE for p in range(len(b[s]) - 1)]
+        assert np.array_equal(kva[0][:, rows], kvb[0][:, rows]), s
+        assert np.array_equal(kva[1][:, rows], kvb[1][:, rows]), s
