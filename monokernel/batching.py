@@ -192,8 +192,11 @@ class Batcher:
             if not self.running:
                 return
             rows, chunks = self._plan()
+            steps = self._launch_steps(chunks)
             table = StepTable.of(rows, {s.slot: s.pages for s in chunks},
-                                 {s.slot: s.draw for s in chunks if s.draw is not None})
+                                 {s.slot: s.draw for s in chunks if s.draw is not None},
+                                 steps, {s.slot: (s.rule.stop_ids, s.rule.stop_pos)
+                                         for s in chunks} if steps > 1 else None)
             try:
                 if self.executor.pages_owner is not self:
                     raise MonokernelError(f"another Engine was made on this {self.executor.name}"
@@ -255,6 +258,28 @@ class Batcher:
                 s.pages.append(self.pool.allocate())
         return rows, chunks
 
+    def _launch_steps(self, chunks: list[Seq]) -> int:
+        """Steps the launch may run (an executor of ``max_table_steps`` > 1, the kernel): more
+        than one only when nobody waits to join and every sequence of the step draws its tokens
+        on the device and decodes after it (its prompt done), each up to its stop position;
+        their pages for those positions are handed out now (promised at admission). The kernel
+        stops a sequence at its stop tokens or position itself; the host's StopRule drops what a
+        stop string ends early. A request arriving meanwhile waits at most max_table_steps."""
+        most = self.executor.max_table_steps
+        if most <= 1 or self.waiting or not chunks:
+            return 1
+        last = {}
+        for s in chunks:
+            if s.draw is None or s.computed + s.chunk < len(s.prompt):
+                return 1
+            last[s] = s.computed + s.chunk - 1  # the position of its row that draws
+        steps = min([most] + [s.rule.stop_pos - p for s, p in last.items()])
+        ps = self.pool.page_size
+        for s, p in last.items():
+            while len(s.pages) * ps < p + steps:
+                s.pages.append(self.pool.allocate())
+        return max(steps, 1)
+
     def _take(self, chunks: list[Seq], out: TableResult) -> None:
         """Hand each sequence its logits rows or its drawn token (in row order: decode rows,
         then chunks)."""
@@ -270,6 +295,11 @@ class Batcher:
                 if decoding or ends_prompt:
                     self._accept(s, int(out.tokens[drawn]))
                     drawn += 1
+                    for tok in out.later.get(s.slot, []):  # a launch of many steps
+                        if s.finished:
+                            break  # a stop string ended it: the rest is dropped
+                        s.computed += 1  # the step that drew it fed the token before
+                        self._accept(s, tok)
                 continue
             logits = out.logits
             mine = logits[row:row + n] if (decoding or ends_prompt or s.want_prompt) else None

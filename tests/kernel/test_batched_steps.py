@@ -244,6 +244,17 @@ def test_the_engine_batches_on_the_emulator(synth_model):
                 live.discard(i)
     assert got == solo
     assert ex.logits_rows_read == 0  # every token drawn on the device (slice 4)
+    assert ex.steps_run > ex.launches  # decode steps ran many to a launch
+    # a stop string (the host's text_stop) ending a request in the middle of a launch: the
+    # tokens the kernel made past it are dropped, the text is the solo run's
+    cut = lambda tok: tok == solo[0][2]  # noqa: E731
+    want = [s.token for s in Engine(KernelExecutor(model, MAX_SEQ, blocks=2)).generate(
+        ids[0], params[0], text_stop=cut)]
+    assert want == solo[0][:3]
+    its = [iter(eng.generate(ids[0], params[0], text_stop=cut)),
+           iter(eng.generate(ids[1], params[1]))]
+    both = [[s.token for s in it] for it in its]
+    assert both == [want, solo[1]]
     # logprobs need the logits: that request's rows come back and the host samples them, the
     # same draw from the same logits
     with_lp = [s for s in eng.generate(ids[0], params[0].replace(logprobs=1))]
