@@ -329,3 +329,45 @@ def test_negative_control_a_segments_keys_without_their_barrier_is_reported(synt
             "        __syncthreads();\n", "")))
     assert re.search(r"op_attention|attention_scores|load_kv_rows", info.value.report), \
         info.value.report[:4000]
+
+
+def decode_launch(ex: KernelExecutor):
+    """Two slots' decode rows (positions 0), drawn, in a launch of 3 steps: the step's end
+    writes the next table (P.rows, the state) and every block copies it after the step
+    counter moves."""
+    from monokernel.kernel.base import DeviceSample, StepTable
+
+    pages = list(ex.add_pages(4))
+    return StepTable.of([(5, 0, 0, True, False), (999, 1, 0, True, False)],
+                        {0: pages[:2], 1: pages[2:]},
+                        {0: DeviceSample(0.0, 0), 1: DeviceSample(25.0, 4)}, steps=3)
+
+
+@needs_tsan
+def test_strict_tsan_a_launch_of_table_steps_no_race(tiny):
+    """Many table steps in one launch (issue 17 slice 4): race-free, 3 steps run, each slot's
+    three tokens in its out_tokens row."""
+    ex = table_executor(tiny)
+    controls, _, report = run_strict(ex, [], table=decode_launch(ex))
+    assert report == ""
+    assert ex.steps_run == 3 and controls[0][2] == 3  # State.STEP
+    out = ex.buffers["out_tokens"].reshape(3, MAX_SEQ)
+    assert all(0 <= t < tiny.config.vocab_size for t in out[:2, :3].ravel())
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+def test_negative_control_next_table_written_after_the_release_is_reported(tiny):
+    """finish_step releasing the step counter before it writes the next table: the other
+    blocks copy rows still being written; TSan must see it."""
+    ex = table_executor(tiny)
+    source = ex.source
+    final = "#if MK_SYNC >= 2\n  red_add_release(&P.counters[st[S_STEP_COUNTER]], 1);"
+    early = "  const bool more = st[S_STEPS] > 1 && host_stop == 0;\n"
+    assert source.count(final) == 1 and source.count(early) == 1
+    source = source.replace(final, "#if MK_SYNC >= 2\n").replace(
+        early, early + "  red_add_release(&P.counters[st[S_STEP_COUNTER]], 1);\n")
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, [], table=decode_launch(ex), source=source)
+    assert re.search(r"load_state|finish_step|run_instructions", info.value.report), \
+        info.value.report[:4000]
