@@ -11,7 +11,8 @@ pay for again, done once and in parallel before any of them runs.
 - then the reference's greedy runs the smoke step and the GPU tests compare with
   ($MONOKERNEL_CACHE/reference: one float32 model per shape, built once, not in every step).
 
-    python -m monokernel.tools.prepare --max-seq N --build SHAPE:BACKEND[:trace][:slots=N][:tokens=N]
+    python -m monokernel.tools.prepare --max-seq N \
+        --build SHAPE:BACKEND[:trace][:slots=N][:tokens=N]
                                        [--program SHAPE[,KEY=N...] ...]
                                        [--reference TOKENS:STEPS ...] [--jobs N]
 

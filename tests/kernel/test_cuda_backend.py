@@ -664,7 +664,7 @@ def test_gpu_steps_of_many_sequences_are_bitwise_each_alone(gpu_case):
     step of 30 rows (each crossing pages of 16 or not), then 5 steps of 4 greedy decode rows;
     every logits row bitwise the one-sequence kernel's at that position (the emulator proves
     the same on the CPU; this is the PTX path: token table, block tables, logits rows)."""
-    from monokernel.kernel.base import StepTable
+    from monokernel.kernel.base import DeviceSample, StepTable
     from monokernel.runtime import make_executor
 
     m = gpu_case("smollm2-135m")[0]
@@ -688,6 +688,20 @@ def test_gpu_steps_of_many_sequences_are_bitwise_each_alone(gpu_case):
         for pos in range(len(seqs[s]) - 1):
             want = one.step(seqs[s][pos], pos).logits
             assert np.array_equal(got[s][pos].view(np.uint32), want.view(np.uint32)), (s, pos)
+    # the same greedy tokens drawn on the device, the decode steps in one launch (slice 4)
+    ex = make_executor("cuda", m, GPU_MAX_SEQ, slots=4, step_tokens=32)
+    ex.add_pages(4 * 2)
+    draws = {s: DeviceSample(0.0, 0) for s in range(4)}
+    rows = [(t, s, i, i == len(p) - 1, True) for s, p in enumerate(prompts)
+            for i, t in enumerate(p)]
+    first = ex.run_table(StepTable.of(rows, tables, draws))
+    rows = [(int(t), s, len(p), True, False) for s, (p, t) in enumerate(zip(prompts, first.tokens))]
+    launches = ex.launches
+    out = ex.run_table(StepTable.of(rows, tables, draws, steps=5))
+    assert ex.launches == launches + 1 and ex.logits_rows_read == 0
+    for s, p in enumerate(prompts):
+        drawn = [int(first.tokens[s]), int(out.tokens[s])] + out.later[s]
+        assert list(p) + drawn == seqs[s], s
 
 
 @pytest.mark.gpu
