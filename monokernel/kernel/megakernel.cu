@@ -1243,6 +1243,23 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
 #endif
 }
 
+// The best of n partials (score, token id as float bits) by one warp, in one round trip:
+// every lane ends with it.
+__device__ __forceinline__ void warp_best_of(const float* part, int n, float& best,
+                                             int& best_id) {
+  const int lane = threadIdx.x & 31;
+  best = NEG_INF;
+  best_id = -1;
+  for (int i = lane; i < n; i += 32)
+    best_of(best, best_id, part[i * 2], __float_as_int(part[i * 2 + 1]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(FULL_MASK, best, o);
+    const int oid = __shfl_xor_sync(FULL_MASK, best_id, o);
+    best_of(best, best_id, ov, oid);
+  }
+}
+
 // The step's sample, folded into the LM head. Every block takes a ticket after its partial is
 // written (ticket_add: a release, as a signal); the block that draws the step's last ticket
 // acquires (as a wait would: its L1 is invalidated) and reduces all partials with one warp, in
@@ -1255,114 +1272,44 @@ __device__ void lm_head_ticket(const Params& P, OpShared& s, const int* st, int 
     s_last = ticket_add(&P.counters[ticket], 1) == tickets * (st[S_STEP] + 1) - 1;
   __syncthreads();
   if (!s_last) return;
+  const int lane = threadIdx.x & 31;
+  float best;
+  int best_id;
 #if MK_SLOTS
-  {  // every row with logits: its draw from its partials, a warp per row
-    const int lane = threadIdx.x & 31;
-    for (int tok = threadIdx.x >> 5; tok < step_tokens(st); tok += NWARPS) {
-      if (step_row(st, tok)[R_LOGITS] < 0) continue;
-      const float* part = P.lm_part + (size_t)tok * tickets * 2;
-      float best = NEG_INF;
-      int best_id = -1;
-      for (int i = lane; i < tickets; i += 32)
-        best_of(best, best_id, part[i * 2], __float_as_int(part[i * 2 + 1]));
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, best, o);
-        const int oid = __shfl_xor_sync(FULL_MASK, best_id, o);
-        best_of(best, best_id, ov, oid);
-      }
-      if (lane == 0) P.row_tokens[tok] = best == best ? best_id : -1;
-    }
-    __syncthreads();  // the rows' tokens are issued before thread 0's release (finish_step)
-    if (threadIdx.x == 0) finish_step(P, st, -1, host_stop);
-    return;
+  // every row with logits: its draw from its row of partials, a warp per row
+  for (int tok = threadIdx.x >> 5; tok < step_tokens(st); tok += NWARPS) {
+    if (step_row(st, tok)[R_LOGITS] < 0) continue;
+    warp_best_of(P.lm_part + (size_t)tok * tickets * 2, tickets, best, best_id);
+    if (lane == 0) P.row_tokens[tok] = best == best ? best_id : -1;
   }
-#endif
+  __syncthreads();  // the rows' tokens are issued before thread 0's release (finish_step)
+  if (threadIdx.x == 0) finish_step(P, st, -1, host_stop);
+#else
   if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x;
-  float best = NEG_INF;
-  int best_id = -1;
-  for (int i = lane; i < tickets; i += 32)
-    best_of(best, best_id, P.lm_part[i * 2], __float_as_int(P.lm_part[i * 2 + 1]));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(FULL_MASK, best, o);
-    const int oid = __shfl_xor_sync(FULL_MASK, best_id, o);
-    best_of(best, best_id, ov, oid);
-  }
+  warp_best_of(P.lm_part, tickets, best, best_id);
   if (lane == 0) finish_step(P, st, best == best ? best_id : -1, host_stop);
+#endif
 }
 
-// host_stop: read_host_stop() by thread 0 before the wait (only thread 0 ends a step).
-__device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, const int* st,
-                               const float (&g)[RMS_PER], int host_stop) {
-  const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], slot = ins[A_RMS_LM_HEAD_SLOT];
+// One row's LM-head tile: logits[b:e] = lm_head[b:e] . rmsnorm(x) when `run`, and the tile's
+// best score (the logit, or logit / temp + Gumbel noise keyed by (seed, pos)) with its token
+// written to part[0..1] by thread 0 (-inf and -1 when not `run`: a prompt step's, an empty
+// tile's).
+__device__ __forceinline__ void lm_head_tile(const Params& P, OpShared& s,
+                                             const float (&g)[RMS_PER], int b, int e, bool run,
+                                             const float* x, float* logits, float temp,
+                                             unsigned seed, unsigned pos, float* part) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float temp = __int_as_float(st[S_TEMPERATURE]);
-  // the step's last token: the only one whose next token is drawn
-  const int last = step_tokens(st) - 1;
-  const unsigned seed = (unsigned)st[S_SEED], pos = (unsigned)(st[S_POS] + last);
   float best = NEG_INF;
   int best_id = -1;
-  // a prompt step's sample is not used (the next position embeds the fed token): no logits
-  const bool prompt = (int)pos + 1 < st[S_FEED_END];
-#if MK_SLOTS
-  // a step of the token table: the logits of every row that wants them (isa.RowWord.LOGITS),
-  // each row's own mat-vec; the host samples them
-  (void)prompt;
-  (void)temp;
-  (void)seed;
-  (void)last;
-  (void)best;
-  (void)best_id;
-  const int parts = ins[A_RMS_LM_HEAD_TICKETS];  // partials per row: one per block
-  for (int tok = 0; tok < step_tokens(st); ++tok) {
-    const int* row = step_row(st, tok);
-    const int out = row[R_LOGITS];
-    if (out < 0) continue;
-    const float t = __int_as_float(row[R_TEMPERATURE]);
-    const unsigned sd = (unsigned)row[R_SEED], p = (unsigned)row[R_POS];
-    float rbest = NEG_INF;
-    int rid = -1;
-    if (b < e) {
-      rms_apply(P.residual + (size_t)tok * H, g, s.vec);
-      float* logits = P.logits + (size_t)out * MK_VOCAB;
-      block_dot_rows<H>(
-          e - b, [&](int k) { return P.lm_head + (size_t)(b + k) * H; }, s.vec,
-          [](int) { return 0.f; },
-          [&](int k, float v, float) {
-            const int r = b + k;
-            logits[r] = v;
-            best_of(rbest, rid, t > 0.f ? v / t + gumbel(sd, p, (unsigned)r) : v, r);
-          });
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {  // the warp's best, then the block's (thread 0)
-      const float ov = __shfl_xor_sync(FULL_MASK, rbest, o);
-      const int oid = __shfl_xor_sync(FULL_MASK, rid, o);
-      best_of(rbest, rid, ov, oid);
-    }
-    if (lane == 0) {
-      s.best[warp] = rbest;
-      s.best_id[warp] = rid;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int w = 1; w < NWARPS; ++w) best_of(rbest, rid, s.best[w], s.best_id[w]);
-      P.lm_part[((size_t)tok * parts + slot) * 2] = rbest;
-      P.lm_part[((size_t)tok * parts + slot) * 2 + 1] = __int_as_float(rid);
-    }
-    __syncthreads();  // s.best: the next row's
-  }
-#else
-  if (b < e && !prompt) {
-    rms_apply(P.residual + (size_t)last * H, g, s.vec);
+  if (run) {
+    rms_apply(x, g, s.vec);
     block_dot_rows<H>(
         e - b, [&](int k) { return P.lm_head + (size_t)(b + k) * H; }, s.vec,
         [](int) { return 0.f; },
         [&](int k, float v, float) {
           const int r = b + k;
-          P.logits[r] = v;
+          logits[r] = v;
           best_of(best, best_id, temp > 0.f ? v / temp + gumbel(seed, pos, (unsigned)r) : v, r);
         });
   }
@@ -1379,9 +1326,37 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
   __syncthreads();
   if (threadIdx.x == 0) {
     for (int w = 1; w < NWARPS; ++w) best_of(best, best_id, s.best[w], s.best_id[w]);
-    P.lm_part[slot * 2] = best;
-    P.lm_part[slot * 2 + 1] = __int_as_float(best_id);
+    part[0] = best;
+    part[1] = __int_as_float(best_id);
   }
+}
+
+// host_stop: read_host_stop() by thread 0 before the wait (only thread 0 ends a step).
+__device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, const int* st,
+                               const float (&g)[RMS_PER], int host_stop) {
+  const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], slot = ins[A_RMS_LM_HEAD_SLOT];
+#if MK_SLOTS
+  // a step of the token table: every row that wants logits, each its own tile and draw
+  // (isa.RowWord: its logits row, temperature, seed), its partial in its row of lm_part
+  const int parts = ins[A_RMS_LM_HEAD_TICKETS];  // partials per row: one per block
+  for (int tok = 0; tok < step_tokens(st); ++tok) {
+    const int* row = step_row(st, tok);
+    if (row[R_LOGITS] < 0) continue;
+    lm_head_tile(P, s, g, b, e, b < e, P.residual + (size_t)tok * H,
+                 P.logits + (size_t)row[R_LOGITS] * MK_VOCAB, __int_as_float(row[R_TEMPERATURE]),
+                 (unsigned)row[R_SEED], (unsigned)row[R_POS],
+                 P.lm_part + ((size_t)tok * parts + slot) * 2);
+    __syncthreads();  // s.best: the next row's
+  }
+#else
+  // the step's last token: the only one whose next token is drawn
+  const int last = step_tokens(st) - 1;
+  const unsigned pos = (unsigned)(st[S_POS] + last);
+  // a prompt step's sample is not used (the next position embeds the fed token): no logits
+  const bool prompt = (int)pos + 1 < st[S_FEED_END];
+  lm_head_tile(P, s, g, b, e, b < e && !prompt, P.residual + (size_t)last * H, P.logits,
+               __int_as_float(st[S_TEMPERATURE]), (unsigned)st[S_SEED], pos,
+               P.lm_part + slot * 2);
 #endif
   const int ticket = ins[A_RMS_LM_HEAD_TICKET], tickets = ins[A_RMS_LM_HEAD_TICKETS];
   if (tickets > 0) lm_head_ticket(P, s, st, ticket, tickets, host_stop);

@@ -76,6 +76,27 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
+async def all_at_once(srv, requests) -> tuple[list, dict[str, int]]:
+    """The requests' coroutines run at once (bounded by TOTAL_TIMEOUT_S), and the worker's peak
+    queued and running counts while they ran."""
+    peak = {"queued": 0, "running": 0}
+    done = asyncio.Event()
+
+    async def watch():
+        while not done.is_set():
+            st = srv.worker.stats()
+            for k in peak:
+                peak[k] = max(peak[k], st[k])
+            await asyncio.sleep(0.005)
+
+    w = asyncio.create_task(watch())
+    try:
+        return await asyncio.wait_for(asyncio.gather(*requests), TOTAL_TIMEOUT_S), peak
+    finally:
+        done.set()
+        await w
+
+
 def test_concurrent_streams_get_exactly_their_tokens(tiny_llm):
     reqs = [request(i) for i in range(N_CLIENTS)]
     with running_server(tiny_llm, max_queue=N_CLIENTS, max_num_seqs=MAX_NUM_SEQS) as srv:
@@ -83,25 +104,8 @@ def test_concurrent_streams_get_exactly_their_tokens(tiny_llm):
             limits = httpx.Limits(max_connections=N_CLIENTS + 4)
             async with httpx.AsyncClient(base_url=srv.url, timeout=60.0, limits=limits) as c:
                 alone = [await run_one(c, p, b) for p, b in reqs]  # one at a time
-
-                peak = {"queued": 0, "running": 0}
-                done = asyncio.Event()
-
-                async def watch():
-                    while not done.is_set():
-                        st = srv.worker.stats()
-                        for k in peak:
-                            peak[k] = max(peak[k], st[k])
-                        await asyncio.sleep(0.005)
-
-                w = asyncio.create_task(watch())
                 t0 = time.perf_counter()
-                try:
-                    together = await asyncio.wait_for(
-                        asyncio.gather(*(run_one(c, p, b) for p, b in reqs)), TOTAL_TIMEOUT_S)
-                finally:
-                    done.set()
-                    await w
+                together, peak = await all_at_once(srv, (run_one(c, p, b) for p, b in reqs))
                 return alone, together, time.perf_counter() - t0, peak
 
         alone, together, wall, peak = asyncio.run(main())
@@ -169,23 +173,8 @@ def test_a_kernel_backend_serves_its_slots_concurrently(synth_dir):
         async def main():
             async with httpx.AsyncClient(base_url=srv.url, timeout=60.0) as c:
                 alone = [await run_one(c, p, b) for p, b in reqs]
-                peak = 0
-                done = asyncio.Event()
-
-                async def watch():
-                    nonlocal peak
-                    while not done.is_set():
-                        peak = max(peak, srv.worker.stats()["running"])
-                        await asyncio.sleep(0.005)
-
-                w = asyncio.create_task(watch())
-                try:
-                    together = await asyncio.wait_for(
-                        asyncio.gather(*(run_one(c, p, b) for p, b in reqs)), TOTAL_TIMEOUT_S)
-                finally:
-                    done.set()
-                    await w
-                return alone, together, peak
+                together, peak = await all_at_once(srv, (run_one(c, p, b) for p, b in reqs))
+                return alone, together, peak["running"]
 
         alone, together, peak = asyncio.run(main())
     assert [b["ids"] for b in together] == [a["ids"] for a in alone]
