@@ -3,10 +3,10 @@
 
 Calls pasted from vLLM work: ``generate(prompts, sampling_params=...)`` with one or a list of
 params, ``{"prompt_token_ids": [...]}`` prompts, ``chat()`` on a list of conversations,
-``get_tokenizer()``. A list of prompts runs as one batch on a batched backend (numpy: up to
-``max_num_seqs`` sequences per step, the rest admitted as slots free up; batching.py), one
-after another on the kernel backends, which run one sequence at a time until their T-token
-step lands.
+``get_tokenizer()``. A list of prompts runs as one batch on a batched backend (numpy, or a
+kernel backend built with ``slots=N``: up to ``max_num_seqs`` sequences per step, the rest
+admitted as slots free up; batching.py), one after another on a kernel backend without slots,
+which runs one sequence at a time.
 """
 
 from __future__ import annotations

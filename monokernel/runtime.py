@@ -370,11 +370,11 @@ class Generation:
 class Engine:
     """The generation loop: validate, prefill, then sample and step until a stop condition.
 
-    A batched executor (``max_num_seqs`` > 1: numpy) runs every generation through the
-    Batcher's step loop (batching.py): many at once, up to ``max_num_seqs``, steps of at most
-    ``max_num_batched_tokens`` rows, K/V in ``num_pages`` pages (default: a whole context per
-    slot), prompt pages reused across requests. What follows is the one-sequence path of the
-    other executors (the kernels).
+    A batched executor (``max_num_seqs`` > 1: numpy, a kernel of slots) runs every generation
+    through the Batcher's step loop (batching.py): many at once, up to ``max_num_seqs``, steps
+    of at most ``max_num_batched_tokens`` rows, K/V in ``num_pages`` pages (default: a whole
+    context per slot, or the executor's pool), prompt pages reused across requests. What
+    follows is the one-sequence path of the other executors (the kernels without slots).
 
     One sequence at a time. With ``prefix_caching`` the K/V cache of the longest common prefix
     of the previous sequence (prompt and fed tokens) and the new prompt is kept, and only the

@@ -144,7 +144,7 @@ class Executor(ABC):
     multi_step = False
     launches = 0  # kernel launches the host made (a CUDA graph replay is one); 0: no kernel
     # Batching: how many sequences ``run_table`` takes at once. 1: one sequence at a time
-    # through ``run_steps`` (the kernels, until their T-token step lands); more: the Engine
+    # through ``run_steps`` (a kernel built without ``slots``); more: the Engine
     # schedules steps of many sequences (``add_pages``, ``run_table``).
     max_num_seqs = 1
     page_size = 0  # positions per K/V page of a batched executor

@@ -47,9 +47,10 @@ def add_serve_command(sub) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model's own name)")
     p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="requests that stream at once on a batched backend (numpy); the rest "
-                   "wait in the queue; 1: one at a time, in arrival order (default 32; the "
-                   "kernel backends run one sequence at a time)")
+                   help="requests that stream at once on a batched backend (numpy, or a kernel "
+                   "backend with --option slots=N: at most N); the rest wait in the queue; 1: "
+                   "one at a time, in arrival order (default 32; a kernel backend without "
+                   "slots runs one sequence at a time)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for the engine; past that, 503 (default 64)")
     p.add_argument("--default-max-tokens", type=int, default=None,

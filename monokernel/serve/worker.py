@@ -1,11 +1,11 @@
 """One engine thread, one FIFO queue, up to ``max_num_seqs`` requests running at once.
 
-Every generation runs on one thread that owns the LLM. On a batched backend (numpy) that thread
-admits up to ``max_num_seqs`` jobs from the queue, hands each running job the tokens its stream
-has ready, and runs the engine's next step (batching.py) when none has any: every admitted
-request streams at once, and a request that ends frees its place for the next in the queue at
-the step boundary. On a one-sequence backend (the kernels) the thread runs one job at a time,
-in arrival order, as before. A request is a ``Job``: a function that starts a ``Stream`` on
+Every generation runs on one thread that owns the LLM. On a batched backend (numpy, a kernel
+built with slots) that thread admits up to ``max_num_seqs`` jobs from the queue, hands each
+running job the tokens its stream has ready, and runs the engine's next step (batching.py) when
+none has any: every admitted request streams at once, and a request that ends frees its place
+for the next in the queue at the step boundary. On a one-sequence backend (a kernel without
+slots) the thread runs one job at a time, in arrival order, as before. A request is a ``Job``: a function that starts a ``Stream`` on
 the LLM, and a channel of events back to the event loop that serves the request:
 ``("started", None)``, then ``("delta", Delta)`` per piece, then ``("done", Completion)``, or
 ``("error", exception)`` at any point. A job cancelled while it waits is dropped from the queue;
