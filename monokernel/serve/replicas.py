@@ -1,6 +1,7 @@
 """``monokernel serve --replicas N``: N copies of the engine behind Ray Serve.
 
-One engine runs one sequence at a time; past what one GPU serves, the answer is more engines.
+One engine runs one sequence at a time on a kernel backend without slots, a batch with them;
+past what one GPU serves, the answer is more engines.
 Ray Serve (``pip install 'monokernel[ray]'``) is the distributed engine: its HTTP proxy takes
 the requests and routes each to a replica (power of two choices on their open requests), its
 controller restarts a replica that dies, and the same cluster may span many machines (a
@@ -36,6 +37,12 @@ APP_NAME = "monokernel"
 class RayExtraMissing(MonokernelError):
     """Ray Serve is not installed."""
 
+
+
+def _slots(options: dict) -> int:
+    """The sequences a kernel engine runs at once: its slots option (the LLM checks it)."""
+    slots = options.get("slots", 1)
+    return slots if isinstance(slots, int) and slots >= 1 else 1
 
 def require_ray():
     try:
@@ -84,9 +91,10 @@ def deployment(args: argparse.Namespace, options: dict, gpu: bool):
     return serve.deployment(
         ingress, name=APP_NAME, num_replicas=args.replicas,
         # a replica takes as many requests as its own queue holds (+ the running ones: one
-        # on a kernel backend, which runs one sequence at a time): it answers 503 queue_full
-        # past that, as one server does
-        max_ongoing_requests=args.max_queue + (1 if gpu else args.max_num_seqs),
+        # on a kernel backend without slots, which runs one sequence at a time, else up to
+        # its slots): it answers 503 queue_full past that, as one server does
+        max_ongoing_requests=args.max_queue + (
+            min(args.max_num_seqs, _slots(engine_options)) if gpu else args.max_num_seqs),
         graceful_shutdown_timeout_s=args.drain_timeout,
         ray_actor_options=resources,
         # the request log (observe.py) replaces Ray's access lines
