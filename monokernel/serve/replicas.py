@@ -38,7 +38,6 @@ class RayExtraMissing(MonokernelError):
     """Ray Serve is not installed."""
 
 
-
 def _slots(options: dict) -> int:
     """The sequences a kernel engine runs at once: its slots option (the LLM checks it)."""
     slots = options.get("slots", 1)
