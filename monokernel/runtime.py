@@ -30,8 +30,8 @@ import numpy as np
 from .batching import Batcher, batch_options
 from .errors import (BackendUnavailableError, MonokernelError, NumericalError, ParameterError,
                      PromptError)
-from .kernel.base import (Backend, BackendOptions, DeviceSample, Executor, StepResult,
-                          StepTable, TableResult)
+from .kernel.base import (DEFAULT_PAGE_SIZE, Backend, BackendOptions, DeviceSample, Executor,
+                          StepResult, StepTable, TableResult)
 from .kernel.isa import StopReason
 from .model.loader import LoadedModel
 from .sampling import Sampler, SamplingParams, log_softmax, rank_of, top_logprobs
@@ -45,7 +45,7 @@ class NumpyOptions(BackendOptions):
     threads: int | None = field(default=None, metadata={"min": 1})
     prefill_chunk: int = field(default=32, metadata={"min": 1})  # NumpyExecutor's docstring
     batch_invariant: bool = False  # NumpyExecutor.run_table
-    page_size: int = field(default=16, metadata={"min": 1})  # positions per K/V page
+    page_size: int = field(default=DEFAULT_PAGE_SIZE, metadata={"min": 1})  # per K/V page
 
 
 class NumpyExecutor(Executor):

@@ -58,6 +58,10 @@ class LaunchEnd:
     reason: StopReason
 
 
+# Positions per K/V page of a batched executor (numpy, a kernel of slots): option page_size.
+DEFAULT_PAGE_SIZE = 16
+
+
 @dataclass
 class StepTable:
     """One step of a batched executor: T rows, each a token fed at a position of a sequence

@@ -22,11 +22,11 @@ from ..errors import KernelError, NumericalError
 from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, NUM_THREADS, PARAMS, ROW_WORDS, STATE_WORDS,
                   TRACE_WORDS, Err, ErrCode, HostFlag, Op, RowWord, State, StopReason,
                   params_dtype)
-from .header import render_header, slot_pages
+from .header import render_header, slot_pages, stop_mask_words
 from .includes import inline_includes
 from ..model.loader import LoadedModel
 from .base import (Backend, BackendOptions, Choose, DeviceSample, Executor, LaunchEnd,
-                   StepResult, StepTable, TableResult, greedy, wall_times)
+                   DEFAULT_PAGE_SIZE, StepResult, StepTable, TableResult, greedy, wall_times)
 from .devices.emulator import EmulatorDevice
 from .program import Program
 from .schedule import MAX_STEP_TOKENS, schedule
@@ -41,11 +41,18 @@ ACTIVATIONS = ("residual", "q", "k_raw", "attn_o", "attn_ml", "attn", "ffn_h", "
 NO_TOKEN = -2
 # A multi-step launch that finishes no step for this long beyond the kernel's watchdog is hung.
 PROGRESS_GRACE_S = 5.0
-# Positions per K/V page of a kernel of many sequences (``slots``), as the NumPy backend's.
-DEFAULT_PAGE_SIZE = 16
 # Decode steps one launch of a kernel of slots runs at most (option steps_per_launch): requests
 # waiting to join wait at most this many steps for the launch to end.
 DEFAULT_TABLE_STEPS = 8
+
+
+def stop_mask(ids, vocab_size: int) -> np.ndarray:
+    """The stop-token bitmap the kernel reads (megakernel.cu stop_token) of the ids in the
+    vocabulary (others can never be drawn)."""
+    mask = np.zeros(stop_mask_words(vocab_size), np.uint32)
+    ids = np.array(sorted(t for t in ids if 0 <= t < vocab_size), np.int64)
+    np.bitwise_or.at(mask, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+    return mask
 
 
 def kernel_source(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: int = 0,
@@ -176,7 +183,7 @@ class KernelExecutor(Executor):
             self.max_num_seqs, self.max_step_rows = slots, step_tokens
             self.slot_pages = slot_pages(max_seq_len, page_size)
             self.max_table_steps = steps_per_launch or DEFAULT_TABLE_STEPS
-            self._stop_masks = np.zeros((slots + 1) * ((self.config.vocab_size + 31) // 32),
+            self._stop_masks = np.zeros((slots + 1) * stop_mask_words(self.config.vocab_size),
                                         np.uint32)
             # the pool's pages for the slots (beside the one-sequence calls' own): a context
             # each by default; fewer make memory follow the tokens in use (the Batcher admits
@@ -251,7 +258,7 @@ class KernelExecutor(Executor):
                 b[name] = dev.alloc((n,), np.float32)
         b["feed"] = dev.alloc((self.max_seq_len,), np.int32)
         masks = self.slots + 1 if self.table else 1  # a kernel of slots: one per slot
-        b["stop_mask"] = dev.alloc((masks * ((c.vocab_size + 31) // 32),), np.uint32)
+        b["stop_mask"] = dev.alloc((masks * stop_mask_words(c.vocab_size),), np.uint32)
         b["host_flags"] = dev.alloc_mapped((HOST_FLAG_WORDS,), np.int32)
         kv_rows = self.max_seq_len
         if self.table:
@@ -405,10 +412,7 @@ class KernelExecutor(Executor):
         dev.write(b["feed"], feed)
         key = frozenset(int(t) for t in stop_ids)
         if key != self._stop_key:
-            mask = np.zeros(b["stop_mask"].shape, np.uint32)
-            ids = np.array(sorted(t for t in key if 0 <= t < self.config.vocab_size), np.int64)
-            np.bitwise_or.at(mask, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
-            dev.write(b["stop_mask"], mask)
+            dev.write(b["stop_mask"], stop_mask(key, self.config.vocab_size))
             self._stop_key = key
         out, flags = b["out_tokens"], b["host_flags"]
         out[start_pos:] = NO_TOKEN
@@ -570,7 +574,7 @@ class KernelExecutor(Executor):
     def _check_table(self, t: StepTable) -> None:
         """KernelError naming what is wrong before anything is written to the device (the
         kernel trusts the table: a bad page or row order would read another sequence's K/V)."""
-        n, c = len(t), self.config
+        n = len(t)
         where = f"{self.name}: step table"
         if not 1 <= n <= self.max_step_rows:
             raise KernelError(f"{where} has {n} rows; this kernel takes 1 to "
@@ -580,8 +584,7 @@ class KernelExecutor(Executor):
                               f"{sorted(set(int(x) for x in t.slots))}")
         if np.any((t.positions < 0) | (t.positions >= self.max_seq_len)):
             raise KernelError(f"{where}: positions must be in [0, {self.max_seq_len})")
-        if np.any((t.tokens < 0) | (t.tokens >= c.vocab_size)):
-            raise KernelError(f"{where}: tokens must be in [0, {c.vocab_size})")
+        self._check_tokens(t.tokens, f"{where}: tokens")
         seen = set()
         for i in range(n):
             s = int(t.slots[i])
@@ -639,6 +642,12 @@ class KernelExecutor(Executor):
                                 table.block_tables, table.drawn, table.draws, table.steps,
                                 table.stops)
 
+    def _check_tokens(self, tokens: np.ndarray, what: str) -> None:
+        """KernelError before the launch (EMBED would stop every block at a token outside the
+        vocabulary, leaving the executor unusable)."""
+        if np.any((tokens < 0) | (tokens >= self.config.vocab_size)):
+            raise KernelError(f"{what} must be in [0, {self.config.vocab_size})")
+
     def _write_rows(self, tokens, slots, positions, want, tables: dict, drawn=None,
                     draws=None, steps: int = 1, stops=None) -> np.ndarray:
         n = len(tokens)
@@ -660,14 +669,11 @@ class KernelExecutor(Executor):
             rows[mine, RowWord.TEMPERATURE] = np.float32(d.temperature).view(np.int32)
             rows[mine, RowWord.SEED] = d.seed & 0x7FFFFFFF
         rows[:n, RowWord.STOP_POS] = self.max_seq_len
-        W = (self.config.vocab_size + 31) // 32
+        W = stop_mask_words(self.config.vocab_size)
         masks = self._stop_masks
         for s, (ids, stop_pos) in (stops or {}).items():
             rows[:n][np.asarray(slots) == s, RowWord.STOP_POS] = stop_pos
-            ids = np.array(sorted(t for t in ids if 0 <= t < self.config.vocab_size), np.int64)
-            m = np.zeros(W, np.uint32)
-            np.bitwise_or.at(m, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
-            masks[s * W:(s + 1) * W] = m
+            masks[s * W:(s + 1) * W] = stop_mask(ids, self.config.vocab_size)
         # the drawn rows' slots: their out_tokens row from the first step's position on
         out = self.buffers["out_tokens"]
         for s, p in zip(np.asarray(slots)[drawn], np.asarray(positions)[drawn]):
@@ -736,8 +742,7 @@ class KernelExecutor(Executor):
             pos = start_pos + i + np.arange(len(part))
             w = np.ones(len(part), bool) if want == "all" else \
                 (i + np.arange(len(part)) == len(tokens) - 1)
-            if np.any((part < 0) | (part >= self.config.vocab_size)):
-                raise KernelError(f"{self.name}: tokens must be in [0, {self.config.vocab_size})")
+            self._check_tokens(part, f"{self.name}: tokens")
             out.append(self._table_step(part, np.full(len(part), self.slots), pos, w, {}).logits)
         return np.concatenate(out)
 

@@ -12,6 +12,11 @@ from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, KV_UNROLL, MATVEC_LOADS, MERGE_C
                   State, StopReason, TraceWord, Word, merge_block_ways)
 
 
+def stop_mask_words(vocab_size: int) -> int:
+    """32-bit words of one stop-token bitmap (stop_mask: one, or one per slot)."""
+    return (vocab_size + 31) // 32
+
+
 def _float_literal(x: float) -> str:
     return f"{float(x)!r}f".replace("inf", "INFINITY")
 
@@ -37,6 +42,7 @@ def model_constants(cfg: ModelConfig, max_seq_len: int) -> dict[str, int | str]:
         "MK_KV_DIM": cfg.kv_dim,
         "MK_QKV_DIM": cfg.qkv_dim,
         "MK_VOCAB": cfg.vocab_size,
+        "MK_STOP_WORDS": stop_mask_words(cfg.vocab_size),  # a stop mask's 32-bit words
         "MK_MAX_SEQ": max_seq_len,
         "MK_HAS_BIAS": int(cfg.attention_bias),
         "MK_QK_NORM": int(cfg.qk_norm),

@@ -1167,8 +1167,9 @@ __device__ __forceinline__ void best_of(float& v, int& id, float ov, int oid) {
 // asked later ends the launch one step later). The token's store to mapped host memory is a
 // volatile (strong, system-scope) store with no fence after it: nothing on the GPU waits for
 // the host to see it, and the host polls until it does (a system fence here held the next step).
-__device__ __forceinline__ bool stop_token(const Params& P, int token) {
-  return (P.stop_mask[token >> 5] >> (token & 31)) & 1u;
+// The stop mask of `slot` (a kernel of slots: one per slot; else slot 0, the one mask).
+__device__ __forceinline__ bool stop_token(const Params& P, int slot, int token) {
+  return (P.stop_mask[(size_t)slot * MK_STOP_WORDS + (token >> 5)] >> (token & 31)) & 1u;
 }
 
 // The host's stop flag (mapped host memory, written while the launch runs): one PCIe read.
@@ -1191,9 +1192,8 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
     if (row[R_LOGITS] < 0) continue;
     const int slot = row[R_SLOT], next_pos = row[R_POS] + 1, t = P.row_tokens[tok];
     *reinterpret_cast<volatile int*>(P.out_tokens + (size_t)slot * MK_MAX_SEQ + row[R_POS]) = t;
-    const bool stop = t < 0 ||
-        ((P.stop_mask[(size_t)slot * ((MK_VOCAB + 31) / 32) + (t >> 5)] >> (t & 31)) & 1u) ||
-        next_pos >= row[R_STOP_POS] || next_pos >= MK_MAX_SEQ;
+    const bool stop = t < 0 || stop_token(P, slot, t) || next_pos >= row[R_STOP_POS] ||
+                      next_pos >= MK_MAX_SEQ;
     if (stop || !more) continue;
     int* next = P.rows + k * MK_ROW_WORDS;
     next[R_TOKEN] = t;
@@ -1218,7 +1218,7 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
   const int next = prompt ? P.feed[next_pos] : token;
   int reason = STOP_NONE;
   if (!prompt && token < 0) reason = STOP_NAN;
-  else if (!prompt && stop_token(P, token)) reason = STOP_TOKEN;
+  else if (!prompt && stop_token(P, 0, token)) reason = STOP_TOKEN;
   else if ((st[S_STOP_POS] > 0 && next_pos >= st[S_STOP_POS]) || next_pos >= MK_MAX_SEQ)
     reason = STOP_POSITION;
   else if (host_stop != 0) reason = STOP_HOST;
