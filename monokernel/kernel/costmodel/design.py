@@ -206,9 +206,16 @@ V7_ROWS = V7.replace(name="v7-rows", tile_2d=False)
 # atomics, so not batch invariant, and slower at batch 64 on Qwen3 and Llama.
 V8 = V7.replace(name="v8", kv_copy_rate=True, weights_copy_rate=True, data_flag_hops=16)
 V8_CLUSTER = V8.replace(name="v8-cluster", input_multicast=2)
+# V6-MMA: slice 6a of issue 17 (PREDICTED before it is built): the kernel of slots with its
+# mat-muls on tensor cores (mma.sync m16n8k16, every step of the build, one token too: a
+# sequence's numbers must not depend on the step's other rows) and nothing else of v7: row
+# tiles (every block reads every row's input), the inputs read as fp32 and rounded to bf16 as
+# the fragments are built (input_bytes 4), attention per row on CUDA cores as slice 3 built it,
+# prompts in chunks of the program's tokens per step.
+V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True)
 # Every design a prediction can name (`monokernel plan --design`).
-DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v7": V7, "v7-rows": V7_ROWS, "v8": V8,
-                                    "v8-cluster": V8_CLUSTER}
+DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA, "v7": V7,
+                                    "v7-rows": V7_ROWS, "v8": V8, "v8-cluster": V8_CLUSTER}
 
 
 def design_for(program=None, sync: int = 2, multi_step: bool = True) -> KernelDesign:
