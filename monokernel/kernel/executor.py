@@ -56,12 +56,13 @@ def stop_mask(ids, vocab_size: int) -> np.ndarray:
 
 
 def kernel_source(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: int = 0,
-                  page_size: int = 0, pool_pages: int = 0) -> str:
+                  page_size: int = 0, pool_pages: int = 0, mma: bool = False) -> str:
     """Generated header + megakernel.cu (its own quoted includes inlined), with #line so compiler
     errors point at real lines. ``tokens``: the program's most tokens per step; ``slots`` (> 0):
     steps of many sequences from the token table, K/V in pages of ``page_size`` positions,
-    ``pool_pages`` of them for the slots (0: a context per slot)."""
-    return (render_header(cfg, max_seq_len, tokens, slots, page_size, pool_pages)
+    ``pool_pages`` of them for the slots (0: a context per slot); ``mma``: the mat-muls on
+    tensor cores (a kernel of slots)."""
+    return (render_header(cfg, max_seq_len, tokens, slots, page_size, pool_pages, mma)
             + '#line 1 "megakernel.cu"\n'
             + inline_includes(SOURCE_PATH.read_text(), SOURCE_PATH.parent, "megakernel.cu"))
 
@@ -69,7 +70,8 @@ def kernel_source(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: in
 def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True,
                  trace: bool = False, pdl: bool = False,
                  sync: int | None = None, tokens: int = 1, slots: int = 0,
-                 page_size: int = 0, pool_pages: int = 0) -> tuple[str, dict[str, str]]:
+                 page_size: int = 0, pool_pages: int = 0,
+                 mma: bool = False) -> tuple[str, dict[str, str]]:
     """(source, -D defines) of the kernel an executor with these options compiles: the one
     place that decides them, so the GPU check's prepare step (tools/prepare.py) compiles
     exactly what the executors will ask for."""
@@ -80,7 +82,7 @@ def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True,
         defines["MK_PDL"] = "1"
     if sync is not None:  # the hop (megakernel.cu MK_SYNC; default 2: release/acquire)
         defines["MK_SYNC"] = str(sync)
-    return kernel_source(cfg, max_seq_len, tokens, slots, page_size, pool_pages), defines
+    return kernel_source(cfg, max_seq_len, tokens, slots, page_size, pool_pages, mma), defines
 
 
 # kernel_weights() per live model: every executor of one model uploads the same stacked arrays
@@ -168,8 +170,20 @@ class KernelExecutor(Executor):
                  multi_step: bool = True, steps_per_launch: int = 0,
                  sync: int | None = None, merge_ticket_min: int | None = None,
                  step_tokens: int = 1, slots: int = 1, page_size: int = DEFAULT_PAGE_SIZE,
-                 kv_pages: int | None = None):
+                 kv_pages: int | None = None, tensor_cores: bool = False):
         super().__init__(model, max_seq_len)
+        if tensor_cores:
+            # the mat-muls on tensor cores (MK_MMA; docs/tensor-cores.md): a kernel of slots,
+            # whose O_PROJ reads every row's attention merged by ticket (one input for all rows)
+            if slots < 2 or multi:
+                raise KernelError("tensor_cores=True is for the persistent kernel of slots "
+                                  f"(slots >= 2, multi=False), got slots={slots}"
+                                  + (", multi=True" if multi else ""))
+            if merge_ticket_min not in (None, 1):
+                raise KernelError("tensor_cores=True merges every step's attention by ticket "
+                                  f"(merge_ticket_min 1), got merge_ticket_min={merge_ticket_min}")
+            merge_ticket_min = 1
+        self.tensor_cores = bool(tensor_cores)
         # slots > 1: steps of many sequences from a token table, K/V in pages (run_table; the
         # Engine batches on it); 1: the one-sequence kernel of many steps per launch
         self.table = slots > 1
@@ -219,12 +233,20 @@ class KernelExecutor(Executor):
                                            attn_min_chunk=attn_min_chunk,
                                            merge_ticket_min=merge_ticket_min,
                                            tokens=step_tokens)
+        if tensor_cores and self.program.merge_ticket_min != 1:
+            raise KernelError(
+                f"tensor_cores=True needs a program whose ATTENTION merges every step by ticket "
+                f"(merge_ticket_min 1), which needs each block's attention units in one KV "
+                f"group; this one's is {self.program.merge_ticket_min} ({self.program.num_blocks} "
+                f"blocks, {self.program.attn_splits} splits of {c.num_kv_heads} KV heads): "
+                f"choose blocks or attn_splits so that they are")
         self.blocks = self.program.num_blocks
         source, defines = kernel_build(c, max_seq_len, prefetch=prefetch, trace=trace, pdl=pdl,
                                        sync=sync, tokens=self.program.tokens,
                                        slots=slots if self.table else 0,
                                        page_size=page_size if self.table else 0,
-                                       pool_pages=self.max_pages if self.table else 0)
+                                       pool_pages=self.max_pages if self.table else 0,
+                                       mma=self.tensor_cores)
         self.source = source  # as compiled, but for the -D defines (strict mode rebuilds it)
         self.module = self.device.compile(source, KERNEL_NAMES, defines)
         self._alloc_buffers(model)
@@ -816,6 +838,10 @@ class KernelOptions(BackendOptions):
     # the K/V pool's pages for the slots (None: a context for each); fewer: memory follows the
     # tokens in use, and requests wait for pages
     kv_pages: int | None = field(default=None, metadata={"min": 1})
+    # the mat-muls of a kernel of slots on tensor cores (mma.sync, bf16 inputs; docs/
+    # tensor-cores.md, slice 6a): judged by the reference's bf16_inputs mode; off until a GPU
+    # has timed it
+    tensor_cores: bool = False
 
     def batch_limits(self) -> tuple[int | None, int | None]:
         if self.slots > 1:

@@ -45,6 +45,9 @@
 // chunk's K/V and logits are bitwise those of one token per step (docs/many-tokens.md, slice 2);
 // per-token activations are rows of MK_T_MAX-row buffers. Built for one token, the loops fold
 // away and the kernel compiles as before.
+#if MK_MMA && !MK_SLOTS
+#error "MK_MMA (tensor_cores) is for a kernel of slots"
+#endif
 #ifndef MK_T_MAX
 #define MK_T_MAX 1
 #endif
@@ -344,6 +347,161 @@ __device__ __forceinline__ void copy_to_shared(float* s_dst, const float* src) {
     reinterpret_cast<float4*>(s_dst)[threadIdx.x + k * MK_THREADS] = r[k];
 }
 
+#if MK_MMA
+#include "mma.cuh"
+// ---- Mat-muls on tensor cores (MK_MMA: backend option tensor_cores) -------------------------
+// Y[tok][r] = W[r] . X[tok] for a tile's weight rows and a step's rows (tokens) at once, on
+// mma.sync m16n8k16 (bf16 x bf16, fp32 accumulate; mma.cuh): the weights fill the 16-row side,
+// 8 tokens the other. Rows come in groups of 16 (rowptr(q, r): row r of group q, nullptr past
+// the tile: zeros), tokens in groups of 8 (past ntok: zeros).
+//   - Each lane loads 16 bytes (8 bf16) of a weight row per 32-column chunk: lane (g, t) columns
+//     8t..8t+7 of rows g and g + 8. Two mma k-steps take them: step j's k slots 2t+{0,1} and
+//     2t+8+{0,1} are columns 8t+4j+{0,1} and 8t+4j+2+{0,1}, and the input fragment permutes
+//     its columns alike (a product over k is any order of k, the same for every row and token).
+//   - The input is fp32 (what the ops write) read through load_x(tok, col, x[8]) and rounded to
+//     bf16 here (the reference's bf16_inputs mode mirrors it).
+//   - The k-loop is split over the block's warps in fixed chunk ranges; their partials go to
+//     shared memory and epi(q0, tok0, sum) adds them in warp order (sum(q, r, n): row r of
+//     group q0 + q, token tok0 + n). Neither split depends on ntok, and mma's columns are
+//     independent: a token's numbers never depend on the step's other tokens.
+#define MMA_KC 32     // input columns per chunk (a lane: 8 of them)
+#define MMA_RG 2      // row groups of 16 per pass: one input fragment feeds both
+#define MMA_UNROLL 2  // chunks whose loads a lane issues before their mma
+
+struct MmaShared {
+  float part[NWARPS][MMA_RG][16][8];  // the warps' partial sums of a pass
+  float rms[MK_T_MAX];                // 1 / rms of each input row (RMS ops)
+  int rows[MK_T_MAX];                 // the LM head: the step's rows with logits
+  float best[MK_T_MAX];               // the LM head: each row's best score so far
+  int best_id[MK_T_MAX];
+};
+
+__device__ __forceinline__ unsigned bf16_pack(float lo, float hi) {
+  return (unsigned)f32_to_bf16(lo) | (unsigned)f32_to_bf16(hi) << 16;
+}
+
+template <int K, class RowPtr, class LoadX, class Epi>
+__device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, LoadX load_x,
+                          Epi epi) {
+  static_assert(K % 8 == 0, "a lane loads 8 columns at a time");
+  constexpr int C = (K + MMA_KC - 1) / MMA_KC;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int c_begin = warp * C / NWARPS, c_end = (warp + 1) * C / NWARPS;
+  for (int tok0 = 0; tok0 < ntok; tok0 += 8) {
+    const int tok = tok0 + g;
+    for (int q0 = 0; q0 < groups; q0 += MMA_RG) {
+      const unsigned short* w[MMA_RG][2];
+#pragma unroll
+      for (int q = 0; q < MMA_RG; ++q) {
+        w[q][0] = q0 + q < groups ? rowptr(q0 + q, g) : nullptr;
+        w[q][1] = q0 + q < groups ? rowptr(q0 + q, g + 8) : nullptr;
+      }
+      float acc[MMA_RG][4];
+#pragma unroll
+      for (int q = 0; q < MMA_RG; ++q)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[q][i] = 0.f;
+      for (int c0 = c_begin; c0 < c_end; c0 += MMA_UNROLL) {
+        uint4 a[MMA_UNROLL][MMA_RG][2];
+        float x[MMA_UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < MMA_UNROLL; ++u) {  // every load of the chunks first
+          const int col = (c0 + u) * MMA_KC + 8 * t;
+          const bool ok = c0 + u < c_end && col < K;
+#pragma unroll
+          for (int q = 0; q < MMA_RG; ++q)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              a[u][q][h] = ok && w[q][h] ? __ldg(reinterpret_cast<const uint4*>(w[q][h] + col))
+                                         : make_uint4(0u, 0u, 0u, 0u);
+          if (ok && tok < ntok) {
+            load_x(tok, col, x[u]);
+          } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) x[u][k] = 0.f;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < MMA_UNROLL; ++u) {
+          const unsigned b0[2] = {bf16_pack(x[u][0], x[u][1]), bf16_pack(x[u][2], x[u][3])};
+          const unsigned b1[2] = {bf16_pack(x[u][4], x[u][5]), bf16_pack(x[u][6], x[u][7])};
+#pragma unroll
+          for (int q = 0; q < MMA_RG; ++q) {
+            const unsigned a0[4] = {a[u][q][0].x, a[u][q][1].x, a[u][q][0].y, a[u][q][1].y};
+            const unsigned a1[4] = {a[u][q][0].z, a[u][q][1].z, a[u][q][0].w, a[u][q][1].w};
+            mma_m16n8k16_bf16(acc[q], a0, b0, acc[q]);
+            mma_m16n8k16_bf16(acc[q], a1, b1, acc[q]);
+          }
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < MMA_RG; ++q)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sm.part[warp][q][mma_d_row(i)][mma_d_col(i)] = acc[q][i];
+      __syncthreads();
+      epi(q0, tok0, [&](int q, int r, int n) {
+        float v = 0.f;
+#pragma unroll
+        for (int k = 0; k < NWARPS; ++k) v += sm.part[k][q][r][n];
+        return v;
+      });
+      __syncthreads();  // sm.part: the next pass's
+    }
+  }
+}
+
+// Each input row's 1 / rms (as rms_apply computes it, a warp per row): x row i at
+// x + row(i) * H for i < n.
+template <class Row>
+__device__ void mma_rms(MmaShared& sm, const float* x, int n, Row row) {
+  const int lane = threadIdx.x & 31;
+  for (int i = threadIdx.x >> 5; i < n; i += NWARPS) {
+    const float* v = x + (size_t)row(i) * H;
+    float ss = 0.f;
+    for (int k = lane; k < H; k += 32) ss += v[k] * v[k];
+    ss = warp_sum(ss);
+    if (lane == 0) sm.rms[i] = 1.0f / sqrtf(ss / (float)H + MK_RMS_EPS);
+  }
+  __syncthreads();
+}
+
+// x[0..8) = rmsnorm(v)[col..col + 8) * w (v: the row's residual, r: its 1 / rms)
+__device__ __forceinline__ void rms_x8(const float* v, float r, const unsigned short* w, int col,
+                                       float (&x)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(v + col);
+  const float4 b = *reinterpret_cast<const float4*>(v + col + 4);
+  const uint4 gw = __ldg(reinterpret_cast<const uint4*>(w + col));
+  x[0] = a.x * r * bf_lo(gw.x);
+  x[1] = a.y * r * bf_hi(gw.x);
+  x[2] = a.z * r * bf_lo(gw.y);
+  x[3] = a.w * r * bf_hi(gw.y);
+  x[4] = b.x * r * bf_lo(gw.z);
+  x[5] = b.y * r * bf_hi(gw.z);
+  x[6] = b.z * r * bf_lo(gw.w);
+  x[7] = b.w * r * bf_hi(gw.w);
+}
+
+// x[0..8) = v[col..col + 8)
+__device__ __forceinline__ void load_x8(const float* v, int col, float (&x)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(v + col);
+  const float4 b = *reinterpret_cast<const float4*>(v + col + 4);
+  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+  x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+
+// block_mma's epilogue of O_PROJ and DOWN: res[tok][b + k] += Y[tok][k] for the pass's rows
+// k < n (the tile's residual rows, this block's own) and tokens < ntok.
+template <class Sum>
+__device__ __forceinline__ void mma_add_rows(float* res, int b, int n, int ntok, int q0,
+                                             int tok0, Sum sum) {
+  for (int i = threadIdx.x; i < MMA_RG * 128; i += MK_THREADS) {
+    const int q = i / 128, r = (i / 8) % 16, m = i % 8;
+    const int k = (q0 + q) * 16 + r, tok = tok0 + m;
+    if (k < n && tok < ntok) res[(size_t)tok * H + b + k] += sum(q, r, m);
+  }
+}
+#endif  // MK_MMA
+
 // Counter-based RNG for Gumbel-max sampling: a hash of (seed, position, token) -> (0, 1).
 // Mirrored bit for bit by sampling.gumbel_noise on the host.
 __device__ __forceinline__ unsigned mix32(unsigned h) {
@@ -532,6 +690,9 @@ struct OpShared {
   float best[NWARPS];
   int best_id[NWARPS];
   int words[3][MK_WIDTH];  // the VM loop's instruction words: this one, the next, the one after
+#if MK_MMA
+  MmaShared mma;  // the mat-muls on tensor cores
+#endif
 };
 
 // ================================================================================================
@@ -606,12 +767,76 @@ __device__ __forceinline__ void warp_qk_norm_rope(const Params& P, const float* 
 // After the wait: the residual (one round trip), then per head segment of the tile its rows
 // with their bias, RoPE entries and q/k-norm weights loaded in the same round trip.
 // ================================================================================================
+#if MK_MMA
+// Row pair (j, j + HALF) of `head` for the step's row tok: bias, RoPE (q and k, unless late
+// q/k) and the store (q, raw k, or the K/V cache).
+__device__ __forceinline__ void qkv_store(const Params& P, const int* st, int layer, int tok,
+                                          int head, int j, float a, float c) {
+  const int pos = row_pos(st, tok);
+  const bool is_q = head < MK_HEADS, is_k = !is_q && head < MK_HEADS + MK_KV_HEADS;
+#if MK_HAS_BIAS
+  a += bf16_to_f32(__ldg(P.bqkv + (size_t)layer * MK_QKV_DIM + head * D + j));
+  c += bf16_to_f32(__ldg(P.bqkv + (size_t)layer * MK_QKV_DIM + head * D + j + HALF));
+#endif
+  if ((is_q || is_k) && !LATE_QK) {  // rotate-half RoPE
+    const float cs = __ldg(P.rope_cos + (size_t)pos * HALF + j);
+    const float sn = __ldg(P.rope_sin + (size_t)pos * HALF + j);
+    const float ra = a * cs - c * sn, rc = c * cs + a * sn;
+    a = ra;
+    c = rc;
+  }
+  if (is_q) {
+    float* q_out = P.q + (size_t)tok * MK_Q_DIM + head * D;
+    q_out[j] = a;
+    q_out[j + HALF] = c;
+#if LATE_QK
+  } else if (is_k) {
+    float* k_raw = P.k_raw + (size_t)tok * MK_KV_DIM + (head - MK_HEADS) * D;
+    k_raw[j] = a;
+    k_raw[j + HALF] = c;
+#endif
+  } else {
+    const int kvh = is_k ? head - MK_HEADS : head - MK_HEADS - MK_KV_HEADS;
+    unsigned short* cache = is_k ? P.k_cache : P.v_cache;
+    const size_t at = kv_at(P, layer, row_slot(st, tok), pos, kvh);
+    cache[at + j] = f32_to_bf16(a);
+    cache[at + j + HALF] = f32_to_bf16(c);
+  }
+}
+#endif
+
 __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, const int* st,
                                 const float (&g)[RMS_PER]) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   if (b >= e) return;
   const int t = threadIdx.x, ntok = step_tokens(st);
   const unsigned short* W = P.wqkv + (size_t)layer * MK_QKV_DIM * H;
+#if MK_MMA
+  // a row group: 8 pairs' rows j (group rows 0-7) and their partners j + HALF (rows 8-15)
+  (void)t;
+  (void)g;
+  const unsigned short* norm = P.in_norm + (size_t)layer * H;
+  mma_rms(s.mma, P.residual, ntok, [](int i) { return i; });
+  block_mma<H>(
+      s.mma, (e - b + 7) / 8, ntok,
+      [&](int q, int r) -> const unsigned short* {
+        const int p = b + q * 8 + (r & 7);
+        return p < e ? W + (size_t)((p / HALF) * D + p % HALF + (r >= 8 ? HALF : 0)) * H
+                     : nullptr;
+      },
+      [&](int tok, int col, float (&x)[8]) {
+        rms_x8(P.residual + (size_t)tok * H, s.mma.rms[tok], norm, col, x);
+      },
+      [&](int q0, int tok0, auto sum) {
+        for (int i = threadIdx.x; i < MMA_RG * 64; i += MK_THREADS) {
+          const int q = i / 64, r = (i / 8) % 8, n = i % 8;
+          const int p = b + (q0 + q) * 8 + r, tok = tok0 + n;
+          if (p < e && tok < ntok)
+            qkv_store(P, st, layer, tok, p / HALF, p % HALF, sum(q, r, n), sum(q, r + 8, n));
+        }
+      });
+  return;
+#endif
   for (int tok = 0; tok < ntok; ++tok) {
     rms_apply(P.residual + (size_t)tok * H, g, s.vec);
     const int pos = row_pos(st, tok), slot = row_slot(st, tok);
@@ -1006,7 +1231,9 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
           __syncthreads();
           if (warp < MK_GROUP) {
             float acc = 0.f;
-            for (int d = lane; d < D; d += 32) acc += s.q[warp * D + d] * s.row[d];
+            // the key as the cache will hold it (bf16), as later steps and the reference see it
+            for (int d = lane; d < D; d += 32)
+              acc += s.q[warp * D + d] * bf16_to_f32(f32_to_bf16(s.row[d]));
             acc = warp_sum(acc);
             if (lane == 0) s.score[warp * T_TILE + (n_pos - 1 - base)] = acc * scale;
           }
@@ -1081,6 +1308,18 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   // the tile's residual rows are this block's own (EMBED, O_PROJ and DOWN share the row
   // tiles), so each is read in the same round trip as its weights
   const unsigned short* W = P.wo + ((size_t)layer * H + b) * MK_Q_DIM;
+#if MK_MMA
+  // every row's attention was merged by ticket (tensor_cores: merge_ticket_min 1)
+  block_mma<MK_Q_DIM>(
+      s.mma, (e - b + 15) / 16, ntok,
+      [&](int q, int r) -> const unsigned short* {
+        const int k = q * 16 + r;
+        return k < e - b ? W + (size_t)k * MK_Q_DIM : nullptr;
+      },
+      [&](int tok, int col, float (&x)[8]) { load_x8(P.attn + (size_t)tok * MK_Q_DIM, col, x); },
+      [&](int q0, int tok0, auto sum) { mma_add_rows(P.residual, b, e - b, ntok, q0, tok0, sum); });
+  return;
+#endif
   for (int tok = 0; tok < ntok; ++tok) {
     const int used = splits_used(row_pos(st, tok) + 1, splits, ins[A_O_PROJ_RESIDUAL_MIN_CHUNK]);
     // ATTENTION merged it: read it, one round
@@ -1112,6 +1351,33 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
   if (b >= e) return;
   const int ntok = step_tokens(st);
   const size_t off = ((size_t)layer * MK_FFN + b) * H;
+#if MK_MMA
+  // a row group: 8 rows' gate rows (group rows 0-7) and their up rows (8-15)
+  (void)g;
+  const unsigned short* norm = P.post_norm + (size_t)layer * H;
+  const int n = e - b;
+  mma_rms(s.mma, P.residual, ntok, [](int i) { return i; });
+  block_mma<H>(
+      s.mma, (n + 7) / 8, ntok,
+      [&](int q, int r) -> const unsigned short* {
+        const int k = q * 8 + (r & 7);
+        return k < n ? (r < 8 ? P.wg : P.wu) + off + (size_t)k * H : nullptr;
+      },
+      [&](int tok, int col, float (&x)[8]) {
+        rms_x8(P.residual + (size_t)tok * H, s.mma.rms[tok], norm, col, x);
+      },
+      [&](int q0, int tok0, auto sum) {
+        for (int i = threadIdx.x; i < MMA_RG * 64; i += MK_THREADS) {
+          const int q = i / 64, r = (i / 8) % 8, m = i % 8;
+          const int k = (q0 + q) * 8 + r, tok = tok0 + m;
+          if (k < n && tok < ntok) {
+            const float gv = sum(q, r, m), uv = sum(q, r + 8, m);
+            P.ffn_h[(size_t)tok * MK_FFN + b + k] = gv / (1.0f + expf(-gv)) * uv;
+          }
+        }
+      });
+  return;
+#endif
   for (int tok = 0; tok < ntok; ++tok) {
     rms_apply(P.residual + (size_t)tok * H, g, s.vec);
     float* h = P.ffn_h + (size_t)tok * MK_FFN;
@@ -1131,6 +1397,18 @@ __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, c
   if (b >= e) return;
   const int ntok = step_tokens(st);
   const unsigned short* W = P.wd + ((size_t)layer * H + b) * MK_FFN;
+#if MK_MMA
+  (void)s;
+  block_mma<MK_FFN>(
+      s.mma, (e - b + 15) / 16, ntok,
+      [&](int q, int r) -> const unsigned short* {
+        const int k = q * 16 + r;
+        return k < e - b ? W + (size_t)k * MK_FFN : nullptr;
+      },
+      [&](int tok, int col, float (&x)[8]) { load_x8(P.ffn_h + (size_t)tok * MK_FFN, col, x); },
+      [&](int q0, int tok0, auto sum) { mma_add_rows(P.residual, b, e - b, ntok, q0, tok0, sum); });
+  return;
+#endif
   for (int tok = 0; tok < ntok; ++tok) {
     copy_to_shared<MK_FFN>(s.vec, P.ffn_h + (size_t)tok * MK_FFN);
     __syncthreads();
@@ -1331,6 +1609,75 @@ __device__ __forceinline__ void lm_head_tile(const Params& P, OpShared& s,
   }
 }
 
+#if MK_MMA
+// The LM head on tensor cores: the step's rows with logits (a token group of 8 of them per
+// pass), their logits over the tile and each row's best score (logit, or logit / temp +
+// Gumbel noise keyed by (seed, pos)) with its token to the row's partial: -inf and -1 for an
+// empty tile. A row's best is kept by one thread (row i: thread i % 8) over the passes.
+__device__ void lm_head_mma(const Params& P, MmaShared& sm, const int* st, int b, int e,
+                            int slot, int parts) {
+  __shared__ int s_rows;
+  if (threadIdx.x == 0) {
+    int m = 0;
+    for (int tok = 0; tok < step_tokens(st); ++tok)
+      if (step_row(st, tok)[R_LOGITS] >= 0) sm.rows[m++] = tok;
+    s_rows = m;
+  }
+  __syncthreads();
+  const int m = s_rows;
+  for (int i = threadIdx.x; i < m; i += MK_THREADS) {
+    sm.best[i] = NEG_INF;
+    sm.best_id[i] = -1;
+  }
+  mma_rms(sm, P.residual, m, [&](int i) { return sm.rows[i]; });  // (its barrier: best too)
+  if (b < e) {
+    block_mma<H>(
+        sm, (e - b + 15) / 16, m,
+        [&](int q, int r) -> const unsigned short* {
+          const int k = q * 16 + r;
+          return k < e - b ? P.lm_head + (size_t)(b + k) * H : nullptr;
+        },
+        [&](int i, int col, float (&x)[8]) {
+          rms_x8(P.residual + (size_t)sm.rows[i] * H, sm.rms[i], P.final_norm, col, x);
+        },
+        [&](int q0, int tok0, auto sum) {
+          for (int i = threadIdx.x; i < MMA_RG * 128; i += MK_THREADS) {
+            const int q = i / 128, r = (i / 8) % 16, n = i % 8;
+            const int k = (q0 + q) * 16 + r, row = tok0 + n;
+            if (k < e - b && row < m)
+              P.logits[(size_t)step_row(st, sm.rows[row])[R_LOGITS] * MK_VOCAB + b + k] =
+                  sum(q, r, n);
+          }
+          const int row = tok0 + (int)threadIdx.x;
+          if (threadIdx.x < 8 && row < m) {
+            const int* w = step_row(st, sm.rows[row]);
+            const float temp = __int_as_float(w[R_TEMPERATURE]);
+            float best = sm.best[row];
+            int best_id = sm.best_id[row];
+            for (int q = 0; q < MMA_RG; ++q)
+              for (int r = 0; r < 16; ++r) {
+                const int k = (q0 + q) * 16 + r;
+                if (k >= e - b) break;
+                const float v = sum(q, r, (int)threadIdx.x);
+                best_of(best, best_id,
+                        temp > 0.f ? v / temp + gumbel((unsigned)w[R_SEED], (unsigned)w[R_POS],
+                                                       (unsigned)(b + k))
+                                   : v,
+                        b + k);
+              }
+            sm.best[row] = best;
+            sm.best_id[row] = best_id;
+          }
+        });
+  }
+  for (int i = threadIdx.x; i < m; i += MK_THREADS) {
+    float* part = P.lm_part + ((size_t)sm.rows[i] * parts + slot) * 2;
+    part[0] = sm.best[i];
+    part[1] = __int_as_float(sm.best_id[i]);
+  }
+}
+#endif
+
 // host_stop: read_host_stop() by thread 0 before the wait (only thread 0 ends a step).
 __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, const int* st,
                                const float (&g)[RMS_PER], int host_stop) {
@@ -1339,6 +1686,10 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
   // a step of the token table: every row that wants logits, each its own tile and draw
   // (isa.RowWord: its logits row, temperature, seed), its partial in its row of lm_part
   const int parts = ins[A_RMS_LM_HEAD_TICKETS];  // partials per row: one per block
+#if MK_MMA
+  (void)g;
+  lm_head_mma(P, s.mma, st, b, e, slot, parts);
+#else
   for (int tok = 0; tok < step_tokens(st); ++tok) {
     const int* row = step_row(st, tok);
     if (row[R_LOGITS] < 0) continue;
@@ -1348,6 +1699,7 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
                  P.lm_part + ((size_t)tok * parts + slot) * 2);
     __syncthreads();  // s.best: the next row's
   }
+#endif
 #else
   // the step's last token: the only one whose next token is drawn
   const int last = step_tokens(st) - 1;

@@ -88,8 +88,14 @@ class ReferenceModel:
     MIN_ROWS = 16
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
-                 max_seq_len: int | None = None, page_size: int = 16):
+                 max_seq_len: int | None = None, page_size: int = 16,
+                 bf16_inputs: bool = False):
+        """``bf16_inputs``: every matrix product's input (the normed residual, attention's
+        output, the FFN's h) rounded to bf16 first, as a kernel built with tensor cores
+        (``tensor_cores=1``) feeds them to mma; its judge. The default fp32 inputs are the
+        judge against Hugging Face and of the CUDA-core kernel."""
         self.cfg = c = config
+        self.bf16_inputs = bool(bf16_inputs)
         self.max_seq_len = max_seq_len or min(c.max_position_embeddings, 4096)
         f32 = lambda name: as_float32(weights[name])  # noqa: E731
         self.embed = f32("model.embed_tokens.weight")
@@ -185,6 +191,8 @@ class ReferenceModel:
             return max(rows, self.MIN_ROWS)
 
         def linear(h: np.ndarray, w: np.ndarray) -> np.ndarray:
+            if self.bf16_inputs:
+                h = bf16_round(h)
             if len(h) < pad:  # the kernel that larger steps use (see the class)
                 return (np.concatenate([h, np.zeros((pad - len(h), h.shape[1]), h.dtype)])
                         @ w.T)[:len(h)]

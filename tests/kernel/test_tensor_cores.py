@@ -1,0 +1,168 @@
+"""The mat-muls on tensor cores (issue 17, slice 6a: backend option ``tensor_cores``,
+megakernel.cu MK_MMA) on the CPU emulator, whose mma is the warp-level twin of
+kernel/emulator/cuda_cpu_mma.h.
+
+Oracles: the NumPy reference in its ``bf16_inputs`` mode (every matrix product's input rounded
+to bf16, as the kernel feeds mma) within a tolerance; the same sequence run alone on the same
+kernel, bit for bit (batch invariance); the Engine's solo texts.
+
+The tolerance. The kernel and the reference compute a mat-mul's fp32 input (a normed residual,
+attention's output, the FFN's h) in different orders, so their last bits differ, and where an
+element lies next to a bf16 rounding boundary the two round it to neighbouring bf16 values:
+that product term moves by 2^-8 of itself. Attention's softmax on the synthetic models
+amplifies such flips (measured: K rows of a later layer differing by one bf16 ulp in a few
+elements, the logits of the rows after them by up to 1.7e-3 of their largest logit; rows whose
+inputs had no flip agree to ~1e-5, the fp32 accumulation's order). So every row is held to
+4e-3 of its largest logit and most rows to 1e-4, where the fp32 reference (the negative
+control: a kernel that did not round its inputs) is 2e-3 to 5e-3 away on most rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers.batch import PAGE, Batch, prompt_of
+from monokernel.errors import KernelError
+from monokernel.kernel.base import DeviceSample, StepTable
+from monokernel.kernel.executor import KernelExecutor
+from monokernel.model.reference import ReferenceModel
+from monokernel.runtime import Engine
+from monokernel.sampling import Sampler, SamplingParams
+
+MAX_SEQ = 48
+ROW_TOL = 4e-3    # every row, of its largest logit (see the module's docstring)
+CLOSE_TOL = 1e-4  # most rows: those no bf16 flip reached
+HOT = 25.0        # the synthetic models' draws vary from position to position at this temperature
+
+
+def tc_executor(model, slots: int, blocks: int = 3, **kw) -> KernelExecutor:
+    ex = KernelExecutor(model, MAX_SEQ, blocks=blocks, slots=slots, page_size=PAGE,
+                        tensor_cores=True, **kw)
+    ex.poison()
+    return ex
+
+
+def prefill_all(ex: KernelExecutor, prompts: list[list[int]], draws=None):
+    """One step of every prompt's rows, each slot on its own pages: the table's logits."""
+    free = list(ex.add_pages(ex.slots * ex.slot_pages))
+    pages = {s: [free.pop(0) for _ in range(-(-len(p) // PAGE))] for s, p in enumerate(prompts)}
+    rows = [(t, s, pos, True, True) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
+    return ex.run_table(StepTable.of(rows, pages, draws or {}))
+
+
+def row_errors(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    return np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+
+
+# late q/k with GQA (Qwen3), plain Llama, q/k/v bias (Qwen2), tied embeddings (the LM head is
+# the embedding table)
+ARCHS = ["qwen3-gqa-tiny", "llama3-tiny", "qwen2-tiny", "tiny"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_mixed_step_agrees_with_the_bf16_reference(synth_model, arch):
+    """Three prompts of 11, 5 and 3 rows in one step of 19 rows (3 token groups of 8, the
+    last one partial; the third sequence's rows straddle two groups): every row's logits
+    against the bf16-inputs reference run on its sequence alone."""
+    model = synth_model(arch)
+    ex = tc_executor(model, slots=3, step_tokens=24)
+    prompts = [prompt_of(model, 11, 1), prompt_of(model, 5, 2), prompt_of(model, 3, 3)]
+    got = prefill_all(ex, prompts).logits
+    assert np.isfinite(got).all()
+    want = {bf: np.concatenate([ReferenceModel(model.config, model.weights, MAX_SEQ,
+                                               bf16_inputs=bf).forward(p, 0) for p in prompts])
+            for bf in (True, False)}
+    err = row_errors(got, want[True])
+    assert err.max() <= ROW_TOL, f"{arch}: worst row {err.argmax()}: {err.max():.3g}"
+    assert np.mean(err <= CLOSE_TOL) >= 0.6, f"{arch}: rows within {CLOSE_TOL}: {err}"
+    # the negative control: the fp32 reference is not what this kernel computes
+    fp32 = row_errors(got, want[False])
+    assert np.mean(fp32 <= CLOSE_TOL) < 0.3, f"{arch}: the fp32 reference is as close: {fp32}"
+
+
+def test_a_sequence_alone_or_beside_1_5_and_15_others(synth_model):
+    """Batch invariance on tensor cores: one sequence's logits rows, bit for bit, alone and in
+    steps of 2, 6 and 16 sequences at other positions (token groups of 8 holding other
+    sequences' rows beside its own, or padding)."""
+    model = synth_model("qwen3-gqa-tiny")
+    ex = tc_executor(model, slots=16)
+    me = prompt_of(model, 9, 10)
+    others = [prompt_of(model, 2 + k % 7, 20 + k) for k in range(15)]
+    runs = []
+    for company in (0, 1, 5, 15):
+        ex.reset()
+        b = Batch(ex)
+        b.join(0, me)
+        for k in range(company):
+            b.join(k + 1, others[k])
+        b.step({0: 9})  # my prompt alone, then everyone's prompt row by row beside my decode
+        for _ in range(8):
+            b.step({slot: 1 for slot in b.seqs})
+        runs.append(b.seqs[0])
+    for company, run in zip((1, 5, 15), runs[1:]):
+        assert run["logits"].keys() == runs[0]["logits"].keys()
+        for pos in run["logits"]:
+            assert np.array_equal(run["logits"][pos].view(np.uint32),
+                                  runs[0]["logits"][pos].view(np.uint32)), \
+                f"beside {company} others: position {pos}"
+        assert run["tokens"] == runs[0]["tokens"]
+
+
+def test_the_device_draws_what_the_host_sampler_would(synth_model):
+    """The LM head on tensor cores keeps each row's best score over its tile (a thread per row
+    of a token group): slot 0 greedy, slot 1 at a high temperature, all 16 prompt rows drawn
+    (two token groups); each draw is the host sampler's from that row's logits, read back from
+    the same step run with the host sampling."""
+    model = synth_model("llama3-tiny")
+    prompts = [prompt_of(model, 9, 5), prompt_of(model, 7, 6)]
+    draws = {0: DeviceSample(0.0, 0), 1: DeviceSample(HOT, 11)}
+    ex = tc_executor(model, slots=2, step_tokens=16)
+    drawn = prefill_all(ex, prompts, draws).tokens
+    host = prefill_all(tc_executor(model, slots=2, step_tokens=16), prompts).logits
+    rows = [(s, pos) for s, p in enumerate(prompts) for pos in range(len(p))]
+    want = [Sampler(SamplingParams(temperature=draws[s].temperature, seed=draws[s].seed),
+                    draws[s].seed)(lg, [0] * (pos + 1)) for (s, pos), lg in zip(rows, host)]
+    assert drawn.tolist() == want
+    assert len(set(want[9:])) > 1  # the hot slot's draws are not all one token
+
+
+def test_the_engine_batches_on_tensor_cores(synth_model):
+    """``Engine`` on a kernel of 2 slots with tensor cores: three seeded requests (the third
+    joining when a slot frees) each get the text they get alone on the same kernel, drawn on
+    the device, many steps a launch."""
+    model = synth_model("llama3-tiny")
+    ids = [prompt_of(model, n, 40 + n) for n in (5, 12, 3)]
+    params = [SamplingParams(max_new_tokens=m, temperature=0.8, seed=7 + m, ignore_eos=True)
+              for m in (6, 3, 5)]
+    ex = KernelExecutor(model, MAX_SEQ, blocks=2, slots=2, step_tokens=4, page_size=PAGE,
+                        tensor_cores=True)
+    eng = Engine(ex, max_num_seqs=8)
+    solo = [[s.token for s in eng.generate(p, sp)] for p, sp in zip(ids, params)]
+    its = [iter(eng.generate(p, sp)) for p, sp in zip(ids, params)]
+    got: list[list[int]] = [[], [], []]
+    live = {0, 1, 2}
+    while live:
+        for i in sorted(live):
+            try:
+                got[i].append(next(its[i]).token)
+            except StopIteration:
+                live.discard(i)
+    assert got == solo
+    assert ex.logits_rows_read == 0
+    assert ex.steps_run > ex.launches
+
+
+def test_the_options_are_checked(synth_model):
+    model = synth_model("llama3-tiny")
+    with pytest.raises(KernelError, match="slots >= 2"):
+        KernelExecutor(model, MAX_SEQ, blocks=2, tensor_cores=True)
+    with pytest.raises(KernelError, match="multi=True"):
+        KernelExecutor(model, MAX_SEQ, blocks=2, slots=2, multi=True, tensor_cores=True)
+    with pytest.raises(KernelError, match="merge_ticket_min=2"):
+        KernelExecutor(model, MAX_SEQ, blocks=2, slots=2, merge_ticket_min=2,
+                       tensor_cores=True)
+    # 2 KV heads x 4 splits over 3 blocks: the middle block holds units of both KV groups
+    with pytest.raises(KernelError, match="one KV group"):
+        KernelExecutor(synth_model("qwen3-gqa-tiny"), MAX_SEQ, blocks=3, slots=2,
+                       attn_splits=4, tensor_cores=True)
