@@ -354,21 +354,39 @@ def test_pdl_sass_has_the_grid_dependency_instructions(built_pdl):
         assert sass.index("PREEXIT") < sass.index("ACQBULK"), name
 
 
-@pytest.mark.slow  # nvcc of three shapes for sm_90 (~50 s on 2 cores)
-@pytest.mark.parametrize("shape,tokens,slots", [("qwen3-0.6b", 64, 0), ("llama-3.2-1b", 16, 0),
-                                                ("qwen3-0.6b", 64, 64)])
-def test_steps_of_many_tokens_compile_without_spills(tmp_path, shape, tokens, slots):
+@pytest.mark.slow  # nvcc of four kernels for sm_90 (~70 s on 2 cores)
+@pytest.mark.parametrize("shape,tokens,slots,mma", [("qwen3-0.6b", 64, 0, False),
+                                                    ("llama-3.2-1b", 16, 0, False),
+                                                    ("qwen3-0.6b", 64, 64, False),
+                                                    ("llama-3.2-1b", 64, 64, True)])
+def test_steps_of_many_tokens_compile_without_spills(tmp_path, shape, tokens, slots, mma):
     """A kernel built for prompt chunks (MK_T_MAX > 1: token loops in every op; late q/k keeps
     the chunk's keys in static shared memory, largest at Qwen3's head_dim and the most tokens
     a step may carry), or for steps of many sequences (``slots``: the token table copied into
-    shared memory, K/V through block tables), fits the shared-memory budget and keeps no stack
-    and no spills."""
+    shared memory, K/V through block tables), or with its mat-muls on tensor cores (``mma``,
+    Llama's: the largest static shared memory, 48 KB at most), fits the shared-memory budget
+    and keeps no stack and no spills. The tensor-core kernel's SASS has the mma
+    (HMMA.16816.F32.BF16) and reads its weights 16 bytes a load through the read-only path."""
     src = tmp_path / f"{shape}-t{tokens}-s{slots}.cu"
     src.write_text(kernel_source(ModelConfig.from_name(shape), MAX_SEQ, tokens, slots,
-                                 16 if slots else 0))
-    props = ptxas_properties(nvcc(src, tmp_path / "k.cubin", "-cubin", "-arch=sm_90",
-                                  "-Xptxas", "-v"))
+                                 16 if slots else 0, mma=mma))
+    cubin = tmp_path / "k.cubin"
+    props = ptxas_properties(nvcc(src, cubin, "-cubin", "-arch=sm_90", "-Xptxas", "-v"))
     assert set(KERNEL_NAMES) <= set(props)
     bad = {f: p for f, p in props.items() if p != (0, 0, 0)}
     assert not bad, (f"{shape} T_MAX={tokens} slots={slots}: (stack frame, spill stores, spill "
                      f"loads): {bad}")
+    if mma:
+        from monokernel.kernel.sass_facts import SassToolMissing, cuobjdump
+
+        try:
+            tool = cuobjdump()
+        except SassToolMissing as e:
+            pytest.skip(str(e))
+        env = dict(os.environ,
+                   PATH=str(Path(tool).parent) + os.pathsep + os.environ.get("PATH", ""))
+        out = subprocess.run([tool, "-sass", "-fun", "megakernel", str(cubin)],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "HMMA.16816.F32.BF16" in out.stdout
+        assert "LDG.E.128.CONSTANT" in out.stdout

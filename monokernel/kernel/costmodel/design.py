@@ -218,12 +218,16 @@ DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA, "v7": 
                                     "v7-rows": V7_ROWS, "v8": V8, "v8-cluster": V8_CLUSTER}
 
 
-def design_for(program=None, sync: int = 2, multi_step: bool = True) -> KernelDesign:
+def design_for(program=None, sync: int = 2, multi_step: bool = True,
+               tensor_cores: bool = False) -> KernelDesign:
     """The design megakernel.cu implements: V6 with the default hop (MK_SYNC=2) and many steps
     per launch; its A/B twins with one launch per step (backend cuda-1step) or the fenced hop
     (MK_SYNC=1, backend cuda-sync1); with a program of steps of up to T tokens (``tokens``),
-    the token loop and prompts in chunks of T. A kernel change updates these in the same
-    commit."""
+    the token loop and prompts in chunks of T; ``tensor_cores`` (a kernel of slots built with
+    them, MK_MMA): V6_MMA. A kernel change updates these in the same commit."""
+    if tensor_cores:
+        tokens = getattr(program, "tokens", 1)
+        return V6_MMA if tokens <= 1 else V6_MMA.replace(prefill_chunk=tokens)
     d = V6
     if sync < 2:
         d = d.replace(signal_sc_fence=True, poll_loads=2, poll_sleep=True)
