@@ -36,9 +36,10 @@
 # share the compiled kernels and the verified programs. Estimates, not measurements:
 #   environment        ~3 s    nvidia-smi, package versions, the commit
 #   prepare   (lim 45) ~30 s   write the three synthetic checkpoints (float32 randoms, threads);
-#                              compile every kernel variant the later steps build (11: three
+#                              compile every kernel variant the later steps build (12: three
 #                              shapes x {plain, MK_PDL} + SmolLM2's MK_TRACE, MK_PREFETCH=0,
-#                              MK_SYNC=1, MK_T_MAX=16, MK_SLOTS=4 with MK_T_MAX=32) with NVRTC
+#                              MK_SYNC=1, MK_T_MAX=16, MK_SLOTS=4 with MK_T_MAX=32, and that
+#                              with MK_MMA) with NVRTC
 #                              in parallel processes into CuPy's on-disk
 #                              cache, and verify the programs; no later step runs NVRTC
 #   smoke     (lim 40) ~20 s   timer tick, block placement (%smid), watchdog first, then one step
@@ -248,7 +249,8 @@ else
   done
   BUILDS+=(--build smollm2-135m:cuda:trace --build smollm2-135m:cuda-noprefetch
            --build smollm2-135m:cuda-sync1 --build smollm2-135m:cuda:tokens=16
-           --build smollm2-135m:cuda:slots=4:tokens=32)
+           --build smollm2-135m:cuda:slots=4:tokens=32
+           --build smollm2-135m:cuda:slots=4:tokens=32:mma)
   # programs besides the default ones: the tests' merge by ticket, bench's cuda-block-merge
   PROGRAMS=(--program qwen3-0.6b,merge_ticket_min=0)
   for SHAPE in qwen3-0.6b llama-3.2-1b; do

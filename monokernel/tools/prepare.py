@@ -12,7 +12,7 @@ pay for again, done once and in parallel before any of them runs.
   ($MONOKERNEL_CACHE/reference: one float32 model per shape, built once, not in every step).
 
     python -m monokernel.tools.prepare --max-seq N \
-        --build SHAPE:BACKEND[:trace][:slots=N][:tokens=N]
+        --build SHAPE:BACKEND[:trace][:slots=N][:tokens=N][:mma]
                                        [--program SHAPE[,KEY=N...] ...]
                                        [--reference TOKENS:STEPS ...] [--jobs N]
 
@@ -30,16 +30,19 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 
-def parse_build(spec: str) -> tuple[str, str, bool, int, int]:
-    """"smollm2-135m:cuda", "smollm2-135m:cuda:trace", "smollm2-135m:cuda:tokens=16" or
-    "smollm2-135m:cuda:slots=4:tokens=32" -> (shape, backend, trace, tokens per step, slots).
-    A kernel of slots takes at least as many rows a step (executor.KernelExecutor)."""
+def parse_build(spec: str) -> tuple[str, str, bool, int, int, bool]:
+    """"smollm2-135m:cuda", "smollm2-135m:cuda:trace", "smollm2-135m:cuda:tokens=16",
+    "smollm2-135m:cuda:slots=4:tokens=32" or "smollm2-135m:cuda:slots=4:mma" -> (shape,
+    backend, trace, tokens per step, slots, tensor cores). A kernel of slots takes at least as
+    many rows a step (executor.KernelExecutor); tensor cores need slots."""
     parts = spec.split(":")
-    trace, tokens, slots = False, 1, 1
+    trace, tokens, slots, mma = False, 1, 1, False
     for extra in parts[2:]:
         key, _, value = extra.partition("=")
         if extra == "trace" and not trace:
             trace = True
+        elif extra == "mma" and not mma:
+            mma = True
         elif key == "tokens" and value.isdigit() and int(value) >= 1 and tokens == 1:
             tokens = int(value)
         elif key == "slots" and value.isdigit() and int(value) >= 2 and slots == 1:
@@ -47,15 +50,15 @@ def parse_build(spec: str) -> tuple[str, str, bool, int, int]:
         else:
             parts = []
             break
-    if len(parts) < 2:
+    if len(parts) < 2 or (mma and slots < 2):
         raise SystemExit(f"monokernel prepare: error: --build {spec!r}: expected "
-                         "SHAPE:BACKEND[:trace][:slots=N][:tokens=N]")
+                         "SHAPE:BACKEND[:trace][:slots=N][:tokens=N][:mma] (mma with slots)")
     from ..kernel.cuda_backend import BUILD_OPTIONS
 
     if parts[1] not in BUILD_OPTIONS:
         raise SystemExit(f"monokernel prepare: error: --build {spec!r}: unknown backend "
                          f"{parts[1]!r} (known: {', '.join(BUILD_OPTIONS)})")
-    return parts[0], parts[1], trace, max(tokens, slots if slots > 1 else 1), slots
+    return parts[0], parts[1], trace, max(tokens, slots if slots > 1 else 1), slots, mma
 
 
 def _compile(label: str, source: str, defines: dict[str, str]) -> tuple[str, float]:
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seq", type=int, required=True,
                     help="the KV-cache length every later step uses")
     ap.add_argument("--build", action="append", default=[],
-                    metavar="SHAPE:BACKEND[:trace][:slots=N][:tokens=N]",
+                    metavar="SHAPE:BACKEND[:trace][:slots=N][:tokens=N][:mma]",
                     help="a kernel the later steps build (repeat the option)")
     ap.add_argument("--program", action="append", default=[],
                     metavar="SHAPE[,attn_splits=N][,attn_min_chunk=N][,merge_ticket_min=N]",
@@ -153,21 +156,24 @@ def main(argv: list[str] | None = None) -> int:
     configs = {shape: synthetic_config(shape) for shape in shapes}
     compiles: dict[tuple, tuple[str, str, dict]] = {}  # one per distinct (source, defines)
     proofs: dict[tuple, tuple[str, object, int, dict]] = {}
-    for shape, backend, trace, tokens, slots in builds:
+    for shape, backend, trace, tokens, slots, mma in builds:
         opts = dict(BUILD_OPTIONS[backend], trace=trace, tokens=tokens)
         if slots > 1:
-            opts.update(slots=slots, page_size=DEFAULT_PAGE_SIZE)
+            opts.update(slots=slots, page_size=DEFAULT_PAGE_SIZE, mma=mma)
         source, defines = kernel_build(configs[shape], args.max_seq, **opts)
         key = (source, tuple(sorted(defines.items())))
         label = f"{shape}:{backend}" + (":trace" if trace else "") \
-            + (f":slots={slots}" if slots > 1 else "") + (f":tokens={tokens}" if tokens > 1 else "")
+            + (f":slots={slots}" if slots > 1 else "") \
+            + (f":tokens={tokens}" if tokens > 1 else "") + (":mma" if mma else "")
         if key in compiles:
             compiles[key] = (compiles[key][0] + f" = {label}",) + compiles[key][1:]
         else:
             compiles[key] = (label, source, defines)
-        prog = (("tokens", tokens),) if tokens > 1 else ()
+        # (tensor cores: every step's attention merged by ticket, executor.KernelExecutor)
+        prog = ((("merge_ticket_min", 1),) if mma else ()) \
+            + ((("tokens", tokens),) if tokens > 1 else ())
         if (shape, prog) not in proofs:
-            proofs[(shape, prog)] = (f"program {shape}" + (f",tokens={tokens}" if prog else ""),
+            proofs[(shape, prog)] = (f"program {shape}" + "".join(f",{k}={v}" for k, v in prog),
                                      configs[shape], args.max_seq, dict(prog))
     for spec in args.program:
         shape, options = parse_program(spec)

@@ -640,10 +640,11 @@ def test_a_prepared_chunk_build_is_what_step_tokens_compiles(fake_cupy, tiny):
     from monokernel.runtime import make_executor
     from monokernel.tools.prepare import parse_build
 
-    shape, backend, trace, tokens, slots = parse_build("tiny:cuda:tokens=16")
-    assert (shape, backend, trace, tokens, slots) == ("tiny", "cuda", False, 16, 1)
-    assert parse_build("tiny:cuda:trace:tokens=4")[2:] == (True, 4, 1)
-    assert parse_build("tiny:cuda:slots=4")[3:] == (4, 4)  # a row per slot at least
+    shape, backend, trace, tokens, slots, mma = parse_build("tiny:cuda:tokens=16")
+    assert (shape, backend, trace, tokens, slots, mma) == ("tiny", "cuda", False, 16, 1, False)
+    assert parse_build("tiny:cuda:trace:tokens=4")[2:] == (True, 4, 1, False)
+    assert parse_build("tiny:cuda:slots=4")[3:] == (4, 4, False)  # a row per slot at least
+    assert parse_build("tiny:cuda:slots=4:mma")[3:] == (4, 4, True)
     fake = fake_cupy(num_sms=3, launch_mode="noop")
     ex = make_executor("cuda", tiny[0], 160, step_tokens=16)
     source, defines = kernel_build(tiny[0].config, 160, tokens=16, **BUILD_OPTIONS["cuda"])
@@ -656,8 +657,15 @@ def test_a_prepared_chunk_build_is_what_step_tokens_compiles(fake_cupy, tiny):
                                    page_size=DEFAULT_PAGE_SIZE, **BUILD_OPTIONS["cuda"])
     assert "#define MK_SLOTS 4" in source and ex.program.tokens == 32
     assert ex.device.compile(source, KERNEL_NAMES, defines) is ex.module
+    # ... and with tensor cores (slice 6a), on the program that merges by ticket
+    ex = make_executor("cuda", tiny[0], 160, slots=4, step_tokens=32, tensor_cores=True)
+    source, defines = kernel_build(tiny[0].config, 160, tokens=32, slots=4, mma=True,
+                                   page_size=DEFAULT_PAGE_SIZE, **BUILD_OPTIONS["cuda"])
+    assert "#define MK_MMA 1" in source and ex.program.merge_ticket_min == 1
+    assert ex.device.compile(source, KERNEL_NAMES, defines) is ex.module
     for bad in ("tiny:cuda:tokens=0", "tiny:cuda:tokens=x", "tiny:cuda:trace:trace",
-                "tiny:cuda:fast", "tiny:cuda:slots=1", "tiny:cuda:slots=2:slots=3"):
+                "tiny:cuda:fast", "tiny:cuda:slots=1", "tiny:cuda:slots=2:slots=3",
+                "tiny:cuda:mma", "tiny:cuda:slots=2:mma:mma"):
         with pytest.raises(SystemExit, match="SHAPE:BACKEND"):
             parse_build(bad)
 
@@ -707,6 +715,40 @@ def test_gpu_steps_of_many_sequences_are_bitwise_each_alone(gpu_case):
     for s, p in enumerate(prompts):
         drawn = [int(first.tokens[s]), int(out.tokens[s])] + out.later[s]
         assert list(p) + drawn == seqs[s], s
+
+
+@pytest.mark.gpu
+def test_gpu_tensor_cores_agree_with_the_bf16_reference_and_alone(gpu_case):
+    """The mat-muls on tensor cores (tensor_cores, issue 17 slice 6a; prepared as
+    smollm2-135m:cuda:slots=4:tokens=32:mma) on the real grid, the PTX mma path: four prompts
+    of 3-13 tokens in one step of 30 rows against the bf16-inputs reference (tolerance:
+    tests/kernel/test_tensor_cores.py's every-row bound; the hardware's order inside an mma is
+    not the emulator twin's), and each prompt alone on the same kernel bit for bit (batch
+    invariance: a row's numbers never depend on the step's other rows)."""
+    from monokernel.kernel.base import StepTable
+    from monokernel.model.reference import ReferenceModel
+    from monokernel.runtime import make_executor
+
+    m = gpu_case("smollm2-135m")[0]
+    prompts = [(PROMPT * 3)[:n] for n in (5, 9, 13, 3)]
+    ex = make_executor("cuda", m, GPU_MAX_SEQ, slots=4, step_tokens=32, tensor_cores=True)
+    pages = list(ex.add_pages(4 * 2))
+    tables = {s: pages[2 * s:2 * s + 2] for s in range(4)}
+    rows = [(t, s, i, True, True) for s, p in enumerate(prompts) for i, t in enumerate(p)]
+    got = ex.run_table(StepTable.of(rows, tables)).logits
+    ref = ReferenceModel(m.config, m.weights, GPU_MAX_SEQ, bf16_inputs=True)
+    at = 0
+    for s, p in enumerate(prompts):
+        ref.reset()
+        want = ref.forward(p, 0)
+        for i in range(len(p)):
+            err = float(np.abs(got[at + i] - want[i]).max() / np.abs(want[i]).max())
+            assert err <= 4e-3, (s, i, err)
+        ex.reset()
+        ex.add_pages(4 * 2)
+        alone = ex.run_table(StepTable.of([r for r in rows if r[1] == s], tables)).logits
+        assert np.array_equal(alone.view(np.uint32), got[at:at + len(p)].view(np.uint32)), s
+        at += len(p)
 
 
 @pytest.mark.gpu
