@@ -50,7 +50,9 @@
 #                              matters: cuda, cuda-multi-graph-pdl, cuda-multi-graph, hf, the
 #                              twins, cuda-multi last; the JSON rewritten after every row
 #   trace     (lim 20) ~10 s   one traced SmolLM2 step (timer tick first), Perfetto JSON + PNG
-#   total              ~220 s  (the limits add up to 285 s: a hung step cannot eat the rerun's
+#   bench_batch, bench_batch_tc (lim 25 each) ~10 s each: SmolLM2's kernel of 4 slots serving 4
+#                              sequences (bench --batch), CUDA cores then tensor cores
+#   total              ~240 s  (the limits add up to 335 s: a hung step cannot eat the rerun's
 #                              time)
 # The host side of all this is measured in CI (tests/tools/test_gpu_check_script.py on --fake-cupy,
 # NVRTC included) against these limits times MONOKERNEL_CHECK_LIMIT_SCALE (a 2-core CI host is
@@ -280,6 +282,13 @@ else
   done
   step trace 20 "$PY" -m monokernel trace --shape smollm2-135m --backend cuda \
     --max-seq "$MAX_SEQ" --out "$WORK"
+  # served rates of the kernel of slots prepared above (4 sequences, steps of up to 32 rows),
+  # its mat-muls on CUDA cores and on tensor cores: one JSON each
+  for TC in "" --tensor-cores; do
+    step "bench_batch${TC:+_tc}" 25 "$PY" -m monokernel bench --shape smollm2-135m \
+      --backends cuda --batch 4 --slots 4 --step-tokens 32 --prompt 32 --new-tokens 64 \
+      --repeats 3 $TC --max-seq "$MAX_SEQ" --out "$WORK"
+  done
 fi
 
 echo "total: $((SECONDS - T_START)) s" | tee -a "$SUMMARY"

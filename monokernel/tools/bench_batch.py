@@ -33,14 +33,17 @@ def prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def measure(backend: str, label: str, model: LoadedModel, batch: int, prompt: int,
-            new_tokens: int, repeats: int, blocks: int | None, options: dict) -> dict:
-    """One row: the backend's time to first token and aggregate tokens/s at ``batch``."""
+            new_tokens: int, repeats: int, blocks: int | None, options: dict,
+            max_seq: int | None = None) -> dict:
+    """One row: the backend's time to first token and aggregate tokens/s at ``batch``.
+    ``max_seq``: the KV cache's length (default: the prompt and its tokens; the GPU check
+    gives its one length, so that the kernel it prepared is the one loaded)."""
     from ..runtime import Engine, make_executor
     from ..sampling import SamplingParams
 
     if blocks is not None and backend != "numpy":
         options = dict(options, blocks=blocks)
-    max_seq = prompt + new_tokens + 2
+    max_seq = max_seq or prompt + new_tokens + 2
     ex = make_executor(backend, model, max_seq, **options)
     eng = Engine(ex, prefix_caching=False, max_num_seqs=batch)  # rows: the default, capped
     batched = eng.batcher is not None
@@ -82,7 +85,8 @@ def measure(backend: str, label: str, model: LoadedModel, batch: int, prompt: in
 
 
 def run(models: list[tuple[str, LoadedModel]], backends: list[str], batch: int, prompt: int,
-        new_tokens: int, repeats: int, blocks: int | None, options: dict, log=print) -> dict:
+        new_tokens: int, repeats: int, blocks: int | None, options: dict, log=print,
+        max_seq: int | None = None) -> dict:
     from .bench import commit_info, device_name, git_commit
 
     rows = []
@@ -93,7 +97,7 @@ def run(models: list[tuple[str, LoadedModel]], backends: list[str], batch: int, 
             try:
                 opts = options if backend != "numpy" else {}
                 rows.append(measure(backend, label, model, batch, prompt, new_tokens, repeats,
-                                    blocks, opts))
+                                    blocks, opts, max_seq))
             except Exception as e:  # a row that fails is recorded, the run goes on
                 rows.append({"backend": backend, "shape": label, "batch": batch,
                              "prompt": prompt, "error": f"{type(e).__name__}: {e}"})

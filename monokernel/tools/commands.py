@@ -7,7 +7,7 @@ measured speed, and its timeline.
     monokernel bench [--model DIR | --shape NAME[,NAME...]] [--backends LIST]
                      [--context 16,512,2048] [--steps N] [--warmup N] [--blocks N] [--out DIR]
     monokernel bench ... --batch B [--prompt P] [--new-tokens N] [--repeats R] [--step-tokens T]
-                         [--slots S]
+                         [--slots S] [--tensor-cores]
                      (served rates: time to first token, aggregate tokens/s at batch B)
     monokernel trace [--model DIR | --shape NAME] [--backend emulator|cuda] [--blocks N]
                      [--context N] [--out DIR]
@@ -106,6 +106,9 @@ def add_commands(sub) -> None:
     p.add_argument("--slots", type=int, default=None, metavar="S",
                    help="with --batch: kernel backends' option slots (steps of up to S "
                         "sequences; without it a kernel runs one sequence at a time)")
+    p.add_argument("--tensor-cores", action="store_true",
+                   help="with --batch and --slots: kernel backends' option tensor_cores (the "
+                        "mat-muls on mma.sync, bf16 inputs)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("trace", help="timeline of one traced decode step (Perfetto JSON + PNG)")
@@ -261,12 +264,21 @@ def cmd_bench_batch(args) -> int:
     if "hf" in backends or "hf-compile" in backends:
         raise SystemExit("monokernel: error: --batch measures monokernel's backends only "
                          "(not hf, hf-compile)")
-    options = {k: v for k, v in (("step_tokens", args.step_tokens), ("slots", args.slots))
+    if args.tensor_cores and not (args.slots or 0) > 1:
+        raise SystemExit("monokernel: error: --tensor-cores needs --slots S (S >= 2): tensor "
+                         "cores are built for a kernel of slots")
+    options = {k: v for k, v in (("step_tokens", args.step_tokens), ("slots", args.slots),
+                                 ("tensor_cores", args.tensor_cores or None))
                if v is not None}
+    max_seq = getattr(args, "max_seq", None)
+    if max_seq is not None and max_seq < prompt + args.new_tokens + 2:
+        raise SystemExit(f"monokernel: error: --max-seq {max_seq} is too short for a "
+                         f"{prompt}-token prompt and {args.new_tokens} new tokens (needs "
+                         f"{prompt + args.new_tokens + 2})")
     shapes = [s.strip() for s in args.shape.split(",")] if args.shape else [None]
     models = [_load(args, s) for s in shapes]
     doc = bb.run(models, backends, batch, prompt, args.new_tokens, args.repeats, args.blocks,
-                 options, log=lambda s: print(s, file=sys.stderr, flush=True))
+                 options, log=lambda s: print(s, file=sys.stderr, flush=True), max_seq=max_seq)
     parts = ["monokernel", "bench"] + (["--shape", args.shape] if args.shape else
                                         ["--model", _safe_path(args.model)] if args.model else [])
     parts += ["--backends", args.backends, "--batch", str(batch), "--prompt", str(prompt),
@@ -277,6 +289,10 @@ def cmd_bench_batch(args) -> int:
         parts += ["--step-tokens", str(args.step_tokens)]
     if args.slots is not None:
         parts += ["--slots", str(args.slots)]
+    if args.tensor_cores:
+        parts.append("--tensor-cores")
+    if max_seq is not None:
+        parts += ["--max-seq", str(max_seq)]
     doc["command"] = shlex.join(parts + ["--out", _safe_path(args.out)])
     print(bb.format_table(doc))
     print(f"wrote {bb.write(doc, args.out)}")

@@ -47,10 +47,26 @@ def test_bench_batch_on_a_kernel_of_slots(tmp_path, capsys):
     assert row["generated"] == 3 * 3
 
 
+def test_bench_batch_on_tensor_cores(tmp_path, capsys):
+    """``--slots 2 --tensor-cores``: the kernel of slots with its mat-muls on tensor cores
+    (issue 17 slice 6a), said in the command and the row's options."""
+    out = tmp_path / "res"
+    assert main(["bench", "--shape", "tiny", "--backends", "emulator", "--batch", "2",
+                 "--prompt", "5", "--new-tokens", "2", "--repeats", "1", "--blocks", "2",
+                 "--slots", "2", "--tensor-cores", "--out", str(out)]) == 0
+    [path] = out.glob("bench-batch-*.json")
+    doc = json.loads(path.read_text())
+    assert "--slots 2 --tensor-cores" in doc["command"]
+    [row] = doc["results"]
+    assert row["options"] == {"slots": 2, "tensor_cores": True, "blocks": 2}
+    assert row["generated"] == 2 * 2
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--batch", "0"], "--batch must be >= 1"),
     (["--batch", "2", "--prompt", "0"], "--prompt must be >= 1"),
     (["--batch", "2", "--backends", "hf"], "monokernel's backends only"),
+    (["--batch", "2", "--tensor-cores"], "--tensor-cores needs --slots"),
 ])
 def test_bench_batch_refuses_bad_input(tmp_path, argv, message):
     with pytest.raises(SystemExit) as e:

@@ -39,7 +39,7 @@ WALL_CEILING_S = 1200
 # parallel there, here two at a time).
 LIMIT_SCALE = 5
 GPU_STEPS = ("prepare", "smoke", "gpu_tests", "bench_smollm2-135m", "bench_qwen3-0.6b",
-             "bench_llama-3.2-1b", "trace")
+             "bench_llama-3.2-1b", "trace", "bench_batch", "bench_batch_tc")
 RETURNED_NAME = re.compile(r"[A-Za-z0-9._-]+\Z")
 STEP_LINE = re.compile(r"^=== (?P<step>\S+): exit (?P<rc>\d+) in (?P<s>\d+) s "
                        r"\(limit (?P<lim>\d+) s; (?P<cpu>\d+) CPU-s\)$", re.M)
