@@ -128,6 +128,8 @@ class Batcher:
         self.pool = PagePool(ex.add_pages(num_pages), ps)
         ex.pages_owner = self  # a later Engine on this executor takes the pool over
         self.lock = threading.RLock()
+        # appended to without the lock (a deque's append is atomic), so that a launch of many
+        # steps in flight, which holds the lock, sees a newcomer and ends early for it
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -148,8 +150,7 @@ class Batcher:
                 and params.prompt_logprobs is None):
             draw = DeviceSample(params.temperature, host.sampler.seed)
         seq = Seq(gen, rule, host, need, draw)
-        with self.lock:
-            self.waiting.append(seq)
+        self.waiting.append(seq)  # (no lock: see __init__) admitted at the next step boundary
         return seq
 
     def pull(self, seq: Seq) -> Iterator["Sampled"]:
@@ -201,7 +202,11 @@ class Batcher:
                 if self.executor.pages_owner is not self:
                     raise MonokernelError(f"another Engine was made on this {self.executor.name}"
                                           f" executor and took its K/V pages: use that one")
-                out = self.executor.run_table(table)
+                # a launch of many steps ends early for a newcomer (only while a slot is
+                # free to take it: a full batch keeps its launch) or a cancel among its rows
+                out = self.executor.run_table(table, should_stop=lambda: (
+                    bool(self.waiting) and len(self.running) < self.max_num_seqs) or any(
+                    s.gen.cancelled for s in chunks))
             except Exception as e:  # the executor failed: every sequence in the step ends
                 for s in chunks:
                     self._finish(s, e)
@@ -264,7 +269,8 @@ class Batcher:
         on the device and decodes after it (its prompt done), each up to its stop position;
         their pages for those positions are handed out now (promised at admission). The kernel
         stops a sequence at its stop tokens or position itself; the host's StopRule drops what a
-        stop string ends early. A request arriving meanwhile waits at most max_table_steps."""
+        stop string ends early. A request arriving meanwhile ends the launch after its current
+        step when a slot is free for it (``waiting``), else joins when a slot frees."""
         most = self.executor.max_table_steps
         if most <= 1 or self.waiting or not chunks:
             return 1

@@ -120,7 +120,7 @@ class NumpyExecutor(Executor):
     def add_pages(self, n: int) -> range:
         return self.ref.add_pages(n)
 
-    def run_table(self, table: StepTable) -> TableResult:
+    def run_table(self, table: StepTable, should_stop=None) -> TableResult:
         """One batched step (ReferenceModel.forward_rows). Every step of two rows or more is a
         matrix-matrix product, so a row's numbers are those of any other such step; a step of
         one prompt row is padded to two so that a prompt's K/V never depend on how it was cut

@@ -162,8 +162,10 @@ class Executor(ABC):
         """Room for ``n`` K/V pages of ``page_size`` positions for block tables; their ids."""
         raise NotImplementedError(f"{self.name} runs one sequence at a time (max_num_seqs 1)")
 
-    def run_table(self, table: "StepTable") -> "TableResult":
-        """Run one step of a batched executor (TableResult)."""
+    def run_table(self, table: "StepTable",
+                  should_stop: Callable[[], bool] | None = None) -> "TableResult":
+        """Run one step of a batched executor (TableResult); a launch of ``table.steps`` > 1
+        ends after its current step once ``should_stop()`` (polled while it runs) is true."""
         raise NotImplementedError(f"{self.name} runs one sequence at a time (max_num_seqs 1)")
 
     def __init__(self, model: LoadedModel, max_seq_len: int):

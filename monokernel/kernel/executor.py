@@ -583,15 +583,19 @@ class KernelExecutor(Executor):
                               f"kv_pages); asked for {n}")
         return range(self.slot_pages, self.slot_pages + n)
 
-    def run_table(self, table: StepTable) -> TableResult:
+    def run_table(self, table: StepTable,
+                  should_stop: Callable[[], bool] | None = None) -> TableResult:
         """One step of the rows of ``table`` (one launch): the logits of the rows that want
         them, but for the ones the device draws (``table.draws``: their tokens), in row order.
         Each row runs the one-token step's arithmetic at its own position over its own slot's
-        pages, so a sequence's numbers, and its draws, do not depend on the other rows."""
+        pages, so a sequence's numbers, and its draws, do not depend on the other rows. A
+        launch of many steps ends after its current step once ``should_stop()`` is true
+        (polled while it runs: a request waiting to join, a cancel), through the host's stop
+        flag as read at the LM head, so at most one step later."""
         self._check_table(table)
         return self._table_step(table.tokens, table.slots, table.positions, table.logits,
                                 table.block_tables, table.drawn, table.draws, table.steps,
-                                table.stops)
+                                table.stops, should_stop)
 
     def _check_table(self, t: StepTable) -> None:
         """KernelError naming what is wrong before anything is written to the device (the
@@ -713,7 +717,8 @@ class KernelExecutor(Executor):
         return words
 
     def _table_step(self, tokens, slots, positions, want, tables: dict, drawn=None,
-                    draws=None, steps: int = 1, stops=None) -> TableResult:
+                    draws=None, steps: int = 1, stops=None,
+                    should_stop: Callable[[], bool] | None = None) -> TableResult:
         self._end_running()
         self.check_usable()
         n = len(tokens)
@@ -721,8 +726,13 @@ class KernelExecutor(Executor):
         dev.write(b["control"], self._write_rows(tokens, slots, positions, want, tables, drawn,
                                                  draws, steps, stops))
         self._state_on_device = None
+        flags = b["host_flags"]
+        flags[HostFlag.STOP] = 0
         try:
-            self.run_launches()
+            if steps > 1 and should_stop is not None:
+                self._run_until(should_stop)
+            else:
+                self.run_launches()
             control = dev.read(b["control"])
         except KernelError as e:
             self._broken = str(e).splitlines()[0]
@@ -749,6 +759,21 @@ class KernelExecutor(Executor):
                 got = int(np.argmax(row == NO_TOKEN)) if np.any(row == NO_TOKEN) else len(row)
                 later[int(s)] = [int(t) for t in row[:got]]
         return TableResult(self._last_logits, np.array(tokens, np.int64), later)
+
+    def _run_until(self, should_stop: Callable[[], bool]) -> None:
+        """The launches, in a run of their own (device.start), while this thread polls
+        ``should_stop`` and raises the host's stop flag once it is true: the kernel ends after
+        its current step (or the next, when the flag comes after its LM head read it)."""
+        flags = self.buffers["host_flags"]
+        run, pause = self.device.start(self.run_launches), 0.0
+        try:
+            while not run.done():
+                if not flags[HostFlag.STOP] and should_stop():
+                    flags[HostFlag.STOP] = 1
+                pause = min(pause * 2 or 20e-6, 1e-3)
+                time.sleep(pause)
+        finally:
+            run.finish()
 
     def _own_rows(self, tokens: list[int], start_pos: int, want: str) -> np.ndarray:
         """One-sequence calls on a kernel of many (tools, tests, a prompt's logprobs): the

@@ -400,3 +400,93 @@ def test_a_launch_of_many_table_steps_is_the_steps_one_by_one(synth_model):
         rows = [tables[s][p // PAGE] * PAGE + p % PAGE for p in range(len(b[s]) - 1)]
         assert np.array_equal(kva[0][:, rows], kvb[0][:, rows]), s
         assert np.array_equal(kva[1][:, rows], kvb[1][:, rows]), s
+
+
+def test_a_launch_of_many_steps_ends_early_when_asked(synth_model):
+    """``run_table(..., should_stop=...)``: a launch of 8 decode steps of 2 slots whose
+    should_stop turns true once the first step's tokens are out ends after its current step or
+    the next (the host's stop flag is read at the LM head), and what it made is the start of
+    the uninterrupted launch's tokens."""
+    from monokernel.kernel.base import DeviceSample
+
+    model = synth_model("llama3-tiny")
+    prompts = [prompt_of(model, 4, 90), prompt_of(model, 7, 91)]
+    draws = {0: DeviceSample(0.0, 0), 1: DeviceSample(HOT, 5)}
+    runs = []
+    for early in (False, True):
+        ex = KernelExecutor(model, MAX_SEQ, blocks=2, slots=2, step_tokens=12, page_size=PAGE)
+        pages = list(ex.add_pages(4))
+        tables = {0: pages[:2], 1: pages[2:]}
+        rows = [(t, s, p, p == len(pr) - 1, True) for s, pr in enumerate(prompts)
+                for p, t in enumerate(pr)]
+        first = ex.run_table(StepTable.of(rows, tables, draws))
+        step = [(int(t), s, len(p), True, False)
+                for s, (p, t) in enumerate(zip(prompts, first.tokens))]
+        out_tokens = ex.buffers["out_tokens"]
+        asked = []
+
+        def should_stop() -> bool:  # true once slot 0's first decode token is out
+            asked.append(1)
+            return early and int(out_tokens[len(prompts[0])]) != -1
+
+        steps0 = ex.steps_run
+        out = ex.run_table(StepTable.of(step, tables, draws, steps=8), should_stop=should_stop)
+        ran = ex.steps_run - steps0
+        runs.append((ran, {s: [int(out.tokens[s])] + out.later.get(s, []) for s in (0, 1)}))
+        assert asked  # polled while the launch ran
+    (full, whole), (ran, part) = runs
+    assert full == 8 and 1 <= ran <= 3, ran
+    for s in (0, 1):
+        assert len(part[s]) == ran and part[s] == whole[s][:ran], s
+
+
+def test_a_request_arriving_ends_a_launch_early(synth_model):
+    """The Batcher on a kernel of 3 slots: two requests decode in launches of up to 8 steps;
+    a third, added from another thread while such a launch runs, ends it after its current
+    step (it sees Batcher.waiting) and joins at the next step, not when the launch would have
+    ended;
+    every text is still its solo run's."""
+    import threading
+
+    model = synth_model("llama3-tiny")
+    ids = [prompt_of(model, n, 70 + n) for n in (5, 7, 4)]
+    params = [SamplingParams(max_new_tokens=m, temperature=0.0, ignore_eos=True)
+              for m in (20, 20, 6)]
+    ex = KernelExecutor(model, MAX_SEQ, blocks=2, slots=3, step_tokens=8, page_size=PAGE)
+    eng = Engine(ex, max_num_seqs=3)
+    solo = [[s.token for s in eng.generate(p, sp)] for p, sp in zip(ids, params)]
+    launches = []  # (steps asked, steps run, rows) of each launch
+    real = ex.run_table
+    late: dict = {}
+
+    def run_table(table, should_stop=None):
+        before = ex.steps_run
+        if table.steps > 1 and "thread" not in late:  # the first launch of many steps
+            late["thread"] = threading.Thread(
+                target=lambda: late.setdefault("gen", iter(eng.generate(ids[2], params[2]))))
+            late["thread"].start()
+            late["thread"].join()  # add() queued it (no lock: the launch below sees it)
+            assert len(eng.batcher.waiting) == 1
+        out = real(table, should_stop)
+        launches.append((table.steps, ex.steps_run - before, len(table)))
+        return out
+
+    ex.run_table = run_table
+    its = [iter(eng.generate(p, sp)) for p, sp in zip(ids[:2], params[:2])]
+    got = [[], [], []]
+    live = {0, 1}
+    while live:
+        for i in sorted(live):
+            try:
+                got[i].append(next(its[i]).token)
+            except StopIteration:
+                live.discard(i)
+            if "gen" in late and 2 not in live and not got[2]:
+                its.append(late["gen"])
+                live.add(2)
+    assert got == solo
+    first = next(i for i, (asked, _, _) in enumerate(launches) if asked > 1)
+    asked, ran, _ = launches[first]
+    assert asked == 8 and ran <= 3, launches  # ended early for the newcomer
+    # the next launch carries the newcomer's prompt (4 rows) beside the two decode rows
+    assert launches[first + 1][2] == 2 + len(ids[2]), launches
