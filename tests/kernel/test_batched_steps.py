@@ -258,17 +258,20 @@ def test_the_options_are_validated():
     assert (o.slots, o.page_size) == (8, 32)
 
 
-def test_a_reused_prefix_gives_the_same_text(synth_model):
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
+def test_a_reused_prefix_gives_the_same_text(synth_model, tensor_cores):
     """The Batcher's prefix cache on a kernel of slots: a second prompt sharing two whole pages
-    with the first reuses them (16 positions not prefilled) and gets, bit for bit, the seeded
-    text it gets with prefix caching off."""
+    with the first reuses them (16 positions not prefilled, so its prompt is cut into other
+    chunks) and gets, bit for bit, the seeded text it gets with prefix caching off; on tensor
+    cores too (a row's mat-muls never depend on the step's other rows)."""
     model = synth_model("qwen3-gqa-tiny")
     head = prompt_of(model, 19, 50)
     first, second = head + [7, 8], head[:17] + [9, 10, 11]
     params = SamplingParams(max_new_tokens=5, temperature=0.9, seed=3, ignore_eos=True)
     texts = []
     for caching in (True, False):
-        ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=2, step_tokens=8, page_size=PAGE)
+        ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=2, step_tokens=8, page_size=PAGE,
+                            tensor_cores=tensor_cores)
         eng = Engine(ex, prefix_caching=caching)
         [s.token for s in eng.generate(first, params)]
         texts.append([s.token for s in eng.generate(second, params)])
