@@ -60,3 +60,20 @@ class Batch:
         s = self.seqs[slot]
         rows = [s["pages"][p // PAGE] * PAGE + p % PAGE for p in range(n)]
         return (self.ex.read_buffer("k_cache")[:, rows], self.ex.read_buffer("v_cache")[:, rows])
+
+
+def round_robin(its, each=None) -> list[list[int]]:
+    """Pull the generations ``its`` in turn, a token each, until all end (the steps carry
+    whoever is running): each one's tokens. ``each()`` runs after every pull."""
+    its = list(its)
+    got: list[list[int]] = [[] for _ in its]
+    live = set(range(len(its)))
+    while live:
+        for i in sorted(live):
+            try:
+                got[i].append(next(its[i]).token)
+            except StopIteration:
+                live.discard(i)
+            if each is not None:
+                each()
+    return got

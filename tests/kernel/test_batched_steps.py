@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.batch import PAGE, Batch, prompt_of
+from helpers.batch import PAGE, Batch, prompt_of, round_robin
 from helpers.kernel import assert_logits_match
 from monokernel.batching import batch_options
 from monokernel.errors import KernelError, ParameterError
@@ -115,11 +115,14 @@ def test_mixed_steps_are_bitwise_each_sequence_alone(synth_model, arch, slots, T
     assert all(s["done"] > s["prompt"] for s in b.seqs.values())
 
 
-def test_a_sequence_alone_or_beside_1_5_and_15_others(synth_model):
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
+def test_a_sequence_alone_or_beside_1_5_and_15_others(synth_model, tensor_cores):
     """Batch invariance: one sequence's logits rows, bitwise, alone and in steps of 2, 6 and 16
-    sequences at other positions (a step of 16 decode rows: T_MAX)."""
+    sequences at other positions (a step of 16 decode rows: T_MAX); on tensor cores, token
+    groups of 8 holding other sequences' rows beside its own, or padding."""
     model = synth_model("qwen3-gqa-tiny")
-    ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=16, page_size=PAGE)
+    ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=16, page_size=PAGE,
+                        tensor_cores=tensor_cores)
     assert ex.max_step_rows == 16
     me = prompt_of(model, 9, 10)
     others = [prompt_of(model, 2 + k % 7, 20 + k) for k in range(15)]
@@ -182,16 +185,7 @@ def test_the_engine_batches_on_the_emulator(synth_model):
     eng = Engine(ex, max_num_seqs=8)
     assert eng.batcher is not None and eng.batcher.max_num_seqs == 2
     assert eng.batcher.max_num_batched_tokens == 4
-    gens = [eng.generate(p, sp) for p, sp in zip(ids, params)]
-    its = [iter(g) for g in gens]
-    got: list[list[int]] = [[], [], []]
-    live = {0, 1, 2}
-    while live:  # round robin: the steps carry whoever is running
-        for i in sorted(live):
-            try:
-                got[i].append(next(its[i]).token)
-            except StopIteration:
-                live.discard(i)
+    got = round_robin(iter(eng.generate(p, sp)) for p, sp in zip(ids, params))
     assert got == solo
     assert ex.logits_rows_read == 0  # every token drawn on the device (slice 4)
     assert ex.steps_run > ex.launches  # decode steps ran many to a launch
@@ -328,17 +322,10 @@ def test_a_pool_smaller_than_a_context_per_slot(synth_model):
     ids = [prompt_of(model, 5, 70), prompt_of(model, 7, 71)]
     solo = [[s.token for s in Engine(KernelExecutor(model, MAX_SEQ, blocks=2)).generate(p, params)]
             for p in ids]
-    its = [iter(eng.generate(p, params)) for p in ids]
-    got, peak = [[], []], 0
-    live = {0, 1}
-    while live:
-        for i in sorted(live):
-            try:
-                got[i].append(next(its[i]).token)
-            except StopIteration:
-                live.discard(i)
-            peak = max(peak, eng.batcher.stats()["running"])
-    assert got == solo and peak == 1
+    running = []
+    got = round_robin([iter(eng.generate(p, params)) for p in ids],
+                      lambda: running.append(eng.batcher.stats()["running"]))
+    assert got == solo and max(running) == 1
     with pytest.raises(PromptError, match="the pool holds 3"):
         eng.generate(prompt_of(model, 20, 72), params)
 
@@ -475,18 +462,8 @@ def test_a_request_arriving_ends_a_launch_early(synth_model):
         return out
 
     ex.run_table = run_table
-    its = [iter(eng.generate(p, sp)) for p, sp in zip(ids[:2], params[:2])]
-    got = [[], [], []]
-    live = {0, 1}
-    while live:
-        for i in sorted(live):
-            try:
-                got[i].append(next(its[i]).token)
-            except StopIteration:
-                live.discard(i)
-            if "gen" in late and 2 not in live and not got[2]:
-                its.append(late["gen"])
-                live.add(2)
+    got = round_robin(iter(eng.generate(p, sp)) for p, sp in zip(ids[:2], params[:2]))
+    got.append([s.token for s in late["gen"]])  # made beside the others, queued for it
     assert got == solo
     first = next(i for i, (asked, _, _) in enumerate(launches) if asked > 1)
     asked, ran, _ = launches[first]
