@@ -202,11 +202,13 @@ class Batcher:
                 if self.executor.pages_owner is not self:
                     raise MonokernelError(f"another Engine was made on this {self.executor.name}"
                                           f" executor and took its K/V pages: use that one")
-                # a launch of many steps ends early for a newcomer (only while a slot is
-                # free to take it: a full batch keeps its launch) or a cancel among its rows
-                out = self.executor.run_table(table, should_stop=lambda: (
-                    bool(self.waiting) and len(self.running) < self.max_num_seqs) or any(
-                    s.gen.cancelled for s in chunks))
+                if steps > 1:  # ends early for a newcomer while a slot is free to take it
+                    # (a full batch keeps its launch), or for a cancel among its rows
+                    out = self.executor.run_table(table, should_stop=lambda: (
+                        bool(self.waiting) and len(self.running) < self.max_num_seqs) or any(
+                        s.gen.cancelled for s in chunks))
+                else:
+                    out = self.executor.run_table(table)
             except Exception as e:  # the executor failed: every sequence in the step ends
                 for s in chunks:
                     self._finish(s, e)
