@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..model.config import ModelConfig
-from ..errors import KernelError, NumericalError
+from ..errors import KernelError, NumericalError, ParameterError
 from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, NUM_THREADS, PARAMS, ROW_WORDS, STATE_WORDS,
                   TRACE_WORDS, Err, ErrCode, HostFlag, Op, RowWord, State, StopReason,
                   params_dtype)
@@ -867,6 +867,12 @@ class KernelOptions(BackendOptions):
     # tensor-cores.md, slice 6a): judged by the reference's bf16_inputs mode; off until a GPU
     # has timed it
     tensor_cores: bool = False
+
+    def __post_init__(self):
+        if self.tensor_cores and (self.slots < 2 or self.multi):
+            raise ParameterError("option tensor_cores=True is for the persistent kernel of slots: "
+                                 f"it needs slots >= 2 and multi=False (got slots={self.slots}"
+                                 f"{', multi=True' if self.multi else ''})")
 
     def batch_limits(self) -> tuple[int | None, int | None]:
         if self.slots > 1:

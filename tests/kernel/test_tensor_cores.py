@@ -141,6 +141,16 @@ def test_the_engine_batches_on_tensor_cores(synth_model):
 
 
 def test_the_options_are_checked(synth_model):
+    """As backend options, before a model loads (ParameterError); on the executor itself,
+    KernelError, and a schedule that cannot merge every step's attention by ticket is named."""
+    from monokernel.errors import ParameterError
+    from monokernel.runtime import backend_options
+
+    for backend, given in (("emulator", {"tensor_cores": True}),
+                           ("emulator-multi", {"tensor_cores": True, "slots": 2})):
+        with pytest.raises(ParameterError, match="tensor_cores=True is for the persistent"):
+            backend_options(backend, given)
+    assert backend_options("emulator", {"tensor_cores": True, "slots": 2}).tensor_cores
     model = synth_model("llama3-tiny")
     with pytest.raises(KernelError, match="slots >= 2"):
         KernelExecutor(model, MAX_SEQ, blocks=2, tensor_cores=True)
