@@ -489,6 +489,15 @@ __device__ __forceinline__ void load_x8(const float* v, int col, float (&x)[8]) 
   x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
 }
 
+// block_mma's rows of a tile of n consecutive weight rows (W: the tile's first, ld elements
+// each), 16 a group: O_PROJ, DOWN and the LM head.
+__device__ __forceinline__ auto tile_rows(const unsigned short* W, int n, int ld) {
+  return [=](int q, int r) -> const unsigned short* {
+    const int k = q * 16 + r;
+    return k < n ? W + (size_t)k * ld : nullptr;
+  };
+}
+
 // block_mma's epilogue of O_PROJ and DOWN: res[tok][b + k] += Y[tok][k] for the pass's rows
 // k < n (the tile's residual rows, this block's own) and tokens < ntok.
 template <class Sum>
@@ -1311,11 +1320,7 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
 #if MK_MMA
   // every row's attention was merged by ticket (tensor_cores: merge_ticket_min 1)
   block_mma<MK_Q_DIM>(
-      s.mma, (e - b + 15) / 16, ntok,
-      [&](int q, int r) -> const unsigned short* {
-        const int k = q * 16 + r;
-        return k < e - b ? W + (size_t)k * MK_Q_DIM : nullptr;
-      },
+      s.mma, (e - b + 15) / 16, ntok, tile_rows(W, e - b, MK_Q_DIM),
       [&](int tok, int col, float (&x)[8]) { load_x8(P.attn + (size_t)tok * MK_Q_DIM, col, x); },
       [&](int q0, int tok0, auto sum) { mma_add_rows(P.residual, b, e - b, ntok, q0, tok0, sum); });
   return;
@@ -1398,13 +1403,8 @@ __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, c
   const int ntok = step_tokens(st);
   const unsigned short* W = P.wd + ((size_t)layer * H + b) * MK_FFN;
 #if MK_MMA
-  (void)s;
   block_mma<MK_FFN>(
-      s.mma, (e - b + 15) / 16, ntok,
-      [&](int q, int r) -> const unsigned short* {
-        const int k = q * 16 + r;
-        return k < e - b ? W + (size_t)k * MK_FFN : nullptr;
-      },
+      s.mma, (e - b + 15) / 16, ntok, tile_rows(W, e - b, MK_FFN),
       [&](int tok, int col, float (&x)[8]) { load_x8(P.ffn_h + (size_t)tok * MK_FFN, col, x); },
       [&](int q0, int tok0, auto sum) { mma_add_rows(P.residual, b, e - b, ntok, q0, tok0, sum); });
   return;
@@ -1632,11 +1632,7 @@ __device__ void lm_head_mma(const Params& P, MmaShared& sm, const int* st, int b
   mma_rms(sm, P.residual, m, [&](int i) { return sm.rows[i]; });  // (its barrier: best too)
   if (b < e) {
     block_mma<H>(
-        sm, (e - b + 15) / 16, m,
-        [&](int q, int r) -> const unsigned short* {
-          const int k = q * 16 + r;
-          return k < e - b ? P.lm_head + (size_t)(b + k) * H : nullptr;
-        },
+        sm, (e - b + 15) / 16, m, tile_rows(P.lm_head + (size_t)b * H, e - b, H),
         [&](int i, int col, float (&x)[8]) {
           rms_x8(P.residual + (size_t)sm.rows[i] * H, sm.rms[i], P.final_norm, col, x);
         },
