@@ -301,6 +301,13 @@ def merge_by_ticket(used: int, least: int) -> bool:
     return least > 0 and used >= least
 
 
+def unit_finishes(used: int, least: int) -> bool:
+    """megakernel.cu unit_finishes: a row of one used split whose step merges by ticket
+    (merge_ticket_min 1: the tensor-core kernel) is normalised and stored into ``attn`` by its
+    one unit (split 0), bitwise what the merge of one split gives: no ticket, no merge."""
+    return merge_by_ticket(used, least) and used == 1
+
+
 # The split merge (megakernel.cu merge_splits): a lane loads MERGE_CHUNK splits' partials at
 # once, and `ways` lanes share an output chunk of 8 elements, so S used splits take
 # ceil(S / (MERGE_CHUNK * ways)) dependent rounds; the merge by ticket uses MERGE_TICKET_WAYS.

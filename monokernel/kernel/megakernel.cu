@@ -1152,6 +1152,12 @@ __device__ void merge_splits(const Params& P, int tok, float* out, int t_begin, 
 __device__ __forceinline__ bool merge_by_ticket(int used, int least) {
   return least > 0 && used >= least;
 }
+// A row of one used split whose step merges by ticket (merge_ticket_min 1: the tensor-core
+// kernel) is normalised and stored into P.attn by its one unit (split 0): what the merge of one
+// split gives, without the ticket's last drawer merging the step's rows one after another.
+__device__ __forceinline__ bool unit_finishes(int used, int least) {
+  return merge_by_ticket(used, least) && used == 1;
+}
 
 // The step's rows each merge by ticket or not by their own used splits (the ticket is drawn
 // when any row merges: steps_max_used; O_PROJ decides per row alike).
@@ -1168,7 +1174,7 @@ __device__ void attention_ticket(const Params& P, const int* st, int ticket, int
   if (!s_last) return;
   for (int tok = 0; tok < ntok; ++tok) {
     const int used = splits_used(row_pos(st, tok) + 1, splits, min_chunk);
-    if (merge_by_ticket(used, least))
+    if (merge_by_ticket(used, least) && !unit_finishes(used, least))
       merge_splits<MK_MERGE_TICKET_WAYS>(P, tok, P.attn + (size_t)tok * MK_Q_DIM,
                                          g * MK_GROUP * D / 8, (g + 1) * MK_GROUP * D / 8,
                                          splits, used);
@@ -1272,19 +1278,29 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
         attention_values(P, s, slot, Vg, base, cnt);
         __syncthreads();
       }
-      const size_t unit = (size_t)tok * MK_KV_HEADS * splits + (size_t)g * splits + split;
-      for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) P.attn_o[unit * MK_GROUP * D + i] = s.o[i];
-      if (threadIdx.x < MK_GROUP) {
-        P.attn_ml[(unit * MK_GROUP + threadIdx.x) * 2] = s.m[threadIdx.x];
-        P.attn_ml[(unit * MK_GROUP + threadIdx.x) * 2 + 1] = s.l[threadIdx.x];
+      if (unit_finishes(splits_used(n_pos, splits, min_chunk), ins[A_ATTENTION_MERGE_MIN])) {
+        // split 0 holds the row's positions; the others are empty and write nothing
+        float* out = P.attn + (size_t)tok * MK_Q_DIM + (size_t)g * MK_GROUP * D;
+        if (split == 0)
+          for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) out[i] = s.o[i] / s.l[i / D];
+      } else {
+        const size_t unit = (size_t)tok * MK_KV_HEADS * splits + (size_t)g * splits + split;
+        for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS)
+          P.attn_o[unit * MK_GROUP * D + i] = s.o[i];
+        if (threadIdx.x < MK_GROUP) {
+          P.attn_ml[(unit * MK_GROUP + threadIdx.x) * 2] = s.m[threadIdx.x];
+          P.attn_ml[(unit * MK_GROUP + threadIdx.x) * 2 + 1] = s.l[threadIdx.x];
+        }
       }
       __syncthreads();  // s.q / s.o are reused by the next unit
     }
   }
   const int tickets = ins[A_ATTENTION_TICKETS];  // > 0: the units lie in one KV group
-  if (tickets > 0 && merge_by_ticket(most_used, ins[A_ATTENTION_MERGE_MIN]))
+  // the ticket is drawn when a row of the step merges splits (unit_finishes: not one of one)
+  const int least = ins[A_ATTENTION_MERGE_MIN];
+  if (tickets > 0 && least > 0 && merge_by_ticket(most_used, max(least, 2)))
     attention_ticket(P, st, ins[A_ATTENTION_TICKET], tickets, b / splits, splits, min_chunk,
-                     ins[A_ATTENTION_MERGE_MIN], ntok);
+                     least, ntok);
 }
 
 // ================================================================================================

@@ -171,3 +171,30 @@ def test_many_steps_in_one_launch_with_the_merge_by_ticket(synth_model):
     assert_logits_match(ex.read_buffer("logits")[None], last[None], "last chained step")
     tickets = ticket_counters(ex.program)
     assert tickets and (ex.read_buffer("counters")[tickets] == 0).all()
+
+
+@pytest.mark.parametrize("arch,blocks", [("qwen3-gqa-tiny", 8), ("llama3-tiny", 3)])
+def test_a_row_of_one_split_is_finished_by_its_unit(synth_model, arch, blocks):
+    """merge_ticket_min 1 (the tensor-core kernel's; here the one-sequence kernel's, poisoned
+    before every step): a step whose row uses one split has its split-0 unit normalise its
+    outputs into ``attn`` and leaves the partials unwritten (no ticket, no merge); from the
+    second used split on the ticket merges. Both kinds of step: the reference's logits."""
+    splits = 4 if arch == "qwen3-gqa-tiny" else 3
+    m = synth_model(arch)
+    ex = KernelExecutor(m, MAX_SEQ, blocks=blocks, attn_splits=splits, attn_min_chunk=3,
+                        merge_ticket_min=1)
+    assert ex.program.merge_ticket_min == 1
+    fed, ref = reference_run(m, PROMPT, 8, MAX_SEQ)[:2]
+    ex.reset()
+    tickets = ticket_counters(ex.program)
+    kinds = set()
+    for pos, tok in enumerate(fed):
+        ex.poison()
+        got = ex.step(tok, pos).logits
+        assert_logits_match(got[None], ref[pos][None], f"{arch} position {pos}")
+        one = used_splits(pos + 1, splits, 3) == 1
+        assert np.isfinite(ex.read_buffer("attn")).all(), f"position {pos}: attn not written"
+        assert np.isnan(ex.read_buffer("attn_o")).all() == one, f"position {pos}"
+        assert (ex.read_buffer("counters")[tickets] == 0).all()
+        kinds.add(one)
+    assert kinds == {True, False}

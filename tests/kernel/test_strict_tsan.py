@@ -252,11 +252,11 @@ def test_negative_control_missing_barrier_between_a_chunks_tokens_is_reported(ti
         info.value.report[:4000]
 
 
-def table_executor(model, tensor_cores: bool = False) -> KernelExecutor:
+def table_executor(model, tensor_cores: bool = False, **kw) -> KernelExecutor:
     """A kernel of 2 sequence slots, steps of up to 3 rows, K/V pages of 2 positions; with
     ``tensor_cores``, its mat-muls on mma (MK_MMA)."""
     ex = KernelExecutor(model, MAX_SEQ, blocks=BLOCKS, slots=2, step_tokens=3, page_size=2,
-                        tensor_cores=tensor_cores)
+                        tensor_cores=tensor_cores, **kw)
     ex.poison()
     return ex
 
@@ -277,17 +277,20 @@ def table_steps(ex: KernelExecutor):
 
 
 @needs_tsan
-@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
-def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny, tensor_cores):
+@pytest.mark.parametrize("tensor_cores,splits", [(False, None), (True, None), (True, 2)],
+                         ids=["cuda-cores", "tensor-cores", "tensor-cores-2-splits"])
+def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny, tensor_cores, splits):
     """Steps of many sequences (issue 17 slice 3): the token table copied into shared memory
     with the state, rows of two slots in one step, K/V through block tables. Race-free, and
     every row's logits the reference's for its own sequence. On tensor cores (slice 6a): the
     warps' partials through shared memory, each pass's epilogue, the rows' rms, the LM head's
     per-row bests, every row's attention merged by ticket; judged by the bf16-inputs
-    reference (tolerance: tests/kernel/test_tensor_cores.py)."""
+    reference (tolerance: tests/kernel/test_tensor_cores.py). With 2 splits of 2 positions the
+    second step's rows at position 2 merge by ticket beside a row its unit finishes."""
     from monokernel.sampling import Sampler, SamplingParams
 
-    ex = table_executor(tiny, tensor_cores)
+    ex = table_executor(tiny, tensor_cores, attn_splits=splits,
+                        attn_min_chunk=2 if splits else None)
     tol = 4e-3 if tensor_cores else 2e-3
     seqs = {0: [], 1: []}
     for t in table_steps(ex):

@@ -3,7 +3,8 @@ ATTENTION"). Units are spread evenly over the blocks, the same every layer; unit
 positions [s * chunk, (s + 1) * chunk) of the step's n_pos (isa.split_chunk) for the GROUP
 query heads of g. When the step uses at least ``merge_min`` splits, the last instruction of a
 KV group to draw the group's ticket merges the group's splits into `attn` (merge by ticket);
-otherwise every O_PROJ block merges them itself."""
+otherwise every O_PROJ block merges them itself. With ``merge_min`` 1 (the tensor-core kernel)
+a row of one used split is normalised into `attn` by its one unit instead (isa.unit_finishes)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from ...errors import CostModelError
 from ..costmodel.parts import OpBatch, Phases, issue_us
 from ..costmodel.tokens import mma_us, widen_attention
 from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, T_TILE, Args,
-                   Op, attn_round_positions, merge_by_ticket, split_chunk, splits_used)
+                   Op, attn_round_positions, merge_by_ticket, split_chunk, splits_used,
+                   unit_finishes)
 from ..program import Instruction, Region, split_even
 
 OP = Op.ATTENTION
@@ -61,6 +63,8 @@ def tile(plan, layer: int) -> list[Instruction]:
                 reads.append(("k_raw", g * D, (g + 1) * D))
             writes += [("attn_o", u * gd, (u + 1) * gd),
                        ("attn_ml", u * c.group_size * 2, (u + 1) * c.group_size * 2)]
+            if plan.merge_min == 1 and u % S == 0:  # a row of one split (unit_finishes)
+                writes.append(("attn", g * gd, (g + 1) * gd))
         args = {"splits": S, "min_chunk": plan.min_chunk, "ticket": -1}
         ins = Instruction(OP, layer, (lo, hi), reads=reads, writes=writes)
         if plan.merge_min and hi > lo:  # the units lie in one KV group (merge_min's condition)
@@ -82,8 +86,15 @@ def used_splits(program, n_pos: int) -> int:
 
 
 def merges_by_ticket(program, d, used: int) -> bool:
-    """The step merges the splits by ticket in ATTENTION (and the design charges it so)."""
+    """O_PROJ reads the step's attention merged in ATTENTION (and the design charges it so):
+    by ticket, or by the row's one unit (unit_finishes)."""
     return d.o_proj_merge_ticket and merge_by_ticket(used, program.merge_ticket_min)
+
+
+def ticket_merges(program, d, used: int) -> bool:
+    """ATTENTION draws the ticket and merges the splits (not a row of one split)."""
+    return merges_by_ticket(program, d, used) and not unit_finishes(used,
+                                                                    program.merge_ticket_min)
 
 
 def _unit_positions(b: OpBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -174,7 +185,9 @@ def _one_token(b: OpBatch, g, d) -> Phases:
     used = used_splits(b.program, b.context + 1)
     other = np.bincount(idx, unit_other, n)
     l2 = np.bincount(idx, unit_l2, n)
-    if merges_by_ticket(b.program, d, used):
+    # a row of one split (unit_finishes): its unit stores G x D normalised outputs instead of
+    # the partials, no trip more; no ticket
+    if ticket_merges(b.program, d, used):
         # every instruction with units (one KV group's): a barrier, the ticket (an acq_rel
         # returning atomic; MK_SYNC=1: fence + atomicAdd); the last of its group (charged to
         # all: the group's last one ends the op) loads the used splits' partials (MERGE_CHUNK x
