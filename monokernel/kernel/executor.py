@@ -29,7 +29,7 @@ from .base import (Backend, BackendOptions, Choose, DeviceSample, Executor, Laun
                    DEFAULT_PAGE_SIZE, StepResult, StepTable, TableResult, greedy, wall_times)
 from .devices.emulator import EmulatorDevice
 from .program import Program
-from .schedule import MAX_STEP_TOKENS, schedule
+from .schedule import MAX_STEP_TOKENS, schedule, tensor_core_splits
 
 SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
@@ -183,7 +183,16 @@ class KernelExecutor(Executor):
                 raise KernelError("tensor_cores=True merges every step's attention by ticket "
                                   f"(merge_ticket_min 1), got merge_ticket_min={merge_ticket_min}")
             merge_ticket_min = 1
+            if program is None:  # the splits fixed by absolute position
+                attn_splits, attn_min_chunk = tensor_core_splits(
+                    model.config, blocks, max_seq_len, attn_splits, attn_min_chunk)
         self.tensor_cores = bool(tensor_cores)
+        if merge_ticket_min == 1 and slots < 2:
+            # megakernel.cu unit_finishes: a row of one split is finished by its unit in a
+            # kernel of slots only (the one-sequence kernel does not build it)
+            raise KernelError("merge_ticket_min=1 is for a kernel of slots (slots >= 2); the "
+                              "one-sequence kernel merges by ticket from 2 splits "
+                              "(merge_ticket_min >= 2, or 0: never)")
         # slots > 1: steps of many sequences from a token table, K/V in pages (run_table; the
         # Engine batches on it); 1: the one-sequence kernel of many steps per launch
         self.table = slots > 1

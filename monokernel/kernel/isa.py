@@ -303,8 +303,9 @@ def merge_by_ticket(used: int, least: int) -> bool:
 
 def unit_finishes(used: int, least: int) -> bool:
     """megakernel.cu unit_finishes: a row of one used split whose step merges by ticket
-    (merge_ticket_min 1: the tensor-core kernel) is normalised and stored into ``attn`` by its
-    one unit (split 0), bitwise what the merge of one split gives: no ticket, no merge."""
+    (merge_ticket_min 1: the tensor-core kernel; a kernel of slots, the only one the executor
+    runs with merge_ticket_min 1) is normalised and stored into ``attn`` by its one unit
+    (split 0), the value the merge of one split gives: no ticket, no merge."""
     return merge_by_ticket(used, least) and used == 1
 
 
@@ -313,6 +314,23 @@ def unit_finishes(used: int, least: int) -> bool:
 # ceil(S / (MERGE_CHUNK * ways)) dependent rounds; the merge by ticket uses MERGE_TICKET_WAYS.
 MERGE_CHUNK = 4
 MERGE_TICKET_WAYS = 8
+
+
+def merge_ways(used: int) -> int:
+    """megakernel.cu merge_ways: the lanes sharing an output chunk in the ticket's merge of a
+    row of ``used`` splits: the fewest (a power of 2, at most MERGE_TICKET_WAYS) that load them
+    in one round of MERGE_CHUNK each."""
+    w = 1
+    while w < MERGE_TICKET_WAYS and w * MERGE_CHUNK < used:
+        w *= 2
+    return w
+
+
+def merge_row_lanes(cfg: ModelConfig, used: int) -> int:
+    """megakernel.cu attention_ticket: lanes of one row's merge in a KV group (its G x head_dim
+    outputs in chunks of 8, merge_ways lanes each), whole groups of MERGE_TICKET_WAYS."""
+    lanes = cfg.group_size * cfg.head_dim // 8 * merge_ways(used)
+    return -(-lanes // MERGE_TICKET_WAYS) * MERGE_TICKET_WAYS
 
 
 def merge_block_ways(cfg: ModelConfig) -> int:

@@ -1070,76 +1070,104 @@ __device__ __forceinline__ int splits_used(int n_pos, int splits, int min_chunk)
 #define MERGE_CHUNK MK_MERGE_CHUNK  // isa.MERGE_CHUNK
 static_assert(MK_HEAD_DIM % 8 == 0, "the merge reads 8 output elements per thread");
 
+// One lane's share of the merge of the 8 output elements at idx of a row (its units from
+// unit0: KV_HEADS x splits of them): splits way, way + ways, ... of the row's used ones,
+// MERGE_CHUNK loads at once, then the `ways` adjacent lanes of the chunk (aligned to ways)
+// combined by shuffles. Every lane of the warp calls it and runs MAXW's shuffle steps (a step
+// of o >= ways leaves the lane as it is); a padding lane (live false) loads nothing. The lane
+// of way 0 stores out[idx .. idx + 8).
+template <int MAXW>
+__device__ __forceinline__ void merge_chunk(const Params& P, size_t unit0, int splits, int used,
+                                            int ways, int way, int idx, bool live, float* out) {
+  static_assert(MAXW >= 1 && MAXW <= 32 && (MAXW & (MAXW - 1)) == 0, "MAXW: a power of 2");
+  const int g = idx / (MK_GROUP * D), h = (idx / D) % MK_GROUP, d = idx % D;
+  float M = NEG_INF, L = 0.f, acc[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+  // splits >= used are empty; so is everything of a padding lane
+  const int last = live ? used : 0;
+  for (int sp0 = way; sp0 < last; sp0 += ways * MERGE_CHUNK) {
+    float m[MERGE_CHUNK], l[MERGE_CHUNK];
+    float4 o0[MERGE_CHUNK], o1[MERGE_CHUNK];
+#pragma unroll
+    for (int k = 0; k < MERGE_CHUNK; ++k) {  // every load of the chunk first
+      const int sp = sp0 + k * ways;
+      const bool ok = sp < last;
+      const size_t unit = unit0 + (size_t)g * splits + sp;
+      const float* ml = P.attn_ml + (unit * MK_GROUP + h) * 2;
+      const float* o = P.attn_o + (unit * MK_GROUP + h) * D + d;
+      m[k] = ok ? ml[0] : NEG_INF;
+      l[k] = ok ? ml[1] : 0.f;
+      o0[k] = ok ? *reinterpret_cast<const float4*>(o) : make_float4(0.f, 0.f, 0.f, 0.f);
+      o1[k] = ok ? *reinterpret_cast<const float4*>(o + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float Mn = M;
+#pragma unroll
+    for (int k = 0; k < MERGE_CHUNK; ++k) Mn = fmaxf(Mn, m[k]);
+    if (Mn == NEG_INF) continue;  // only empty splits so far
+    const float sc = M == NEG_INF ? 0.f : expf(M - Mn);
+    L *= sc;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] *= sc;
+#pragma unroll
+    for (int k = 0; k < MERGE_CHUNK; ++k) {
+      if (m[k] == NEG_INF) continue;  // an empty split
+      const float w = expf(m[k] - Mn);
+      L += l[k] * w;
+      const float o[8] = {o0[k].x, o0[k].y, o0[k].z, o0[k].w, o1[k].x, o1[k].y, o1[k].z, o1[k].w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] += o[e] * w;
+    }
+    M = Mn;
+  }
+#pragma unroll
+  for (int o = 1; o < MAXW; o <<= 1) {  // the ways lanes of one output chunk
+    const float M2 = __shfl_xor_sync(FULL_MASK, M, o), L2 = __shfl_xor_sync(FULL_MASK, L, o);
+    float a2[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a2[e] = __shfl_xor_sync(FULL_MASK, acc[e], o);
+    const float Mn = fmaxf(M, M2);
+    if (o >= ways || Mn == NEG_INF) continue;  // another chunk's lane, or both empty
+    const float wa = M == NEG_INF ? 0.f : expf(M - Mn), wb = M2 == NEG_INF ? 0.f : expf(M2 - Mn);
+    L = L * wa + L2 * wb;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = acc[e] * wa + a2[e] * wb;
+    M = Mn;
+  }
+  if (live && way == 0) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[idx + e] = acc[e] / L;
+  }
+}
+
 // tok: the step's token whose partials are merged (rows of KV_HEADS x splits units).
 template <int WAYS>
 __device__ void merge_splits(const Params& P, int tok, float* out, int t_begin, int t_end,
                              int splits, int used) {
   const size_t unit0 = (size_t)tok * MK_KV_HEADS * splits;
-  static_assert(WAYS >= 1 && WAYS <= 32 && (WAYS & (WAYS - 1)) == 0, "WAYS: a power of 2");
   const int n = (t_end - t_begin) * WAYS;
   const int n_warps = (n + 31) / 32 * 32;  // whole warps run the loop (the shuffles)
   for (int i = threadIdx.x; i < n_warps; i += MK_THREADS) {
-    const int t = t_begin + min(i, n - 1) / WAYS, way = i % WAYS;
-    const int idx = t * 8;
-    const int g = idx / (MK_GROUP * D), h = (idx / D) % MK_GROUP, d = idx % D;
-    float M = NEG_INF, L = 0.f, acc[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-    // splits >= used are empty; so is everything of a padding lane (i >= n)
-    const int last = i < n ? used : 0;
-    for (int sp0 = way; sp0 < last; sp0 += WAYS * MERGE_CHUNK) {
-      float m[MERGE_CHUNK], l[MERGE_CHUNK];
-      float4 o0[MERGE_CHUNK], o1[MERGE_CHUNK];
-#pragma unroll
-      for (int k = 0; k < MERGE_CHUNK; ++k) {  // every load of the chunk first
-        const int sp = sp0 + k * WAYS;
-        const bool ok = sp < last;
-        const size_t unit = unit0 + (size_t)g * splits + sp;
-        const float* ml = P.attn_ml + (unit * MK_GROUP + h) * 2;
-        const float* o = P.attn_o + (unit * MK_GROUP + h) * D + d;
-        m[k] = ok ? ml[0] : NEG_INF;
-        l[k] = ok ? ml[1] : 0.f;
-        o0[k] = ok ? *reinterpret_cast<const float4*>(o) : make_float4(0.f, 0.f, 0.f, 0.f);
-        o1[k] = ok ? *reinterpret_cast<const float4*>(o + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-      float Mn = M;
-#pragma unroll
-      for (int k = 0; k < MERGE_CHUNK; ++k) Mn = fmaxf(Mn, m[k]);
-      if (Mn == NEG_INF) continue;  // only empty splits so far
-      const float sc = M == NEG_INF ? 0.f : expf(M - Mn);
-      L *= sc;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] *= sc;
-#pragma unroll
-      for (int k = 0; k < MERGE_CHUNK; ++k) {
-        if (m[k] == NEG_INF) continue;  // an empty split
-        const float w = expf(m[k] - Mn);
-        L += l[k] * w;
-        const float o[8] = {o0[k].x, o0[k].y, o0[k].z, o0[k].w, o1[k].x, o1[k].y, o1[k].z, o1[k].w};
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += o[e] * w;
-      }
-      M = Mn;
-    }
-#pragma unroll
-    for (int o = 1; o < WAYS; o <<= 1) {  // the WAYS lanes of one output chunk
-      const float M2 = __shfl_xor_sync(FULL_MASK, M, o), L2 = __shfl_xor_sync(FULL_MASK, L, o);
-      float a2[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) a2[e] = __shfl_xor_sync(FULL_MASK, acc[e], o);
-      const float Mn = fmaxf(M, M2);
-      if (Mn == NEG_INF) continue;  // both empty
-      const float wa = M == NEG_INF ? 0.f : expf(M - Mn), wb = M2 == NEG_INF ? 0.f : expf(M2 - Mn);
-      L = L * wa + L2 * wb;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = acc[e] * wa + a2[e] * wb;
-      M = Mn;
-    }
-    if (i < n && way == 0) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) out[idx + e] = acc[e] / L;
-    }
+    const int t = t_begin + min(i, n - 1) / WAYS;
+    merge_chunk<WAYS>(P, unit0, splits, used, WAYS, i % WAYS, t * 8, i < n, out);
   }
+}
+
+// The lanes sharing an output chunk in the ticket's merge of a row of `used` splits
+// (isa.merge_ways): the fewest, a power of 2 up to MK_MERGE_TICKET_WAYS, whose lanes load the
+// used splits in one round of MERGE_CHUNK each. A function of the row's own splits: its
+// merge's arithmetic never depends on the step's other rows.
+__device__ __forceinline__ int merge_ways(int used) {
+  int w = 1;
+  while (w < MK_MERGE_TICKET_WAYS && w * MERGE_CHUNK < used) w <<= 1;
+  return w;
+}
+// One row's output chunks in a KV group, and its lanes in the ticket's merge: chunks x ways,
+// whole groups of MK_MERGE_TICKET_WAYS (so every row's lanes start aligned to its ways).
+#define MERGE_ROW_CHUNKS (MK_GROUP * D / 8)
+__device__ __forceinline__ int merge_row_lanes(int used) {
+  const int lanes = MERGE_ROW_CHUNKS * merge_ways(used);
+  return (lanes + MK_MERGE_TICKET_WAYS - 1) / MK_MERGE_TICKET_WAYS * MK_MERGE_TICKET_WAYS;
 }
 
 // A step that uses at least `least` splits merges them by ticket (the program's
@@ -1152,18 +1180,25 @@ __device__ void merge_splits(const Params& P, int tok, float* out, int t_begin, 
 __device__ __forceinline__ bool merge_by_ticket(int used, int least) {
   return least > 0 && used >= least;
 }
-// A row of one used split whose step merges by ticket (merge_ticket_min 1: the tensor-core
-// kernel) is normalised and stored into P.attn by its one unit (split 0): what the merge of one
-// split gives, without the ticket's last drawer merging the step's rows one after another.
+// In a kernel of slots, a row of one used split whose step merges by ticket (merge_ticket_min
+// 1: the tensor-core kernel) is normalised and stored into P.attn by its one unit (split 0):
+// what the merge of one split gives, without the ticket's last drawer merging the step's rows
+// one after another. (The one-sequence kernel does not build it: its branch in op_attention
+// made ptxas issue attention_scores' K loads one at a time at head_dim 64, whatever its form:
+// tests/kernel/test_sass.py, kv_loads_in_flight; the executor refuses merge_ticket_min 1 there.)
 __device__ __forceinline__ bool unit_finishes(int used, int least) {
-  return merge_by_ticket(used, least) && used == 1;
+  return MK_SLOTS > 0 && least == 1 && used == 1;  // merge_by_ticket(used, least) && used == 1
 }
 
 // The step's rows each merge by ticket or not by their own used splits (the ticket is drawn
-// when any row merges: steps_max_used; O_PROJ decides per row alike).
+// when any row merges: steps_max_used; O_PROJ decides per row alike). The last drawer merges
+// every such row in one pass: s_off[r] is the first lane of row r's merge (0 lanes for a row
+// that does not merge), a scan of the rows' lane counts; lane i finds its row by bisection.
 __device__ void attention_ticket(const Params& P, const int* st, int ticket, int tickets, int g,
                                  int splits, int min_chunk, int least, int ntok) {
   __shared__ int s_last;
+  __shared__ int s_off[MK_T_MAX + 1];
+  constexpr int PER = (MK_T_MAX + 31) / 32;  // rows per lane of the scan
   __syncthreads();  // every thread's partial stores are issued
   if (threadIdx.x == 0) {
     const int last = ticket_add(&P.counters[ticket], 1) == tickets - 1;
@@ -1172,12 +1207,48 @@ __device__ void attention_ticket(const Params& P, const int* st, int ticket, int
   }
   __syncthreads();
   if (!s_last) return;
-  for (int tok = 0; tok < ntok; ++tok) {
-    const int used = splits_used(row_pos(st, tok) + 1, splits, min_chunk);
-    if (merge_by_ticket(used, least) && !unit_finishes(used, least))
-      merge_splits<MK_MERGE_TICKET_WAYS>(P, tok, P.attn + (size_t)tok * MK_Q_DIM,
-                                         g * MK_GROUP * D / 8, (g + 1) * MK_GROUP * D / 8,
-                                         splits, used);
+  const int lane = threadIdx.x & 31;
+  if (threadIdx.x < 32) {  // warp 0: the rows' lanes and their exclusive scan
+    int cnt[PER], sum = 0;
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int tok = lane * PER + k;
+      const int used = tok < ntok ? splits_used(row_pos(st, tok) + 1, splits, min_chunk) : 0;
+      cnt[k] = tok < ntok && merge_by_ticket(used, least) && !unit_finishes(used, least)
+                   ? merge_row_lanes(used) : 0;
+      sum += cnt[k];
+    }
+    int incl = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(FULL_MASK, incl, o);
+      if (lane >= o) incl += y;
+    }
+    int run = incl - sum;
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int tok = lane * PER + k;
+      if (tok < ntok) s_off[tok] = run;
+      run += cnt[k];
+    }
+    if (lane == 31) s_off[ntok] = incl;
+  }
+  __syncthreads();
+  const int total = s_off[ntok];
+  const int n_warps = (total + 31) / 32 * 32;  // whole warps run the loop (the shuffles)
+  for (int i = threadIdx.x; i < n_warps; i += MK_THREADS) {
+    const int k = min(i, total - 1);
+    int lo = 0, hi = ntok - 1;  // the last row r with s_off[r] <= k: the row of lane k
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (s_off[mid] <= k) lo = mid; else hi = mid - 1;
+    }
+    const int tok = lo, used = splits_used(row_pos(st, tok) + 1, splits, min_chunk);
+    const int ways = merge_ways(used), j = k - s_off[tok], t = j / ways;
+    merge_chunk<MK_MERGE_TICKET_WAYS>(P, (size_t)tok * MK_KV_HEADS * splits, splits, used, ways,
+                                      j % ways, g * MK_GROUP * D + min(t, MERGE_ROW_CHUNKS - 1) * 8,
+                                      i < total && t < MERGE_ROW_CHUNKS,
+                                      P.attn + (size_t)tok * MK_Q_DIM);
   }
 }
 
@@ -1278,12 +1349,16 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
         attention_values(P, s, slot, Vg, base, cnt);
         __syncthreads();
       }
-      if (unit_finishes(splits_used(n_pos, splits, min_chunk), ins[A_ATTENTION_MERGE_MIN])) {
+#if MK_SLOTS
+      // the row uses one split exactly when its positions fit the first (n_pos <= chunk)
+      if (unit_finishes(n_pos <= chunk ? 1 : 2, ins[A_ATTENTION_MERGE_MIN])) {
         // split 0 holds the row's positions; the others are empty and write nothing
         float* out = P.attn + (size_t)tok * MK_Q_DIM + (size_t)g * MK_GROUP * D;
         if (split == 0)
           for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) out[i] = s.o[i] / s.l[i / D];
-      } else {
+      } else
+#endif
+      {
         const size_t unit = (size_t)tok * MK_KV_HEADS * splits + (size_t)g * splits + split;
         for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS)
           P.attn_o[unit * MK_GROUP * D + i] = s.o[i];
@@ -1298,7 +1373,7 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
   const int tickets = ins[A_ATTENTION_TICKETS];  // > 0: the units lie in one KV group
   // the ticket is drawn when a row of the step merges splits (unit_finishes: not one of one)
   const int least = ins[A_ATTENTION_MERGE_MIN];
-  if (tickets > 0 && least > 0 && merge_by_ticket(most_used, max(least, 2)))
+  if (tickets > 0 && least > 0 && merge_by_ticket(most_used, MK_SLOTS ? max(least, 2) : least))
     attention_ticket(P, st, ins[A_ATTENTION_TICKET], tickets, b / splits, splits, min_chunk,
                      least, ntok);
 }

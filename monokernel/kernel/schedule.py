@@ -75,6 +75,20 @@ _VERIFIED: dict[tuple, Program] = {}
 _VERIFIED_MAX = 16
 
 
+def tensor_core_splits(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
+                       attn_splits: int | None = None,
+                       attn_min_chunk: int | None = None) -> tuple[int, int]:
+    """(splits, fewest positions per split) of a tensor-core kernel's program: the splits fixed
+    by absolute position (docs/many-tokens.md, slice 6b), at least ceil(max_seq_len / splits)
+    positions each, so a row's split s covers [s C, (s + 1) C) with one C for every row of the
+    program (isa.split_chunk never widens it), whatever its context; at least the fewest
+    positions asked for (by default one round of K/V loads)."""
+    splits = attn_splits or default_attn_splits(cfg, num_blocks, max_seq_len)
+    if attn_min_chunk is None:
+        attn_min_chunk = 1 if attn_splits else default_min_chunk(cfg)
+    return splits, max(attn_min_chunk, -(-max_seq_len // splits))
+
+
 def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
              attn_splits: int | None = None, attn_min_chunk: int | None = None,
              merge_ticket_min: int | None = None, tokens: int = 1) -> Program:

@@ -55,15 +55,39 @@ def cmd_plan(args) -> int:
     if predict:
         print()
         print(predict_report(prog, args.predict, getattr(args, "design", None), args.context))
+        if batch is not None or prompt is not None:
+            many = _tokens_program(cfg, args.blocks, max_seq, prog, getattr(args, "design", None))
         if batch is not None:
             print()
-            print(batch_report(prog, args.predict, getattr(args, "design", None), args.context,
+            print(batch_report(many, args.predict, getattr(args, "design", None), args.context,
                                batch))
         if prompt is not None:
             print()
-            print(prompt_report(prog, args.predict, getattr(args, "design", None), prompt,
+            print(prompt_report(many, args.predict, getattr(args, "design", None), prompt,
                                 chunk))
     return 0
+
+
+def _built(d) -> str:
+    from ..kernel import costmodel as cm
+
+    return ("built: backend option tensor_cores" if d.name == cm.design_for(
+        None, tensor_cores=True).name else "not built yet")
+
+
+def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | None):
+    """The program a step of many tokens is predicted on: for the built tensor-core design
+    (design_for(tensor_cores=True)), the one its executor runs (splits fixed by absolute
+    position, every step's attention merged by ticket); a design not built yet takes the
+    default program."""
+    from ..kernel import costmodel as cm
+    from ..kernel.schedule import schedule, tensor_core_splits
+
+    if design_name is None or cm.design(design_name).name != cm.design_for(
+            None, tensor_cores=True).name:
+        return prog
+    splits, min_chunk = tensor_core_splits(cfg, blocks, max_seq)
+    return schedule(cfg, blocks, max_seq, splits, min_chunk, merge_ticket_min=1)
 
 
 def _tokens_design(design_name: str | None):
@@ -98,7 +122,7 @@ def batch_report(prog, gpu_name: str, design_name: str | None, context: int,
         cm.predict(prog, g, d, context)
     one = cm.predict(prog, g, cm.design_for(prog), context)
     lines = [f"cost model (a PREDICTION, not a measurement) of a step of many tokens: "
-             f"{g.name}, design {d.name} (not built yet), {batch} sequences at context "
+             f"{g.name}, design {d.name} ({_built(d)}), {batch} sequences at context "
              f"{context}",
              f"{'op':<16} {'busy us':>8} {'path us':>8} {'share':>6}"]
     for r in p.op_rows():
@@ -129,7 +153,7 @@ def prompt_report(prog, gpu_name: str, design_name: str | None, prompt: int,
     total = sum(p.step_us for p in steps) + g.launch
     one = cm.predict(prog, g, cm.design_for(prog), prompt // 2)  # the prompt's mean context
     lines = [f"cost model (a PREDICTION, not a measurement) of a {prompt}-token prompt: "
-             f"{g.name}, design {d.name} (not built yet), {len(steps)} step"
+             f"{g.name}, design {d.name} ({_built(d)}), {len(steps)} step"
              f"{'s' if len(steps) != 1 else ''} of up to {chunk} tokens, one launch "
              f"({g.launch:.0f} us)",
              "steps (us): " + ", ".join(f"{p.step_us:.0f}" for p in steps),

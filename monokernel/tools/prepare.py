@@ -103,10 +103,15 @@ def _verify(label: str, cfg, max_seq: int, options: dict) -> tuple[str, float]:
     """In a worker process: schedule and verify a program on one block per SM (the proof is
     remembered in $MONOKERNEL_CACHE/verified; a 132-block program takes seconds to prove)."""
     from ..kernel.devices.cuda import CupyDevice
-    from ..kernel.schedule import schedule
+    from ..kernel.schedule import schedule, tensor_core_splits
 
     t0 = time.perf_counter()
-    schedule(cfg, CupyDevice().num_sms, max_seq, **options)
+    options = dict(options)
+    blocks = CupyDevice().num_sms
+    if options.pop("tensor_cores", False):  # the splits the tensor-core executor fixes
+        options["attn_splits"], options["attn_min_chunk"] = tensor_core_splits(
+            cfg, blocks, max_seq, options.get("attn_splits"), options.get("attn_min_chunk"))
+    schedule(cfg, blocks, max_seq, **options)
     return label, time.perf_counter() - t0
 
 
@@ -169,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             compiles[key] = (compiles[key][0] + f" = {label}",) + compiles[key][1:]
         else:
             compiles[key] = (label, source, defines)
-        # (tensor cores: every step's attention merged by ticket, executor.KernelExecutor)
-        prog = ((("merge_ticket_min", 1),) if mma else ()) \
+        # (tensor cores: every step's attention merged by ticket, the splits fixed by absolute
+        # position: executor.KernelExecutor)
+        prog = ((("merge_ticket_min", 1), ("tensor_cores", 1)) if mma else ()) \
             + ((("tokens", tokens),) if tokens > 1 else ())
         if (shape, prog) not in proofs:
             proofs[(shape, prog)] = (f"program {shape}" + "".join(f",{k}={v}" for k, v in prog),

@@ -284,9 +284,13 @@ def test_sigint_to_monokernel_chat_stops_the_reply(bundled_dir):
     each time the reply stops and the prompt comes back; Ctrl-D then leaves with 0."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]),
            "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "monokernel", "chat", "--backend", "numpy",
-                             "--max-new-tokens", "400"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    # -X faulthandler: on a timeout the test aborts the chat, which then writes every thread's
+    # stack to stderr (once, under a loaded CI machine, the reply stopped and " [stopped]"
+    # never came: the next time says where it waits)
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "monokernel", "chat",
+                             "--backend", "numpy", "--max-new-tokens", "400"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
     chunks: dict[str, queue.Queue] = {"out": queue.Queue(), "err": queue.Queue()}
 
     def pump(f, q):
@@ -303,6 +307,15 @@ def test_sigint_to_monokernel_chat_stops_the_reply(bundled_dir):
             try:
                 got[name] += chunks[name].get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
+                proc.send_signal(signal.SIGABRT)  # faulthandler: the stacks, on stderr
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+                time.sleep(0.5)  # the pumps' last reads
+                for k in got:
+                    while not chunks[k].empty():
+                        got[k] += chunks[k].get()
                 pytest.fail(f"timed out waiting on {name}: {got}")
     try:
         for k, line in enumerate([b"Write a very long story about a dragon who learns to fly.\n",

@@ -121,9 +121,11 @@ m = load_model(sys.argv[1], progress=False)
 mode = sys.argv[2]  # full, short; mma, mma-short: the mat-muls on tensor cores
 tc = mode.startswith("mma")
 # (mma-short: no L2 prefetch, whose one-byte read of the rows would be reported first)
+# (mma: 3 attention splits of 4 positions, fixed by absolute position, so the ticket's last
+# drawer merges rows of 2 and 3 splits in one pass beside rows of one that their units finish)
 ex = KernelExecutor(m, MAX_SEQ, blocks=3, slots=3, step_tokens=8, page_size=PAGE,
                     device=EmulatorDevice(sanitize="address"), tensor_cores=tc,
-                    prefetch=mode != "mma-short")
+                    prefetch=mode != "mma-short", attn_splits=3 if mode == "mma" else None)
 pages = list(ex.add_pages(9))
 c = m.config
 if mode == "short":  # the K cache one page short: the pool's last page is past its end
@@ -186,8 +188,9 @@ def test_negative_control_k_pool_one_page_short(synth_dir):
 @pytest.mark.slow
 def test_tensor_cores_under_address_sanitizer(synth_dir):
     """The same full tables on a kernel whose mat-muls run on tensor cores (issue 17 slice 6a:
-    16-byte weight loads per lane, the inputs' float4 loads, the partials in shared memory):
-    no report, the bf16-inputs reference's logits."""
+    16-byte weight loads per lane, the inputs' float4 loads, the partials in shared memory;
+    3 attention splits, every row's merged by its unit or in the ticket's one pass): no
+    report, the bf16-inputs reference's logits."""
     proc = subprocess.run([sys.executable, "-c", TABLE_SCRIPT, str(synth_dir("qwen3-tiny")),
                            "mma"], env=asan_preload_env(), capture_output=True, text=True,
                           timeout=600)

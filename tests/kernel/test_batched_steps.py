@@ -116,13 +116,14 @@ def test_mixed_steps_are_bitwise_each_sequence_alone(synth_model, arch, slots, T
 
 
 # (tensor cores, blocks, attention splits): the tensor-core kernel's ATTENTION merges every
-# row's splits by ticket (merge_ticket_min 1); with 2 splits from position 4 on, a row of one
-# split is finished by its unit and the later rows merge by ticket in the same steps
-INVARIANCE_CASES = [(False, 3, None), (True, 3, None), (True, 4, 2)]
+# row's splits by ticket (merge_ticket_min 1); with 6 splits of 8 positions (fixed by absolute
+# position), a row of one split is finished by its unit and the later rows merge by ticket
+# in the same steps
+INVARIANCE_CASES = [(False, 3, None), (True, 3, None), (True, 4, 6)]
 
 
 @pytest.mark.parametrize("tensor_cores,blocks,splits", INVARIANCE_CASES,
-                         ids=["cuda-cores", "tensor-cores", "tensor-cores-2-splits"])
+                         ids=["cuda-cores", "tensor-cores", "tensor-cores-6-splits"])
 def test_a_sequence_alone_or_beside_1_5_and_15_others(synth_model, tensor_cores, blocks,
                                                       splits):
     """Batch invariance: one sequence's logits rows, bitwise, alone and in steps of 2, 6 and 16
@@ -130,10 +131,10 @@ def test_a_sequence_alone_or_beside_1_5_and_15_others(synth_model, tensor_cores,
     groups of 8 holding other sequences' rows beside its own, or padding."""
     model = synth_model("qwen3-gqa-tiny")
     ex = KernelExecutor(model, MAX_SEQ, blocks=blocks, slots=16, page_size=PAGE,
-                        tensor_cores=tensor_cores, attn_splits=splits,
-                        attn_min_chunk=4 if splits else None)
+                        tensor_cores=tensor_cores, attn_splits=splits)
     if splits:
         assert ex.program.attn_splits == splits and ex.program.merge_ticket_min == 1
+        assert ex.program.attn_min_chunk == 8
     assert ex.max_step_rows == 16
     me = prompt_of(model, 9, 10)
     others = [prompt_of(model, 2 + k % 7, 20 + k) for k in range(15)]

@@ -175,14 +175,19 @@ def test_many_steps_in_one_launch_with_the_merge_by_ticket(synth_model):
 
 @pytest.mark.parametrize("arch,blocks", [("qwen3-gqa-tiny", 8), ("llama3-tiny", 3)])
 def test_a_row_of_one_split_is_finished_by_its_unit(synth_model, arch, blocks):
-    """merge_ticket_min 1 (the tensor-core kernel's; here the one-sequence kernel's, poisoned
-    before every step): a step whose row uses one split has its split-0 unit normalise its
-    outputs into ``attn`` and leaves the partials unwritten (no ticket, no merge); from the
-    second used split on the ticket merges. Both kinds of step: the reference's logits."""
+    """merge_ticket_min 1 (the tensor-core kernel's; here a CUDA-core kernel of 2 slots,
+    poisoned before every one-row step): a step whose row uses one split has its split-0 unit
+    normalise its outputs into ``attn`` and leaves the partials unwritten (no ticket, no
+    merge); from the second used split on the ticket merges. Both kinds of step: the
+    reference's logits. The one-sequence kernel refuses the setting (it does not build it)."""
+    from monokernel.errors import KernelError
+
     splits = 4 if arch == "qwen3-gqa-tiny" else 3
     m = synth_model(arch)
+    with pytest.raises(KernelError, match="merge_ticket_min=1 is for a kernel of slots"):
+        KernelExecutor(m, MAX_SEQ, blocks=blocks, attn_splits=splits, merge_ticket_min=1)
     ex = KernelExecutor(m, MAX_SEQ, blocks=blocks, attn_splits=splits, attn_min_chunk=3,
-                        merge_ticket_min=1)
+                        merge_ticket_min=1, slots=2, page_size=4)
     assert ex.program.merge_ticket_min == 1
     fed, ref = reference_run(m, PROMPT, 8, MAX_SEQ)[:2]
     ex.reset()
@@ -193,7 +198,8 @@ def test_a_row_of_one_split_is_finished_by_its_unit(synth_model, arch, blocks):
         got = ex.step(tok, pos).logits
         assert_logits_match(got[None], ref[pos][None], f"{arch} position {pos}")
         one = used_splits(pos + 1, splits, 3) == 1
-        assert np.isfinite(ex.read_buffer("attn")).all(), f"position {pos}: attn not written"
+        attn = ex.read_buffer("attn")[:m.config.q_dim]  # the step's one row
+        assert np.isfinite(attn).all(), f"position {pos}: attn not written"
         assert np.isnan(ex.read_buffer("attn_o")).all() == one, f"position {pos}"
         assert (ex.read_buffer("counters")[tickets] == 0).all()
         kinds.add(one)

@@ -60,21 +60,26 @@ def row_errors(got: np.ndarray, want: np.ndarray) -> np.ndarray:
 ARCHS = ["qwen3-gqa-tiny", "llama3-tiny", "qwen2-tiny", "tiny"]
 
 
-# (arch, blocks, attention splits): one split (every row finished by its unit), and 3 splits
-# of at least 4 positions (rows 0-3 of one split, the later ones merged by ticket in the same
-# step; qwen3-gqa-tiny's 2 KV groups over 6 blocks)
-MIXED_CASES = [(a, 3, None) for a in ARCHS] + [("qwen3-gqa-tiny", 6, 3), ("llama3-tiny", 3, 3)]
+# (arch, blocks, attention splits): one split (every row finished by its unit); splits fixed
+# by absolute position (C = MAX_SEQ / splits positions each): 6 of 8 (rows 0-7 of one split,
+# 8-10 of two, merged by ticket in the same step; qwen3-gqa-tiny's 2 KV groups over 6
+# blocks), 12 of 4 (up to 3 splits) and 24 of 2 (up to 6: the ticket's one pass with 1 and 2
+# lanes per output chunk)
+MIXED_CASES = [(a, 3, None) for a in ARCHS] + [
+    ("qwen3-gqa-tiny", 6, 6), ("llama3-tiny", 3, 12), ("llama3-tiny", 3, 24)]
 
 
 @pytest.mark.parametrize("arch,blocks,splits", MIXED_CASES,
-                         ids=ARCHS + ["qwen3-gqa-tiny-3-splits", "llama3-tiny-3-splits"])
+                         ids=ARCHS + ["qwen3-gqa-tiny-6-splits", "llama3-tiny-12-splits",
+                                      "llama3-tiny-24-splits"])
 def test_a_mixed_step_agrees_with_the_bf16_reference(synth_model, arch, blocks, splits):
     """Three prompts of 11, 5 and 3 rows in one step of 19 rows (3 token groups of 8, the
     last one partial; the third sequence's rows straddle two groups): every row's logits
     against the bf16-inputs reference run on its sequence alone."""
     model = synth_model(arch)
-    ex = tc_executor(model, slots=3, step_tokens=24, blocks=blocks, attn_splits=splits,
-                     attn_min_chunk=4 if splits else None)
+    ex = tc_executor(model, slots=3, step_tokens=24, blocks=blocks, attn_splits=splits)
+    if splits:
+        assert ex.program.attn_min_chunk == MAX_SEQ // splits  # fixed by absolute position
     prompts = [prompt_of(model, 11, 1), prompt_of(model, 5, 2), prompt_of(model, 3, 3)]
     got = prefill_all(ex, prompts).logits
     assert np.isfinite(got).all()

@@ -8,14 +8,17 @@ a row of one used split is normalised into `attn` by its one unit instead (isa.u
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import partial
+
 import numpy as np
 
 from ...errors import CostModelError
 from ..costmodel.parts import OpBatch, Phases, issue_us
 from ..costmodel.tokens import mma_us, widen_attention
 from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, T_TILE, Args,
-                   Op, attn_round_positions, merge_by_ticket, split_chunk, splits_used,
-                   unit_finishes)
+                   Op, attn_round_positions, merge_by_ticket, merge_row_lanes, merge_ways,
+                   split_chunk, splits_used, unit_finishes)
 from ..program import Instruction, Region, split_even
 
 OP = Op.ATTENTION
@@ -156,10 +159,36 @@ def tile_isa(n: np.ndarray, g, d, G: int, D: int):
 
 
 def cost(b: OpBatch, g, d) -> Phases:
-    return widen_attention(b, g, d, _one_token)
+    if b.shape is None or (b.shape.single and not d.tensor_cores):
+        return _one_token(b, g, d)
+    return _step_merge(b, g, d, widen_attention(b, g, d, partial(_one_token, merge=False)))
 
 
-def _one_token(b: OpBatch, g, d) -> Phases:
+def _step_merge(b: OpBatch, g, d, ph: Phases) -> Phases:
+    """The ticket of a step of many rows and its last drawer's merge of the rows that merge
+    (megakernel.cu attention_ticket): one pass over all their lanes (isa.merge_row_lanes) after
+    a scan of the rows' lanes, each lane one round of loads (merge_ways covers its splits up to
+    MERGE_CHUNK x MERGE_TICKET_WAYS), the partials' bytes at the SM's share of L2."""
+    c = b.program.config
+    used = [used_splits(b.program, s.context + i + 1) for s in b.shape.segments
+            for i in range(s.tokens)]
+    used = [u for u in used if ticket_merges(b.program, d, u)]
+    if not used:
+        return ph
+    G, D = c.group_size, c.head_dim
+    busy = b.busy()
+    passes = -(-sum(merge_row_lanes(c, u) for u in used) // d.threads)
+    rounds = max(-(-u // (MERGE_CHUNK * merge_ways(u))) for u in used)
+    mb = (sum(used) * G * (D + 2) + len(used) * G * D) * 4.0
+    ticket = g.ticket if d.ticket_as_compiled else (g.fence if d.signal_sc_fence else g.release)
+    # the scan of the rows' lanes: a barrier and a warp's shuffle scan (5 steps)
+    scan = g.bar_sync + 5 * g.shfl
+    l2 = ph.l2_trips + busy * (1 + passes * rounds)
+    other = ph.other_us + busy * (2 * g.bar_sync + ticket + scan + mb / (g.l2_bw / g.sms))
+    return replace(ph, l2_trips=l2, other_us=other)
+
+
+def _one_token(b: OpBatch, g, d, merge: bool = True) -> Phases:
     c = b.program.config
     G, D = c.group_size, c.head_dim
     idx, t0, cnt = _unit_positions(b)
@@ -187,7 +216,7 @@ def _one_token(b: OpBatch, g, d) -> Phases:
     l2 = np.bincount(idx, unit_l2, n)
     # a row of one split (unit_finishes): its unit stores G x D normalised outputs instead of
     # the partials, no trip more; no ticket
-    if ticket_merges(b.program, d, used):
+    if merge and ticket_merges(b.program, d, used):
         # every instruction with units (one KV group's): a barrier, the ticket (an acq_rel
         # returning atomic; MK_SYNC=1: fence + atomicAdd); the last of its group (charged to
         # all: the group's last one ends the op) loads the used splits' partials (MERGE_CHUNK x
