@@ -882,6 +882,10 @@ class KernelOptions(BackendOptions):
             raise ParameterError("option tensor_cores=True is for the persistent kernel of slots: "
                                  f"it needs slots >= 2 and multi=False (got slots={self.slots}"
                                  f"{', multi=True' if self.multi else ''})")
+        if self.merge_ticket_min == 1 and self.slots < 2:
+            raise ParameterError("option merge_ticket_min=1 is for a kernel of slots (slots >= "
+                                 "2); the one-sequence kernel merges by ticket from 2 splits "
+                                 "(merge_ticket_min >= 2, or 0: never)")
 
     def batch_limits(self) -> tuple[int | None, int | None]:
         if self.slots > 1:

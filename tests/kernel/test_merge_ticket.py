@@ -186,6 +186,12 @@ def test_a_row_of_one_split_is_finished_by_its_unit(synth_model, arch, blocks):
     m = synth_model(arch)
     with pytest.raises(KernelError, match="merge_ticket_min=1 is for a kernel of slots"):
         KernelExecutor(m, MAX_SEQ, blocks=blocks, attn_splits=splits, merge_ticket_min=1)
+    from monokernel.errors import ParameterError
+    from monokernel.runtime import backend_options
+
+    with pytest.raises(ParameterError, match="merge_ticket_min=1 is for a kernel of slots"):
+        backend_options("emulator", {"merge_ticket_min": 1})
+    assert backend_options("emulator", {"merge_ticket_min": 1, "slots": 2}).merge_ticket_min == 1
     ex = KernelExecutor(m, MAX_SEQ, blocks=blocks, attn_splits=splits, attn_min_chunk=3,
                         merge_ticket_min=1, slots=2, page_size=4)
     assert ex.program.merge_ticket_min == 1
