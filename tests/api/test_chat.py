@@ -284,11 +284,18 @@ def test_sigint_to_monokernel_chat_stops_the_reply(bundled_dir):
     each time the reply stops and the prompt comes back; Ctrl-D then leaves with 0."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]),
            "PYTHONUNBUFFERED": "1"}
+    # The chat as a terminal starts it: SIGINT raising KeyboardInterrupt. A process started in
+    # the background of a non-interactive shell (a CI script's `cmd &`) inherits SIGINT
+    # ignored, and Python then leaves it ignored: the reply ran to its end and " [stopped]"
+    # never came (seen twice; the faulthandler dump below showed the chat back at its prompt).
     # -X faulthandler: on a timeout the test aborts the chat, which then writes every thread's
-    # stack to stderr (once, under a loaded CI machine, the reply stopped and " [stopped]"
-    # never came: the next time says where it waits)
-    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "monokernel", "chat",
-                             "--backend", "numpy", "--max-new-tokens", "400"],
+    # stack to stderr.
+    start_chat = ("import runpy, signal, sys; "
+                  "signal.signal(signal.SIGINT, signal.default_int_handler); "
+                  "sys.argv = ['monokernel', 'chat', '--backend', 'numpy', "
+                  "'--max-new-tokens', '400']; "
+                  "runpy.run_module('monokernel', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", start_chat],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env)
     chunks: dict[str, queue.Queue] = {"out": queue.Queue(), "err": queue.Queue()}
