@@ -123,16 +123,19 @@ trap 'echo "gpu_check: stopped by a signal" >> "$SUMMARY"
 # scales them with MONOKERNEL_CHECK_LIMIT_SCALE.
 LIMIT_SCALE=${MONOKERNEL_CHECK_LIMIT_SCALE:-1}
 
-# CPU_S: CPU seconds (user + sys) of the script's finished children so far (bash's `times`, run
-# in this shell: in a command substitution it would see the subshell's), so each step's CPU time
-# is in the summary: it moves less than wall time on a busy host.
+# CPU_S / SYS_S: CPU seconds (user + sys) and the sys part of the script's finished children so
+# far (bash's `times`, run in this shell: in a command substitution it would see the
+# subshell's), so each step's CPU time is in the summary: it moves less than wall time on a busy
+# host. The sys part is mostly first touches of memory on a VM that takes free pages back
+# (benchmarks/NOTES.md, "first touches of memory"): it follows a step's peak memory.
 CPU_S=0
+SYS_S=0
 children_cpu() {
   times > "$SCRATCH/times"
-  CPU_S=$(awk 'NR == 2 {
+  read -r CPU_S SYS_S < <(awk 'NR == 2 {
     n = split($0, f, " "); t = 0
     for (i = 1; i <= n; i++) { split(f[i], ms, "m"); sub("s", "", ms[2]); t += ms[1] * 60 + ms[2] }
-    printf "%d", t }' "$SCRATCH/times")
+    printf "%d %d", t, ms[1] * 60 + ms[2] }' "$SCRATCH/times")
 }
 
 # step NAME TIMEOUT_S CMD...: run CMD, tee its output to WORK/NAME.log, record its exit code;
@@ -140,9 +143,9 @@ children_cpu() {
 step() {
   local name=$1 limit=$(($2 * LIMIT_SCALE))
   shift 2
-  local t0=$SECONDS c0
+  local t0=$SECONDS c0 s0
   children_cpu
-  c0=$CPU_S
+  c0=$CPU_S s0=$SYS_S
   echo "=== $name: $* (limit ${limit} s)" | tee -a "$SUMMARY"
   # the snapper stops at the stop file (never killed halfway through a snapshot)
   local stop="$SCRATCH/stop-snapper"
@@ -162,7 +165,7 @@ step() {
   wait  # the snapper and tee
   [ "$rc" -eq 124 ] && echo "$name: timed out after $limit s" | tee -a "$WORK/$name.log" "$SUMMARY"
   children_cpu
-  echo "=== $name: exit $rc in $((SECONDS - t0)) s (limit $limit s; $((CPU_S - c0)) CPU-s)" \
+  echo "=== $name: exit $rc in $((SECONDS - t0)) s (limit $limit s; $((CPU_S - c0)) CPU-s, $((SYS_S - s0)) sys)" \
     | tee -a "$SUMMARY"
   [ "$rc" -eq 0 ] || FAILED=1
   snapshot

@@ -6,7 +6,8 @@
   a test extra), so its *host-side* time, compiles included, is measured here and cannot creep
   past its budget. Its numeric checks fail by design (nothing ran); what is asserted is that
   every step ran to its end within its own limit (scaled to this host), the prepare step
-  passed, and the whole host side stayed within HOST_CPU_BUDGET_S.
+  passed, and the whole host side stayed within HOST_USER_CPU_BUDGET_S of user CPU (and
+  HOST_CPU_BUDGET_S with the kernel's sys time, which follows this VM's memory reclaim).
 
 Both leave in the results folder only what the GPU machine returns (at most 8 files, at most 2
 folders down, names of letters, digits, '.', '_', '-', 16 MiB each): a summary and an archive.
@@ -34,11 +35,17 @@ REPO = Path(__file__).resolve().parents[2]
 # 9 NVRTC compiles (~95 s of them). The budget is that plus ~50 % (a fresh CI VM pays more for
 # first touches of memory; runs on a shared machine differed by 7 % and more).
 # 2026-12-02 (fourth session, after the attention merge's one pass and the 12 kernel builds):
-# measured 461 CPU-s / 401 s wall alone on an idle machine, 511 CPU-s in a fresh-clone CI
-# (prepare 254 CPU-s of it). Why it doubled is NOT yet known (the kernel's compile time per
-# variant is the first suspect): the budget is raised to that plus ~20 % to land the session,
-# and bringing it back under 360 is open work (closing note of issue 17, fourth session).
-HOST_CPU_BUDGET_S = 600
+# measured 461 CPU-s / 401 s wall alone on an idle machine, 511 CPU-s in a fresh-clone CI.
+# Found (fifth session, each step's sys part now in the summary): the work did not double, the
+# kernel's first touches of memory did. Two runs at 92c5bcc: 228 + 215 and 224 + 227 CPU-s
+# user + sys (prepare 155 + 100: checkpoints and float32 references; every later step ~40 %
+# sys). The sys part follows this VM's free-page reporting (benchmarks/NOTES.md, "first
+# touches of memory": the same commit measured 96 and 346 s of sys), not the check's work. So
+# the work is held to HOST_USER_CPU_BUDGET_S (user CPU: the NVRTC compiles, proofs, references,
+# executors; measured 224-228, +~30 %), and user + sys to HOST_CPU_BUDGET_S, a ceiling for
+# the VM's variance (measured 451-511).
+HOST_USER_CPU_BUDGET_S = 300
+HOST_CPU_BUDGET_S = 700
 WALL_CEILING_S = 1200
 # The steps' limits are the 16-core GPU machine's; this host has 2 cores (and NVRTC compiles in
 # parallel there, here two at a time).
@@ -47,7 +54,7 @@ GPU_STEPS = ("prepare", "smoke", "gpu_tests", "bench_smollm2-135m", "bench_qwen3
              "bench_llama-3.2-1b", "trace", "bench_batch", "bench_batch_tc")
 RETURNED_NAME = re.compile(r"[A-Za-z0-9._-]+\Z")
 STEP_LINE = re.compile(r"^=== (?P<step>\S+): exit (?P<rc>\d+) in (?P<s>\d+) s "
-                       r"\(limit (?P<lim>\d+) s; (?P<cpu>\d+) CPU-s\)$", re.M)
+                       r"\(limit (?P<lim>\d+) s; (?P<cpu>\d+) CPU-s, (?P<sys>\d+) sys\)$", re.M)
 
 
 def run_check(mode: str, out: Path, timeout: int, **env_extra) -> subprocess.CompletedProcess:
@@ -85,9 +92,9 @@ def archive(out: Path) -> dict[str, bytes]:
                 if m.isfile()}
 
 
-def step_results(summary: str) -> dict[str, tuple[int, int, int, int]]:
-    """step -> (exit code, seconds, limit, CPU seconds) from summary.txt."""
-    return {m["step"]: (int(m["rc"]), int(m["s"]), int(m["lim"]), int(m["cpu"]))
+def step_results(summary: str) -> dict[str, tuple[int, int, int, int, int]]:
+    """step -> (exit code, seconds, limit, CPU seconds, of them sys) from summary.txt."""
+    return {m["step"]: (int(m["rc"]), int(m["s"]), int(m["lim"]), int(m["cpu"]), int(m["sys"]))
             for m in STEP_LINE.finditer(summary)}
 
 
@@ -157,13 +164,15 @@ def test_gpu_mode_host_side_fits_its_budget(tmp_path):
     run_check("--fake-cupy", out, WALL_CEILING_S)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     took = time.perf_counter() - t0
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    user = after.ru_utime - before.ru_utime
+    cpu = user + (after.ru_stime - before.ru_stime)
     summary = (out / "summary.txt").read_text()
     steps = step_results(summary)
-    print(f"gpu_check --fake-cupy host side: {took:.0f} s wall, {cpu:.0f} CPU-s; per step "
-          f"(s, CPU-s): { {k: (v[1], v[3]) for k, v in steps.items()} }")
+    print(f"gpu_check --fake-cupy host side: {took:.0f} s wall, {cpu:.0f} CPU-s ({user:.0f} "
+          f"user); per step "
+          f"(s, CPU-s, sys): { {k: v[1:] for k, v in steps.items()} }")
     assert list(steps) == list(GPU_STEPS), summary
-    for step, (rc, seconds, limit, _) in steps.items():  # every step within its own limit
+    for step, (rc, seconds, limit, *_) in steps.items():  # every step within its own limit
         assert rc not in (124, 137) and seconds <= limit, (step, rc, seconds, limit, summary)
     assert steps["prepare"][0] == 0, summary
     assert_returnable(out)
@@ -188,6 +197,9 @@ def test_gpu_mode_host_side_fits_its_budget(tmp_path):
     tests_log = files["gpu_tests.log"].decode()
     assert re.search(r"\b\d+ failed\b", tests_log) and " skipped" not in tests_log.splitlines()[-1]
     assert "test_gpu_matches_reference" in tests_log and "FAILED" in tests_log
+    assert user < HOST_USER_CPU_BUDGET_S, (f"host side of the GPU check used {user:.0f} user "
+                                           f"CPU-s ({cpu:.0f} with sys, {took:.0f} s wall): "
+                                           f"{steps}")
     assert cpu < HOST_CPU_BUDGET_S, (f"host side of the GPU check used {cpu:.0f} CPU-s "
-                                     f"({took:.0f} s wall): {steps}")
+                                     f"({user:.0f} user, {took:.0f} s wall): {steps}")
     assert took < WALL_CEILING_S
