@@ -118,6 +118,11 @@ class KernelDesign:
     # tensor cores take bf16; RMSNorm's weight folded into the weights at load, its 1/rms per
     # token applied to the outputs from per-token sum-of-squares partials)
     input_bytes: int = 4
+    # steps of many rows: row r's split s runs in its KV group's unit slot (s + off_r) mod
+    # splits, off_r the used splits of the step's earlier rows (the step's non-empty units
+    # dealt round-robin over the slots), and a unit with no positions is skipped; False: every
+    # row's split s in slot s (all rows on the blocks holding the used splits)
+    attn_rotate_rows: bool = False
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
     attn_units_in_flight: int = 1

@@ -206,59 +206,57 @@ def _token_loop(ph: Phases, T: int, g) -> Phases:
 
 def widen_attention(b: OpBatch, g, d, one_token) -> Phases:
     """ATTENTION for the step's tokens. ``one_token(batch)`` is the op's one-token cost at
-    ``batch.context``. A decode token (a segment of one) costs the one-token units at its
-    context; a prefill chunk of T tokens reads its sequence's K/V once (the units at its last
-    token's context) and computes T x G queries per KV head on tensor cores. The layer's units
-    are dealt over the op's instructions (the T-token program deals (segment, KV head, split)
-    units round-robin, a step of one token too)."""
+    ``batch.context``, per instruction. A decode token (a segment of one) costs the one-token
+    units at its context; a prefill chunk of T tokens reads its sequence's K/V once (the units
+    at its last token's context) and computes T x G queries per KV head on tensor cores.
+
+    The program deals its (KV head, split) units over the blocks once, the same for every row
+    (ops/attention.py ``units``): an instruction runs its units for every row of the step, so
+    its cost is the sum over the rows of its own units' costs, and the op ends with its
+    busiest instruction. (Before 2026-12-02, fifth session, the model spread the step's units
+    evenly over the blocks: at short contexts every row's work sits on the few blocks holding
+    the used splits, so that was several times optimistic; benchmarks/NOTES.md.) Up to
+    ``attn_units_in_flight`` units of an instruction run side by side: their dependent trips
+    and fixed work overlap k ways; their bytes do not."""
     shape = b.shape
     if shape is None or (shape.single and not d.tensor_cores):
         return one_token(b, g, d)
     c = b.program.config
     n = len(b.lo)
-    layers = np.unique(b.layer)
-    per_layer = max(n // max(len(layers), 1), 1)  # instructions of one layer
-    tot = {k: 0.0 for k in ("l2", "hbm", "other", "rounds", "bytes", "pref", "units")}
+    zero = np.zeros(n)
+    tot = {k: zero.copy() for k in ("l2", "hbm", "other", "rounds", "bytes", "pref")}
     flops = 0.0
-    cache: dict[int, tuple] = {}
+    cache: dict[int, Phases] = {}
     segments = shape.segments
     if not d.attn_tensor_cores:  # CUDA cores: every token is its own pass over its context
         segments = tuple(Segment(s.context + i) for s in segments for i in range(s.tokens))
     for seg in segments:
         ctx = seg.context + seg.tokens - 1  # the last token's context: the most K/V
         if ctx not in cache:
-            one = one_token(OpBatch(b.program, ctx, b.layer, b.lo, b.hi, b.weight_bytes,
-                                    b.instructions), g, d)
-            units = float(b.n.sum())
-            cache[ctx] = (one, units)
-        one, units = cache[ctx]
-        # per layer: the one-token op's totals over its instructions of one layer
+            cache[ctx] = one_token(OpBatch(b.program, ctx, b.layer, b.lo, b.hi, b.weight_bytes,
+                                           b.instructions), g, d)
+        one = cache[ctx]
         for key, arr in (("l2", one.l2_trips), ("hbm", one.hbm_trips), ("other", one.other_us),
                          ("rounds", one.rounds), ("bytes", one.stream_bytes),
                          ("pref", one.prefetch_bytes)):
-            tot[key] += float(np.sum(arr)) / len(layers)
-        tot["units"] += units / len(layers)
+            tot[key] += np.asarray(arr, dtype=np.float64)
         if seg.tokens > 1:
             # the chunk's queries (T x G per KV head) against its context: QK and PV on
             # tensor cores (the one-token units' compute stays for the softmax and the merge)
             flops += 4.0 * c.num_heads * c.head_dim * seg.tokens * (seg.context + seg.tokens / 2)
-    # the busiest block runs ceil(u) units (u: the layer's units over its instructions; a unit
-    # is not divided), up to attn_units_in_flight side by side: their dependent trips and
-    # fixed work (barriers, shuffles, the merge's ticket) overlap k ways (with tensor cores
-    # the units' compute in that work is small); their bytes do not
     busy = b.busy()
-    units = max(tot["units"], 1.0)
-    mine = np.ceil(tot["units"] / max(per_layer, 1))  # units of the busiest block
-    k = min(d.attn_units_in_flight, mine)
-    each = {key: v / units for key, v in tot.items()}  # per unit, on average
-    serial = np.ceil(mine / k) * busy
-    nbytes = busy * mine * each["bytes"]
-    rounds = busy * mine * each["rounds"]
+    # an instruction's units of the step: its (KV head, split) units once per segment
+    mine = b.n.astype(np.float64) * len(segments)
+    k = np.maximum(np.minimum(d.attn_units_in_flight, mine), 1.0)
+    serial = np.ceil(mine / k) / np.maximum(mine, 1.0)  # of its units' dependent trips
+    rounds = tot["rounds"]
     if d.kv_bytes_in_flight:
-        rounds = np.ceil(nbytes / d.kv_bytes_in_flight)
-    compute = busy * flops / per_layer / (g.mma_tflops * 1e6 / g.sms)
-    return Phases(serial * each["l2"], serial * each["hbm"], busy * mine * each["other"] / k,
-                  rounds, nbytes, busy * mine * each["pref"], compute=compute)
+        rounds = np.ceil(tot["bytes"] / d.kv_bytes_in_flight)
+    # the chunks' tensor-core work, shared by the instructions in proportion to their units
+    share = b.n / max(float(b.n.sum()), 1.0) * len(np.unique(b.layer))
+    compute = busy * flops * share / (g.mma_tflops * 1e6 / g.sms)
+    return Phases(tot["l2"] * serial, tot["hbm"] * serial, tot["other"] / k, rounds * busy,
+                  tot["bytes"], tot["pref"], compute=compute)
 
 
 def step_end_extra_us(shape: StepShape | None, g) -> float:

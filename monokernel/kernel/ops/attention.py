@@ -161,7 +161,50 @@ def tile_isa(n: np.ndarray, g, d, G: int, D: int):
 def cost(b: OpBatch, g, d) -> Phases:
     if b.shape is None or (b.shape.single and not d.tensor_cores):
         return _one_token(b, g, d)
+    if d.attn_rotate_rows:
+        return _step_merge(b, g, d, _rotated(b, g, d))
     return _step_merge(b, g, d, widen_attention(b, g, d, partial(_one_token, merge=False)))
+
+
+def row_offsets(used: list[int], splits: int) -> list[int]:
+    """megakernel.cu row_rotation: row r's split s runs in its KV group's unit slot
+    (s + off_r) mod splits, off_r the used splits of the step's earlier rows: the step's
+    non-empty units dealt round-robin over each group's slots."""
+    out, run = [], 0
+    for u in used:
+        out.append(run % splits)
+        run += u
+    return out
+
+
+def _rotated(b: OpBatch, g, d) -> Phases:
+    """ATTENTION of a step of many rows with the rows' units rotated over each KV group's
+    slots (row_offsets) and a unit with no positions skipped: an instruction runs, for every
+    row, the splits that land in its slots. Costs per unit from the one-token model (a unit
+    is a block-wide pass, the same arithmetic whichever block runs it)."""
+    prog = b.program
+    S = prog.attn_splits
+    rows = [s.context + i for s in b.shape.segments for i in range(s.tokens)]
+    used = [used_splits(prog, ctx + 1) for ctx in rows]
+    offs = row_offsets(used, S)
+    probe = np.arange(S)
+    keys = ("l2", "hbm", "other", "rounds", "bytes", "pref")
+    per_slot = {k: np.zeros(S) for k in keys}
+    cache: dict[int, dict] = {}
+    for ctx, u, off in zip(rows, used, offs):
+        if ctx not in cache:
+            one = _unit_costs(OpBatch(prog, ctx, np.zeros(S, np.int64), probe, probe + 1,
+                                      np.zeros(S), []), g, d)
+            cache[ctx] = {k: np.where(probe < u, v, 0.0) for k, v in one.items()}
+        for k in keys:
+            per_slot[k] += np.roll(cache[ctx][k], off)
+    # instruction i: its units [lo, hi) of g * S + slot, every group alike
+    kv = prog.config.num_kv_heads
+    out = {}
+    for k in keys:
+        cum = np.concatenate([[0.0], np.cumsum(np.tile(per_slot[k], kv))])
+        out[k] = cum[b.hi] - cum[b.lo]
+    return Phases(out["l2"], out["hbm"], out["other"], out["rounds"], out["bytes"], out["pref"])
 
 
 def _step_merge(b: OpBatch, g, d, ph: Phases) -> Phases:
@@ -172,7 +215,12 @@ def _step_merge(b: OpBatch, g, d, ph: Phases) -> Phases:
     c = b.program.config
     used = [used_splits(b.program, s.context + i + 1) for s in b.shape.segments
             for i in range(s.tokens)]
-    used = [u for u in used if ticket_merges(b.program, d, u)]
+    if d.attn_rotate_rows:  # a row of one split finishes in its unit only in slot 0
+        offs = row_offsets(used, b.program.attn_splits)
+        used = [u for u, off in zip(used, offs) if merges_by_ticket(b.program, d, u)
+                and not (off == 0 and unit_finishes(u, b.program.merge_ticket_min))]
+    else:
+        used = [u for u in used if ticket_merges(b.program, d, u)]
     if not used:
         return ph
     G, D = c.group_size, c.head_dim
@@ -188,7 +236,9 @@ def _step_merge(b: OpBatch, g, d, ph: Phases) -> Phases:
     return replace(ph, l2_trips=l2, other_us=other)
 
 
-def _one_token(b: OpBatch, g, d, merge: bool = True) -> Phases:
+def _unit_costs(b: OpBatch, g, d) -> dict[str, np.ndarray]:
+    """Per attention unit of the batch's instructions (in order): its dependent L2 and HBM
+    trips, other time, K/V rounds, bytes and prefetched bytes at ``b.context``."""
     c = b.program.config
     G, D = c.group_size, c.head_dim
     idx, t0, cnt = _unit_positions(b)
@@ -210,10 +260,23 @@ def _one_token(b: OpBatch, g, d, merge: bool = True) -> Phases:
         unit_other += 5 * g.shfl + g.bar_sync
         holds = (t0 <= b.context) & (b.context < t0 + cnt)  # the new position's unit
         unit_other += holds * (g.bar_sync + 6 * g.shfl)
-    n = len(b.lo)
+    pref = np.zeros(len(idx))
+    if d.attn_kv_prefetch:  # K and V: a range each, positions before the new one
+        old = np.clip(np.minimum(cnt, b.context - t0), 0, None)
+        pref = 2 * np.minimum(old * D * 2.0, PREFETCH_MAX_BYTES)
+    return {"idx": idx, "l2": unit_l2, "hbm": unit_hbm, "other": unit_other,
+            "rounds": (k_rounds + v_rounds).astype(np.float64), "bytes": cnt * 2 * D * 2.0,
+            "pref": pref}
+
+
+def _one_token(b: OpBatch, g, d, merge: bool = True) -> Phases:
+    c = b.program.config
+    G, D = c.group_size, c.head_dim
+    u = _unit_costs(b, g, d)
+    idx, n = u["idx"], len(b.lo)
     used = used_splits(b.program, b.context + 1)
-    other = np.bincount(idx, unit_other, n)
-    l2 = np.bincount(idx, unit_l2, n)
+    other = np.bincount(idx, u["other"], n)
+    l2 = np.bincount(idx, u["l2"], n)
     # a row of one split (unit_finishes): its unit stores G x D normalised outputs instead of
     # the partials, no trip more; no ticket
     if merge and ticket_merges(b.program, d, used):
@@ -230,11 +293,8 @@ def _one_token(b: OpBatch, g, d, merge: bool = True) -> Phases:
         other = other + busy * (2 * g.bar_sync + ticket + mb / l2_share + G * D * 4 / l2_share)
     # K/V rounds go to HBM; with attn_kv_prefetch the rows cached before this step were
     # brought into L2 during the wait (the prefetch share of the rounds then hits L2)
-    rounds = np.bincount(idx, (k_rounds + v_rounds).astype(np.float64), n)
-    hbm = np.bincount(idx, unit_hbm, n)
-    sbytes = np.bincount(idx, cnt * 2 * D * 2.0, n)
-    pref = b.zeros()
-    if d.attn_kv_prefetch:  # K and V: a range each, positions before the new one
-        old = np.clip(np.minimum(cnt, b.context - t0), 0, None)
-        pref = np.bincount(idx, 2 * np.minimum(old * D * 2.0, PREFETCH_MAX_BYTES), n)
+    rounds = np.bincount(idx, u["rounds"], n)
+    hbm = np.bincount(idx, u["hbm"], n)
+    sbytes = np.bincount(idx, u["bytes"], n)
+    pref = np.bincount(idx, u["pref"], n) if d.attn_kv_prefetch else b.zeros()
     return Phases(l2, hbm, other, rounds, sbytes, pref)
