@@ -301,6 +301,18 @@ def merge_by_ticket(used: int, least: int) -> bool:
     return least > 0 and used >= least
 
 
+def row_rotations(used: list[int], splits: int) -> list[int]:
+    """megakernel.cu split_slot / next_rotation: in a step of a kernel of slots (many rows),
+    row r's split s runs in its KV group's unit slot
+    (s + off_r) mod splits, off_r the used splits of the step's earlier rows, mod splits:
+    the step's non-empty units dealt round-robin over each group's slots."""
+    out, run = [], 0
+    for u in used:
+        out.append(run % splits)
+        run += u
+    return out
+
+
 def unit_finishes(used: int, least: int) -> bool:
     """megakernel.cu unit_finishes: a row of one used split whose step merges by ticket
     (merge_ticket_min 1: the tensor-core kernel; a kernel of slots, the only one the executor

@@ -1060,6 +1060,26 @@ __device__ __forceinline__ int splits_used(int n_pos, int splits, int min_chunk)
                          split_chunk(n_pos, splits, min_chunk));
 }
 
+// Rows rotated over a KV group's unit slots (steps of many rows; isa.row_rotations): row r's
+// split s runs in slot j = (s + off_r) mod splits of its KV group, off_r the used splits of
+// the step's earlier rows, mod splits: the step's non-empty units dealt round-robin over the
+// group's instructions instead of every row's split s on the one block holding slot s. The
+// partials of (r, g, s) are stored at slot j; the merge reads split s there, in the same
+// order as ever, so a row's numbers do not depend on where its units ran. Built in kernels of
+// slots (their steps carry many rows): in the one-sequence kernel of prompt chunks the same
+// code made ptxas issue attention_scores' K loads one at a time at head_dim 64
+// (tests/kernel/test_sass.py, kv_loads_in_flight [4, 4] -> [1, 1, 1, 1, 4] on Llama).
+#define ROTATE_ROWS (MK_SLOTS > 0)
+static_assert(!MK_SLOTS || MK_T_MAX > 1, "a kernel of slots carries steps of many rows");
+// the slot of split s of a row rotated by off (s, off < splits)
+__device__ __forceinline__ int split_slot(int s, int off, int splits) {
+  return ROTATE_ROWS && s + off >= splits ? s + off - splits : s + off;
+}
+// the next row's rotation after a row of `used` splits
+__device__ __forceinline__ int next_rotation(int off, int used, int splits) {
+  return ROTATE_ROWS ? split_slot(used == splits ? 0 : used, off, splits) : 0;
+}
+
 // ---- The split merge (O_PROJ_RESIDUAL's, or by ticket at ATTENTION's end) ------------------
 // The merge of the splits in one or two rounds. A thread owns 8 consecutive output
 // elements of one (KV group, query head) and loads, for MERGE_CHUNK splits at once, their
@@ -1078,7 +1098,8 @@ static_assert(MK_HEAD_DIM % 8 == 0, "the merge reads 8 output elements per threa
 // of way 0 stores out[idx .. idx + 8).
 template <int MAXW>
 __device__ __forceinline__ void merge_chunk(const Params& P, size_t unit0, int splits, int used,
-                                            int ways, int way, int idx, bool live, float* out) {
+                                            int rot, int ways, int way, int idx, bool live,
+                                            float* out) {
   static_assert(MAXW >= 1 && MAXW <= 32 && (MAXW & (MAXW - 1)) == 0, "MAXW: a power of 2");
   const int g = idx / (MK_GROUP * D), h = (idx / D) % MK_GROUP, d = idx % D;
   float M = NEG_INF, L = 0.f, acc[8];
@@ -1093,7 +1114,7 @@ __device__ __forceinline__ void merge_chunk(const Params& P, size_t unit0, int s
     for (int k = 0; k < MERGE_CHUNK; ++k) {  // every load of the chunk first
       const int sp = sp0 + k * ways;
       const bool ok = sp < last;
-      const size_t unit = unit0 + (size_t)g * splits + sp;
+      const size_t unit = unit0 + (size_t)g * splits + split_slot(sp, rot, splits);
       const float* ml = P.attn_ml + (unit * MK_GROUP + h) * 2;
       const float* o = P.attn_o + (unit * MK_GROUP + h) * D + d;
       m[k] = ok ? ml[0] : NEG_INF;
@@ -1143,13 +1164,13 @@ __device__ __forceinline__ void merge_chunk(const Params& P, size_t unit0, int s
 // tok: the step's token whose partials are merged (rows of KV_HEADS x splits units).
 template <int WAYS>
 __device__ void merge_splits(const Params& P, int tok, float* out, int t_begin, int t_end,
-                             int splits, int used) {
+                             int splits, int used, int rot) {
   const size_t unit0 = (size_t)tok * MK_KV_HEADS * splits;
   const int n = (t_end - t_begin) * WAYS;
   const int n_warps = (n + 31) / 32 * 32;  // whole warps run the loop (the shuffles)
   for (int i = threadIdx.x; i < n_warps; i += MK_THREADS) {
     const int t = t_begin + min(i, n - 1) / WAYS;
-    merge_chunk<WAYS>(P, unit0, splits, used, WAYS, i % WAYS, t * 8, i < n, out);
+    merge_chunk<WAYS>(P, unit0, splits, used, rot, WAYS, i % WAYS, t * 8, i < n, out);
   }
 }
 
@@ -1198,6 +1219,7 @@ __device__ void attention_ticket(const Params& P, const int* st, int ticket, int
                                  int splits, int min_chunk, int least, int ntok) {
   __shared__ int s_last;
   __shared__ int s_off[MK_T_MAX + 1];
+  __shared__ unsigned short s_rot[MK_T_MAX];  // each row's rotation (split_slot)
   constexpr int PER = (MK_T_MAX + 31) / 32;  // rows per lane of the scan
   __syncthreads();  // every thread's partial stores are issued
   if (threadIdx.x == 0) {
@@ -1208,17 +1230,33 @@ __device__ void attention_ticket(const Params& P, const int* st, int ticket, int
   __syncthreads();
   if (!s_last) return;
   const int lane = threadIdx.x & 31;
-  if (threadIdx.x < 32) {  // warp 0: the rows' lanes and their exclusive scan
-    int cnt[PER], sum = 0;
+  if (threadIdx.x < 32) {  // warp 0: the rows' lanes and rotations, exclusive scans
+    int used[PER], sum = 0, sum_used = 0;
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
       const int tok = lane * PER + k;
-      const int used = tok < ntok ? splits_used(row_pos(st, tok) + 1, splits, min_chunk) : 0;
-      cnt[k] = tok < ntok && merge_by_ticket(used, least) && !unit_finishes(used, least)
-                   ? merge_row_lanes(used) : 0;
-      sum += cnt[k];
+      used[k] = tok < ntok ? splits_used(row_pos(st, tok) + 1, splits, min_chunk) : 0;
+      sum_used += used[k];
     }
-    int incl = sum;
+    int incl = sum_used;  // the rows' used splits: rotations
+#pragma unroll
+    for (int o = 1; ROTATE_ROWS && o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(FULL_MASK, incl, o);
+      if (lane >= o) incl += y;
+    }
+    int rot = ROTATE_ROWS ? (incl - sum_used) % splits : 0, cnt[PER];
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int tok = lane * PER + k;
+      // a row of one split in slot 0 was finished by its unit
+      cnt[k] = tok < ntok && merge_by_ticket(used[k], least) &&
+                       !(unit_finishes(used[k], least) && rot == 0)
+                   ? merge_row_lanes(used[k]) : 0;
+      sum += cnt[k];
+      if (ROTATE_ROWS && tok < ntok) s_rot[tok] = (unsigned short)rot;
+      rot = next_rotation(rot, used[k], splits);
+    }
+    incl = sum;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int y = __shfl_up_sync(FULL_MASK, incl, o);
@@ -1245,10 +1283,10 @@ __device__ void attention_ticket(const Params& P, const int* st, int ticket, int
     }
     const int tok = lo, used = splits_used(row_pos(st, tok) + 1, splits, min_chunk);
     const int ways = merge_ways(used), j = k - s_off[tok], t = j / ways;
-    merge_chunk<MK_MERGE_TICKET_WAYS>(P, (size_t)tok * MK_KV_HEADS * splits, splits, used, ways,
-                                      j % ways, g * MK_GROUP * D + min(t, MERGE_ROW_CHUNKS - 1) * 8,
-                                      i < total && t < MERGE_ROW_CHUNKS,
-                                      P.attn + (size_t)tok * MK_Q_DIM);
+    merge_chunk<MK_MERGE_TICKET_WAYS>(
+        P, (size_t)tok * MK_KV_HEADS * splits, splits, used, ROTATE_ROWS ? s_rot[tok] : 0, ways,
+        j % ways, g * MK_GROUP * D + min(t, MERGE_ROW_CHUNKS - 1) * 8,
+        i < total && t < MERGE_ROW_CHUNKS, P.attn + (size_t)tok * MK_Q_DIM);
   }
 }
 
@@ -1259,16 +1297,35 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
   const int ntok = step_tokens(st);
   const float scale = 1.0f / sqrtf((float)D);
   const size_t kv_layer = (size_t)layer * MK_KV_ROWS * MK_KV_HEADS * D;
+  const int least = ins[A_ATTENTION_MERGE_MIN];
   int most_used = 0;  // the most splits a row uses: the ticket is drawn when it merges
+#if ROTATE_ROWS
+  int rot = 0;          // this row's rotation (split_slot)
+  bool merges = false;  // some row merges by ticket (not finished by its unit in slot 0)
+#endif
   for (int tok = 0; tok < ntok; ++tok) {  // the step's rows, each over its own context
     const int pos = row_pos(st, tok), n_pos = pos + 1, slot = row_slot(st, tok);
     // the row's segment (its sequence's rows in this step) starts at row seg, position pos0
     const int seg = row_seg(st, tok), pos0 = row_pos(st, seg);
     (void)seg;
-    most_used = max(most_used, splits_used(n_pos, splits, min_chunk));
+    const int used = splits_used(n_pos, splits, min_chunk);
+    most_used = max(most_used, used);
+#if ROTATE_ROWS
+    // a row of one split finishes in its unit only in slot 0 (the program's `attn` writer)
+    const bool finishes = unit_finishes(n_pos <= split_chunk(n_pos, splits, min_chunk) ? 1 : 2,
+                                        least) && rot == 0;
+    merges |= merge_by_ticket(used, least) && !finishes;
+#endif
     const int chunk = split_chunk(n_pos, splits, min_chunk);
     for (int u = b; u < e; ++u) {
-      const int g = u / splits, split = u % splits;
+      // unit slot j of KV group g holds the row's split (j - rot) mod splits
+      const int g = u / splits, j = u % splits;
+#if ROTATE_ROWS
+      const int split = j >= rot ? j - rot : j - rot + splits;
+      if (split >= used) continue;  // no positions: no queries, no partials
+#else
+      const int split = j;
+#endif
       const int t0 = split * chunk, t1 = min(n_pos, t0 + chunk);
 #if LATE_QK
       // warp h < GROUP: query head h of the group; warp GROUP: the new key (into s.row)
@@ -1350,16 +1407,15 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
         __syncthreads();
       }
 #if MK_SLOTS
-      // the row uses one split exactly when its positions fit the first (n_pos <= chunk)
-      if (unit_finishes(n_pos <= chunk ? 1 : 2, ins[A_ATTENTION_MERGE_MIN])) {
-        // split 0 holds the row's positions; the others are empty and write nothing
+      // the row uses one split exactly when its positions fit the first (n_pos <= chunk); its
+      // split 0 is the only unit run (the others are empty), in slot 0 when it finishes
+      if (finishes) {
         float* out = P.attn + (size_t)tok * MK_Q_DIM + (size_t)g * MK_GROUP * D;
-        if (split == 0)
-          for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) out[i] = s.o[i] / s.l[i / D];
+        for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) out[i] = s.o[i] / s.l[i / D];
       } else
 #endif
       {
-        const size_t unit = (size_t)tok * MK_KV_HEADS * splits + (size_t)g * splits + split;
+        const size_t unit = (size_t)tok * MK_KV_HEADS * splits + (size_t)g * splits + j;
         for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS)
           P.attn_o[unit * MK_GROUP * D + i] = s.o[i];
         if (threadIdx.x < MK_GROUP) {
@@ -1369,11 +1425,18 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
       }
       __syncthreads();  // s.q / s.o are reused by the next unit
     }
+#if ROTATE_ROWS
+    rot = next_rotation(rot, used, splits);
+#endif
   }
   const int tickets = ins[A_ATTENTION_TICKETS];  // > 0: the units lie in one KV group
-  // the ticket is drawn when a row of the step merges splits (unit_finishes: not one of one)
-  const int least = ins[A_ATTENTION_MERGE_MIN];
-  if (tickets > 0 && least > 0 && merge_by_ticket(most_used, MK_SLOTS ? max(least, 2) : least))
+  // the ticket is drawn when a row of the step merges splits (not one finished by its unit)
+#if ROTATE_ROWS
+  (void)most_used;
+  if (tickets > 0 && least > 0 && merges)
+#else
+  if (tickets > 0 && least > 0 && merge_by_ticket(most_used, least))
+#endif
     attention_ticket(P, st, ins[A_ATTENTION_TICKET], tickets, b / splits, splits, min_chunk,
                      least, ntok);
 }
@@ -1416,6 +1479,7 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
       [&](int q0, int tok0, auto sum) { mma_add_rows(P.residual, b, e - b, ntok, q0, tok0, sum); });
   return;
 #endif
+  int rot = 0;  // the row's rotation (split_slot): ATTENTION's, the rows' used splits before it
   for (int tok = 0; tok < ntok; ++tok) {
     const int used = splits_used(row_pos(st, tok) + 1, splits, ins[A_O_PROJ_RESIDUAL_MIN_CHUNK]);
     // ATTENTION merged it: read it, one round
@@ -1425,8 +1489,9 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
       // MK_MERGE_WAYS (isa.merge_block_ways) lanes per output chunk: the block's threads in
       // one pass
       static_assert(MK_Q_DIM / 8 * MK_MERGE_WAYS <= MK_THREADS, "merge_block_ways: one pass");
-      merge_splits<MK_MERGE_WAYS>(P, tok, s.vec, 0, MK_Q_DIM / 8, splits, used);
+      merge_splits<MK_MERGE_WAYS>(P, tok, s.vec, 0, MK_Q_DIM / 8, splits, used, rot);
     }
+    rot = next_rotation(rot, used, splits);
     __syncthreads();
     float* res = P.residual + (size_t)tok * H;
     block_dot_rows<MK_Q_DIM>(

@@ -52,9 +52,10 @@ def cuobjdump() -> str:
 
 
 def compile_sass(shape: str, *defines: str, function: str = "megakernel",
-                 tokens: int = 1) -> str:
+                 tokens: int = 1, slots: int = 0, mma: bool = False) -> str:
     """The sm_90 SASS of ``function`` in megakernel.cu built for a known shape (and steps of
-    up to ``tokens`` tokens)."""
+    up to ``tokens`` tokens; a kernel of ``slots`` sequences, its mat-muls on tensor cores
+    with ``mma``)."""
     from ..model.config import ModelConfig
     from .executor import kernel_source
 
@@ -64,7 +65,8 @@ def compile_sass(shape: str, *defines: str, function: str = "megakernel",
     tool = cuobjdump()
     with tempfile.TemporaryDirectory(prefix="mk-sass-") as tmp:
         src, cubin = Path(tmp) / f"{shape}.cu", Path(tmp) / f"{shape}.cubin"
-        src.write_text(kernel_source(ModelConfig.from_name(shape), MAX_SEQ, tokens))
+        src.write_text(kernel_source(ModelConfig.from_name(shape), MAX_SEQ, tokens, slots,
+                                     16 if slots else 0, 0, mma))
         proc = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-std=c++17", *defines, str(src),
                                "-o", str(cubin)], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:

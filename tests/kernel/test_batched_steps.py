@@ -75,22 +75,36 @@ def drive(b: Batch, budget: int, steps: int, events=None) -> None:
         b.step(plan)
 
 
-# (architecture, slots, step rows, blocks): late q/k with GQA, plain Llama, q/k/v bias
-ARCHS = [("qwen3-gqa-tiny", 3, 17, 3), ("llama3-tiny", 4, 6, 2), ("qwen2-tiny", 3, 3, 4)]
+# (architecture, slots, step rows, blocks, program options): late q/k with GQA, plain Llama,
+# q/k/v bias; then rows of up to 4 attention splits of 2+ positions, so a step's rows sit at
+# rotations 0..3 of their KV group's unit slots (megakernel.cu split_slot): merged by every
+# O_PROJ block (merge_ticket_min 0) and, from 2 used splits on, by ticket
+ARCHS = [("qwen3-gqa-tiny", 3, 17, 3, {}), ("llama3-tiny", 4, 6, 2, {}),
+         ("qwen2-tiny", 3, 3, 4, {}),
+         ("llama3-tiny", 4, 6, 4, {"attn_splits": 4, "attn_min_chunk": 2,
+                                   "merge_ticket_min": 0}),
+         ("qwen3-gqa-tiny", 3, 17, 4, {"attn_splits": 4, "attn_min_chunk": 3,
+                                       "merge_ticket_min": 2})]
 
 
-@pytest.mark.parametrize("arch,slots,T,blocks", ARCHS, ids=[a for a, *_ in ARCHS])
-def test_mixed_steps_are_bitwise_each_sequence_alone(synth_model, arch, slots, T, blocks):
+@pytest.mark.parametrize("arch,slots,T,blocks,options", ARCHS,
+                         ids=["qwen3-gqa-tiny", "llama3-tiny", "qwen2-tiny",
+                              "llama3-tiny-4-splits-block-merge", "qwen3-gqa-tiny-4-splits-ticket"])
+def test_mixed_steps_are_bitwise_each_sequence_alone(synth_model, arch, slots, T, blocks,
+                                                     options):
     """Sequences at different positions in one step: prompt chunks beside decode rows, chunks
     crossing a page boundary, one sequence ending and two joining (one into its slot, on its
     recycled pages) between steps; every logits row and K/V row bitwise the one-sequence
-    kernel's."""
+    kernel's (the same program options: the same splits and merges for every row)."""
     model = synth_model(arch)
     ex = KernelExecutor(model, MAX_SEQ, blocks=blocks, slots=slots, step_tokens=T,
-                        page_size=PAGE)
+                        page_size=PAGE, **options)
     assert ex.max_step_rows == T and ex.max_num_seqs == slots
+    if options:  # rows of 1 to 4 used splits
+        assert ex.program.attn_splits == 4 and ex.program.merge_ticket_min == \
+            options["merge_ticket_min"]
     ex.poison()
-    one = KernelExecutor(model, MAX_SEQ, blocks=blocks)
+    one = KernelExecutor(model, MAX_SEQ, blocks=blocks, **options)
     prompts = [prompt_of(model, 11, 1), prompt_of(model, 5, 2), prompt_of(model, 3, 3),
                prompt_of(model, 7, 4)]
     solo = [Solo(one, p, len(p) + 18) for p in prompts]
@@ -482,3 +496,47 @@ def test_a_request_arriving_ends_a_launch_early(synth_model):
     assert asked == 8 and ran <= 3, launches  # ended early for the newcomer
     # the next launch carries the newcomer's prompt (4 rows) beside the two decode rows
     assert launches[first + 1][2] == 2 + len(ids[2]), launches
+
+
+def test_a_steps_rows_are_dealt_over_their_kv_groups_unit_slots(synth_model):
+    """Rows rotated over the unit slots (megakernel.cu split_slot): in a step of many rows,
+    row r's split s is computed in its KV group's slot (s + off_r) mod splits, off_r the used
+    splits of the earlier rows, so short rows do not all run on the block holding split 0.
+    Four sequences' first rows (one split each) then a step of rows of 2, 1 and 3 splits:
+    the last layer's partials (attn_o) sit exactly at the rotated slots, the rest untouched;
+    the per-block merge (merge_ticket_min 0) reads them there (logits: the reference's)."""
+    model = synth_model("llama3-tiny")
+    c = model.config
+    S = 4
+    ex = KernelExecutor(model, MAX_SEQ, blocks=4, slots=4, step_tokens=8, page_size=PAGE,
+                        attn_splits=S, attn_min_chunk=2, merge_ticket_min=0)
+    prompts = [prompt_of(model, n, seed) for n, seed in ((3, 1), (1, 2), (5, 3), (1, 4))]
+    b = Batch(ex)
+    for slot, p in enumerate(prompts):
+        b.join(slot, p)
+
+    def written_slots(rows: int) -> list[list[int]]:
+        o = ex.read_buffer("attn_o")[:rows * c.num_kv_heads * S * c.group_size * c.head_dim]
+        o = o.reshape(rows, c.num_kv_heads, S, -1)
+        done = ~np.isnan(o).all(axis=-1)
+        assert (done == done[:, :1]).all(), "every KV group alike"
+        return [np.flatnonzero(done[r, 0]).tolist() for r in range(rows)]
+
+    ex.poison()
+    b.step({0: 1, 1: 1, 2: 1, 3: 1})  # four rows at position 0: one split each
+    assert written_slots(4) == [[0], [1], [2], [3]]
+    ex.poison()
+    # rows at positions 1, 2 (sequence 0: 2 splits of 2 each) , 1 (sequence 2) and 1
+    # (sequence 0 of the rows; used: 1, 2, 1 ... as split_chunk gives)
+    b.step({0: 2, 2: 1})
+    used = [-(-(p + 1) // max(2, -(-(p + 1) // S))) for p in (1, 2, 1)]
+    assert used == [1, 2, 1]
+    assert written_slots(3) == [[0], [1, 2], [3]]
+    ex.poison()
+    b.step({2: 3})  # positions 2, 3, 4 of sequence 2: 2, 2 and 3 splits
+    assert written_slots(3) == [[0, 1], [2, 3], [0, 1, 2]]
+    for slot in (0, 2):  # the merge read each row's splits where they ran
+        seq = b.seqs[slot]
+        ref = ReferenceModel(c, model.weights, MAX_SEQ).forward(prompts[slot][:seq["done"]], 0)
+        for pos, lg in seq["logits"].items():
+            assert_logits_match(lg[None], ref[pos][None], f"sequence {slot} position {pos}")

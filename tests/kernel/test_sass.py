@@ -211,3 +211,20 @@ def test_a_kernel_of_prompt_chunks_keeps_the_decode_facts(shape):
     one = sf.load()[shape]
     assert min(chunked["matvec_loads_per_chunk"]) >= 8, chunked["matvec_loads_per_chunk"]
     assert {k: chunked[k] for k in KEPT_WITH_CHUNKS} == {k: one[k] for k in KEPT_WITH_CHUNKS}
+
+
+@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-0.6b"])
+def test_the_tensor_core_kernels_attention_loads_are_the_cost_models(shape):
+    """A kernel of slots on tensor cores (here 4 slots, steps of up to 16 rows): its K and V
+    loops keep what costmodel.V6_MMA says in flight per lane. At head_dim 64 ptxas issues the
+    K loads one at a time (each behind its block-table lookup, into the same registers);
+    head_dim 128 keeps all KV_UNROLL. When this fails, the compiled loop changed: update the
+    model and benchmarks/NOTES.md with it."""
+    c = ModelConfig.from_name(shape)
+    try:
+        found = kv_loads_in_flight(sf.compile_sass(shape, tokens=16, slots=4, mma=True))
+    except SassToolMissing as e:
+        pytest.skip(str(e))
+    k = dict(cm.design("v6-mma").attn_k_in_flight).get(c.head_dim, KV_UNROLL)
+    print(f"{shape}: K/V loads in flight per lane {found} (model: K {k}, V {KV_UNROLL})")
+    assert found == [k] * (KV_UNROLL // k) + [KV_UNROLL], found

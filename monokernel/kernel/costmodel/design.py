@@ -118,10 +118,11 @@ class KernelDesign:
     # tensor cores take bf16; RMSNorm's weight folded into the weights at load, its 1/rms per
     # token applied to the outputs from per-token sum-of-squares partials)
     input_bytes: int = 4
-    # steps of many rows: row r's split s runs in its KV group's unit slot (s + off_r) mod
-    # splits, off_r the used splits of the step's earlier rows (the step's non-empty units
-    # dealt round-robin over the slots), and a unit with no positions is skipped; False: every
-    # row's split s in slot s (all rows on the blocks holding the used splits)
+    # steps of many rows (kernels of slots): row r's split s runs in its KV group's unit slot
+    # (s + off_r) mod splits, off_r the used splits of the step's earlier rows (the step's
+    # non-empty units dealt round-robin over the slots), and a unit with no positions is
+    # skipped; False: every row's split s in slot s (all rows on the blocks holding the used
+    # splits: the one-sequence kernel of prompt chunks)
     attn_rotate_rows: bool = False
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
@@ -216,8 +217,13 @@ V8_CLUSTER = V8.replace(name="v8-cluster", input_multicast=2)
 # sequence's numbers must not depend on the step's other rows) and nothing else of v7: row
 # tiles (every block reads every row's input), the inputs read as fp32 and rounded to bf16 as
 # the fragments are built (input_bytes 4), attention per row on CUDA cores as slice 3 built it,
-# prompts in chunks of the program's tokens per step.
-V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True)
+# prompts in chunks of the program's tokens per step; a step's rows rotated over each KV
+# group's unit slots (built: attn_rotate_rows). Its attention K loop as compiled: at head_dim
+# 64 (SmolLM2, Llama) ptxas issues a kernel of slots' K loads one at a time, each behind its
+# block-table lookup and into the same registers (SASS kv_loads_in_flight [1, 1, 1, 1, 4];
+# [4, 4] at head_dim 128 and in the one-sequence kernel): tests/kernel/test_sass.py.
+V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rotate_rows=True,
+                    attn_k_in_flight=((64, 1),))
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA, "v7": V7,
                                     "v7-rows": V7_ROWS, "v8": V8, "v8-cluster": V8_CLUSTER}

@@ -18,7 +18,7 @@ from ..costmodel.parts import OpBatch, Phases, issue_us
 from ..costmodel.tokens import mma_us, widen_attention
 from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, T_TILE, Args,
                    Op, attn_round_positions, merge_by_ticket, merge_row_lanes, merge_ways,
-                   split_chunk, splits_used, unit_finishes)
+                   row_rotations, split_chunk, splits_used, unit_finishes)
 from ..program import Instruction, Region, split_even
 
 OP = Op.ATTENTION
@@ -166,27 +166,16 @@ def cost(b: OpBatch, g, d) -> Phases:
     return _step_merge(b, g, d, widen_attention(b, g, d, partial(_one_token, merge=False)))
 
 
-def row_offsets(used: list[int], splits: int) -> list[int]:
-    """megakernel.cu row_rotation: row r's split s runs in its KV group's unit slot
-    (s + off_r) mod splits, off_r the used splits of the step's earlier rows: the step's
-    non-empty units dealt round-robin over each group's slots."""
-    out, run = [], 0
-    for u in used:
-        out.append(run % splits)
-        run += u
-    return out
-
-
 def _rotated(b: OpBatch, g, d) -> Phases:
     """ATTENTION of a step of many rows with the rows' units rotated over each KV group's
-    slots (row_offsets) and a unit with no positions skipped: an instruction runs, for every
+    slots (isa.row_rotations) and a unit with no positions skipped: an instruction runs, for every
     row, the splits that land in its slots. Costs per unit from the one-token model (a unit
     is a block-wide pass, the same arithmetic whichever block runs it)."""
     prog = b.program
     S = prog.attn_splits
     rows = [s.context + i for s in b.shape.segments for i in range(s.tokens)]
     used = [used_splits(prog, ctx + 1) for ctx in rows]
-    offs = row_offsets(used, S)
+    offs = row_rotations(used, S)
     probe = np.arange(S)
     keys = ("l2", "hbm", "other", "rounds", "bytes", "pref")
     per_slot = {k: np.zeros(S) for k in keys}
@@ -216,7 +205,7 @@ def _step_merge(b: OpBatch, g, d, ph: Phases) -> Phases:
     used = [used_splits(b.program, s.context + i + 1) for s in b.shape.segments
             for i in range(s.tokens)]
     if d.attn_rotate_rows:  # a row of one split finishes in its unit only in slot 0
-        offs = row_offsets(used, b.program.attn_splits)
+        offs = row_rotations(used, b.program.attn_splits)
         used = [u for u, off in zip(used, offs) if merges_by_ticket(b.program, d, u)
                 and not (off == 0 and unit_finishes(u, b.program.merge_ticket_min))]
     else:
