@@ -79,14 +79,23 @@ def tensor_core_splits(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
                        attn_splits: int | None = None,
                        attn_min_chunk: int | None = None) -> tuple[int, int]:
     """(splits, fewest positions per split) of a tensor-core kernel's program: the splits fixed
-    by absolute position (docs/many-tokens.md, slice 6b), at least ceil(max_seq_len / splits)
-    positions each, so a row's split s covers [s C, (s + 1) C) with one C for every row of the
-    program (isa.split_chunk never widens it), whatever its context; at least the fewest
-    positions asked for (by default one round of K/V loads)."""
+    by absolute position (docs/many-tokens.md, slice 6b), C = at least ceil(max_seq_len /
+    splits) positions each, so a row's split s covers [s C, (s + 1) C) with one C for every
+    row of the program (isa.split_chunk never widens it), whatever its context; at least the
+    fewest positions asked for (by default one round of K/V loads).
+
+    With the default splits, the program has one KV group's unit slot per block (num_blocks //
+    KV heads, if more): a kernel of slots deals a step's rows over each group's slots
+    (megakernel.cu split_slot) and no row uses more than max_seq_len / C splits, so the slots
+    past those spread the rows' units over every block (SmolLM2's 3 KV heads: 44 slots a group
+    on 132 blocks, not 16) without moving a split's positions."""
     splits = attn_splits or default_attn_splits(cfg, num_blocks, max_seq_len)
     if attn_min_chunk is None:
         attn_min_chunk = 1 if attn_splits else default_min_chunk(cfg)
-    return splits, max(attn_min_chunk, -(-max_seq_len // splits))
+    chunk = max(attn_min_chunk, -(-max_seq_len // splits))
+    if attn_splits is None:
+        splits = max(splits, num_blocks // cfg.num_kv_heads)
+    return splits, chunk
 
 
 def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,

@@ -165,7 +165,7 @@ def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsy
     """`plan --design v6-mma` (the design of backend option tensor_cores) predicts on the
     program that option builds: splits fixed by absolute position, every step's attention
     merged by ticket (merge_ticket_min 1); a design not built yet keeps the default program."""
-    from monokernel.kernel.schedule import schedule, tensor_core_splits
+    from monokernel.kernel.schedule import default_attn_splits, schedule, tensor_core_splits
     from monokernel.model.config import ModelConfig
 
     assert main(["plan", "--shape", "qwen3-0.6b", "--blocks", "32", "--context", "1024",
@@ -175,7 +175,12 @@ def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsy
     got = float(out.strip().splitlines()[-1].split(", ")[1].split()[0])
     cfg = ModelConfig.from_name("qwen3-0.6b")
     splits, chunk = tensor_core_splits(cfg, 32, 2048)
-    assert chunk == 2048 // splits  # at least max_seq_len / splits positions a split
+    # at least max_seq_len / (the default splits) positions a split; a unit slot per block
+    assert chunk == 2048 // default_attn_splits(cfg, 32, 2048)
+    assert splits == max(default_attn_splits(cfg, 32, 2048), 32 // cfg.num_kv_heads)
+    smol = ModelConfig.from_name("smollm2-135m")
+    assert tensor_core_splits(smol, 132, 2048) == (44, 2048 // default_attn_splits(smol, 132,
+                                                                                     2048))
     built = schedule(cfg, 32, 2048, splits, chunk, merge_ticket_min=1)
     assert built.merge_ticket_min == 1
     want = cm.predict(built, "h200", cm.design("v6-mma"), 1024,
