@@ -321,6 +321,13 @@ def unit_finishes(used: int, least: int) -> bool:
     return merge_by_ticket(used, least) and used == 1
 
 
+def row_finishes(used: int, least: int, rot: int) -> bool:
+    """megakernel.cu row_finishes: in a step of a kernel of slots, a row of one split is
+    finished by its unit only in unit slot 0 (rotation 0), the KV group's declared `attn`
+    writer; otherwise the ticket merges it."""
+    return unit_finishes(used, least) and rot == 0
+
+
 # The split merge (megakernel.cu merge_splits): a lane loads MERGE_CHUNK splits' partials at
 # once, and `ways` lanes share an output chunk of 8 elements, so S used splits take
 # ceil(S / (MERGE_CHUNK * ways)) dependent rounds; the merge by ticket uses MERGE_TICKET_WAYS.

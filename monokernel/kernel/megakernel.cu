@@ -1210,6 +1210,11 @@ __device__ __forceinline__ bool merge_by_ticket(int used, int least) {
 __device__ __forceinline__ bool unit_finishes(int used, int least) {
   return MK_SLOTS > 0 && least == 1 && used == 1;  // merge_by_ticket(used, least) && used == 1
 }
+// ... and in a kernel of slots it does so only in unit slot 0 (a row rotated by 0: split_slot),
+// the instruction the program declares as the KV group's `attn` writer (isa.row_finishes)
+__device__ __forceinline__ bool row_finishes(int used, int least, int rot) {
+  return unit_finishes(used, least) && rot == 0;
+}
 
 // The step's rows each merge by ticket or not by their own used splits (the ticket is drawn
 // when any row merges: steps_max_used; O_PROJ decides per row alike). The last drawer merges
@@ -1249,8 +1254,7 @@ __device__ void attention_ticket(const Params& P, const int* st, int ticket, int
     for (int k = 0; k < PER; ++k) {
       const int tok = lane * PER + k;
       // a row of one split in slot 0 was finished by its unit
-      cnt[k] = tok < ntok && merge_by_ticket(used[k], least) &&
-                       !(unit_finishes(used[k], least) && rot == 0)
+      cnt[k] = tok < ntok && merge_by_ticket(used[k], least) && !row_finishes(used[k], least, rot)
                    ? merge_row_lanes(used[k]) : 0;
       sum += cnt[k];
       if (ROTATE_ROWS && tok < ntok) s_rot[tok] = (unsigned short)rot;
@@ -1298,10 +1302,11 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
   const float scale = 1.0f / sqrtf((float)D);
   const size_t kv_layer = (size_t)layer * MK_KV_ROWS * MK_KV_HEADS * D;
   const int least = ins[A_ATTENTION_MERGE_MIN];
-  int most_used = 0;  // the most splits a row uses: the ticket is drawn when it merges
 #if ROTATE_ROWS
   int rot = 0;          // this row's rotation (split_slot)
-  bool merges = false;  // some row merges by ticket (not finished by its unit in slot 0)
+  bool merges = false;  // some row merges by ticket (not finished by its unit: row_finishes)
+#else
+  int most_used = 0;  // the most splits a row uses: the ticket is drawn when it merges
 #endif
   for (int tok = 0; tok < ntok; ++tok) {  // the step's rows, each over its own context
     const int pos = row_pos(st, tok), n_pos = pos + 1, slot = row_slot(st, tok);
@@ -1309,12 +1314,11 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
     const int seg = row_seg(st, tok), pos0 = row_pos(st, seg);
     (void)seg;
     const int used = splits_used(n_pos, splits, min_chunk);
-    most_used = max(most_used, used);
 #if ROTATE_ROWS
-    // a row of one split finishes in its unit only in slot 0 (the program's `attn` writer)
-    const bool finishes = unit_finishes(n_pos <= split_chunk(n_pos, splits, min_chunk) ? 1 : 2,
-                                        least) && rot == 0;
+    const bool finishes = row_finishes(used, least, rot);
     merges |= merge_by_ticket(used, least) && !finishes;
+#else
+    most_used = max(most_used, used);
 #endif
     const int chunk = split_chunk(n_pos, splits, min_chunk);
     for (int u = b; u < e; ++u) {
@@ -1407,8 +1411,8 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
         __syncthreads();
       }
 #if MK_SLOTS
-      // the row uses one split exactly when its positions fit the first (n_pos <= chunk); its
-      // split 0 is the only unit run (the others are empty), in slot 0 when it finishes
+      // a row of one split: its split 0 is the only unit run (the others are empty), here in
+      // slot 0
       if (finishes) {
         float* out = P.attn + (size_t)tok * MK_Q_DIM + (size_t)g * MK_GROUP * D;
         for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) out[i] = s.o[i] / s.l[i / D];
@@ -1432,7 +1436,6 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
   const int tickets = ins[A_ATTENTION_TICKETS];  // > 0: the units lie in one KV group
   // the ticket is drawn when a row of the step merges splits (not one finished by its unit)
 #if ROTATE_ROWS
-  (void)most_used;
   if (tickets > 0 && least > 0 && merges)
 #else
   if (tickets > 0 && least > 0 && merge_by_ticket(most_used, least))

@@ -18,7 +18,7 @@ from ..costmodel.parts import OpBatch, Phases, issue_us
 from ..costmodel.tokens import mma_us, widen_attention
 from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, T_TILE, Args,
                    Op, attn_round_positions, merge_by_ticket, merge_row_lanes, merge_ways,
-                   row_rotations, split_chunk, splits_used, unit_finishes)
+                   row_finishes, row_rotations, split_chunk, splits_used, unit_finishes)
 from ..program import Instruction, Region, split_even
 
 OP = Op.ATTENTION
@@ -207,7 +207,7 @@ def _step_merge(b: OpBatch, g, d, ph: Phases) -> Phases:
     if d.attn_rotate_rows:  # a row of one split finishes in its unit only in slot 0
         offs = row_rotations(used, b.program.attn_splits)
         used = [u for u, off in zip(used, offs) if merges_by_ticket(b.program, d, u)
-                and not (off == 0 and unit_finishes(u, b.program.merge_ticket_min))]
+                and not row_finishes(u, b.program.merge_ticket_min, off)]
     else:
         used = [u for u in used if ticket_merges(b.program, d, u)]
     if not used:
