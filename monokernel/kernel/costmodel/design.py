@@ -118,6 +118,10 @@ class KernelDesign:
     # tensor cores take bf16; RMSNorm's weight folded into the weights at load, its 1/rms per
     # token applied to the outputs from per-token sum-of-squares partials)
     input_bytes: int = 4
+    # O_PROJ and DOWN read their input (the merged attention output, FFN h) as the bf16 its
+    # producer stored (what the tensor cores round it to: a token's numbers unchanged), 2 bytes
+    # an element whatever input_bytes says; the RMS ops still read the residual at input_bytes
+    stored_bf16_inputs: bool = False
     # steps of many rows (kernels of slots): row r's split s runs in its KV group's unit slot
     # (s + off_r) mod splits, off_r the used splits of the step's earlier rows (the step's
     # non-empty units dealt round-robin over the slots), and a unit with no positions is

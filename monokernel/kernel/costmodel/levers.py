@@ -62,6 +62,15 @@ def input_rate(g, d: KernelDesign) -> float:
     return min(d.input_multicast * share, max(g.l2_fill, share))
 
 
+def input_bytes(b: OpBatch, d: KernelDesign) -> int:
+    """Bytes per element of a mat-mul's input as its blocks read it: 2 for O_PROJ's and DOWN's
+    with ``stored_bf16_inputs`` (their producers store bf16), else ``input_bytes``."""
+    if d.stored_bf16_inputs and b.instructions and \
+            b.instructions[0].op in (Op.O_PROJ_RESIDUAL, Op.DOWN_RESIDUAL):
+        return 2
+    return d.input_bytes
+
+
 def fused_down(b: OpBatch, d: KernelDesign) -> bool:
     return d.fused_ffn and len(b.instructions) > 0 and b.instructions[0].op == Op.DOWN_RESIDUAL
 

@@ -109,18 +109,20 @@ def mma_us(rows, k: int, tokens: int, g) -> np.ndarray:
     return np.where(np.asarray(rows) > 0, flops / (g.mma_tflops * 1e6 / g.sms), 0.0)
 
 
-def _tile_us(n: int, k: int, tokens: int, c: int, s: int, g, d, local_input: bool = False
-             ) -> tuple[float, float, float]:
+def _tile_us(n: int, k: int, tokens: int, c: int, s: int, g, d, local_input: bool = False,
+             in_bytes: int | None = None) -> tuple[float, float, float]:
     """(input, weight re-read, reduction) us of a tile that takes c times the row tile's ``n``
     rows for 1/c of the tokens and 1/s of the input: the input T/c x K/s from L2 (at
     levers.input_rate, LL words with data-as-flag hops; nothing with ``local_input``, the
     fused FFN's own h); the weights its c - 1 other token groups also read, from L2 (HBM
-    streams each weight byte once, as in the row tile); with s > 1, the row group's last block
+    streams each weight byte once, as in the row tile); ``in_bytes`` per input element
+    (levers.input_bytes; default d.input_bytes); with s > 1, the row group's last block
     to draw its ticket (one L2 round) reads the s partial sums of the group's rows and writes
     their sum, in a fixed order."""
     l2_share = g.l2_bw / g.sms
+    in_bytes = d.input_bytes if in_bytes is None else in_bytes
     t_in = 0.0 if local_input else \
-        (tokens / c) * (k / s) * d.input_bytes * levers.flag_factor(d) / levers.input_rate(g, d)
+        (tokens / c) * (k / s) * in_bytes * levers.flag_factor(d) / levers.input_rate(g, d)
     t_w = (c - 1) * n * (k / s) * 2.0 / l2_share if c > 1 else 0.0
     t_red = 0.0
     if s > 1:
@@ -129,7 +131,8 @@ def _tile_us(n: int, k: int, tokens: int, c: int, s: int, g, d, local_input: boo
     return t_in, t_w, t_red
 
 
-def tile_split(rows, k: int, tokens: int, g, d) -> tuple[int, int]:
+def tile_split(rows, k: int, tokens: int, g, d, in_bytes: int | None = None
+               ) -> tuple[int, int]:
     """How an op's tiles split for a step of ``tokens`` tokens: (c, s), c token groups and s
     input slices per row group (c x s blocks share what one row tile of c x s x the rows
     would do). (1, 1) without ``tile_2d`` (row tiles: every block reads every token's whole
@@ -147,7 +150,7 @@ def tile_split(rows, k: int, tokens: int, g, d) -> tuple[int, int]:
         for s in (2 ** i for i in range(8)):
             if c * s > blocks:
                 break
-            t = sum(_tile_us(n, k, tokens, c, s, g, d))
+            t = sum(_tile_us(n, k, tokens, c, s, g, d, in_bytes=in_bytes))
             if best_t is None or t < best_t:
                 best, best_t = (c, s), t
     return best
@@ -180,8 +183,9 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
         c, s = tile_split(np.full(B, 2 * -(-F // B)), b.program.config.hidden_size, T, g, d)
         s = 1
     else:
-        c, s = tile_split(rows, k, T, g, d)
-    t_in, t_w, t_red = _tile_us(n, k, T, c, s, g, d, local_input=fused)
+        c, s = tile_split(rows, k, T, g, d, levers.input_bytes(b, d))
+    t_in, t_w, t_red = _tile_us(n, k, T, c, s, g, d, local_input=fused,
+                                in_bytes=levers.input_bytes(b, d))
     compute = mma_us(rows, k, T, g) + (ph.compute if ph.compute is not None else 0.0)
     if fused:  # its partial of every residual row for its T / c tokens, by atomics
         epilogue = busy * levers.atomic_us(b.program.config.hidden_size, T / c, g)
