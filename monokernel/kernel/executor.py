@@ -19,9 +19,9 @@ import numpy as np
 
 from ..model.config import ModelConfig
 from ..errors import KernelError, NumericalError, ParameterError
-from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, NUM_THREADS, PARAMS, ROW_WORDS, STATE_WORDS,
-                  TRACE_WORDS, Err, ErrCode, HostFlag, Op, RowWord, State, StopReason,
-                  params_dtype)
+from .isa import (BF16_INPUTS, ERROR_WORDS, HOST_FLAG_WORDS, NUM_THREADS, PARAMS, ROW_WORDS,
+                  STATE_WORDS, TRACE_WORDS, Err, ErrCode, HostFlag, Op, RowWord, State,
+                  StopReason, params_dtype)
 from .header import render_header, slot_pages, stop_mask_words
 from .includes import inline_includes
 from ..model.loader import LoadedModel
@@ -36,6 +36,8 @@ KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
 # Buffers the kernel writes during a step; poisoned with NaN by tests.
 ACTIVATIONS = ("residual", "q", "k_raw", "attn_o", "attn_ml", "attn", "ffn_h", "logits",
                "lm_part")
+# bf16 quiet NaN: the poison of a bf16 buffer (isa.BF16_INPUTS), a NaN once read as float32
+BF16_NAN = 0x7FC0
 # out_tokens before the kernel writes them: the host's poll tells "not yet" from any token (-1
 # is a NaN step)
 NO_TOKEN = -2
@@ -285,6 +287,8 @@ class KernelExecutor(Executor):
                                            np.int32)
             elif name in ("logits", "lm_part") and self.table:  # each row's own
                 b[name] = dev.alloc((p.tokens * n,), np.float32)
+            elif name in BF16_INPUTS and self.tensor_cores:  # stored as bf16 (mk_in_t)
+                b[name] = dev.alloc((n,), np.uint16)
             else:
                 b[name] = dev.alloc((n,), np.float32)
         b["feed"] = dev.alloc((self.max_seq_len,), np.int32)
@@ -325,7 +329,8 @@ class KernelExecutor(Executor):
         """Fill every activation buffer with NaN (tests: unwritten elements must show)."""
         for name in ACTIVATIONS:
             if name in self.buffers:  # k_raw and attn exist only where the kernel uses them
-                self.device.fill(self.buffers[name], np.nan)
+                bf16 = self.buffers[name].dtype == np.uint16  # isa.BF16_INPUTS
+                self.device.fill(self.buffers[name], BF16_NAN if bf16 else np.nan)
 
     # ---- steps ----------------------------------------------------------------------------
     def reset(self) -> None:
@@ -832,7 +837,12 @@ class KernelExecutor(Executor):
         return self.device.read(self.buffers["logits"])
 
     def read_buffer(self, name: str) -> np.ndarray:
-        return self.device.read(self.buffers[name])
+        """A buffer's contents; a bf16 one (isa.BF16_INPUTS in a tensor-core build) as the
+        float32 values it holds."""
+        out = self.device.read(self.buffers[name])
+        if out.dtype == np.uint16:
+            return (out.astype(np.uint32) << 16).view(np.float32)
+        return out
 
     def trace_records(self) -> np.ndarray:
         """uint64 [blocks, max_len, TRACE_WORDS] of the last step (MK_TRACE builds)."""

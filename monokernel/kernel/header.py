@@ -116,6 +116,8 @@ def render_header(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: in
     names = ", ".join(f'"{m.name}"' for m in Op)
     out.append(f"#define MK_OP_NAMES {{ {names} }}")
     out.append("")
+    out.append("// isa.BF16_INPUTS: O_PROJ's and DOWN's inputs as their producers store them")
+    out.append(f"typedef {'unsigned short' if mma else 'float'} mk_in_t;")
     out.append("struct Params {")
     width = max(len(f"{t} {n};") for n, t, _ in PARAMS)
     for n, t, shape in PARAMS:

@@ -183,6 +183,11 @@ class TraceWord(IntEnum):
 
 TRACE_WORDS = 7
 
+# The buffers O_PROJ and DOWN take their input from: a tensor-core build (MK_MMA) stores them as
+# bf16 (C type mk_in_t), the precision block_mma rounds its input to, so those mat-muls read
+# half the bytes and get the same numbers; fp32 in every other build.
+BF16_INPUTS = ("attn", "ffn_h")
+
 # The kernel's argument struct, in order: (name, C type, shape comment). The Python side packs
 # the same list (kernel/executor.py); every buffer carries its shape.
 PARAMS: list[tuple[str, str, str]] = [
@@ -196,8 +201,9 @@ PARAMS: list[tuple[str, str, str]] = [
     ("k_raw", "float*", "[KV_DIM] the step's keys before q/k-norm and RoPE (QK_NORM)"),
     ("attn_o", "float*", "[KV_HEADS, max_splits, GROUP, HEAD_DIM] unnormalised partial outputs"),
     ("attn_ml", "float*", "[KV_HEADS, max_splits, GROUP, 2] partial (max, sum of exp)"),
-    ("attn", "float*", "[Q_DIM] the merged attention output (a step that merges by ticket)"),
-    ("ffn_h", "float*", "[FFN] silu(gate) * up"),
+    ("attn", "mk_in_t*", "[Q_DIM] the merged attention output (a step that merges by ticket); "
+     "bf16 in a tensor-core build (BF16_INPUTS)"),
+    ("ffn_h", "mk_in_t*", "[FFN] silu(gate) * up; bf16 in a tensor-core build (BF16_INPUTS)"),
     ("logits", "float*", "[VOCAB]"),
     ("lm_part", "float*", "[max_partials, 2] (best score, its token id as float bits)"),
     ("out_tokens", "int*", "[MAX_SEQ] token each step at pos chose for pos + 1 (host-mapped); "

@@ -129,6 +129,11 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
   return (unsigned short)(u >> 16);
 }
 
+// An element of attn or ffn_h as its producer stores it (mk_in_t, isa.BF16_INPUTS): fp32, or in
+// a tensor-core build the bf16 block_mma would round it to; a float* is shared memory.
+__device__ __forceinline__ void store_in(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_in(unsigned short* p, float v) { *p = f32_to_bf16(v); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
@@ -358,8 +363,10 @@ __device__ __forceinline__ void copy_to_shared(float* s_dst, const float* src) {
 //     8t..8t+7 of rows g and g + 8. Two mma k-steps take them: step j's k slots 2t+{0,1} and
 //     2t+8+{0,1} are columns 8t+4j+{0,1} and 8t+4j+2+{0,1}, and the input fragment permutes
 //     its columns alike (a product over k is any order of k, the same for every row and token).
-//   - The input is fp32 (what the ops write) read through load_x(tok, col, x[8]) and rounded to
-//     bf16 here (the reference's bf16_inputs mode mirrors it).
+//   - The input comes through load_x(tok, col, b[4]) as the bf16 of its columns col..col + 7,
+//     two a word (the low half the even column): the RMS ops round their normed fp32 residual
+//     (rms_bf16_x8; the reference's bf16_inputs mode mirrors it); O_PROJ's and DOWN's inputs
+//     are stored as bf16 by their producers (isa.BF16_INPUTS) and loaded as they are.
 //   - The k-loop is split over the block's warps in fixed chunk ranges; their partials go to
 //     shared memory and epi(q0, tok0, sum) adds them in warp order (sum(q, r, n): row r of
 //     group q0 + q, token tok0 + n). Neither split depends on ntok, and mma's columns are
@@ -403,7 +410,7 @@ __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, Lo
         for (int i = 0; i < 4; ++i) acc[q][i] = 0.f;
       for (int c0 = c_begin; c0 < c_end; c0 += MMA_UNROLL) {
         uint4 a[MMA_UNROLL][MMA_RG][2];
-        float x[MMA_UNROLL][8];
+        unsigned x[MMA_UNROLL][4];  // the input fragments' words: bf16 of columns 2i, 2i + 1
 #pragma unroll
         for (int u = 0; u < MMA_UNROLL; ++u) {  // every load of the chunks first
           const int col = (c0 + u) * MMA_KC + 8 * t;
@@ -418,13 +425,13 @@ __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, Lo
             load_x(tok, col, x[u]);
           } else {
 #pragma unroll
-            for (int k = 0; k < 8; ++k) x[u][k] = 0.f;
+            for (int k = 0; k < 4; ++k) x[u][k] = 0u;
           }
         }
 #pragma unroll
         for (int u = 0; u < MMA_UNROLL; ++u) {
-          const unsigned b0[2] = {bf16_pack(x[u][0], x[u][1]), bf16_pack(x[u][2], x[u][3])};
-          const unsigned b1[2] = {bf16_pack(x[u][4], x[u][5]), bf16_pack(x[u][6], x[u][7])};
+          const unsigned b0[2] = {x[u][0], x[u][1]};
+          const unsigned b1[2] = {x[u][2], x[u][3]};
 #pragma unroll
           for (int q = 0; q < MMA_RG; ++q) {
             const unsigned a0[4] = {a[u][q][0].x, a[u][q][1].x, a[u][q][0].y, a[u][q][1].y};
@@ -465,28 +472,23 @@ __device__ void mma_rms(MmaShared& sm, const float* x, int n, Row row) {
   __syncthreads();
 }
 
-// x[0..8) = rmsnorm(v)[col..col + 8) * w (v: the row's residual, r: its 1 / rms)
-__device__ __forceinline__ void rms_x8(const float* v, float r, const unsigned short* w, int col,
-                                       float (&x)[8]) {
+// x = bf16 of rmsnorm(v)[col..col + 8) * w, two a word (v: the row's residual, r: its 1 / rms)
+__device__ __forceinline__ void rms_bf16_x8(const float* v, float r, const unsigned short* w,
+                                            int col, unsigned (&x)[4]) {
   const float4 a = *reinterpret_cast<const float4*>(v + col);
   const float4 b = *reinterpret_cast<const float4*>(v + col + 4);
   const uint4 gw = __ldg(reinterpret_cast<const uint4*>(w + col));
-  x[0] = a.x * r * bf_lo(gw.x);
-  x[1] = a.y * r * bf_hi(gw.x);
-  x[2] = a.z * r * bf_lo(gw.y);
-  x[3] = a.w * r * bf_hi(gw.y);
-  x[4] = b.x * r * bf_lo(gw.z);
-  x[5] = b.y * r * bf_hi(gw.z);
-  x[6] = b.z * r * bf_lo(gw.w);
-  x[7] = b.w * r * bf_hi(gw.w);
+  x[0] = bf16_pack(a.x * r * bf_lo(gw.x), a.y * r * bf_hi(gw.x));
+  x[1] = bf16_pack(a.z * r * bf_lo(gw.y), a.w * r * bf_hi(gw.y));
+  x[2] = bf16_pack(b.x * r * bf_lo(gw.z), b.y * r * bf_hi(gw.z));
+  x[3] = bf16_pack(b.z * r * bf_lo(gw.w), b.w * r * bf_hi(gw.w));
 }
 
-// x[0..8) = v[col..col + 8)
-__device__ __forceinline__ void load_x8(const float* v, int col, float (&x)[8]) {
-  const float4 a = *reinterpret_cast<const float4*>(v + col);
-  const float4 b = *reinterpret_cast<const float4*>(v + col + 4);
+// x = the bf16 elements v[col..col + 8), two a word (one 16-byte load): attn and ffn_h as a
+// tensor-core build stores them (isa.BF16_INPUTS), the fragment's words as they are
+__device__ __forceinline__ void load_bf16_x8(const unsigned short* v, int col, unsigned (&x)[4]) {
+  const uint4 a = *reinterpret_cast<const uint4*>(v + col);
   x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
-  x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
 }
 
 // block_mma's rows of a tile of n consecutive weight rows (W: the tile's first, ld elements
@@ -833,8 +835,8 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
         return p < e ? W + (size_t)((p / HALF) * D + p % HALF + (r >= 8 ? HALF : 0)) * H
                      : nullptr;
       },
-      [&](int tok, int col, float (&x)[8]) {
-        rms_x8(P.residual + (size_t)tok * H, s.mma.rms[tok], norm, col, x);
+      [&](int tok, int col, unsigned (&x)[4]) {
+        rms_bf16_x8(P.residual + (size_t)tok * H, s.mma.rms[tok], norm, col, x);
       },
       [&](int q0, int tok0, auto sum) {
         for (int i = threadIdx.x; i < MMA_RG * 64; i += MK_THREADS) {
@@ -1096,10 +1098,10 @@ static_assert(MK_HEAD_DIM % 8 == 0, "the merge reads 8 output elements per threa
 // combined by shuffles. Every lane of the warp calls it and runs MAXW's shuffle steps (a step
 // of o >= ways leaves the lane as it is); a padding lane (live false) loads nothing. The lane
 // of way 0 stores out[idx .. idx + 8).
-template <int MAXW>
+template <int MAXW, class Out>
 __device__ __forceinline__ void merge_chunk(const Params& P, size_t unit0, int splits, int used,
                                             int rot, int ways, int way, int idx, bool live,
-                                            float* out) {
+                                            Out* out) {
   static_assert(MAXW >= 1 && MAXW <= 32 && (MAXW & (MAXW - 1)) == 0, "MAXW: a power of 2");
   const int g = idx / (MK_GROUP * D), h = (idx / D) % MK_GROUP, d = idx % D;
   float M = NEG_INF, L = 0.f, acc[8];
@@ -1157,7 +1159,7 @@ __device__ __forceinline__ void merge_chunk(const Params& P, size_t unit0, int s
   }
   if (live && way == 0) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) out[idx + e] = acc[e] / L;
+    for (int e = 0; e < 8; ++e) store_in(out + idx + e, acc[e] / L);
   }
 }
 
@@ -1414,8 +1416,9 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
       // a row of one split: its split 0 is the only unit run (the others are empty), here in
       // slot 0
       if (finishes) {
-        float* out = P.attn + (size_t)tok * MK_Q_DIM + (size_t)g * MK_GROUP * D;
-        for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS) out[i] = s.o[i] / s.l[i / D];
+        mk_in_t* out = P.attn + (size_t)tok * MK_Q_DIM + (size_t)g * MK_GROUP * D;
+        for (int i = threadIdx.x; i < MK_GROUP * D; i += MK_THREADS)
+          store_in(out + i, s.o[i] / s.l[i / D]);
       } else
 #endif
       {
@@ -1478,10 +1481,11 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   // every row's attention was merged by ticket (tensor_cores: merge_ticket_min 1)
   block_mma<MK_Q_DIM>(
       s.mma, (e - b + 15) / 16, ntok, tile_rows(W, e - b, MK_Q_DIM),
-      [&](int tok, int col, float (&x)[8]) { load_x8(P.attn + (size_t)tok * MK_Q_DIM, col, x); },
+      [&](int tok, int col, unsigned (&x)[4]) {
+        load_bf16_x8(P.attn + (size_t)tok * MK_Q_DIM, col, x);
+      },
       [&](int q0, int tok0, auto sum) { mma_add_rows(P.residual, b, e - b, ntok, q0, tok0, sum); });
-  return;
-#endif
+#else
   int rot = 0;  // the row's rotation (split_slot): ATTENTION's, the rows' used splits before it
   for (int tok = 0; tok < ntok; ++tok) {
     const int used = splits_used(row_pos(st, tok) + 1, splits, ins[A_O_PROJ_RESIDUAL_MIN_CHUNK]);
@@ -1503,6 +1507,7 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
         [&](int k, float v, float before) { res[b + k] = before + v; });
     if (tok + 1 < ntok) __syncthreads();  // s.vec: the next token's input
   }
+#endif
 }
 
 // ================================================================================================
@@ -1527,8 +1532,8 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
         const int k = q * 8 + (r & 7);
         return k < n ? (r < 8 ? P.wg : P.wu) + off + (size_t)k * H : nullptr;
       },
-      [&](int tok, int col, float (&x)[8]) {
-        rms_x8(P.residual + (size_t)tok * H, s.mma.rms[tok], norm, col, x);
+      [&](int tok, int col, unsigned (&x)[4]) {
+        rms_bf16_x8(P.residual + (size_t)tok * H, s.mma.rms[tok], norm, col, x);
       },
       [&](int q0, int tok0, auto sum) {
         for (int i = threadIdx.x; i < MMA_RG * 64; i += MK_THREADS) {
@@ -1536,12 +1541,11 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
           const int k = (q0 + q) * 8 + r, tok = tok0 + m;
           if (k < n && tok < ntok) {
             const float gv = sum(q, r, m), uv = sum(q, r + 8, m);
-            P.ffn_h[(size_t)tok * MK_FFN + b + k] = gv / (1.0f + expf(-gv)) * uv;
+            store_in(P.ffn_h + (size_t)tok * MK_FFN + b + k, gv / (1.0f + expf(-gv)) * uv);
           }
         }
       });
-  return;
-#endif
+#else
   for (int tok = 0; tok < ntok; ++tok) {
     rms_apply(P.residual + (size_t)tok * H, g, s.vec);
     float* h = P.ffn_h + (size_t)tok * MK_FFN;
@@ -1550,6 +1554,7 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
       h[b + k] = gv / (1.0f + expf(-gv)) * uv;
     });
   }
+#endif
 }
 
 // ================================================================================================
@@ -1564,10 +1569,11 @@ __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, c
 #if MK_MMA
   block_mma<MK_FFN>(
       s.mma, (e - b + 15) / 16, ntok, tile_rows(W, e - b, MK_FFN),
-      [&](int tok, int col, float (&x)[8]) { load_x8(P.ffn_h + (size_t)tok * MK_FFN, col, x); },
+      [&](int tok, int col, unsigned (&x)[4]) {
+        load_bf16_x8(P.ffn_h + (size_t)tok * MK_FFN, col, x);
+      },
       [&](int q0, int tok0, auto sum) { mma_add_rows(P.residual, b, e - b, ntok, q0, tok0, sum); });
-  return;
-#endif
+#else
   for (int tok = 0; tok < ntok; ++tok) {
     copy_to_shared<MK_FFN>(s.vec, P.ffn_h + (size_t)tok * MK_FFN);
     __syncthreads();
@@ -1578,6 +1584,7 @@ __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, c
         [&](int k, float v, float before) { res[b + k] = before + v; });
     if (tok + 1 < ntok) __syncthreads();  // s.vec: the next token's input
   }
+#endif
 }
 
 // ================================================================================================
@@ -1792,8 +1799,8 @@ __device__ void lm_head_mma(const Params& P, MmaShared& sm, const int* st, int b
   if (b < e) {
     block_mma<H>(
         sm, (e - b + 15) / 16, m, tile_rows(P.lm_head + (size_t)b * H, e - b, H),
-        [&](int i, int col, float (&x)[8]) {
-          rms_x8(P.residual + (size_t)sm.rows[i] * H, sm.rms[i], P.final_norm, col, x);
+        [&](int i, int col, unsigned (&x)[4]) {
+          rms_bf16_x8(P.residual + (size_t)sm.rows[i] * H, sm.rms[i], P.final_norm, col, x);
         },
         [&](int q0, int tok0, auto sum) {
           for (int i = threadIdx.x; i < MMA_RG * 128; i += MK_THREADS) {

@@ -114,6 +114,36 @@ def test_the_lm_head_runs_only_for_tokens_that_need_logits():
     assert sum(last.fields["bytes"][b, i] for b, i in head) > 0
 
 
+def test_stored_bf16_inputs_halve_o_proj_and_downs_broadcast_only():
+    """v6-mma's O_PROJ and DOWN read the bf16 their producers store (megakernel.cu store_in,
+    isa.BF16_INPUTS): at batch 64 their input's time from L2 halves; the RMS ops, which read
+    the fp32 residual, and the step's other phases are what they were."""
+    from monokernel.kernel.schedule import schedule
+    from monokernel.model.config import ModelConfig
+
+    cfg = ModelConfig.from_name("smollm2-135m").replace(num_layers=3)
+    prog = schedule(cfg, 32, 300, merge_ticket_min=1, tokens=64)
+    g = cm.gpu("h200")
+    built = cm.design("v6-mma")
+    assert built.stored_bf16_inputs and built.input_bytes == 4
+    fp32 = built.replace(stored_bf16_inputs=False)
+    shape = StepShape.decode(64, 16)
+    a, b = cm.Static(prog, 0, g, fp32, shape), cm.Static(prog, 0, g, built, shape)
+    K = {Op.O_PROJ_RESIDUAL: prog.config.q_dim, Op.DOWN_RESIDUAL: prog.config.intermediate_size}
+    for blk, q in enumerate(prog.queues):
+        for i, ins in enumerate(q):
+            cut = a.fields["other"][blk, i] - b.fields["other"][blk, i]
+            if ins.op in K and ins.tile[1] > ins.tile[0]:
+                # 64 rows x K elements, 2 bytes fewer each, at the SM's share of L2
+                assert cut == pytest.approx(64 * K[ins.op] * 2 / (g.l2_bw / g.sms)), ins.op
+            else:
+                assert cut == 0, ins.op
+            for f in ("l2", "hbm", "rounds", "bytes", "compute"):
+                assert a.fields[f][blk, i] == b.fields[f][blk, i], (ins.op, f)
+    assert cm.predict(prog, g, built, shape=shape).total_us < \
+        cm.predict(prog, g, fp32, shape=shape).total_us
+
+
 def test_prefill_shapes_cover_the_prompt_once():
     for prompt, chunk in ((1, 128), (128, 128), (1000, 128), (1024, 512)):
         steps = prefill_shapes(prompt, chunk)

@@ -228,3 +228,25 @@ def test_the_tensor_core_kernels_attention_loads_are_the_cost_models(shape):
     k = dict(cm.design("v6-mma").attn_k_in_flight).get(c.head_dim, KV_UNROLL)
     print(f"{shape}: K/V loads in flight per lane {found} (model: K {k}, V {KV_UNROLL})")
     assert found == [k] * (KV_UNROLL // k) + [KV_UNROLL], found
+
+
+@pytest.mark.parametrize("op,stored", [("O_PROJ_RESIDUAL", True), ("DOWN_RESIDUAL", True),
+                                       ("RMS_GATE_UP", False)])
+def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, stored):
+    """v6-mma's stored_bf16_inputs, read off the SASS: O_PROJ's and DOWN's k-loop loads each
+    input chunk of 8 elements (bf16, isa.BF16_INPUTS) with one 16-byte load, MMA_UNROLL of
+    them beside the weights' 16-byte read-only loads; GATE_UP (the negative control, the RMS
+    ops read the fp32 residual) needs two per chunk. Counted over the op's kernel (op_<OP>):
+    the plain LDG.E.128 are the k-loop's input loads."""
+    import re
+
+    try:
+        sass = sf.compile_sass("smollm2-135m", function=f"op_{op}", tokens=64, slots=64,
+                               mma=True)
+    except SassToolMissing as e:
+        pytest.skip(str(e))
+    ops = [m.group(0) for t in sf._texts(sass) for m in [re.search(r"\bLDG\S*", t)] if m]
+    weights, inputs = ops.count("LDG.E.128.CONSTANT"), ops.count("LDG.E.128")
+    assert weights >= 8, ops  # MMA_UNROLL x MMA_RG x 2 halves of 16 rows
+    assert cm.design("v6-mma").stored_bf16_inputs
+    assert inputs == (2 if stored else 4), (op, ops)

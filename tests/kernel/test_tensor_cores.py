@@ -94,6 +94,35 @@ def test_a_mixed_step_agrees_with_the_bf16_reference(synth_model, arch, blocks, 
     assert np.mean(fp32 <= CLOSE_TOL) < 0.3, f"{arch}: the fp32 reference is as close: {fp32}"
 
 
+def test_o_proj_and_down_read_bf16_inputs_their_producers_store(synth_model):
+    """A tensor-core build stores attn and ffn_h as bf16 (isa.BF16_INPUTS: the precision
+    block_mma rounds them to, half the bytes O_PROJ and DOWN read): buffers of 2 bytes an
+    element; after a step of 19 rows (rows of one split finished by their unit and rows of
+    up to three merged by ticket) every element of the step's rows is written and none of the
+    rows past it (the poison, bf16 NaN, stays). The numbers themselves are held by the mixed
+    steps above against the reference."""
+    from monokernel.kernel.executor import BF16_INPUTS
+
+    model = synth_model("llama3-tiny")
+    ex = tc_executor(model, slots=3, step_tokens=24, attn_splits=12)
+    c = model.config
+    width = {"attn": c.q_dim, "ffn_h": c.intermediate_size}
+    assert set(BF16_INPUTS) == set(width)
+    for name, n in width.items():
+        assert ex.buffers[name].dtype == np.uint16 and ex.buffers[name].size == 24 * n, name
+        assert np.isnan(ex.read_buffer(name)).all(), f"{name} was not poisoned"
+    prompts = [prompt_of(model, 11, 1), prompt_of(model, 5, 2), prompt_of(model, 3, 3)]
+    assert np.isfinite(prefill_all(ex, prompts).logits).all()
+    for name, n in width.items():
+        got = ex.read_buffer(name).reshape(24, n)
+        assert np.isfinite(got[:19]).all(), f"{name}: a step's element was not written"
+        assert np.isnan(got[19:]).all(), f"{name}: a row past the step's was written"
+    # a build without tensor cores keeps them fp32
+    plain = KernelExecutor(model, MAX_SEQ, blocks=3, slots=3, page_size=PAGE, step_tokens=24,
+                           merge_ticket_min=1)
+    assert all(plain.buffers[name].dtype == np.float32 for name in width)
+
+
 def test_awkward_sizes_agree_with_the_bf16_reference(tmp_path):
     """Input widths that are not whole 32-column chunks (hidden 104, FFN 168: a lane's last
     8 columns past the end), a q width other than the hidden size (96), a vocabulary of 1003
