@@ -837,10 +837,10 @@ class KernelExecutor(Executor):
         return self.device.read(self.buffers["logits"])
 
     def read_buffer(self, name: str) -> np.ndarray:
-        """A buffer's contents; a bf16 one (isa.BF16_INPUTS in a tensor-core build) as the
-        float32 values it holds."""
+        """A buffer's contents; a bf16 input (isa.BF16_INPUTS in a tensor-core build) as the
+        float32 values it holds. The bf16 KV cache comes back as its raw uint16 bits."""
         out = self.device.read(self.buffers[name])
-        if out.dtype == np.uint16:
+        if name in BF16_INPUTS and out.dtype == np.uint16:  # not the KV cache: its bits as stored
             return (out.astype(np.uint32) << 16).view(np.float32)
         return out
 
