@@ -128,6 +128,11 @@ class KernelDesign:
     # skipped; False: every row's split s in slot s (all rows on the blocks holding the used
     # splits: the one-sequence kernel of prompt chunks)
     attn_rotate_rows: bool = False
+    # (with attn_rotate_rows) a ticket per row and KV group: the instructions holding a row's
+    # units each add their count of them, all the rows' draws of a block at once, and the
+    # last to draw merges that row; False: one ticket per KV group, its last drawer merging
+    # every row of the step alone
+    attn_row_tickets: bool = False
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
     attn_units_in_flight: int = 1

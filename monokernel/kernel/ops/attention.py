@@ -214,14 +214,62 @@ def _step_merge(b: OpBatch, g, d, ph: Phases) -> Phases:
         return ph
     G, D = c.group_size, c.head_dim
     busy = b.busy()
+    ticket = g.ticket if d.ticket_as_compiled else (g.fence if d.signal_sc_fence else g.release)
+    if d.attn_rotate_rows and d.attn_row_tickets:
+        return _row_ticket_merge(b, g, d, ph, ticket)
     passes = -(-sum(merge_row_lanes(c, u) for u in used) // d.threads)
     rounds = max(-(-u // (MERGE_CHUNK * merge_ways(u))) for u in used)
     mb = (sum(used) * G * (D + 2) + len(used) * G * D) * 4.0
-    ticket = g.ticket if d.ticket_as_compiled else (g.fence if d.signal_sc_fence else g.release)
     # the scan of the rows' lanes: a barrier and a warp's shuffle scan (5 steps)
     scan = g.bar_sync + 5 * g.shfl
     l2 = ph.l2_trips + busy * (1 + passes * rounds)
     other = ph.other_us + busy * (2 * g.bar_sync + ticket + scan + mb / (g.l2_bw / g.sms))
+    return replace(ph, l2_trips=l2, other_us=other)
+
+
+def _row_ticket_merge(b: OpBatch, g, d, ph: Phases, ticket: float) -> Phases:
+    """The tickets per row (attn_row_tickets): after its units an instruction draws, at once
+    (a thread a row), the ticket of every row it ran a unit of, then merges the rows it drew
+    last: whichever of the row's holders finishes last, so each holder is charged its share,
+    sum over its rows of 1 / (the row's holders), rounded up. Those rows' lanes in one pass
+    of the block's threads each (as the group's ticket merges its rows), their partials at the
+    SM's share of L2."""
+    prog, c = b.program, b.program.config
+    S = prog.attn_splits
+    G, D = c.group_size, c.head_dim
+    rows = [s.context + i for s in b.shape.segments for i in range(s.tokens)]
+    used = [used_splits(prog, ctx + 1) for ctx in rows]
+    offs = row_rotations(used, S)
+    merging = [(u, off) for u, off in zip(used, offs)
+               if merges_by_ticket(prog, d, u) and not row_finishes(u, prog.merge_ticket_min, off)]
+    l2, other = ph.l2_trips.copy(), ph.other_us.copy()
+    if not merging:
+        return ph
+    # the instructions of a group: their slot ranges (every group is dealt alike or not: each
+    # instruction's share is computed over its own group's instructions)
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for lo, hi in zip(b.lo.tolist(), b.hi.tolist()):
+        if hi > lo:
+            groups.setdefault(lo // S, []).append((lo % S, hi - lo))
+    share: dict[tuple[int, int, int], float] = {}
+    for gi, insts in groups.items():
+        holds = np.array([[any((j - off) % S < u for j in range(j0, j0 + n)) for u, off in merging]
+                          for j0, n in insts], dtype=np.float64)
+        holders = np.maximum(holds.sum(axis=0), 1.0)
+        for (j0, n), h in zip(insts, holds):
+            share[(gi, j0, n)] = float(np.ceil(np.sum(h / holders) - 1e-9))
+    lanes = np.mean([merge_row_lanes(c, u) for u, _ in merging])
+    rounds = max(-(-u // (MERGE_CHUNK * merge_ways(u))) for u, _ in merging)
+    row_bytes = np.mean([(u * G * (D + 2) + G * D) * 4.0 for u, _ in merging])
+    scan = g.bar_sync + 5 * g.shfl
+    for i, (lo, hi) in enumerate(zip(b.lo.tolist(), b.hi.tolist())):
+        if hi <= lo:
+            continue
+        k = share[(lo // S, lo % S, hi - lo)]
+        passes = -(-int(k * lanes) // d.threads) if k else 0
+        l2[i] += 1 + passes * rounds  # the draws (one round, side by side), the merge's rounds
+        other[i] += 2 * g.bar_sync + ticket + (scan + k * row_bytes / (g.l2_bw / g.sms)
+                                               if k else 0.0)
     return replace(ph, l2_trips=l2, other_us=other)
 
 
