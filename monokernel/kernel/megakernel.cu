@@ -1218,51 +1218,33 @@ __device__ __forceinline__ bool row_finishes(int used, int least, int rot) {
   return unit_finishes(used, least) && rot == 0;
 }
 
-// The step's rows each merge by ticket or not by their own used splits (the ticket is drawn
-// when any row merges: steps_max_used; O_PROJ decides per row alike). The last drawer merges
-// every such row in one pass: s_off[r] is the first lane of row r's merge (0 lanes for a row
-// that does not merge), a scan of the rows' lane counts; lane i finds its row by bisection.
-__device__ void attention_ticket(const Params& P, const int* st, int ticket, int tickets, int g,
-                                 int splits, int min_chunk, int least, int ntok) {
-  __shared__ int s_last;
-  __shared__ int s_off[MK_T_MAX + 1];
-  __shared__ unsigned short s_rot[MK_T_MAX];  // each row's rotation (split_slot)
-  constexpr int PER = (MK_T_MAX + 31) / 32;  // rows per lane of the scan
-  __syncthreads();  // every thread's partial stores are issued
-  if (threadIdx.x == 0) {
-    const int last = ticket_add(&P.counters[ticket], 1) == tickets - 1;
-    if (last) atomicExch(&P.counters[ticket], 0);
-    s_last = last;
-  }
-  __syncthreads();
-  if (!s_last) return;
-  const int lane = threadIdx.x & 31;
-  if (threadIdx.x < 32) {  // warp 0: the rows' lanes and rotations, exclusive scans
-    int used[PER], sum = 0, sum_used = 0;
+// The step's rows each merge by ticket or not by their own used splits (O_PROJ decides per
+// row alike). Who merges a row:
+// - the one-sequence kernel: one ticket per KV group (counter `ticket`), drawn by each of the
+//   group's `tickets` instructions once a row merges (steps_max_used); its last drawer merges
+//   every merging row of the step (attention_ticket).
+// - a kernel of slots (ROTATE_ROWS): a ticket per row and KV group (counter ticket + r),
+//   drawn by the instructions that ran units of the row, each adding its count of them; the
+//   drawer that brings it to the row's used splits merges the row (attention_row_tickets). A
+//   row's merger thus waits only for the instructions holding that row's units, and a step's
+//   merges spread over the group's blocks instead of one block merging every row.
+// The drawer of a last ticket resets its counter for the next step: every later draw comes
+// after this block's signal (the next step's ATTENTION waits, through the layer's ops, on it).
+//
+// The merge of the rows a block merges, in one pass: warp 0 holds rows lane * PER + k and
+// their lanes in the merge, cnt[k] (0 for a row it does not merge); s_off[r] becomes the first
+// lane of row r's merge, a scan of the counts, and lane i finds its row by bisection.
+constexpr int ROWS_PER_LANE = (MK_T_MAX + 31) / 32;  // rows per lane of warp 0's scan
+__device__ void merge_rows(const Params& P, const int* st, int g, int splits, int min_chunk,
+                           int ntok, const int (&cnt)[ROWS_PER_LANE], int* s_off,
+                           const unsigned short* s_rot) {
+  constexpr int PER = ROWS_PER_LANE;
+  if (threadIdx.x < 32) {  // warp 0: the exclusive scan of the rows' lanes
+    const int lane = threadIdx.x;
+    int sum = 0;
 #pragma unroll
-    for (int k = 0; k < PER; ++k) {
-      const int tok = lane * PER + k;
-      used[k] = tok < ntok ? splits_used(row_pos(st, tok) + 1, splits, min_chunk) : 0;
-      sum_used += used[k];
-    }
-    int incl = sum_used;  // the rows' used splits: rotations
-#pragma unroll
-    for (int o = 1; ROTATE_ROWS && o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(FULL_MASK, incl, o);
-      if (lane >= o) incl += y;
-    }
-    int rot = ROTATE_ROWS ? (incl - sum_used) % splits : 0, cnt[PER];
-#pragma unroll
-    for (int k = 0; k < PER; ++k) {
-      const int tok = lane * PER + k;
-      // a row of one split in slot 0 was finished by its unit
-      cnt[k] = tok < ntok && merge_by_ticket(used[k], least) && !row_finishes(used[k], least, rot)
-                   ? merge_row_lanes(used[k]) : 0;
-      sum += cnt[k];
-      if (ROTATE_ROWS && tok < ntok) s_rot[tok] = (unsigned short)rot;
-      rot = next_rotation(rot, used[k], splits);
-    }
-    incl = sum;
+    for (int k = 0; k < PER; ++k) sum += cnt[k];
+    int incl = sum;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int y = __shfl_up_sync(FULL_MASK, incl, o);
@@ -1296,6 +1278,65 @@ __device__ void attention_ticket(const Params& P, const int* st, int ticket, int
   }
 }
 
+#if ROTATE_ROWS
+// Thread r < ntok draws row r's ticket: `draw` is (this instruction's units of the row | its
+// used splits << 16), 0 when it holds none or the row does not merge by ticket, and `rot`
+// the row's rotation, both found by op_attention's row loop. One draw a thread, so the draws
+// are in flight together (an acq_rel RMW is a MEMBAR, which would wait for the thread's
+// previous draw).
+static_assert(MK_T_MAX < (1 << 15) && MK_T_MAX <= MK_THREADS, "a row's draw: a thread");
+__device__ void attention_row_tickets(const Params& P, const int* st, int ticket, int g,
+                                      int splits, int min_chunk, int ntok, int draw, int rot) {
+  __shared__ int s_off[MK_T_MAX + 1];
+  __shared__ unsigned short s_rot[MK_T_MAX];  // each row's rotation (split_slot)
+  __syncthreads();  // every thread's partial stores are issued
+  if (threadIdx.x < ntok) {
+    const int n = draw & 0xffff, used = draw >> 16;
+    bool last = false;
+    if (n > 0) {
+      int* c = &P.counters[ticket + threadIdx.x];
+      last = ticket_add(c, n) + n == used;
+      if (last) atomicExch(c, 0);
+    }
+    s_off[threadIdx.x] = last ? merge_row_lanes(used) : 0;
+    s_rot[threadIdx.x] = (unsigned short)rot;
+  }
+  __syncthreads();
+  int cnt[ROWS_PER_LANE];
+#pragma unroll
+  for (int k = 0; k < ROWS_PER_LANE; ++k) {
+    const int tok = (threadIdx.x & 31) * ROWS_PER_LANE + k;
+    cnt[k] = threadIdx.x < 32 && tok < ntok ? s_off[tok] : 0;
+  }
+  __syncwarp();  // warp 0's reads of s_off before its scan overwrites them
+  merge_rows(P, st, g, splits, min_chunk, ntok, cnt, s_off, s_rot);
+}
+#else
+__device__ void attention_ticket(const Params& P, const int* st, int ticket, int tickets, int g,
+                                 int splits, int min_chunk, int least, int ntok) {
+  __shared__ int s_last;
+  __shared__ int s_off[MK_T_MAX + 1];
+  constexpr int PER = ROWS_PER_LANE;
+  __syncthreads();  // every thread's partial stores are issued
+  if (threadIdx.x == 0) {
+    const int last = ticket_add(&P.counters[ticket], 1) == tickets - 1;
+    if (last) atomicExch(&P.counters[ticket], 0);
+    s_last = last;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  int cnt[PER];
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int tok = (threadIdx.x & 31) * PER + k;
+    const int used = tok < ntok ? splits_used(row_pos(st, tok) + 1, splits, min_chunk) : 0;
+    cnt[k] = threadIdx.x < 32 && tok < ntok && merge_by_ticket(used, least)
+                 ? merge_row_lanes(used) : 0;
+  }
+  merge_rows(P, st, g, splits, min_chunk, ntok, cnt, s_off, nullptr);
+}
+#endif
+
 __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[A_ATTENTION_SPLITS], min_chunk = ins[A_ATTENTION_MIN_CHUNK];
@@ -1306,7 +1347,8 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
   const int least = ins[A_ATTENTION_MERGE_MIN];
 #if ROTATE_ROWS
   int rot = 0;          // this row's rotation (split_slot)
-  bool merges = false;  // some row merges by ticket (not finished by its unit: row_finishes)
+  bool merges = false;  // it ran units of a row that merges by ticket (not row_finishes)
+  int my_draw = 0, my_rot = 0;  // thread r: row r's draw and rotation (attention_row_tickets)
 #else
   int most_used = 0;  // the most splits a row uses: the ticket is drawn when it merges
 #endif
@@ -1318,7 +1360,7 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
     const int used = splits_used(n_pos, splits, min_chunk);
 #if ROTATE_ROWS
     const bool finishes = row_finishes(used, least, rot);
-    merges |= merge_by_ticket(used, least) && !finishes;
+    int ran = 0;  // this instruction's units of the row
 #else
     most_used = max(most_used, used);
 #endif
@@ -1329,6 +1371,7 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
 #if ROTATE_ROWS
       const int split = j >= rot ? j - rot : j - rot + splits;
       if (split >= used) continue;  // no positions: no queries, no partials
+      ++ran;
 #else
       const int split = j;
 #endif
@@ -1433,18 +1476,27 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
       __syncthreads();  // s.q / s.o are reused by the next unit
     }
 #if ROTATE_ROWS
+    const bool draws = merge_by_ticket(used, least) && !finishes && ran > 0;
+    merges |= draws;
+    if (threadIdx.x == tok) {
+      my_draw = draws ? ran | used << 16 : 0;
+      my_rot = rot;
+    }
     rot = next_rotation(rot, used, splits);
 #endif
   }
   const int tickets = ins[A_ATTENTION_TICKETS];  // > 0: the units lie in one KV group
-  // the ticket is drawn when a row of the step merges splits (not one finished by its unit)
+  // a ticket is drawn when a row of the step merges splits (not one finished by its unit);
+  // in a kernel of slots, a row this instruction ran units of
 #if ROTATE_ROWS
   if (tickets > 0 && least > 0 && merges)
+    attention_row_tickets(P, st, ins[A_ATTENTION_TICKET], b / splits, splits, min_chunk, ntok,
+                          my_draw, my_rot);
 #else
   if (tickets > 0 && least > 0 && merge_by_ticket(most_used, least))
-#endif
     attention_ticket(P, st, ins[A_ATTENTION_TICKET], tickets, b / splits, splits, min_chunk,
                      least, ntok);
+#endif
 }
 
 // ================================================================================================

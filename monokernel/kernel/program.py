@@ -43,6 +43,8 @@ class Instruction:
     # ticket[1] tickets of the step runs the tail, which reads tail_reads and writes
     # tail_writes. verify() sees the tail as an instruction right after this one that waits for
     # every ticket; the tails of one ticket are mutually exclusive (one block runs its tail).
+    # (ATTENTION in a kernel of slots draws a ticket per row: ops/attention.py says why this
+    # view of it is sound.)
     ticket: tuple[int, int] | None = None
     tail_reads: list[Region] = field(default_factory=list)
     tail_writes: list[Region] = field(default_factory=list)

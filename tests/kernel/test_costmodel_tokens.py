@@ -144,6 +144,42 @@ def test_stored_bf16_inputs_halve_o_proj_and_downs_broadcast_only():
         cm.predict(prog, g, fp32, shape=shape).total_us
 
 
+def test_row_tickets_spread_the_merge_over_a_groups_blocks():
+    """v6-mma draws a ticket per row (megakernel.cu attention_row_tickets): at batch 64,
+    context 1024, the rows' merges spread over each KV group's blocks, so the busiest
+    ATTENTION instruction's other time falls below the group ticket's (whose last drawer
+    merges all 64 rows) and the step is faster; a step of one row (batch 1), whose one merge
+    is the same work either way, costs what it did (the group's other instructions no longer
+    draw, off the critical path)."""
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    cfg = ModelConfig.from_name("smollm2-135m").replace(num_layers=3)
+    splits, min_chunk = tensor_core_splits(cfg, 132, 1100)
+    prog = schedule(cfg, 132, 1100, splits, min_chunk, merge_ticket_min=1, tokens=64)
+    g = cm.gpu("h200")
+    built = cm.design("v6-mma")
+    assert built.attn_row_tickets
+    group = built.replace(attn_row_tickets=False)
+    attn = np.array([[ins.op == Op.ATTENTION for ins in q] for q in prog.queues])
+    for batch in (64, 1):
+        shape = StepShape.decode(batch, 1024)
+        a, b = cm.Static(prog, 0, g, group, shape), cm.Static(prog, 0, g, built, shape)
+        # the merge's share of ATTENTION's other time: against no merge in ATTENTION at all
+        base = cm.Static(prog, 0, g, group.replace(o_proj_merge_ticket=False), shape)
+        before, after = (x.fields["other"][attn] - base.fields["other"][attn] for x in (a, b))
+        for f in ("hbm", "rounds", "bytes", "compute"):
+            assert np.array_equal(a.fields[f], b.fields[f]), f
+        if batch == 1:  # one merge, by a holder of the row either way; others draw nothing
+            assert after.max() == pytest.approx(before.max())
+            assert cm.predict(prog, g, built, shape=shape).total_us == pytest.approx(
+                cm.predict(prog, g, group, shape=shape).total_us)
+        else:
+            assert after.max() < 0.25 * before.max(), (after.max(), before.max())
+            assert cm.predict(prog, g, built, shape=shape).total_us < \
+                cm.predict(prog, g, group, shape=shape).total_us
+
+
 def test_prefill_shapes_cover_the_prompt_once():
     for prompt, chunk in ((1, 128), (128, 128), (1000, 128), (1024, 512)):
         steps = prefill_shapes(prompt, chunk)

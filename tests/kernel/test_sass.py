@@ -250,3 +250,22 @@ def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, stored):
     assert weights >= 8, ops  # MMA_UNROLL x MMA_RG x 2 halves of 16 rows
     assert cm.design("v6-mma").stored_bf16_inputs
     assert inputs == (2 if stored else 4), (op, ops)
+
+
+def test_a_kernel_of_slots_draws_each_rows_ticket_on_a_thread_of_its_own():
+    """v6-mma's attn_row_tickets, read off the SASS: in a kernel of slots with steps of up to
+    64 rows, op_ATTENTION draws its rows' tickets (attention_row_tickets) with one acq_rel RMW
+    a thread (ATOMG.E.ADD, behind its MEMBAR.ALL.GPU) and resets a row's with one exchange, so
+    the draws of a step's rows are in flight together; rows dealt two a lane of one warp
+    compiled to two draws, the second's MEMBAR waiting for the first (an earlier form)."""
+    import re
+
+    try:
+        sass = sf.compile_sass("smollm2-135m", function="op_ATTENTION", tokens=64, slots=64,
+                               mma=True)
+    except SassToolMissing as e:
+        pytest.skip(str(e))
+    ops = [m.group(0) for t in sf._texts(sass) for m in [re.search(r"\bATOMG\S*", t)] if m]
+    assert cm.design("v6-mma").attn_row_tickets
+    assert ops.count("ATOMG.E.ADD.S32.STRONG.GPU") == 1, ops
+    assert ops.count("ATOMG.E.EXCH.STRONG.GPU") == 1, ops

@@ -228,12 +228,14 @@ V8_CLUSTER = V8.replace(name="v8-cluster", input_multicast=2)
 # bf16 as the fragments are built (input_bytes 4; O_PROJ's and DOWN's stored as bf16 by their
 # producers: stored_bf16_inputs, built), attention per row on CUDA cores as slice 3 built it,
 # prompts in chunks of the program's tokens per step; a step's rows rotated over each KV
-# group's unit slots (built: attn_rotate_rows). Its attention K loop as compiled: at head_dim
+# group's unit slots (built: attn_rotate_rows), each row merged by its last holder's ticket
+# (built: attn_row_tickets). Its attention K loop as compiled: at head_dim
 # 64 (SmolLM2, Llama) ptxas issues a kernel of slots' K loads one at a time, each behind its
 # block-table lookup and into the same registers (SASS kv_loads_in_flight [1, 1, 1, 1, 4];
 # [4, 4] at head_dim 128 and in the one-sequence kernel): tests/kernel/test_sass.py.
 V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rotate_rows=True,
-                    attn_k_in_flight=((64, 1),), stored_bf16_inputs=True)
+                    attn_k_in_flight=((64, 1),), stored_bf16_inputs=True,
+                    attn_row_tickets=True)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA, "v7": V7,
                                     "v7-rows": V7_ROWS, "v8": V8, "v8-cluster": V8_CLUSTER}

@@ -2,8 +2,9 @@
 ATTENTION"). Units are spread evenly over the blocks, the same every layer; unit (g, s) covers
 positions [s * chunk, (s + 1) * chunk) of the step's n_pos (isa.split_chunk) for the GROUP
 query heads of g. When the step uses at least ``merge_min`` splits, the last instruction of a
-KV group to draw the group's ticket merges the group's splits into `attn` (merge by ticket);
-otherwise every O_PROJ block merges them itself. With ``merge_min`` 1 (the tensor-core kernel)
+KV group to draw the group's ticket merges the group's splits into `attn` (merge by ticket;
+in a kernel of slots a ticket per row and group, its last holder merging the row); otherwise
+every O_PROJ block merges them itself. With ``merge_min`` 1 (the tensor-core kernel)
 a row of one used split is normalised into `attn` by its one unit instead (isa.unit_finishes)."""
 
 from __future__ import annotations
@@ -49,8 +50,14 @@ def tile(plan, layer: int) -> list[Instruction]:
     D, gd = c.head_dim, c.group_size * c.head_dim
     blocks = units(plan)
     tickets, group_tickets = [], []
-    if plan.merge_min:  # one ticket counter per KV group, drawn by its instructions
-        tickets = [plan.counter(f"L{layer}.ATTENTION.ticket{g}") for g in range(c.num_kv_heads)]
+    if plan.merge_min:
+        # a ticket counter per KV group and row of a step: the one-sequence kernel draws its
+        # group's first (one ticket per group), a kernel of slots row r's at ticket + r
+        # (megakernel.cu attention_ticket)
+        for g in range(c.num_kv_heads):
+            tickets.append(plan.counter(f"L{layer}.ATTENTION.ticket{g}"))
+            for r in range(1, plan.tokens):
+                plan.counter(f"L{layer}.ATTENTION.ticket{g}.row{r}")
         group_tickets = [sum(1 for lo, hi in blocks if hi > lo and lo // S == g)
                          for g in range(c.num_kv_heads)]
     out = []
@@ -73,6 +80,12 @@ def tile(plan, layer: int) -> list[Instruction]:
         if plan.merge_min and hi > lo:  # the units lie in one KV group (merge_min's condition)
             g = lo // S
             args.update(ticket=tickets[g], tickets=group_tickets[g], merge_min=plan.merge_min)
+            # verify() sees the group's ticket: the tail waits for every instruction of the
+            # group and one runs. A kernel of slots has a ticket per row, so a row's tail waits
+            # only for that row's holders and tails of different rows run on different blocks;
+            # the abstraction stays sound because the tail's accesses are all row-indexed (row
+            # r's partials, written only by its holders, and attn of row r, written only by its
+            # tail), which strict TSan checks on the kernel itself.
             ins.ticket = (tickets[g], group_tickets[g])
             ins.tail_reads = [("attn_o", g * S * gd, (g + 1) * S * gd),
                               ("attn_ml", g * S * c.group_size * 2,
@@ -228,12 +241,14 @@ def _step_merge(b: OpBatch, g, d, ph: Phases) -> Phases:
 
 
 def _row_ticket_merge(b: OpBatch, g, d, ph: Phases, ticket: float) -> Phases:
-    """The tickets per row (attn_row_tickets): after its units an instruction draws, at once
-    (a thread a row), the ticket of every row it ran a unit of, then merges the rows it drew
-    last: whichever of the row's holders finishes last, so each holder is charged its share,
-    sum over its rows of 1 / (the row's holders), rounded up. Those rows' lanes in one pass
-    of the block's threads each (as the group's ticket merges its rows), their partials at the
-    SM's share of L2."""
+    """The tickets per row (attn_row_tickets, megakernel.cu attention_row_tickets): an
+    instruction that ran units of a merging row draws, a thread a row and all at once, the
+    ticket of every such row, then merges the rows it drew last: whichever of the row's
+    holders finishes last, so each holder is charged its share, sum over its rows of
+    1 / (the row's holders), rounded up. Three barriers (the partials issued, the draws, the
+    scan of the lanes) and warp 0's shuffle scan, as the group's ticket; the rows' lanes in
+    one pass of the block's threads, their partials at the SM's share of L2. An instruction
+    holding no merging row draws nothing."""
     prog, c = b.program, b.program.config
     S = prog.attn_splits
     G, D = c.group_size, c.head_dim
@@ -245,31 +260,32 @@ def _row_ticket_merge(b: OpBatch, g, d, ph: Phases, ticket: float) -> Phases:
     l2, other = ph.l2_trips.copy(), ph.other_us.copy()
     if not merging:
         return ph
-    # the instructions of a group: their slot ranges (every group is dealt alike or not: each
+    # the instructions of a group: their slot ranges (every group is dealt alike; each
     # instruction's share is computed over its own group's instructions)
     groups: dict[int, list[tuple[int, int]]] = {}
     for lo, hi in zip(b.lo.tolist(), b.hi.tolist()):
         if hi > lo:
             groups.setdefault(lo // S, []).append((lo % S, hi - lo))
-    share: dict[tuple[int, int, int], float] = {}
+    share: dict[tuple[int, int, int], tuple[bool, float]] = {}
     for gi, insts in groups.items():
         holds = np.array([[any((j - off) % S < u for j in range(j0, j0 + n)) for u, off in merging]
                           for j0, n in insts], dtype=np.float64)
         holders = np.maximum(holds.sum(axis=0), 1.0)
         for (j0, n), h in zip(insts, holds):
-            share[(gi, j0, n)] = float(np.ceil(np.sum(h / holders) - 1e-9))
+            share[(gi, j0, n)] = (bool(h.any()), float(np.ceil(np.sum(h / holders) - 1e-9)))
     lanes = np.mean([merge_row_lanes(c, u) for u, _ in merging])
     rounds = max(-(-u // (MERGE_CHUNK * merge_ways(u))) for u, _ in merging)
     row_bytes = np.mean([(u * G * (D + 2) + G * D) * 4.0 for u, _ in merging])
-    scan = g.bar_sync + 5 * g.shfl
+    fixed = 3 * g.bar_sync + ticket + 5 * g.shfl
     for i, (lo, hi) in enumerate(zip(b.lo.tolist(), b.hi.tolist())):
         if hi <= lo:
             continue
-        k = share[(lo // S, lo % S, hi - lo)]
+        draws, k = share[(lo // S, lo % S, hi - lo)]
+        if not draws:
+            continue
         passes = -(-int(k * lanes) // d.threads) if k else 0
         l2[i] += 1 + passes * rounds  # the draws (one round, side by side), the merge's rounds
-        other[i] += 2 * g.bar_sync + ticket + (scan + k * row_bytes / (g.l2_bw / g.sms)
-                                               if k else 0.0)
+        other[i] += fixed + (k * row_bytes / (g.l2_bw / g.sms) if k else 0.0)
     return replace(ph, l2_trips=l2, other_us=other)
 
 
