@@ -1302,11 +1302,13 @@ __device__ void attention_row_tickets(const Params& P, const int* st, int ticket
     s_rot[threadIdx.x] = (unsigned short)rot;
   }
   __syncthreads();
-  int cnt[ROWS_PER_LANE];
+  int cnt[ROWS_PER_LANE] = {};  // warp 0's rows
+  if (threadIdx.x < 32) {
 #pragma unroll
-  for (int k = 0; k < ROWS_PER_LANE; ++k) {
-    const int tok = (threadIdx.x & 31) * ROWS_PER_LANE + k;
-    cnt[k] = threadIdx.x < 32 && tok < ntok ? s_off[tok] : 0;
+    for (int k = 0; k < ROWS_PER_LANE; ++k) {
+      const int tok = threadIdx.x * ROWS_PER_LANE + k;
+      cnt[k] = tok < ntok ? s_off[tok] : 0;
+    }
   }
   __syncwarp();  // warp 0's reads of s_off before its scan overwrites them
   merge_rows(P, st, g, splits, min_chunk, ntok, cnt, s_off, s_rot);
@@ -1325,13 +1327,14 @@ __device__ void attention_ticket(const Params& P, const int* st, int ticket, int
   }
   __syncthreads();
   if (!s_last) return;
-  int cnt[PER];
+  int cnt[PER] = {};  // warp 0's rows
+  if (threadIdx.x < 32) {
 #pragma unroll
-  for (int k = 0; k < PER; ++k) {
-    const int tok = (threadIdx.x & 31) * PER + k;
-    const int used = tok < ntok ? splits_used(row_pos(st, tok) + 1, splits, min_chunk) : 0;
-    cnt[k] = threadIdx.x < 32 && tok < ntok && merge_by_ticket(used, least)
-                 ? merge_row_lanes(used) : 0;
+    for (int k = 0; k < PER; ++k) {
+      const int tok = threadIdx.x * PER + k;
+      const int used = tok < ntok ? splits_used(row_pos(st, tok) + 1, splits, min_chunk) : 0;
+      cnt[k] = tok < ntok && merge_by_ticket(used, least) ? merge_row_lanes(used) : 0;
+    }
   }
   merge_rows(P, st, g, splits, min_chunk, ntok, cnt, s_off, nullptr);
 }

@@ -209,59 +209,57 @@ def _rotated(b: OpBatch, g, d) -> Phases:
     return Phases(out["l2"], out["hbm"], out["other"], out["rounds"], out["bytes"], out["pref"])
 
 
+def _merge_row_bytes(c, used: int) -> float:
+    """The bytes a row's merge reads and writes in one KV group: its used splits' partials
+    (G x (head_dim + 2) floats each) and its merged output (G x head_dim)."""
+    return (used * c.group_size * (c.head_dim + 2) + c.group_size * c.head_dim) * 4.0
+
+
 def _step_merge(b: OpBatch, g, d, ph: Phases) -> Phases:
     """The ticket of a step of many rows and its last drawer's merge of the rows that merge
     (megakernel.cu attention_ticket): one pass over all their lanes (isa.merge_row_lanes) after
     a scan of the rows' lanes, each lane one round of loads (merge_ways covers its splits up to
-    MERGE_CHUNK x MERGE_TICKET_WAYS), the partials' bytes at the SM's share of L2."""
+    MERGE_CHUNK x MERGE_TICKET_WAYS), the partials' bytes at the SM's share of L2. With
+    attn_row_tickets, a ticket per row instead (_row_ticket_merge)."""
     c = b.program.config
     used = [used_splits(b.program, s.context + i + 1) for s in b.shape.segments
             for i in range(s.tokens)]
     if d.attn_rotate_rows:  # a row of one split finishes in its unit only in slot 0
         offs = row_rotations(used, b.program.attn_splits)
-        used = [u for u, off in zip(used, offs) if merges_by_ticket(b.program, d, u)
-                and not row_finishes(u, b.program.merge_ticket_min, off)]
+        merging = [(u, off) for u, off in zip(used, offs) if merges_by_ticket(b.program, d, u)
+                   and not row_finishes(u, b.program.merge_ticket_min, off)]
     else:
-        used = [u for u in used if ticket_merges(b.program, d, u)]
-    if not used:
+        merging = [(u, 0) for u in used if ticket_merges(b.program, d, u)]
+    if not merging:
         return ph
-    G, D = c.group_size, c.head_dim
-    busy = b.busy()
+    used = [u for u, _ in merging]
     ticket = g.ticket if d.ticket_as_compiled else (g.fence if d.signal_sc_fence else g.release)
-    if d.attn_rotate_rows and d.attn_row_tickets:
-        return _row_ticket_merge(b, g, d, ph, ticket)
-    passes = -(-sum(merge_row_lanes(c, u) for u in used) // d.threads)
+    # the ticket, three barriers (the partials issued, the draw, the scan of the rows' lanes)
+    # and warp 0's shuffle scan (5 steps), whichever ticket
+    fixed = 3 * g.bar_sync + ticket + 5 * g.shfl
     rounds = max(-(-u // (MERGE_CHUNK * merge_ways(u))) for u in used)
-    mb = (sum(used) * G * (D + 2) + len(used) * G * D) * 4.0
-    # the scan of the rows' lanes: a barrier and a warp's shuffle scan (5 steps)
-    scan = g.bar_sync + 5 * g.shfl
+    if d.attn_rotate_rows and d.attn_row_tickets:
+        return _row_ticket_merge(b, g, d, ph, merging, fixed, rounds)
+    busy = b.busy()
+    passes = -(-sum(merge_row_lanes(c, u) for u in used) // d.threads)
+    mb = sum(_merge_row_bytes(c, u) for u in used)
     l2 = ph.l2_trips + busy * (1 + passes * rounds)
-    other = ph.other_us + busy * (2 * g.bar_sync + ticket + scan + mb / (g.l2_bw / g.sms))
+    other = ph.other_us + busy * (fixed + mb / (g.l2_bw / g.sms))
     return replace(ph, l2_trips=l2, other_us=other)
 
 
-def _row_ticket_merge(b: OpBatch, g, d, ph: Phases, ticket: float) -> Phases:
-    """The tickets per row (attn_row_tickets, megakernel.cu attention_row_tickets): an
-    instruction that ran units of a merging row draws, a thread a row and all at once, the
-    ticket of every such row, then merges the rows it drew last: whichever of the row's
-    holders finishes last, so each holder is charged its share, sum over its rows of
-    1 / (the row's holders), rounded up. Three barriers (the partials issued, the draws, the
-    scan of the lanes) and warp 0's shuffle scan, as the group's ticket; the rows' lanes in
-    one pass of the block's threads, their partials at the SM's share of L2. An instruction
-    holding no merging row draws nothing."""
-    prog, c = b.program, b.program.config
-    S = prog.attn_splits
-    G, D = c.group_size, c.head_dim
-    rows = [s.context + i for s in b.shape.segments for i in range(s.tokens)]
-    used = [used_splits(prog, ctx + 1) for ctx in rows]
-    offs = row_rotations(used, S)
-    merging = [(u, off) for u, off in zip(used, offs)
-               if merges_by_ticket(prog, d, u) and not row_finishes(u, prog.merge_ticket_min, off)]
+def _row_ticket_merge(b: OpBatch, g, d, ph: Phases, merging: list[tuple[int, int]],
+                      fixed: float, rounds: int) -> Phases:
+    """The tickets per row (attn_row_tickets, megakernel.cu attention_row_tickets) of the
+    step's merging rows (used splits, rotation): an instruction that ran units of one draws, a
+    thread a row and all at once, the ticket of every such row, then merges the rows it drew
+    last: whichever of the row's holders finishes last, so each holder is charged its share,
+    sum over its rows of 1 / (the row's holders), rounded up, their lanes in one pass of the
+    block's threads. An instruction holding no merging row draws nothing."""
+    c, S = b.program.config, b.program.attn_splits
     l2, other = ph.l2_trips.copy(), ph.other_us.copy()
-    if not merging:
-        return ph
-    # the instructions of a group: their slot ranges (every group is dealt alike; each
-    # instruction's share is computed over its own group's instructions)
+    # the instructions of a group: their slot ranges (each instruction's share is computed
+    # over its own group's instructions)
     groups: dict[int, list[tuple[int, int]]] = {}
     for lo, hi in zip(b.lo.tolist(), b.hi.tolist()):
         if hi > lo:
@@ -274,9 +272,7 @@ def _row_ticket_merge(b: OpBatch, g, d, ph: Phases, ticket: float) -> Phases:
         for (j0, n), h in zip(insts, holds):
             share[(gi, j0, n)] = (bool(h.any()), float(np.ceil(np.sum(h / holders) - 1e-9)))
     lanes = np.mean([merge_row_lanes(c, u) for u, _ in merging])
-    rounds = max(-(-u // (MERGE_CHUNK * merge_ways(u))) for u, _ in merging)
-    row_bytes = np.mean([(u * G * (D + 2) + G * D) * 4.0 for u, _ in merging])
-    fixed = 3 * g.bar_sync + ticket + 5 * g.shfl
+    row_bytes = np.mean([_merge_row_bytes(c, u) for u, _ in merging])
     for i, (lo, hi) in enumerate(zip(b.lo.tolist(), b.hi.tolist())):
         if hi <= lo:
             continue
