@@ -43,10 +43,15 @@ class Word(IntEnum):
     ARG2 = 9
     ARG3 = 10
     ARG4 = 11
+    # token groups of a mat-mul (kernels of slots on tensor cores; program.Instruction.group):
+    # members | index << 8 | the op's fewest step tokens for them << 16 (0: none), and the
+    # group's rows, begin | end << 16 (megakernel.cu token_group)
+    GROUP = 12
+    GROUP_TILE = 13
 
 
 WIDTH = len(Word)
-ARG_WORDS = WIDTH - Word.ARG0
+ARG_WORDS = Word.GROUP - Word.ARG0
 
 
 class Args:

@@ -20,11 +20,63 @@ from ..errors import ProgramError
 from .isa import WIDTH, Op, Word
 
 # Bumped when verify() gains a check: on-disk proofs of older versions no longer count.
-VERIFY_VERSION = 3
+VERIFY_VERSION = 4
 
 
-# A region of a buffer, in elements: (buffer name, lo, hi).
-Region = tuple[str, int, int]
+# A region of a buffer, in elements: (buffer name, lo, hi) of every token's row, or (buffer
+# name, lo, hi, Tokens) of some of them in some steps (a token group's: token_groups.py).
+Region = tuple
+
+
+# A token group's share of a step's tokens, in TOKEN_SHARES-ths (lcm(1..8): every share j / c
+# of c <= 8 members is whole).
+TOKEN_SHARES = 840
+# Steps of more tokens than any program has.
+ANY_TOKENS = 1 << 30
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Which of a step's n tokens a region covers, and in which steps: the tokens [share_lo n
+    / TOKEN_SHARES, share_hi n / TOKEN_SHARES) (integer division, as the kernel splits them)
+    of the steps of n in [steps_lo, steps_hi) tokens. Two regions of one buffer conflict only
+    where their rows, their shares and their steps all overlap: shares that do not overlap
+    take disjoint tokens in every step (the split points are monotone in the share)."""
+
+    share_lo: int = 0
+    share_hi: int = TOKEN_SHARES
+    steps_lo: int = 1
+    steps_hi: int = ANY_TOKENS
+
+    def overlaps(self, other: "Tokens") -> bool:
+        return (self.share_lo < other.share_hi and other.share_lo < self.share_hi
+                and self.steps_lo < other.steps_hi and other.steps_lo < self.steps_hi)
+
+
+ALL_TOKENS = Tokens()
+
+
+def region_tokens(r: Region) -> Tokens:
+    """The tokens and steps a region covers (every token of every step unless it says)."""
+    return r[3] if len(r) > 3 else ALL_TOKENS
+
+
+@dataclass(frozen=True)
+class TokenGroup:
+    """An instruction's token group (token_groups.py): in a step of at least ``min_tokens``
+    tokens (the same for every instruction of the op) it multiplies the group's rows ``tile``
+    (its ``members`` instructions' tiles together) by its share of the step's tokens, [index
+    n / members, (index + 1) n / members); in a smaller step, its own tile by every token."""
+
+    members: int
+    index: int
+    min_tokens: int
+    tile: tuple[int, int]
+
+    def words(self) -> tuple[int, int]:
+        """(Word.GROUP, Word.GROUP_TILE)."""
+        return (self.members | self.index << 8 | self.min_tokens << 16,
+                self.tile[0] | self.tile[1] << 16)
 
 
 @dataclass
@@ -38,6 +90,9 @@ class Instruction:
     reads: list[Region] = field(default_factory=list)
     writes: list[Region] = field(default_factory=list)
     weight_bytes: int = 0  # bytes of weights this instruction streams
+    # its token group (a mat-mul of a tensor-core kernel's program built with token groups;
+    # its regions then say which tokens each covers); None: its tile, every token, every step
+    group: TokenGroup | None = None
     # An atomic-ticket reduction (RMS_LM_HEAD; ATTENTION's merge): after its own work the
     # instruction takes a ticket on counter ticket[0]; the block that draws the last of
     # ticket[1] tickets of the step runs the tail, which reads tail_reads and writes
@@ -62,6 +117,8 @@ class Instruction:
         w[Word.SIGNAL_COUNTER] = -1 if self.signal is None else self.signal
         for k, a in enumerate(self.args):
             w[Word.ARG0 + k] = a
+        if self.group is not None:
+            w[Word.GROUP], w[Word.GROUP_TILE] = self.group.words()
         return w
 
     def arg(self, name: str) -> int:
@@ -104,10 +161,10 @@ class Program:
     merge_ticket_min: int = 0
     # the most tokens a step carries (positions POS..POS+NTOK-1 of one sequence: a prompt
     # chunk); every per-token activation buffer has this many rows. Instructions and their
-    # regions are per token row: an op touches the same columns of each token's row, and no
-    # op reads another token's row but through a counter (K/V of the chunk's positions:
-    # RMS_QKV_ROPE -> ATTENTION; the LM head reads the last row), so verify() of the
-    # queues proves every row.
+    # regions are per token row: an op touches the same columns of each token's row (of the
+    # tokens its region's Tokens say: a token group's share), and no op reads another
+    # token's row but through a counter (K/V of the chunk's positions: RMS_QKV_ROPE ->
+    # ATTENTION; the LM head reads the last row), so verify() of the queues proves every row.
     tokens: int = 1
 
     @property
@@ -258,7 +315,7 @@ class Program:
         steps that the per-step hazard check above cannot see). Programs with no state writer
         (hand-built fragments) end no step and are not checked."""
         ends = [k for k, n in enumerate(nodes)
-                if any(buf == "state" for buf, _, _ in ins_of(n).writes)]
+                if any(r[0] == "state" for r in ins_of(n).writes)]
         for e in ends:
             before = np.unpackbits(anc[e], bitorder="little")[:len(nodes)]
             excl = ins_of(nodes[e]).exclusive
@@ -321,13 +378,14 @@ class Program:
         return anc
 
     def _check_hazards(self, nodes, index, anc, ins_of, label) -> None:
-        by_buffer: dict[str, list[tuple[int, int, int, bool]]] = defaultdict(list)
+        by_buffer: dict[str, list[tuple]] = defaultdict(list)
         for n in nodes:
             ins = ins_of(n)
-            for buf, lo, hi in ins.reads:
-                by_buffer[buf].append((index[n], lo, hi, False))
-            for buf, lo, hi in ins.writes:
-                by_buffer[buf].append((index[n], lo, hi, True))
+            for regions, w in ((ins.reads, False), (ins.writes, True)):
+                for r in regions:
+                    t = region_tokens(r)
+                    by_buffer[r[0]].append((index[n], r[1], r[2], w, t.share_lo, t.share_hi,
+                                            t.steps_lo, t.steps_hi))
         block_of = np.array([n[0] for n in nodes], np.int64)
         slot_of = np.array([n[1] for n in nodes], np.int64)
         excl = ins_of
@@ -337,10 +395,13 @@ class Program:
         for buf, acc in by_buffer.items():
             arr = np.array(acc, np.int64)
             ids, los, his, isw = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3].astype(bool)
-            for k, lo, hi, w in acc:
+            s_lo, s_hi, n_lo, n_hi = arr[:, 4], arr[:, 5], arr[:, 6], arr[:, 7]
+            for k, lo, hi, w, a_lo, a_hi, m_lo, m_hi in acc:
                 if not w:
                     continue
-                sel = (los < hi) & (his > lo) & (block_of[ids] != block_of[k])
+                # rows, token shares and steps all overlap (Tokens.overlaps)
+                sel = (los < hi) & (his > lo) & (block_of[ids] != block_of[k]) \
+                    & (s_lo < a_hi) & (s_hi > a_lo) & (n_lo < m_hi) & (n_hi > m_lo)
                 if excl_of[k] >= 0:  # the tails of one ticket never run together
                     sel &= excl_of[ids] != excl_of[k]
                 others = ids[sel]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ProgramError
 from ..model.config import ModelConfig
-from . import ops
+from . import ops, token_groups as groups
 from .isa import STATE_WORDS, Op, attn_round_positions, merge_ticket_min_splits
 from .program import Instruction, Program
 
@@ -62,6 +62,9 @@ class Plan:
     min_chunk: int  # fewest positions per attention split
     merge_min: int = 0  # fewest used splits a step merges by ticket (0: never)
     tokens: int = 1  # the most tokens a step carries (Program.tokens)
+    # the mat-muls' token groups (token_groups.py): False none, True chosen per op, an int
+    # that many members in every mat-mul op (the tests)
+    token_groups: bool | int = False
     counters: list[str] = field(default_factory=list)
 
     def counter(self, name: str) -> int:
@@ -100,7 +103,8 @@ def tensor_core_splits(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
 
 def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
              attn_splits: int | None = None, attn_min_chunk: int | None = None,
-             merge_ticket_min: int | None = None, tokens: int = 1) -> Program:
+             merge_ticket_min: int | None = None, tokens: int = 1,
+             token_groups: bool | int = False) -> Program:
     """Build and verify the decode-step program for ``num_blocks`` persistent blocks.
 
     ``attn_splits``: position splits per KV head (default: ``default_attn_splits``);
@@ -110,6 +114,9 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     isa.merge_ticket_min_splits, 0: never, the per-block merge of every O_PROJ block). It
     applies only where no attention instruction holds units of two KV groups.
     ``tokens``: the most tokens a step carries (a prompt chunk; at most MAX_STEP_TOKENS).
+    ``token_groups``: the mat-muls' token groups of a tensor-core kernel (token_groups.py;
+    needs every step's attention merged by ticket, merge_ticket_min 1): True, chosen per op
+    for ``tokens``; an int, that many members in every mat-mul op; False, row tiles.
 
     Memoised: the same arguments return the same (shared) Program. Never edit a returned
     Program in place; ``copy.deepcopy`` it first (the tests that break programs do)."""
@@ -124,11 +131,16 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
         raise ProgramError(f"merge_ticket_min must be >= 0, got {merge_ticket_min}")
     if not 1 <= tokens <= MAX_STEP_TOKENS:
         raise ProgramError(f"tokens per step must be in [1, {MAX_STEP_TOKENS}], got {tokens}")
-    key = (cfg, num_blocks, max_seq_len, splits, attn_min_chunk, merge_ticket_min, tokens)
+    key = (cfg, num_blocks, max_seq_len, splits, attn_min_chunk, merge_ticket_min, tokens,
+           token_groups)
     prog = _VERIFIED.get(key)
     if prog is None:
-        plan = Plan(cfg, num_blocks, max_seq_len, splits, attn_min_chunk, tokens=tokens)
+        plan = Plan(cfg, num_blocks, max_seq_len, splits, attn_min_chunk, tokens=tokens,
+                    token_groups=token_groups)
         plan.merge_min = ops.attention.merge_min(plan, merge_ticket_min)
+        if token_groups is not False and plan.merge_min != 1:
+            raise ProgramError("token groups are for a tensor-core kernel's program, whose "
+                               "attention is merged by ticket every step (merge_ticket_min 1)")
         prog = build(plan)
         prog.verify()
         if len(_VERIFIED) >= _VERIFIED_MAX:
@@ -155,6 +167,9 @@ def build(plan: Plan) -> Program:
         tiles = module.tile(plan, layer)
         if len(tiles) != B:
             raise ProgramError(f"{op.name} tiled {len(tiles)} instructions for {B} blocks")
+        if plan.token_groups is not False and op in groups.GROUPED_OPS:
+            tiles = groups.apply(plan, module, layer, tiles, None if plan.token_groups is True
+                                 else int(plan.token_groups))
         for q, ins in zip(queues, tiles):
             ins.wait = (prev, B) if prev is not None else None
             ins.signal = sig

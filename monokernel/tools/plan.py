@@ -77,17 +77,19 @@ def _built(d) -> str:
 
 def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | None):
     """The program a step of many tokens is predicted on: for the built tensor-core design
-    (design_for(tensor_cores=True)), the one its executor runs (splits fixed by absolute
-    position, every step's attention merged by ticket); a design not built yet takes the
-    default program."""
+    (design_for(tensor_cores=True)), the one its executor of MAX_STEP_TOKENS slots runs
+    (splits fixed by absolute position, every step's attention merged by ticket, the
+    mat-muls' token groups chosen for that many tokens a step: a smaller step runs in row
+    tiles where groups would not pay); a design not built yet takes the default program."""
     from ..kernel import costmodel as cm
-    from ..kernel.schedule import schedule, tensor_core_splits
+    from ..kernel.schedule import MAX_STEP_TOKENS, schedule, tensor_core_splits
 
     if design_name is None or cm.design(design_name).name != cm.design_for(
             None, tensor_cores=True).name:
         return prog
     splits, min_chunk = tensor_core_splits(cfg, blocks, max_seq)
-    return schedule(cfg, blocks, max_seq, splits, min_chunk, merge_ticket_min=1)
+    return schedule(cfg, blocks, max_seq, splits, min_chunk, merge_ticket_min=1,
+                    tokens=MAX_STEP_TOKENS, token_groups=True)
 
 
 def _tokens_design(design_name: str | None):

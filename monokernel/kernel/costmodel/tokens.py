@@ -156,6 +156,14 @@ def tile_split(rows, k: int, tokens: int, g, d, in_bytes: int | None = None
     return best
 
 
+def program_groups(b: OpBatch, tokens: int) -> int:
+    """The token groups' members the program gives the op's instructions for a step of
+    ``tokens`` tokens (kernel/token_groups.py; the op's busiest group); 1: row tiles."""
+    return max([i.group.members for i in b.instructions
+                if getattr(i, "group", None) is not None and tokens >= i.group.min_tokens],
+               default=1)
+
+
 def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | None = None
                  ) -> Phases:
     """A mat-mul op's one-token phases for the step's tokens (b.shape): the same HBM weight
@@ -182,8 +190,10 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
         F, B = b.program.config.intermediate_size, len(rows)
         c, s = tile_split(np.full(B, 2 * -(-F // B)), b.program.config.hidden_size, T, g, d)
         s = 1
-    else:
+    elif d.tile_2d:
         c, s = tile_split(rows, k, T, g, d, levers.input_bytes(b, d))
+    else:
+        c, s = program_groups(b, T), 1
     t_in, t_w, t_red = _tile_us(n, k, T, c, s, g, d, local_input=fused,
                                 in_bytes=levers.input_bytes(b, d))
     compute = mma_us(rows, k, T, g) + (ph.compute if ph.compute is not None else 0.0)

@@ -13,17 +13,31 @@ from ..program import Instruction, split_even
 OP = Op.DOWN_RESIDUAL
 ARGS = Args()
 SIGNALS = True
+# token groups (token_groups.py): the input (ffn_h, stored bf16) bytes an element, the weight
+# rows a tile row, the tile rows of the op
+INPUT_BYTES = 2
+WEIGHT_ROWS = 1
+
+
+def tile_rows(plan) -> int:
+    return plan.config.hidden_size
+
+
+def row_accesses(plan, layer: int, lo: int, hi: int) -> tuple[list, list]:
+    """(reads, writes) of residual rows [lo, hi) for a token."""
+    if hi <= lo:
+        return [], []
+    return ([("ffn_h", 0, plan.config.intermediate_size), ("residual", lo, hi)],
+            [("residual", lo, hi)])
 
 
 def tile(plan, layer: int) -> list[Instruction]:
     F = plan.config.intermediate_size
     out = []
-    for lo, hi in split_even(plan.config.hidden_size, plan.num_blocks):
-        if hi <= lo:
-            out.append(Instruction(OP, layer, (lo, hi)))
-            continue
-        out.append(Instruction(OP, layer, (lo, hi), reads=[("ffn_h", 0, F), ("residual", lo, hi)],
-                               writes=[("residual", lo, hi)], weight_bytes=2 * (hi - lo) * F))
+    for lo, hi in split_even(tile_rows(plan), plan.num_blocks):
+        reads, writes = row_accesses(plan, layer, lo, hi)
+        out.append(Instruction(OP, layer, (lo, hi), reads=reads, writes=writes,
+                               weight_bytes=2 * (hi - lo) * F if hi > lo else 0))
     return out
 
 

@@ -13,18 +13,30 @@ from ..program import Instruction, split_even
 OP = Op.RMS_GATE_UP
 ARGS = Args()
 SIGNALS = True
+# token groups (token_groups.py): the input (the fp32 residual) bytes an element, the weight
+# rows a tile row (gate and up), the tile rows of the op
+INPUT_BYTES = 4
+WEIGHT_ROWS = 2
+
+
+def tile_rows(plan) -> int:
+    return plan.config.intermediate_size
+
+
+def row_accesses(plan, layer: int, lo: int, hi: int) -> tuple[list, list]:
+    """(reads, writes) of FFN rows [lo, hi) for a token."""
+    if hi <= lo:
+        return [], []
+    return [("residual", 0, plan.config.hidden_size)], [("ffn_h", lo, hi)]
 
 
 def tile(plan, layer: int) -> list[Instruction]:
     H = plan.config.hidden_size
     out = []
-    for lo, hi in split_even(plan.config.intermediate_size, plan.num_blocks):
-        if hi <= lo:
-            out.append(Instruction(OP, layer, (lo, hi)))
-            continue
-        out.append(Instruction(OP, layer, (lo, hi), reads=[("residual", 0, H)],
-                               writes=[("ffn_h", lo, hi)],
-                               weight_bytes=2 * 2 * (hi - lo) * H + 2 * H))
+    for lo, hi in split_even(tile_rows(plan), plan.num_blocks):
+        reads, writes = row_accesses(plan, layer, lo, hi)
+        out.append(Instruction(OP, layer, (lo, hi), reads=reads, writes=writes,
+                               weight_bytes=(2 * 2 * (hi - lo) * H + 2 * H) if hi > lo else 0))
     return out
 
 

@@ -21,6 +21,24 @@ ARGS = Args("splits",  # position splits per KV head (as ATTENTION's)
             "kv_end",  # ... one past the last
             "merge_min")  # fewest used splits that ATTENTION merged by ticket (0: never)
 SIGNALS = True
+# token groups (token_groups.py): the input (the merged attention, stored bf16) bytes an
+# element, the weight rows a tile row, the tile rows of the op. Only a tensor-core kernel's
+# programs have them, whose attention is merged by ticket (merge_min 1)
+INPUT_BYTES = 2
+WEIGHT_ROWS = 1
+
+
+def tile_rows(plan) -> int:
+    return plan.config.hidden_size
+
+
+def row_accesses(plan, layer: int, lo: int, hi: int) -> tuple[list, list]:
+    """(reads, writes) of residual rows [lo, hi) for a token, the attention merged by ticket
+    (a program with token groups; the block's own key caching is not a row's)."""
+    if hi <= lo:
+        return [], []
+    c = plan.config
+    return [("residual", lo, hi), ("attn", 0, c.q_dim)], [("residual", lo, hi)]
 
 
 def tile(plan, layer: int) -> list[Instruction]:
@@ -28,7 +46,7 @@ def tile(plan, layer: int) -> list[Instruction]:
     D, gd = c.head_dim, c.group_size * c.head_dim
     merged = [("attn", 0, c.q_dim)] if plan.merge_min else []
     out = []
-    for (lo, hi), (k0, k1) in zip(split_even(c.hidden_size, B), split_even(c.num_kv_heads, B)):
+    for (lo, hi), (k0, k1) in zip(split_even(tile_rows(plan), B), split_even(c.num_kv_heads, B)):
         if not c.qk_norm:
             k0 = k1 = 0
         cache = ([("k_raw", k0 * D, k1 * D),

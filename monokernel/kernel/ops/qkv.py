@@ -17,28 +17,43 @@ from ..program import Instruction, Region, split_even
 OP = Op.RMS_QKV_ROPE
 ARGS = Args()
 SIGNALS = True
+# token groups (token_groups.py): the input (the fp32 residual) bytes an element, the weight
+# rows a tile row (a row pair), the tile rows of the op
+INPUT_BYTES = 4
+WEIGHT_ROWS = 2
+
+
+def tile_rows(plan) -> int:
+    c = plan.config
+    return (c.num_heads + 2 * c.num_kv_heads) * (c.head_dim // 2)
+
+
+def row_accesses(plan, layer: int, lo: int, hi: int) -> tuple[list[Region], list[Region]]:
+    """(reads, writes) of row pairs [lo, hi) for a token."""
+    c = plan.config
+    D, half = c.head_dim, c.head_dim // 2
+    writes: list[Region] = []
+    for head in range(lo // half, (hi - 1) // half + 1 if hi > lo else 0):
+        j0, j1 = max(lo, head * half) - head * half, min(hi, (head + 1) * half) - head * half
+        if head < c.num_heads:
+            buf, base = "q", head * D
+        elif head < c.num_heads + c.num_kv_heads and c.qk_norm:
+            buf, base = "k_raw", (head - c.num_heads) * D
+        elif head < c.num_heads + c.num_kv_heads:
+            buf, base = "k_cache", layer * c.kv_dim + (head - c.num_heads) * D
+        else:
+            buf, base = "v_cache", layer * c.kv_dim + (head - c.num_heads - c.num_kv_heads) * D
+        writes += [(buf, base + j0, base + j1), (buf, base + half + j0, base + half + j1)]
+    return ([("residual", 0, c.hidden_size)] if hi > lo else []), writes
 
 
 def tile(plan, layer: int) -> list[Instruction]:
-    c = plan.config
-    H, D, half = c.hidden_size, c.head_dim, c.head_dim // 2
+    H = plan.config.hidden_size
     out = []
-    for lo, hi in split_even((c.num_heads + 2 * c.num_kv_heads) * half, plan.num_blocks):
-        writes: list[Region] = []
-        for head in range(lo // half, (hi - 1) // half + 1 if hi > lo else 0):
-            j0, j1 = max(lo, head * half) - head * half, min(hi, (head + 1) * half) - head * half
-            if head < c.num_heads:
-                buf, base = "q", head * D
-            elif head < c.num_heads + c.num_kv_heads and c.qk_norm:
-                buf, base = "k_raw", (head - c.num_heads) * D
-            elif head < c.num_heads + c.num_kv_heads:
-                buf, base = "k_cache", layer * c.kv_dim + (head - c.num_heads) * D
-            else:
-                buf, base = "v_cache", layer * c.kv_dim + (head - c.num_heads - c.num_kv_heads) * D
-            writes += [(buf, base + j0, base + j1), (buf, base + half + j0, base + half + j1)]
+    for lo, hi in split_even(tile_rows(plan), plan.num_blocks):
+        reads, writes = row_accesses(plan, layer, lo, hi)
         rows = 2 * (hi - lo)
-        out.append(Instruction(OP, layer, (lo, hi),
-                               reads=[("residual", 0, H)] if hi > lo else [], writes=writes,
+        out.append(Instruction(OP, layer, (lo, hi), reads=reads, writes=writes,
                                weight_bytes=2 * rows * H + (2 * H if hi > lo else 0)))
     return out
 

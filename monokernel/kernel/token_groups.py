@@ -1,0 +1,100 @@
+"""Token groups: in a big step, a mat-mul's blocks share their rows and split the tokens.
+
+With row tiles every block multiplies its own rows by every token of the step, so every block
+reads the op's whole input, T tokens x K columns, from L2: at 64 tokens that activation
+broadcast is more L2 traffic than the weights (benchmarks/NOTES.md "Token groups"). In a
+group, c consecutive instructions of an op take the union of their tiles (the group's rows)
+for a share of the step's tokens each, member j the tokens [j n / c, (j + 1) n / c) of a step
+of n: a block reads c times less input, and the group's rows, c times its own, of which the
+c - 1 other members' come from L2 (each member still prefetches its own tile: HBM streams
+every weight byte once). A token's numbers do not change: its rows' k-loops are the same
+whichever block runs them, and mma's token columns are independent (megakernel.cu
+token_group), so a sequence's logits stay bitwise what they are in row tiles.
+
+How many members (``choose``): both costs are L2 bytes a block moves, so the choice needs no
+GPU table: per input column T b / c (the input, b bytes an element as the blocks read it) +
+2 (c - 1) n (the other members' weight rows, n the op's busiest tile's), the cheapest power of
+two c <= MAX_MEMBERS with at least MIN_SHARE tokens a member (the mma's 8-token side). A step
+runs in groups when it has at least ``min_tokens`` tokens, the fewest for which c beats row
+tiles (T b (1 - 1 / c) > 2 (c - 1) n: T > 2 n c / b) and MIN_SHARE c; a smaller step, one
+token among them, runs in row tiles as before. The last group of an op whose instructions do
+not divide by c has fewer members (a group of one: its own tile, every token).
+
+Only a tensor-core kernel of slots runs them (schedule(token_groups=True): the executor's
+tensor_cores programs); its mat-mul ops are RMS_QKV_ROPE, O_PROJ_RESIDUAL, RMS_GATE_UP and
+DOWN_RESIDUAL (the LM head keeps row tiles: its per-tile partials are the step's end's). Each
+op module says its input bytes (INPUT_BYTES), weight rows a tile row (WEIGHT_ROWS), the op's
+tile rows (tile_rows) and a tile's accesses for one token (row_accesses); an instruction's
+regions then say which tokens and steps each covers (program.Tokens), so verify() proves both
+modes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import ProgramError
+from .isa import Op
+from .program import ANY_TOKENS, TOKEN_SHARES, Instruction, Tokens, TokenGroup
+
+GROUPED_OPS = (Op.RMS_QKV_ROPE, Op.O_PROJ_RESIDUAL, Op.RMS_GATE_UP, Op.DOWN_RESIDUAL)
+MIN_SHARE = 8  # tokens a member takes at least (mma m16n8k16: 8 tokens a fragment)
+MAX_MEMBERS = 8  # (TOKEN_SHARES divides by every group size up to it)
+
+
+def choose(tokens: int, input_bytes: int, rows: int, blocks: int) -> tuple[int, int]:
+    """(members c, min_tokens) of an op whose busiest tile has ``rows`` weight rows, for a
+    program of ``tokens`` tokens a step; (1, 0): row tiles always."""
+    best, best_cost = 1, float(tokens * input_bytes)
+    c = 2
+    while c <= min(MAX_MEMBERS, blocks) and tokens >= MIN_SHARE * c:
+        cost = tokens * input_bytes / c + 2.0 * (c - 1) * rows
+        if cost < best_cost:
+            best, best_cost = c, cost
+        c *= 2
+    if best == 1:
+        return 1, 0
+    return best, max(MIN_SHARE * best, 2 * rows * best // input_bytes + 1)
+
+
+def _tagged(regions, tokens: Tokens) -> list:
+    return [(r[0], r[1], r[2], tokens) for r in regions]
+
+
+def apply(plan, module, layer: int, tiles: list[Instruction], members: int | None = None
+          ) -> list[Instruction]:
+    """``tiles`` (one op's instructions, tile k on block k) with their token groups: c by
+    ``choose`` for ``plan.tokens`` (``members``: that many, for the tests; its min_tokens
+    MIN_SHARE c), each instruction's regions in both modes."""
+    busiest = max((hi - lo for lo, hi in (i.tile for i in tiles)), default=0)
+    rows = busiest * module.WEIGHT_ROWS
+    if members is None:
+        c, min_tokens = choose(plan.tokens, module.INPUT_BYTES, rows, len(tiles))
+    else:
+        if not 1 <= members <= min(MAX_MEMBERS, len(tiles)) or TOKEN_SHARES % members:
+            raise ProgramError(f"token groups of {members} members: need 1..{MAX_MEMBERS} "
+                               f"and at most the {len(tiles)} blocks")
+        c, min_tokens = members, MIN_SHARE * members
+    if c <= 1 or plan.tokens < min_tokens:
+        return tiles
+    rows_mode = Tokens(steps_hi=min_tokens)
+    out = []
+    for g0 in range(0, len(tiles), c):
+        group = tiles[g0:g0 + c]
+        if any(a.tile[1] != b.tile[0] for a, b in zip(group, group[1:])):
+            raise ProgramError(f"{group[0].op.name} tiles {[i.tile for i in group]} are not "
+                               "consecutive: no token groups")
+        lo, hi = group[0].tile[0], group[-1].tile[1]
+        for j, ins in enumerate(group):
+            own_r, own_w = module.row_accesses(plan, layer, *ins.tile)
+            grp_r, grp_w = module.row_accesses(plan, layer, lo, hi)
+            m = len(group)
+            share = Tokens(j * TOKEN_SHARES // m, (j + 1) * TOKEN_SHARES // m, min_tokens,
+                           ANY_TOKENS)
+            rest_r = [r for r in ins.reads if r not in own_r]
+            rest_w = [r for r in ins.writes if r not in own_w]
+            out.append(replace(
+                ins, group=TokenGroup(m, j, min_tokens, (lo, hi)),
+                reads=rest_r + _tagged(own_r, rows_mode) + _tagged(grp_r, share),
+                writes=rest_w + _tagged(own_w, rows_mode) + _tagged(grp_w, share)))
+    return out
