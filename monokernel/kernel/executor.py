@@ -240,10 +240,17 @@ class KernelExecutor(Executor):
         self.watchdog_ms = watchdog_ms
         self.trace_enabled = trace
         c = self.config
+        # a tensor-core kernel's mat-muls share rows in token groups in big steps
+        # (token_groups.py); the CUDA-core kernels run row tiles only
         self.program = program or schedule(c, blocks, max_seq_len, attn_splits,
                                            attn_min_chunk=attn_min_chunk,
                                            merge_ticket_min=merge_ticket_min,
-                                           tokens=step_tokens)
+                                           tokens=step_tokens, token_groups=bool(tensor_cores))
+        if not tensor_cores and any(i.group is not None for q in self.program.queues
+                                    for i in q):
+            raise KernelError("a program with token groups (schedule(token_groups=...)) is for "
+                              "a tensor-core kernel (tensor_cores=True): the CUDA-core kernels "
+                              "run row tiles only")
         if tensor_cores and self.program.merge_ticket_min != 1:
             raise KernelError(
                 f"tensor_cores=True needs a program whose ATTENTION merges every step by ticket "

@@ -511,6 +511,21 @@ __device__ __forceinline__ void mma_add_rows(float* res, int b, int n, int ntok,
     if (k < n && tok < ntok) res[(size_t)tok * H + b + k] += sum(q, r, m);
   }
 }
+
+// A mat-mul instruction's rows [b, e) and tokens [t0, t1) this step (kernel/token_groups.py,
+// isa Word.GROUP): in a step of at least its op's min_tokens tokens, its token group's rows
+// for its share of them, [j n / c, (j + 1) n / c) of c members; else its own tile for every
+// token. Either way a token's rows have the same k-loop: its numbers do not change.
+struct MmaTile {
+  int b, e, t0, t1;
+};
+__device__ __forceinline__ MmaTile token_group(const int* ins, int ntok) {
+  const int g = ins[W_GROUP], c = g & 0xff, j = (g >> 8) & 0xff, min_tokens = g >> 16;
+  if (c > 1 && ntok >= min_tokens)
+    return {ins[W_GROUP_TILE] & 0xffff, ins[W_GROUP_TILE] >> 16, j * ntok / c,
+            (j + 1) * ntok / c};
+  return {ins[W_TILE_BEGIN], ins[W_TILE_END], 0, ntok};
+}
 #endif  // MK_MMA
 
 // Counter-based RNG for Gumbel-max sampling: a hash of (seed, position, token) -> (0, 1).
@@ -818,36 +833,40 @@ __device__ __forceinline__ void qkv_store(const Params& P, const int* st, int la
 
 __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, const int* st,
                                 const float (&g)[RMS_PER]) {
-  const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
-  if (b >= e) return;
-  const int t = threadIdx.x, ntok = step_tokens(st);
-  const unsigned short* W = P.wqkv + (size_t)layer * MK_QKV_DIM * H;
 #if MK_MMA
-  // a row group: 8 pairs' rows j (group rows 0-7) and their partners j + HALF (rows 8-15)
-  (void)t;
+  // the tile's row pairs [b, e) for tokens [t0, t0 + n) (token_group); a row group: 8 pairs'
+  // rows j (group rows 0-7) and their partners j + HALF (rows 8-15)
   (void)g;
+  const MmaTile m = token_group(ins, step_tokens(st));
+  const int layer = ins[W_LAYER], b = m.b, e = m.e, t0 = m.t0, n = m.t1 - m.t0;
+  if (b >= e || n <= 0) return;
+  const unsigned short* W = P.wqkv + (size_t)layer * MK_QKV_DIM * H;
   const unsigned short* norm = P.in_norm + (size_t)layer * H;
-  mma_rms(s.mma, P.residual, ntok, [](int i) { return i; });
+  mma_rms(s.mma, P.residual, n, [&](int i) { return t0 + i; });
   block_mma<H>(
-      s.mma, (e - b + 7) / 8, ntok,
+      s.mma, (e - b + 7) / 8, n,
       [&](int q, int r) -> const unsigned short* {
         const int p = b + q * 8 + (r & 7);
         return p < e ? W + (size_t)((p / HALF) * D + p % HALF + (r >= 8 ? HALF : 0)) * H
                      : nullptr;
       },
       [&](int tok, int col, unsigned (&x)[4]) {
-        rms_bf16_x8(P.residual + (size_t)tok * H, s.mma.rms[tok], norm, col, x);
+        rms_bf16_x8(P.residual + (size_t)(t0 + tok) * H, s.mma.rms[tok], norm, col, x);
       },
       [&](int q0, int tok0, auto sum) {
         for (int i = threadIdx.x; i < MMA_RG * 64; i += MK_THREADS) {
-          const int q = i / 64, r = (i / 8) % 8, n = i % 8;
-          const int p = b + (q0 + q) * 8 + r, tok = tok0 + n;
-          if (p < e && tok < ntok)
-            qkv_store(P, st, layer, tok, p / HALF, p % HALF, sum(q, r, n), sum(q, r + 8, n));
+          const int q = i / 64, r = (i / 8) % 8, k = i % 8;
+          const int p = b + (q0 + q) * 8 + r, tok = tok0 + k;
+          if (p < e && tok < n)
+            qkv_store(P, st, layer, t0 + tok, p / HALF, p % HALF, sum(q, r, k),
+                      sum(q, r + 8, k));
         }
       });
-  return;
-#endif
+#else
+  const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
+  if (b >= e) return;
+  const int t = threadIdx.x, ntok = step_tokens(st);
+  const unsigned short* W = P.wqkv + (size_t)layer * MK_QKV_DIM * H;
   for (int tok = 0; tok < ntok; ++tok) {
     rms_apply(P.residual + (size_t)tok * H, g, s.vec);
     const int pos = row_pos(st, tok), slot = row_slot(st, tok);
@@ -911,6 +930,7 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
       p += n;
     }
   }
+#endif
 }
 
 // ================================================================================================
@@ -1507,9 +1527,15 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
 // residual[r] += Wo[r] . attn for the tile's rows.
 // ================================================================================================
 __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins, const int* st) {
+  const int ntok = step_tokens(st);
+#if MK_MMA
+  // the tile's rows [b, e) for tokens [t0, t0 + n) (token_group)
+  const MmaTile m = token_group(ins, ntok);
+  const int layer = ins[W_LAYER], b = m.b, e = m.e, t0 = m.t0, n = m.t1 - m.t0;
+#else
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[A_O_PROJ_RESIDUAL_SPLITS];
-  const int ntok = step_tokens(st);
+#endif
 #if LATE_QK
   {  // this block caches the step's keys of KV heads [ARG2, ARG3): one warp per head
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1528,19 +1554,23 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   }
   static_assert(!LATE_QK || NWARPS * MK_HEAD_DIM <= VEC_MAX, "late q/k scratch in s.vec");
 #endif
-  if (b >= e) return;
-  // the tile's residual rows are this block's own (EMBED, O_PROJ and DOWN share the row
-  // tiles), so each is read in the same round trip as its weights
-  const unsigned short* W = P.wo + ((size_t)layer * H + b) * MK_Q_DIM;
+  // the tile's residual rows (of a row tile: this block's own; EMBED, O_PROJ and DOWN share
+  // the row tiles) are read in the same round trip as the weights
 #if MK_MMA
+  if (b >= e || n <= 0) return;
+  const unsigned short* W = P.wo + ((size_t)layer * H + b) * MK_Q_DIM;
   // every row's attention was merged by ticket (tensor_cores: merge_ticket_min 1)
   block_mma<MK_Q_DIM>(
-      s.mma, (e - b + 15) / 16, ntok, tile_rows(W, e - b, MK_Q_DIM),
+      s.mma, (e - b + 15) / 16, n, tile_rows(W, e - b, MK_Q_DIM),
       [&](int tok, int col, unsigned (&x)[4]) {
-        load_bf16_x8(P.attn + (size_t)tok * MK_Q_DIM, col, x);
+        load_bf16_x8(P.attn + (size_t)(t0 + tok) * MK_Q_DIM, col, x);
       },
-      [&](int q0, int tok0, auto sum) { mma_add_rows(P.residual, b, e - b, ntok, q0, tok0, sum); });
+      [&](int q0, int tok0, auto sum) {
+        mma_add_rows(P.residual + (size_t)t0 * H, b, e - b, n, q0, tok0, sum);
+      });
 #else
+  if (b >= e) return;
+  const unsigned short* W = P.wo + ((size_t)layer * H + b) * MK_Q_DIM;
   int rot = 0;  // the row's rotation (split_slot): ATTENTION's, the rows' used splits before it
   for (int tok = 0; tok < ntok; ++tok) {
     const int used = splits_used(row_pos(st, tok) + 1, splits, ins[A_O_PROJ_RESIDUAL_MIN_CHUNK]);
@@ -1571,36 +1601,42 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
 // ================================================================================================
 __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, const int* st,
                                const float (&g)[RMS_PER]) {
-  const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
-  if (b >= e) return;
-  const int ntok = step_tokens(st);
-  const size_t off = ((size_t)layer * MK_FFN + b) * H;
 #if MK_MMA
-  // a row group: 8 rows' gate rows (group rows 0-7) and their up rows (8-15)
+  // the tile's rows [b, e) for tokens [t0, t0 + nt) (token_group); a row group: 8 rows' gate
+  // rows (group rows 0-7) and their up rows (8-15)
   (void)g;
+  const MmaTile m = token_group(ins, step_tokens(st));
+  const int layer = ins[W_LAYER], b = m.b, e = m.e, t0 = m.t0, nt = m.t1 - m.t0;
+  if (b >= e || nt <= 0) return;
+  const size_t off = ((size_t)layer * MK_FFN + b) * H;
   const unsigned short* norm = P.post_norm + (size_t)layer * H;
   const int n = e - b;
-  mma_rms(s.mma, P.residual, ntok, [](int i) { return i; });
+  mma_rms(s.mma, P.residual, nt, [&](int i) { return t0 + i; });
   block_mma<H>(
-      s.mma, (n + 7) / 8, ntok,
+      s.mma, (n + 7) / 8, nt,
       [&](int q, int r) -> const unsigned short* {
         const int k = q * 8 + (r & 7);
         return k < n ? (r < 8 ? P.wg : P.wu) + off + (size_t)k * H : nullptr;
       },
       [&](int tok, int col, unsigned (&x)[4]) {
-        rms_bf16_x8(P.residual + (size_t)tok * H, s.mma.rms[tok], norm, col, x);
+        rms_bf16_x8(P.residual + (size_t)(t0 + tok) * H, s.mma.rms[tok], norm, col, x);
       },
       [&](int q0, int tok0, auto sum) {
         for (int i = threadIdx.x; i < MMA_RG * 64; i += MK_THREADS) {
-          const int q = i / 64, r = (i / 8) % 8, m = i % 8;
-          const int k = (q0 + q) * 8 + r, tok = tok0 + m;
-          if (k < n && tok < ntok) {
-            const float gv = sum(q, r, m), uv = sum(q, r + 8, m);
-            store_in(P.ffn_h + (size_t)tok * MK_FFN + b + k, gv / (1.0f + expf(-gv)) * uv);
+          const int q = i / 64, r = (i / 8) % 8, c = i % 8;
+          const int k = (q0 + q) * 8 + r, tok = tok0 + c;
+          if (k < n && tok < nt) {
+            const float gv = sum(q, r, c), uv = sum(q, r + 8, c);
+            store_in(P.ffn_h + (size_t)(t0 + tok) * MK_FFN + b + k,
+                     gv / (1.0f + expf(-gv)) * uv);
           }
         }
       });
 #else
+  const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
+  if (b >= e) return;
+  const int ntok = step_tokens(st);
+  const size_t off = ((size_t)layer * MK_FFN + b) * H;
   for (int tok = 0; tok < ntok; ++tok) {
     rms_apply(P.residual + (size_t)tok * H, g, s.vec);
     float* h = P.ffn_h + (size_t)tok * MK_FFN;
@@ -1617,18 +1653,25 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
 // weights)
 // ================================================================================================
 __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, const int* st) {
+#if MK_MMA
+  // the tile's rows [b, e) for tokens [t0, t0 + n) (token_group)
+  const MmaTile m = token_group(ins, step_tokens(st));
+  const int layer = ins[W_LAYER], b = m.b, e = m.e, t0 = m.t0, n = m.t1 - m.t0;
+  if (b >= e || n <= 0) return;
+  const unsigned short* W = P.wd + ((size_t)layer * H + b) * MK_FFN;
+  block_mma<MK_FFN>(
+      s.mma, (e - b + 15) / 16, n, tile_rows(W, e - b, MK_FFN),
+      [&](int tok, int col, unsigned (&x)[4]) {
+        load_bf16_x8(P.ffn_h + (size_t)(t0 + tok) * MK_FFN, col, x);
+      },
+      [&](int q0, int tok0, auto sum) {
+        mma_add_rows(P.residual + (size_t)t0 * H, b, e - b, n, q0, tok0, sum);
+      });
+#else
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   if (b >= e) return;
   const int ntok = step_tokens(st);
   const unsigned short* W = P.wd + ((size_t)layer * H + b) * MK_FFN;
-#if MK_MMA
-  block_mma<MK_FFN>(
-      s.mma, (e - b + 15) / 16, ntok, tile_rows(W, e - b, MK_FFN),
-      [&](int tok, int col, unsigned (&x)[4]) {
-        load_bf16_x8(P.ffn_h + (size_t)tok * MK_FFN, col, x);
-      },
-      [&](int q0, int tok0, auto sum) { mma_add_rows(P.residual, b, e - b, ntok, q0, tok0, sum); });
-#else
   for (int tok = 0; tok < ntok; ++tok) {
     copy_to_shared<MK_FFN>(s.vec, P.ffn_h + (size_t)tok * MK_FFN);
     __syncthreads();
