@@ -62,9 +62,9 @@ class Plan:
     min_chunk: int  # fewest positions per attention split
     merge_min: int = 0  # fewest used splits a step merges by ticket (0: never)
     tokens: int = 1  # the most tokens a step carries (Program.tokens)
-    # the mat-muls' token groups (token_groups.py): False none, True chosen per op, an int
-    # that many members in every mat-mul op (the tests)
-    token_groups: bool | int = False
+    # the mat-muls' token groups (token_groups.py): False none, True chosen per op; the tests:
+    # an int, that many members in every mat-mul op, or (members, min_tokens)
+    token_groups: bool | int | tuple[int, int] = False
     counters: list[str] = field(default_factory=list)
 
     def counter(self, name: str) -> int:
@@ -104,7 +104,7 @@ def tensor_core_splits(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
 def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
              attn_splits: int | None = None, attn_min_chunk: int | None = None,
              merge_ticket_min: int | None = None, tokens: int = 1,
-             token_groups: bool | int = False) -> Program:
+             token_groups: bool | int | tuple[int, int] = False) -> Program:
     """Build and verify the decode-step program for ``num_blocks`` persistent blocks.
 
     ``attn_splits``: position splits per KV head (default: ``default_attn_splits``);
@@ -116,7 +116,8 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     ``tokens``: the most tokens a step carries (a prompt chunk; at most MAX_STEP_TOKENS).
     ``token_groups``: the mat-muls' token groups of a tensor-core kernel (token_groups.py;
     needs every step's attention merged by ticket, merge_ticket_min 1): True, chosen per op
-    for ``tokens``; an int, that many members in every mat-mul op; False, row tiles.
+    for ``tokens`` (none where the attention cannot be merged by ticket); an int, that many members in every mat-mul op in steps of at least 8 a
+    member, or (members, min_tokens) (the tests); False, row tiles.
 
     Memoised: the same arguments return the same (shared) Program. Never edit a returned
     Program in place; ``copy.deepcopy`` it first (the tests that break programs do)."""
@@ -139,8 +140,11 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
                     token_groups=token_groups)
         plan.merge_min = ops.attention.merge_min(plan, merge_ticket_min)
         if token_groups is not False and plan.merge_min != 1:
-            raise ProgramError("token groups are for a tensor-core kernel's program, whose "
-                               "attention is merged by ticket every step (merge_ticket_min 1)")
+            if token_groups is not True:
+                raise ProgramError("token groups are for a tensor-core kernel's program, whose "
+                                   "attention is merged by ticket every step (merge_ticket_min "
+                                   "1)")
+            plan.token_groups = False  # (the executor names why it cannot merge by ticket)
         prog = build(plan)
         prog.verify()
         if len(_VERIFIED) >= _VERIFIED_MAX:
@@ -169,7 +173,7 @@ def build(plan: Plan) -> Program:
             raise ProgramError(f"{op.name} tiled {len(tiles)} instructions for {B} blocks")
         if plan.token_groups is not False and op in groups.GROUPED_OPS:
             tiles = groups.apply(plan, module, layer, tiles, None if plan.token_groups is True
-                                 else int(plan.token_groups))
+                                 else plan.token_groups)
         for q, ins in zip(queues, tiles):
             ins.wait = (prev, B) if prev is not None else None
             ins.signal = sig

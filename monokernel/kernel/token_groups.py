@@ -61,20 +61,23 @@ def _tagged(regions, tokens: Tokens) -> list:
     return [(r[0], r[1], r[2], tokens) for r in regions]
 
 
-def apply(plan, module, layer: int, tiles: list[Instruction], members: int | None = None
-          ) -> list[Instruction]:
+def apply(plan, module, layer: int, tiles: list[Instruction],
+          members: int | tuple[int, int] | None = None) -> list[Instruction]:
     """``tiles`` (one op's instructions, tile k on block k) with their token groups: c by
-    ``choose`` for ``plan.tokens`` (``members``: that many, for the tests; its min_tokens
-    MIN_SHARE c), each instruction's regions in both modes."""
+    ``choose`` for ``plan.tokens``; ``members`` (the tests): that many, in steps of at least
+    MIN_SHARE x that many tokens, or (members, min_tokens). Each instruction's regions in
+    both modes."""
     busiest = max((hi - lo for lo, hi in (i.tile for i in tiles)), default=0)
     rows = busiest * module.WEIGHT_ROWS
     if members is None:
         c, min_tokens = choose(plan.tokens, module.INPUT_BYTES, rows, len(tiles))
     else:
-        if not 1 <= members <= min(MAX_MEMBERS, len(tiles)) or TOKEN_SHARES % members:
-            raise ProgramError(f"token groups of {members} members: need 1..{MAX_MEMBERS} "
-                               f"and at most the {len(tiles)} blocks")
-        c, min_tokens = members, MIN_SHARE * members
+        c, min_tokens = members if isinstance(members, tuple) else (members,
+                                                                    MIN_SHARE * members)
+        if not 1 <= c <= min(MAX_MEMBERS, len(tiles)) or not c <= min_tokens < 1 << 15:
+            raise ProgramError(f"token groups of {c} members from {min_tokens} tokens: need "
+                               f"1..{min(MAX_MEMBERS, len(tiles))} members (at most "
+                               f"{MAX_MEMBERS}, at most the blocks) and at least a token each")
     if c <= 1 or plan.tokens < min_tokens:
         return tiles
     rows_mode = Tokens(steps_hi=min_tokens)
@@ -85,6 +88,9 @@ def apply(plan, module, layer: int, tiles: list[Instruction], members: int | Non
             raise ProgramError(f"{group[0].op.name} tiles {[i.tile for i in group]} are not "
                                "consecutive: no token groups")
         lo, hi = group[0].tile[0], group[-1].tile[1]
+        if hi >= 1 << 15:  # Word.GROUP_TILE: begin | end << 16 in an int32
+            raise ProgramError(f"{group[0].op.name} has {hi} tile rows: token groups take "
+                               f"fewer than {1 << 15}")
         for j, ins in enumerate(group):
             own_r, own_w = module.row_accesses(plan, layer, *ins.tile)
             grp_r, grp_w = module.row_accesses(plan, layer, lo, hi)

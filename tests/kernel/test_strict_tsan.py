@@ -277,9 +277,13 @@ def table_steps(ex: KernelExecutor):
 
 
 @needs_tsan
-@pytest.mark.parametrize("tensor_cores,splits", [(False, None), (True, None), (True, 4)],
-                         ids=["cuda-cores", "tensor-cores", "tensor-cores-4-splits"])
-def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny, tensor_cores, splits):
+@pytest.mark.parametrize("tensor_cores,splits,groups",
+                         [(False, None, False), (True, None, False), (True, 4, False),
+                          (True, None, True)],
+                         ids=["cuda-cores", "tensor-cores", "tensor-cores-4-splits",
+                              "tensor-cores-token-groups"])
+def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny, tensor_cores, splits,
+                                                                    groups):
     """Steps of many sequences (issue 17 slice 3): the token table copied into shared memory
     with the state, rows of two slots in one step, K/V through block tables. Race-free, and
     every row's logits the reference's for its own sequence. On tensor cores (slice 6a): the
@@ -287,10 +291,18 @@ def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny, tensor
     per-row bests, every row's attention merged by ticket; judged by the bf16-inputs
     reference (tolerance: tests/kernel/test_tensor_cores.py). With 4 splits of 2 positions
     (fixed by absolute position) the second step's rows at position 2 merge by ticket beside
-    a row its unit finishes."""
+    a row its unit finishes. With token groups (kernel/token_groups.py) of both blocks from 2
+    tokens a step: each step's mat-muls split its 3 rows 1 + 2 over the blocks, each block
+    multiplying every row of the op (the other block's residual rows read and written)."""
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
     from monokernel.sampling import Sampler, SamplingParams
 
-    ex = table_executor(tiny, tensor_cores, attn_splits=splits)
+    kw = {"attn_splits": splits}
+    if groups:
+        s, c = tensor_core_splits(tiny.config, BLOCKS, MAX_SEQ)
+        kw = {"program": schedule(tiny.config, BLOCKS, MAX_SEQ, s, c, merge_ticket_min=1,
+                                  tokens=3, token_groups=(2, 2))}
+    ex = table_executor(tiny, tensor_cores, **kw)
     if splits:
         assert ex.program.attn_min_chunk == 2  # MAX_SEQ / splits
     tol = 4e-3 if tensor_cores else 2e-3

@@ -1,0 +1,211 @@
+"""Token groups (kernel/token_groups.py): in a big step a mat-mul's consecutive blocks share
+their rows and split the step's tokens. The choice of members, the program's words and
+regions, the verifier on both modes (with a negative control), the kernel on the emulator bit
+for bit against row tiles (with a negative control), and the cost model."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+from helpers.batch import Batch, prompt_of
+from monokernel.errors import KernelError, ProgramError
+from monokernel.kernel import token_groups as tg
+from monokernel.kernel.executor import KernelExecutor
+from monokernel.kernel.isa import Op, Word
+from monokernel.kernel.program import TOKEN_SHARES, Tokens
+from monokernel.kernel.schedule import schedule, tensor_core_splits
+from monokernel.model.config import ModelConfig
+
+MAX_SEQ = 64
+TOKENS = 32
+
+
+def tc_program(config, blocks: int, token_groups, tokens: int = TOKENS):
+    splits, min_chunk = tensor_core_splits(config, blocks, MAX_SEQ)
+    return schedule(config, blocks, MAX_SEQ, splits, min_chunk, merge_ticket_min=1,
+                    tokens=tokens, token_groups=token_groups)
+
+
+# ---- the choice -----------------------------------------------------------------------------
+def test_members_minimise_the_input_and_the_shared_weights():
+    """c minimises T b / c + 2 (c - 1) n over powers of two with >= 8 tokens a member; a step
+    runs in groups from max(8 c, 2 n c / b + 1) tokens."""
+    # SmolLM2's QKV at 64 tokens: 10 weight rows, fp32 input: 64 / 4 x 4 + 6 x 10 = 124 is
+    # the least of 256, 148, 124, 172 (c = 1, 2, 4, 8)
+    assert tg.choose(64, 4, 10, 132) == (4, 32)
+    # Llama's GATE_UP: 126 weight rows; sharing them costs more than the input saved
+    assert tg.choose(64, 4, 126, 132) == (1, 0)
+    # bf16 input, 16 rows at 64 tokens: 128 / c + 32 (c - 1): 128, 96, 128 -> 2, from
+    # max(16, 2 x 16 x 2 / 2 + 1 = 33) tokens
+    assert tg.choose(64, 2, 16, 132) == (2, 33)
+    # at least 8 tokens a member, at most the blocks
+    assert tg.choose(8, 4, 1, 132) == (1, 0)
+    assert tg.choose(64, 4, 1, 2) == (2, 16)
+    for tokens, b, rows, blocks in [(64, 4, 10, 132), (32, 2, 5, 132), (64, 2, 1, 132)]:
+        c, m = tg.choose(tokens, b, rows, blocks)
+        cost = lambda k: tokens * b / k + 2 * (k - 1) * rows  # noqa: E731
+        assert all(cost(c) <= cost(k) for k in (1, 2, 4, 8) if tokens >= 8 * k)
+        assert m * b * (1 - 1 / c) > 2 * (c - 1) * rows and m >= 8 * c
+
+
+def test_the_programs_of_the_three_shapes():
+    """On 132 blocks, 64 tokens a step: the members the NOTES prediction names."""
+    want = {"smollm2-135m": {Op.RMS_QKV_ROPE: 4, Op.O_PROJ_RESIDUAL: 4, Op.RMS_GATE_UP: 2,
+                             Op.DOWN_RESIDUAL: 4},
+            "llama-3.2-1b": {Op.RMS_QKV_ROPE: 2, Op.O_PROJ_RESIDUAL: 2, Op.RMS_GATE_UP: 1,
+                             Op.DOWN_RESIDUAL: 2}}
+    for shape, members in want.items():
+        cfg = ModelConfig.from_name(shape)
+        splits, min_chunk = tensor_core_splits(cfg, 132, 2048)
+        prog = schedule(cfg, 132, 2048, splits, min_chunk, merge_ticket_min=1, tokens=64,
+                        token_groups=True)
+        got = {}
+        for ins in prog.queues[0]:
+            if ins.layer == 0 and ins.op in members:
+                got[ins.op] = ins.group.members if ins.group else 1
+        assert got == members, shape
+
+
+# ---- the program --------------------------------------------------------------------------
+def test_a_group_shares_its_members_rows_and_splits_the_tokens(synth_model):
+    """Three blocks in groups of two: blocks 0 and 1 share their rows (the union of their
+    tiles), block 2 is a group of one; the words carry members, index, min_tokens and rows;
+    the regions say which tokens and steps each covers."""
+    model = synth_model("llama3-tiny")
+    prog = tc_program(model.config, 3, 2)
+    words = prog.words()
+    for k, ins in enumerate(prog.queues[0]):
+        if ins.op not in tg.GROUPED_OPS:
+            assert ins.group is None
+            continue
+        mates = [prog.queues[b][k] for b in range(3)]
+        assert [m.group.members for m in mates] == [2, 2, 1]
+        assert [m.group.index for m in mates] == [0, 1, 0]
+        assert mates[0].group.tile == mates[1].group.tile == (mates[0].tile[0], mates[1].tile[1])
+        assert mates[2].group.tile == mates[2].tile
+        g = words[0, k, Word.GROUP]
+        assert (g & 0xff, g >> 8 & 0xff, g >> 16) == (2, 0, 16)
+        assert words[0, k, Word.GROUP_TILE] == mates[0].tile[0] | mates[1].tile[1] << 16
+        shares = {r[3] for r in mates[1].writes if len(r) > 3}
+        assert shares == {Tokens(steps_hi=16), Tokens(TOKEN_SHARES // 2, TOKEN_SHARES, 16)}
+    # a CUDA-core program has none (its words stay 0)
+    plain = schedule(model.config, 3, MAX_SEQ, tokens=TOKENS)
+    assert (plain.words()[:, :, Word.GROUP] == 0).all()
+
+
+def test_token_groups_need_a_program_merged_by_ticket_and_sane_members(synth_model):
+    cfg = synth_model("llama3-tiny").config
+    with pytest.raises(ProgramError, match="merge_ticket_min 1"):
+        schedule(cfg, 3, MAX_SEQ, tokens=TOKENS, token_groups=2)
+    with pytest.raises(ProgramError, match="members"):
+        tc_program(cfg, 3, 4)  # more members than blocks
+    with pytest.raises(ProgramError, match="members"):
+        tc_program(cfg, 3, (2, 1))  # fewer tokens than members
+    with pytest.raises(KernelError, match="tensor-core kernel"):
+        KernelExecutor(synth_model("llama3-tiny"), MAX_SEQ, blocks=3, slots=2, step_tokens=TOKENS,
+                       merge_ticket_min=1, program=tc_program(cfg, 3, 2))
+
+
+def _same_share(prog):
+    """A copy of ``prog`` whose members all take share 0: two blocks write the same tokens of
+    the group's rows."""
+    bad = copy.deepcopy(prog)
+    for q in bad.queues:
+        for i, ins in enumerate(q):
+            if ins.group is not None and ins.group.members > 1:
+                j, m, mt = 0, ins.group.members, ins.group.min_tokens
+                share = Tokens(0, TOKEN_SHARES // m, mt)
+                fix = lambda rs: [r if len(r) < 4 or r[3].steps_lo < mt  # noqa: E731
+                                  else (*r[:3], share) for r in rs]
+                q[i] = dataclasses.replace(ins, group=dataclasses.replace(ins.group, index=j),
+                                           reads=fix(ins.reads), writes=fix(ins.writes))
+    return bad
+
+
+def test_the_verifier_proves_both_modes_and_rejects_a_shared_share(synth_model):
+    """The regions of both modes pass (schedule verified them); members taking the same
+    share of the tokens are two unordered writers of the same rows and tokens."""
+    prog = tc_program(synth_model("qwen3-gqa-tiny").config, 4, 2)
+    with pytest.raises(ProgramError) as info:
+        _same_share(prog).verify(use_cache=False)
+    # two members of one group (blocks 0 and 1, the same op) on the same rows and tokens
+    assert re.search(r"A[WR] hazard on \w+\[\d+:\d+\]: block 1 #\d+ (\w+)\(layer 0.* "
+                     r"after block 0 #\d+ \1\(", str(info.value)), str(info.value)
+    # row tiles in the small steps: a group's writes overlap its members' row-tile writes in
+    # rows and tokens, but never in the same step
+    ins = prog.queues[0][next(k for k, i in enumerate(prog.queues[0])
+                              if i.op == Op.DOWN_RESIDUAL)]
+    rows_mode = [r[3] for r in ins.writes if len(r) > 3 and r[3].steps_lo == 1]
+    group_mode = [r[3] for r in ins.writes if len(r) > 3 and r[3].steps_lo > 1]
+    assert rows_mode and group_mode and not rows_mode[0].overlaps(group_mode[0])
+
+
+# ---- the kernel on the emulator ---------------------------------------------------------
+def _run(model, prog, blocks: int) -> dict:
+    ex = KernelExecutor(model, MAX_SEQ, blocks=blocks, slots=6, page_size=8, tensor_cores=True,
+                        program=prog, step_tokens=TOKENS)
+    ex.poison()
+    b = Batch(ex)
+    for k in range(6):
+        b.join(k, prompt_of(model, 5 + 6 * k, k))
+    b.step({0: 5, 1: 11, 2: 16})  # 32 rows: groups
+    b.step({0: 1, 1: 1, 3: 12, 4: 3})  # 17 (>= 16: groups, shares of 8 and 9)
+    b.step({0: 1, 2: 1, 3: 11})  # 13: row tiles
+    b.step({0: 1, 1: 1, 2: 1, 3: 1, 4: 20, 5: 8})  # 32, sequences 4 and 5 straddle a share
+    b.step({s: 1 for s in range(4)})  # 4: row tiles
+    return {(s, p): lg for s, q in b.seqs.items() for p, lg in q["logits"].items()}
+
+
+@pytest.mark.parametrize("arch", ["llama3-tiny", "qwen3-gqa-tiny", "qwen2-tiny", "tiny"])
+def test_groups_leave_every_logit_bitwise_as_row_tiles(synth_model, arch):
+    """Steps of 4 to 32 rows (groups from 16) on 4 blocks in groups of 2 and of 4, and on 3
+    blocks in groups of 2 (a group of one beside): every row's logits bit for bit those of
+    the same kernel in row tiles (a token's k-loop is the same whichever block runs it)."""
+    model = synth_model(arch)
+    for blocks, members in ((4, 2), (4, 4), (3, 2)):
+        want = _run(model, tc_program(model.config, blocks, False), blocks)
+        got = _run(model, tc_program(model.config, blocks, members), blocks)
+        assert len(got) == len(want) == 98
+        bad = [k for k in want if not np.array_equal(got[k], want[k])]
+        assert not bad, f"{arch} {blocks} blocks, groups of {members}: rows {bad[:5]} differ"
+
+
+def test_negative_control_members_on_the_same_share_change_the_logits(synth_model):
+    """The same run with every member on share 0: in a big step the other share's tokens
+    are never multiplied and share 0's residual rows get each product added twice, so no row
+    of the first step (32 rows: shares of 16) has row tiles' logits."""
+    model = synth_model("llama3-tiny")
+    want = _run(model, tc_program(model.config, 4, False), 4)
+    got = _run(model, _same_share(tc_program(model.config, 4, 2)), 4)
+    first = [(0, p) for p in range(5)] + [(1, p) for p in range(11)] + [(2, p) for p in range(16)]
+    assert all(not np.array_equal(got[k], want[k]) for k in first)
+
+
+# ---- the cost model ---------------------------------------------------------------------
+def test_the_cost_model_reads_the_programs_groups():
+    """A step of 64 sequences predicts faster with the program's groups (its tiles line says
+    them); a step of one or 8 sequences (row tiles: fewer tokens than any op's min_tokens)
+    predicts the same."""
+    from monokernel.kernel import costmodel as cm
+    from monokernel.kernel.costmodel.tokens import StepShape
+
+    cfg = ModelConfig.from_name("smollm2-135m")
+    g, d = cm.gpu("h200"), cm.design("v6-mma")
+    rows, groups = (tc_program(cfg, 132, tgv, tokens=64) for tgv in (False, True))
+
+    def step_us(prog, batch):
+        shape = StepShape.decode(batch, 16)
+        st = cm.Static(prog, 16, g, d, shape)
+        return cm.predict(prog, g, d, static=st).total_us, st.tiles
+
+    for batch in (1, 8):
+        assert step_us(groups, batch)[0] == pytest.approx(step_us(rows, batch)[0], rel=1e-12)
+    t_rows, _ = step_us(rows, 64)
+    t_groups, tiles = step_us(groups, 64)
+    assert t_groups < 0.85 * t_rows, (t_groups, t_rows)
+    assert tiles["RMS_QKV_ROPE"] == (4, 1) and tiles["RMS_GATE_UP"] == (2, 1)
