@@ -133,6 +133,11 @@ class KernelDesign:
     # last to draw merges that row; False: one ticket per KV group, its last drawer merging
     # every row of the step alone
     attn_row_tickets: bool = False
+    # (kernels of slots) while an ATTENTION instruction runs a unit it prefetches the next
+    # unit's K/V into L2 (prefetch.global.L2, a line a thread), so the K/V stream runs on
+    # during each unit's fixed work; False: only the step's first row's units are prefetched,
+    # before the wait (prefetch_weights)
+    attn_rolling_prefetch: bool = False
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
     attn_units_in_flight: int = 1

@@ -193,20 +193,43 @@ def _rotated(b: OpBatch, g, d) -> Phases:
     keys = ("l2", "hbm", "other", "rounds", "bytes", "pref")
     per_slot = {k: np.zeros(S) for k in keys}
     cache: dict[int, dict] = {}
-    for ctx, u, off in zip(rows, used, offs):
+    row_bytes = []  # per row, its units' bytes by unit slot
+    for r, (ctx, u, off) in enumerate(zip(rows, used, offs)):
         if ctx not in cache:
             one = _unit_costs(OpBatch(prog, ctx, np.zeros(S, np.int64), probe, probe + 1,
                                       np.zeros(S), []), g, d)
             cache[ctx] = {k: np.where(probe < u, v, 0.0) for k, v in one.items()}
         for k in keys:
-            per_slot[k] += np.roll(cache[ctx][k], off)
+            if k != "pref" or r == 0:  # prefetch_weights: the step's first row's units only
+                per_slot[k] += np.roll(cache[ctx][k], off)
+        row_bytes.append(np.roll(cache[ctx]["bytes"], off))
     # instruction i: its units [lo, hi) of g * S + slot, every group alike
     kv = prog.config.num_kv_heads
     out = {}
     for k in keys:
         cum = np.concatenate([[0.0], np.cumsum(np.tile(per_slot[k], kv))])
         out[k] = cum[b.hi] - cum[b.lo]
+    if d.attn_rolling_prefetch:
+        out["pref"] = _rolling_prefetch(b, S, kv, row_bytes, out["pref"])
     return Phases(out["l2"], out["hbm"], out["other"], out["rounds"], out["bytes"], out["pref"])
+
+
+def _rolling_prefetch(b: OpBatch, S: int, kv: int, row_bytes: list[np.ndarray],
+                      first_row: np.ndarray) -> np.ndarray:
+    """attn_rolling_prefetch: an instruction prefetches each unit's K/V into L2 while it runs
+    the unit before (megakernel.cu attention_prefetch_next), so every unit's bytes but its
+    first's are prefetched; that first one is the step's first row's (prefetched before the
+    wait, ``first_row``) or not prefetched at all."""
+    out = np.zeros(len(b.lo))
+    for i, (lo, hi) in enumerate(zip(b.lo.tolist(), b.hi.tolist())):
+        units = [np.tile(rb, kv)[lo:hi] for rb in row_bytes]  # per row, the instruction's
+        total = sum(float(u.sum()) for u in units)
+        first = next(((r, u[u > 0][0]) for r, u in enumerate(units) if (u > 0).any()), None)
+        if first is None:
+            continue
+        r, nbytes = first
+        out[i] = total - nbytes + (first_row[i] if r == 0 else 0.0)
+    return out
 
 
 def _merge_row_bytes(c, used: int) -> float:
