@@ -1360,6 +1360,49 @@ __device__ void attention_ticket(const Params& P, const int* st, int ticket, int
 }
 #endif
 
+#if ROTATE_ROWS
+// The rolling prefetch of a step of many rows (costmodel design attn_rolling_prefetch): when
+// an instruction starts a unit, its threads prefetch every K/V line of its next unit into L2,
+// so HBM streams that unit during this one's fixed work (its queries, softmax, barriers,
+// partials) and its loads hit L2. The cursor (row, unit slot, that row's rotation) only moves
+// forward over the rows and the instruction's unit slots [b, e), in the order the units run:
+// a step's scan is O(rows + units), whatever the rows. Before the wait, prefetch_weights
+// prefetches the first unit (attn_first_unit_prefetch): of its positions, only those cached
+// before the step (the step's own are being written: `before`), at most PREFETCH_MAX_BYTES
+// of K and of V, as for the one-sequence kernel.
+struct UnitCursor {
+  int tok, u, rot;
+};
+__device__ void attention_prefetch_next(const Params& P, const int* st, UnitCursor& c, int tok,
+                                        int u, int rot, int layer, int b, int e, int splits,
+                                        int min_chunk, int ntok, bool before = false) {
+  constexpr int LINES = (D * 2 + 127) / 128;  // 128-byte lines per K or V row
+  if (c.tok < tok || (c.tok == tok && c.u <= u)) c = {tok, u + 1, rot};  // past this unit
+  for (; c.tok < ntok; c.u = b) {
+    const int n_pos = row_pos(st, c.tok) + 1, used = splits_used(n_pos, splits, min_chunk);
+    for (; c.u < e; ++c.u) {
+      const int j = c.u % splits, split = j >= c.rot ? j - c.rot : j - c.rot + splits;
+      if (split >= used) continue;
+      const int chunk = split_chunk(n_pos, splits, min_chunk);
+      const int t0 = split * chunk, slot = row_slot(st, c.tok);
+      const int t1 = before ? min(min(row_pos(st, row_seg(st, c.tok)), t0 + chunk),
+                                  t0 + PREFETCH_MAX_BYTES / (D * 2))
+                            : min(n_pos, t0 + chunk);
+      const size_t kv0 = ((size_t)layer * MK_KV_ROWS * MK_KV_HEADS + c.u / splits) * D;
+      for (int k = threadIdx.x; k < (t1 - t0) * 2 * LINES; k += MK_THREADS) {
+        const int t = t0 + k / (2 * LINES), r = k % (2 * LINES);
+        prefetch_line((r < LINES ? P.k_cache : P.v_cache) + kv0 +
+                      (size_t)kv_row(P, slot, t) * MK_KV_DIM + (r % LINES) * 64);
+      }
+      ++c.u;  // the next call looks past it
+      return;
+    }
+    c.rot = next_rotation(c.rot, used, splits);
+    ++c.tok;
+  }
+}
+#endif
+
 __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const int* st) {
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[A_ATTENTION_SPLITS], min_chunk = ins[A_ATTENTION_MIN_CHUNK];
@@ -1372,6 +1415,7 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
   int rot = 0;          // this row's rotation (split_slot)
   bool merges = false;  // it ran units of a row that merges by ticket (not row_finishes)
   int my_draw = 0, my_rot = 0;  // thread r: row r's draw and rotation (attention_row_tickets)
+  UnitCursor next = {0, b, 0};  // the rolling prefetch's (attention_prefetch_next)
 #else
   int most_used = 0;  // the most splits a row uses: the ticket is drawn when it merges
 #endif
@@ -1395,6 +1439,7 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
       const int split = j >= rot ? j - rot : j - rot + splits;
       if (split >= used) continue;  // no positions: no queries, no partials
       ++ran;
+      attention_prefetch_next(P, st, next, tok, u, rot, layer, b, e, splits, min_chunk, ntok);
 #else
       const int split = j;
 #endif
@@ -1995,9 +2040,17 @@ __device__ void prefetch_weights(const Params& P, const int* w, const int* st) {
     case OP_ATTENTION: {
       // the units' K and V rows of the positions cached before this step (the new position's
       // row is written during it), at most PREFETCH_MAX_BYTES of each per unit; late q/k: the
-      // norm weights and the position's RoPE row. Of the step's first row (its sequence).
+      // norm weights and the position's RoPE row. Of the step's first row (its sequence); in
+      // a kernel of slots, of the instruction's first unit, whichever row's (the rest follow
+      // one unit ahead: attention_prefetch_next)
+      const int pos = row_pos(st, 0);
+#if ROTATE_ROWS
+      UnitCursor first = {0, b, 0};
+      attention_prefetch_next(P, st, first, 0, b - 1, 0, layer, b, e, w[A_ATTENTION_SPLITS],
+                              w[A_ATTENTION_MIN_CHUNK], step_tokens(st), true);
+#else
       constexpr int LINES = (D * 2 + 127) / 128;  // 128-byte lines per K or V row
-      const int pos = row_pos(st, 0), slot = row_slot(st, 0);
+      const int slot = row_slot(st, 0);
       const int splits = w[A_ATTENTION_SPLITS], n_pos = pos + 1;
       const int chunk = split_chunk(n_pos, splits, w[A_ATTENTION_MIN_CHUNK]);
       for (int u = b; u < e; ++u) {
@@ -2011,6 +2064,7 @@ __device__ void prefetch_weights(const Params& P, const int* w, const int* st) {
           prefetch_line(row + (r % LINES) * 64);
         }
       }
+#endif
 #if LATE_QK
       prefetch_l2(P.q_norm + (size_t)layer * D, D * 2);
       prefetch_l2(P.k_norm + (size_t)layer * D, D * 2);

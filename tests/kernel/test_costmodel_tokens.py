@@ -180,6 +180,44 @@ def test_row_tickets_spread_the_merge_over_a_groups_blocks():
                 cm.predict(prog, g, group, shape=shape).total_us
 
 
+def test_attention_prefetch_of_a_step_is_its_first_rows_or_rolling():
+    """ATTENTION's prefetch in a step of many rows. Without the rolling prefetch only the step's
+    first row's units are prefetched (prefetch_weights before the wait): an instruction's
+    prefetched bytes are those of row 0's units. With it (v6-mma as built:
+    megakernel.cu attention_prefetch_next) every unit's bytes but the instruction's first
+    unit's are, plus that one's positions cached before the step (prefetched before the
+    wait, whichever row's it is); the step at batch 64, context 1024 is faster, and batch 1
+    (row 0 only) is unchanged."""
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    cfg = ModelConfig.from_name("smollm2-135m").replace(num_layers=2)
+    splits, min_chunk = tensor_core_splits(cfg, 132, 1100)
+    prog = schedule(cfg, 132, 1100, splits, min_chunk, merge_ticket_min=1, tokens=64)
+    g = cm.gpu("h200")
+    built = cm.design("v6-mma")
+    assert built.attn_rolling_prefetch and built.attn_first_unit_prefetch
+    first_only = built.replace(attn_rolling_prefetch=False, attn_first_unit_prefetch=False)
+    attn = np.array([[ins.op == Op.ATTENTION for ins in q] for q in prog.queues])
+    one = cm.Static(prog, 0, g, first_only, StepShape.decode(1, 1024))
+    shape = StepShape.decode(64, 1024)
+    a, b = cm.Static(prog, 0, g, first_only, shape), cm.Static(prog, 0, g, built, shape)
+    # the first row's units: what a step of that row alone prefetches
+    assert np.array_equal(a.fields["pref"][attn], one.fields["pref"][attn])
+    nbytes, pref = b.fields["bytes"][attn], b.fields["pref"][attn]
+    busy = nbytes > 0
+    # a full unit: K and V of the program's positions a split (fixed by absolute position)
+    unit = 2 * prog.attn_min_chunk * cfg.head_dim * 2.0
+    assert np.all(pref[busy] <= nbytes[busy])
+    assert np.all(pref[busy] >= nbytes[busy] - unit), "more than a unit not prefetched"
+    assert pref.sum() > 10 * a.fields["pref"][attn].sum()
+    assert cm.predict(prog, g, built, shape=shape).total_us < \
+        0.8 * cm.predict(prog, g, first_only, shape=shape).total_us
+    single = StepShape.decode(1, 1024)
+    assert cm.predict(prog, g, built, shape=single).total_us == pytest.approx(
+        cm.predict(prog, g, first_only, shape=single).total_us)
+
+
 def test_prefill_shapes_cover_the_prompt_once():
     for prompt, chunk in ((1, 128), (128, 128), (1000, 128), (1024, 512)):
         steps = prefill_shapes(prompt, chunk)

@@ -138,6 +138,10 @@ class KernelDesign:
     # during each unit's fixed work; False: only the step's first row's units are prefetched,
     # before the wait (prefetch_weights)
     attn_rolling_prefetch: bool = False
+    # (with attn_rolling_prefetch) before the wait, prefetch_weights prefetches the positions
+    # cached before the step of the instruction's first unit, whichever row's it is; False:
+    # the units of the step's first row
+    attn_first_unit_prefetch: bool = False
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
     attn_units_in_flight: int = 1
@@ -234,13 +238,16 @@ V8_CLUSTER = V8.replace(name="v8-cluster", input_multicast=2)
 # producers: stored_bf16_inputs, built), attention per row on CUDA cores as slice 3 built it,
 # prompts in chunks of the program's tokens per step; a step's rows rotated over each KV
 # group's unit slots (built: attn_rotate_rows), each row merged by its last holder's ticket
-# (built: attn_row_tickets). Its attention K loop as compiled: at head_dim
+# (built: attn_row_tickets), each unit's successor prefetched into L2 while it runs and the
+# first before the wait (built: attn_rolling_prefetch, attn_first_unit_prefetch). Its
+# attention K loop as compiled: at head_dim
 # 64 (SmolLM2, Llama) ptxas issues a kernel of slots' K loads one at a time, each behind its
 # block-table lookup and into the same registers (SASS kv_loads_in_flight [1, 1, 1, 1, 4];
 # [4, 4] at head_dim 128 and in the one-sequence kernel): tests/kernel/test_sass.py.
 V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rotate_rows=True,
                     attn_k_in_flight=((64, 1),), stored_bf16_inputs=True,
-                    attn_row_tickets=True)
+                    attn_row_tickets=True, attn_rolling_prefetch=True,
+                    attn_first_unit_prefetch=True)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA, "v7": V7,
                                     "v7-rows": V7_ROWS, "v8": V8, "v8-cluster": V8_CLUSTER}

@@ -193,7 +193,7 @@ def _rotated(b: OpBatch, g, d) -> Phases:
     keys = ("l2", "hbm", "other", "rounds", "bytes", "pref")
     per_slot = {k: np.zeros(S) for k in keys}
     cache: dict[int, dict] = {}
-    row_bytes = []  # per row, its units' bytes by unit slot
+    row_bytes, row_pref = [], []  # per row, its units' bytes and prefetchable bytes by slot
     for r, (ctx, u, off) in enumerate(zip(rows, used, offs)):
         if ctx not in cache:
             one = _unit_costs(OpBatch(prog, ctx, np.zeros(S, np.int64), probe, probe + 1,
@@ -203,6 +203,7 @@ def _rotated(b: OpBatch, g, d) -> Phases:
             if k != "pref" or r == 0:  # prefetch_weights: the step's first row's units only
                 per_slot[k] += np.roll(cache[ctx][k], off)
         row_bytes.append(np.roll(cache[ctx]["bytes"], off))
+        row_pref.append(np.roll(cache[ctx]["pref"], off))
     # instruction i: its units [lo, hi) of g * S + slot, every group alike
     kv = prog.config.num_kv_heads
     out = {}
@@ -210,25 +211,28 @@ def _rotated(b: OpBatch, g, d) -> Phases:
         cum = np.concatenate([[0.0], np.cumsum(np.tile(per_slot[k], kv))])
         out[k] = cum[b.hi] - cum[b.lo]
     if d.attn_rolling_prefetch:
-        out["pref"] = _rolling_prefetch(b, S, kv, row_bytes, out["pref"])
+        out["pref"] = _rolling_prefetch(b, S, kv, row_bytes, row_pref, d.attn_first_unit_prefetch)
     return Phases(out["l2"], out["hbm"], out["other"], out["rounds"], out["bytes"], out["pref"])
 
 
 def _rolling_prefetch(b: OpBatch, S: int, kv: int, row_bytes: list[np.ndarray],
-                      first_row: np.ndarray) -> np.ndarray:
+                      row_pref: list[np.ndarray], first_unit: bool) -> np.ndarray:
     """attn_rolling_prefetch: an instruction prefetches each unit's K/V into L2 while it runs
     the unit before (megakernel.cu attention_prefetch_next), so every unit's bytes but its
-    first's are prefetched; that first one is the step's first row's (prefetched before the
-    wait, ``first_row``) or not prefetched at all."""
+    first's are prefetched. Its first unit's positions cached before the step (``row_pref``,
+    as _unit_costs counts them) are prefetched before the wait if it is the step's first
+    row's, or with ``first_unit`` (attn_first_unit_prefetch) whichever row's it is."""
     out = np.zeros(len(b.lo))
     for i, (lo, hi) in enumerate(zip(b.lo.tolist(), b.hi.tolist())):
         units = [np.tile(rb, kv)[lo:hi] for rb in row_bytes]  # per row, the instruction's
         total = sum(float(u.sum()) for u in units)
-        first = next(((r, u[u > 0][0]) for r, u in enumerate(units) if (u > 0).any()), None)
+        first = next(((r, int(np.flatnonzero(u > 0)[0])) for r, u in enumerate(units)
+                      if (u > 0).any()), None)
         if first is None:
             continue
-        r, nbytes = first
-        out[i] = total - nbytes + (first_row[i] if r == 0 else 0.0)
+        r, k = first
+        before = np.tile(row_pref[r], kv)[lo:hi][k] if first_unit or r == 0 else 0.0
+        out[i] = total - units[r][k] + before
     return out
 
 
