@@ -52,8 +52,9 @@ def add_commands(sub) -> None:
                         "kernel before issue 15's leaner step, as compiled)")
     p.add_argument("--batch", type=int, default=None, metavar="B",
                    help="with --predict: a decode step of B sequences at --context, on the "
-                        "design of many tokens per step (default v7, not built yet): "
-                        "us/step and tokens/s")
+                        "design of many tokens per step (default: the one built, the "
+                        "tensor-core kernel of slots, v6-mma, on the program its executor "
+                        "of 64 slots runs): us/step and tokens/s")
     p.add_argument("--prompt", type=int, default=None, metavar="P",
                    help="with --predict: the time to first token of a P-token prompt, "
                         "prefilled in chunks (the design's prefill_chunk, or --chunk)")

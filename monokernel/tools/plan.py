@@ -84,7 +84,7 @@ def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | Non
     from ..kernel import costmodel as cm
     from ..kernel.schedule import MAX_STEP_TOKENS, schedule, tensor_core_splits
 
-    if design_name is None or cm.design(design_name).name != cm.design_for(
+    if design_name is not None and cm.design(design_name).name != cm.design_for(
             None, tensor_cores=True).name:
         return prog
     splits, min_chunk = tensor_core_splits(cfg, blocks, max_seq)
@@ -92,12 +92,15 @@ def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | Non
                     tokens=MAX_STEP_TOKENS, token_groups=True)
 
 
-def _tokens_design(design_name: str | None):
+def _tokens_design(design_name: str | None, prog):
     """The design a step of many tokens is predicted on: the one named, which must have
-    tensor cores, or v7."""
+    tensor cores, or the one built (design_for the tensor-core program ``prog``: prompts in
+    chunks of its tokens a step)."""
     from ..kernel import costmodel as cm
 
-    d = cm.design(design_name or "v7")
+    built = cm.design_for(prog, tensor_cores=True)
+    d = built if design_name is None or cm.design(design_name).name == built.name \
+        else cm.design(design_name)
     if not d.tensor_cores:
         raise SystemExit(f"monokernel: error: design {d.name} runs one token per step; "
                          "--batch and --prompt predict a design with many tokens per step "
@@ -117,7 +120,7 @@ def batch_report(prog, gpu_name: str, design_name: str | None, context: int,
     from ..kernel import costmodel as cm
     from ..kernel.costmodel.tokens import StepShape
 
-    g, d = cm.gpu(gpu_name), _tokens_design(design_name)
+    g, d = cm.gpu(gpu_name), _tokens_design(design_name, prog)
     shape = StepShape.decode(batch, context)
     st = cm.Static(prog, context, g, d, shape)
     p = cm.predict(prog, g, d, static=st) if not shape.single else \
@@ -149,7 +152,7 @@ def prompt_report(prog, gpu_name: str, design_name: str | None, prompt: int,
     from ..kernel import costmodel as cm
     from ..kernel.costmodel.tokens import prefill_shapes
 
-    g, d = cm.gpu(gpu_name), _tokens_design(design_name)
+    g, d = cm.gpu(gpu_name), _tokens_design(design_name, prog)
     chunk = chunk or d.prefill_chunk
     steps = [cm.predict(prog, g, d, shape=s) for s in prefill_shapes(prompt, chunk)]
     total = sum(p.step_us for p in steps) + g.launch
