@@ -426,6 +426,28 @@ def test_negative_control_tensor_core_partials_without_their_barrier_is_reported
 
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
+def test_negative_control_token_group_members_on_the_same_share_are_reported(tiny):
+    """token_group (kernel/token_groups.py) with every member taking share 0 of the step's
+    rows: the two blocks of a group write the same rows of the same tokens (QKV's q, the
+    residual's read-modify-write) with nothing ordering them. TSan must see it (the kernel as
+    built is race-free on the same step: test above, tensor-cores-token-groups)."""
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+
+    s, c = tensor_core_splits(tiny.config, BLOCKS, MAX_SEQ)
+    prog = schedule(tiny.config, BLOCKS, MAX_SEQ, s, c, merge_ticket_min=1, tokens=3,
+                    token_groups=(2, 2))
+    ex = table_executor(tiny, tensor_cores=True, program=prog)
+    old = "j * ntok / c,\n            (j + 1) * ntok / c};"
+    assert ex.source.count(old) == 1, "token_group's shares are not where this test expects"
+    source = ex.source.replace(old, "0 * ntok / c,\n            (0 + 1) * ntok / c};")
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, [], table=table_steps(ex)[0], source=source)
+    assert re.search(r"op_rms_qkv_rope|qkv_store|mma_add_rows|op_rms_gate_up|op_down_residual|"
+                     r"op_o_proj_residual", info.value.report), info.value.report[:4000]
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
 def test_negative_control_a_relaxed_row_ticket_is_reported(tiny):
     """A kernel of slots draws a ticket per row (attention_ticket); with that draw relaxed
     (the LM head's ticket left as it is), the first step (every row of one split, merged by
