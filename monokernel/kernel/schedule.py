@@ -116,8 +116,9 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     ``tokens``: the most tokens a step carries (a prompt chunk; at most MAX_STEP_TOKENS).
     ``token_groups``: the mat-muls' token groups of a tensor-core kernel (token_groups.py;
     needs every step's attention merged by ticket, merge_ticket_min 1): True, chosen per op
-    for ``tokens`` (none where the attention cannot be merged by ticket); an int, that many members in every mat-mul op in steps of at least 8 a
-    member, or (members, min_tokens) (the tests); False, row tiles.
+    for ``tokens`` (none where the attention cannot be merged by ticket); the tests: an int,
+    that many members in every mat-mul op in steps of at least 8 a member, or (members,
+    min_tokens); False, row tiles.
 
     Memoised: the same arguments return the same (shared) Program. Never edit a returned
     Program in place; ``copy.deepcopy`` it first (the tests that break programs do)."""
