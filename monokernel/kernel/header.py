@@ -9,7 +9,7 @@ from . import ops
 from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, KV_UNROLL, MATVEC_LOADS, MERGE_CHUNK,
                   MERGE_TICKET_WAYS, NUM_THREADS, PARAMS, PREFETCH_MAX_BYTES, ROW_WORDS,
                   STATE_WORDS, T_TILE, TRACE_WORDS, WIDTH, Err, ErrCode, HostFlag, Op, RowWord,
-                  State, StopReason, TraceWord, Word, merge_block_ways)
+                  State, StopReason, TraceWord, Word, attn_k_vec, merge_block_ways)
 
 
 def stop_mask_words(vocab_size: int) -> int:
@@ -28,6 +28,7 @@ def model_constants(cfg: ModelConfig, max_seq_len: int) -> dict[str, int | str]:
         "MK_T_TILE": T_TILE,
         "MK_MATVEC_LOADS": MATVEC_LOADS,
         "MK_KV_UNROLL": KV_UNROLL,
+        "MK_K_VEC": attn_k_vec(cfg.head_dim),
         "MK_MERGE_CHUNK": MERGE_CHUNK,
         "MK_MERGE_WAYS": merge_block_ways(cfg),
         "MK_MERGE_TICKET_WAYS": MERGE_TICKET_WAYS,

@@ -274,6 +274,15 @@ def pair_rows(R: int) -> int:
 KV_UNROLL = 4
 
 
+def attn_k_vec(head_dim: int) -> int:
+    """Adjacent 16-byte chunks of a K row one lane reads (megakernel.cu K_VEC): 4 at head_dim
+    64 (two lanes a row, one row a lane a round: ptxas keeps the four loads of one row's base
+    together; with one chunk a lane it issued a kernel of slots' K loads one at a time), else 1
+    (the V loop's layout). A round reads KV_UNROLL loads a lane and the same positions either
+    way. (Tiny test heads: a row's chunks at most, head_dim / 8.)"""
+    return min(4, head_dim // 8) if head_dim <= 64 else 1
+
+
 def attn_round_positions(head_dim: int) -> int:
     """Positions one block reads per round (megakernel.cu: KV_SLOTS * KV_UNROLL): a K/V row is
     head_dim / 8 lanes of 16-byte loads, so a warp covers 256 / head_dim positions per load."""

@@ -955,65 +955,89 @@ __device__ __forceinline__ uint4 load_kv(const unsigned short* p) {
   return *reinterpret_cast<const uint4*>(p);  // the KV cache: plain loads, never ld.global.nc
 }
 
-// This lane's 16-byte chunk c of rows i0 + u * KV_SLOTS (u < KV_UNROLL) of a K or V tile, all
-// issued before any is used. A row past cnt reads row cnt - 1 again (an L1/L2 hit) and its
-// result is not used: the callers mask by i < cnt. (Loading zeros there instead made the loads
-// predicated, and at head_dim 64 ptxas then issued each one only after the previous row's dot
-// product: one K load in flight instead of KV_UNROLL; tests/kernel/test_sass.py counts them.)
+// This lane's V adjacent 16-byte chunks c * V.. of rows i0 + u * slots (u < U) of a K or V
+// tile, all issued before any is used. A row past cnt reads row cnt - 1 again (an L1/L2 hit) and
+// its result is not used: the callers mask by i < cnt. (Loading zeros there instead made the
+// loads predicated, and at head_dim 64 ptxas then issued each one only after the previous row's
+// dot product: one K load in flight instead of KV_UNROLL; tests/kernel/test_sass.py counts them.)
 // Late q/k with chunks: positions >= chunk_from come from `chunk` (rows of HEAD_DIM bf16,
 // position chunk_from first) instead: the chunk's keys, which the cache gets only after the
 // layer's attention (O_PROJ caches them). `rows`: the layer's cache at the unit's KV head;
 // position p's row is kv_row(seq, p), seq the row's sequence slot (p itself without slots).
+template <int U, int V>
 __device__ __forceinline__ void load_kv_rows(const Params& P, int seq,
                                              const unsigned short* rows, int base, int cnt,
-                                             int i0, int c, uint4 (&kv)[KV_UNROLL],
+                                             int i0, int slots, int c, uint4 (&kv)[U][V],
                                              const unsigned short* chunk, int chunk_from) {
 #pragma unroll
-  for (int u = 0; u < KV_UNROLL; ++u) {
-    const int i = min(i0 + u * KV_SLOTS, cnt - 1);
+  for (int u = 0; u < U; ++u) {
+    const int i = min(i0 + u * slots, cnt - 1);
 #if LATE_QK && MK_T_MAX > 1
     if (chunk != nullptr && base + i >= chunk_from) {
-      kv[u] = *reinterpret_cast<const uint4*>(chunk + (size_t)(base + i - chunk_from) * D + c * 8);
+      const unsigned short* r = chunk + (size_t)(base + i - chunk_from) * D + c * 8 * V;
+#pragma unroll
+      for (int v = 0; v < V; ++v) kv[u][v] = *reinterpret_cast<const uint4*>(r + v * 8);
       continue;
     }
 #else
     (void)chunk;
     (void)chunk_from;
 #endif
-    kv[u] = load_kv(rows + (size_t)kv_row(P, seq, base + i) * MK_KV_DIM + c * 8);
+    const unsigned short* r = rows + (size_t)kv_row(P, seq, base + i) * MK_KV_DIM + c * 8 * V;
+#pragma unroll
+    for (int v = 0; v < V; ++v) kv[u][v] = load_kv(r + v * 8);
   }
 }
+
+// The K loop's own layout (isa.attn_k_vec): a lane reads K_VEC adjacent 16-byte chunks of a row
+// (K_LANES lanes a row) and K_UNROLL = KV_UNROLL / K_VEC rows, the same KV_UNROLL loads and
+// positions a round (isa.attn_round_positions) as the V loop. At head_dim 64 K_VEC is 4: with
+// one chunk a lane ptxas issued a kernel of slots' K loads one at a time, each behind the
+// previous row's dot product and into the same registers; one row's four chunks it keeps in
+// flight together (benchmarks/NOTES.md, the K loads at head_dim 64; tests/kernel/test_sass.py).
+#define K_VEC MK_K_VEC
+#define K_LANES (MK_HEAD_DIM / (8 * K_VEC))
+#define K_PPW (32 / K_LANES)
+#define K_SLOTS (NWARPS * K_PPW)
+#define K_UNROLL (KV_UNROLL / K_VEC)
+static_assert(K_LANES <= 32 && 32 % K_LANES == 0 && KV_UNROLL % K_VEC == 0 &&
+              K_SLOTS * K_UNROLL == KV_SLOTS * KV_UNROLL, "the K loop's layout");
 
 // s.score[h][i] = q_h . K[base + i] * scale for i < cnt (K rows from chunk_from on: s.kc)
 __device__ void attention_scores(const Params& P, OpShared& s, int seq,
                                  const unsigned short* Kg, int base, int cnt, float scale,
                                  int chunk_from) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int c = lane % KV_LANES, slot = warp * KV_PPW + lane / KV_LANES;
-  for (int i0 = slot; i0 - slot < cnt; i0 += KV_SLOTS * KV_UNROLL) {
-    uint4 kv[KV_UNROLL];
-    load_kv_rows(P, seq, Kg, base, cnt, i0, c, kv, s.kc, chunk_from);
-    // every dot product of the KV_UNROLL rows first, then their reductions side by side, then
-    // the stores: KV_UNROLL x GROUP independent chains instead of one chain per row, each ended
+  const int c = lane % K_LANES, slot = warp * K_PPW + lane / K_LANES;
+  for (int i0 = slot; i0 - slot < cnt; i0 += K_SLOTS * K_UNROLL) {
+    uint4 kv[K_UNROLL][K_VEC];
+    load_kv_rows(P, seq, Kg, base, cnt, i0, K_SLOTS, c, kv, s.kc, chunk_from);
+    // every dot product of the K_UNROLL rows first, then their reductions side by side, then
+    // the stores: K_UNROLL x GROUP independent chains instead of one chain per row, each ended
     // by a store before the next row's work
-    float acc[KV_UNROLL][MK_GROUP];
+    float acc[K_UNROLL][MK_GROUP];
 #pragma unroll
     for (int h = 0; h < MK_GROUP; ++h) {
-      const float* q = s.q + h * D + c * 8;
-      const float4 qa = *reinterpret_cast<const float4*>(q);
-      const float4 qb = *reinterpret_cast<const float4*>(q + 4);
 #pragma unroll
-      for (int u = 0; u < KV_UNROLL; ++u) acc[u][h] = dot8(kv[u], qa, qb);
+      for (int u = 0; u < K_UNROLL; ++u) acc[u][h] = 0.f;
+#pragma unroll
+      for (int v = 0; v < K_VEC; ++v) {
+        const float* q = s.q + h * D + (c * K_VEC + v) * 8;
+        const float4 qa = *reinterpret_cast<const float4*>(q);
+        const float4 qb = *reinterpret_cast<const float4*>(q + 4);
+#pragma unroll
+        for (int u = 0; u < K_UNROLL; ++u) acc[u][h] += dot8(kv[u][v], qa, qb);
+      }
     }
 #pragma unroll
-    for (int o = KV_LANES / 2; o > 0; o >>= 1)
+    for (int o = K_LANES / 2; o > 0; o >>= 1)
 #pragma unroll
-      for (int u = 0; u < KV_UNROLL; ++u)
+      for (int u = 0; u < K_UNROLL; ++u)
 #pragma unroll
         for (int h = 0; h < MK_GROUP; ++h) acc[u][h] += __shfl_xor_sync(FULL_MASK, acc[u][h], o);
 #pragma unroll
-    for (int u = 0; u < KV_UNROLL; ++u) {
-      const int i = i0 + u * KV_SLOTS;
+    for (int u = 0; u < K_UNROLL; ++u) {
+      const int i = i0 + u * K_SLOTS;
 #pragma unroll
       for (int h = 0; h < MK_GROUP; ++h)
         if (c == 0 && i < cnt) s.score[h * T_TILE + i] = acc[u][h] * scale;
@@ -1032,14 +1056,15 @@ __device__ void attention_values(const Params& P, OpShared& s, int seq,
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[h][e] = 0.f;
   for (int i0 = slot; i0 - slot < cnt; i0 += KV_SLOTS * KV_UNROLL) {
-    uint4 kv[KV_UNROLL];
-    load_kv_rows(P, seq, Vg, base, cnt, i0, c, kv, nullptr, 0);
+    uint4 kv[KV_UNROLL][1];
+    load_kv_rows(P, seq, Vg, base, cnt, i0, KV_SLOTS, c, kv, nullptr, 0);
 #pragma unroll
     for (int u = 0; u < KV_UNROLL; ++u) {
       const int i = i0 + u * KV_SLOTS;
       if (i < cnt) {
-        const float v[8] = {bf_lo(kv[u].x), bf_hi(kv[u].x), bf_lo(kv[u].y), bf_hi(kv[u].y),
-                            bf_lo(kv[u].z), bf_hi(kv[u].z), bf_lo(kv[u].w), bf_hi(kv[u].w)};
+        const uint4 w = kv[u][0];
+        const float v[8] = {bf_lo(w.x), bf_hi(w.x), bf_lo(w.y), bf_hi(w.y),
+                            bf_lo(w.z), bf_hi(w.z), bf_lo(w.w), bf_hi(w.w)};
 #pragma unroll
         for (int h = 0; h < MK_GROUP; ++h) {
           const float p = s.score[h * T_TILE + i];

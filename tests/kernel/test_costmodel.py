@@ -95,16 +95,19 @@ def test_the_release_hop_is_cheaper_and_so_is_the_step(name, context):
 def test_attention_loop_follows_the_isa_geometry():
     """ATTENTION: rounds per 128-position tile from isa.attn_round_positions and the K loads in
     flight; a longer unit never costs less."""
-    from monokernel.kernel.isa import attn_round_positions
+    from monokernel.kernel.isa import attn_k_vec, attn_round_positions
     from monokernel.kernel.ops import attention
 
     g = cm.gpu("h200")
-    one_k = cm.V6.replace(attn_k_in_flight=((64, 1),))  # the K loop of commit 43be27c
-    for D, G, k_rounds in ((64, 3, 4), (128, 2, 2)):  # head_dim 64: 1 of 4 K loads in flight
+    one_k = cm.V6.replace(attn_k_in_flight=((64, 1),))  # one K load in flight at head_dim 64
+    # head_dim 64: a lane's row is attn_k_vec(64) = 4 chunks, one round each with one in flight
+    for D, G, k_rounds in ((64, 3, 4), (128, 2, 2)):
         k, v, other = attention.tile_isa(np.array([1, 32, 64, 128]), g, one_k, G, D)
         assert k[-1] == k_rounds and v[-1] == 128 // attn_round_positions(D)
         total = (k + v) * g.hbm_latency + other
-        assert np.all(np.diff(k) >= 0) and np.all(np.diff(total) >= 0) and k[0] == v[0] == 1
+        first = attn_k_vec(D) if D == 64 else 1  # one position: its row's chunks
+        assert np.all(np.diff(k) >= 0) and np.all(np.diff(total) >= 0)
+        assert k[0] == first and v[0] == 1
         kk, _, _ = attention.tile_isa(np.array([128]), g, cm.V6, G, D)
         assert kk[0] == 128 // attn_round_positions(D)  # all KV_UNROLL loads in flight
     prog = program("smollm2-135m", max_seq=2048)

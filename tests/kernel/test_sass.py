@@ -216,10 +216,11 @@ def test_a_kernel_of_prompt_chunks_keeps_the_decode_facts(shape):
 @pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-0.6b"])
 def test_the_tensor_core_kernels_attention_loads_are_the_cost_models(shape):
     """A kernel of slots on tensor cores (here 4 slots, steps of up to 16 rows): its K and V
-    loops keep what costmodel.V6_MMA says in flight per lane. At head_dim 64 ptxas issues the
-    K loads one at a time (each behind its block-table lookup, into the same registers);
-    head_dim 128 keeps all KV_UNROLL. When this fails, the compiled loop changed: update the
-    model and benchmarks/NOTES.md with it."""
+    loops keep what costmodel.V6_MMA says in flight per lane: all KV_UNROLL of each. (At
+    head_dim 64, with one 16-byte chunk a lane, ptxas issued the K loads one at a time, each
+    behind its block-table lookup and into the same registers, [1, 1, 1, 1, 4]; a lane now
+    reads one row's four adjacent chunks, isa.attn_k_vec.) When this fails, the compiled loop
+    changed: update the model and benchmarks/NOTES.md with it."""
     c = ModelConfig.from_name(shape)
     try:
         found = kv_loads_in_flight(sf.compile_sass(shape, tokens=16, slots=4, mma=True))

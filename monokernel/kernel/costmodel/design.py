@@ -240,13 +240,11 @@ V8_CLUSTER = V8.replace(name="v8-cluster", input_multicast=2)
 # group's unit slots (built: attn_rotate_rows), each row merged by its last holder's ticket
 # (built: attn_row_tickets), each unit's successor prefetched into L2 while it runs and the
 # first before the wait (built: attn_rolling_prefetch, attn_first_unit_prefetch). Its
-# attention K loop as compiled: at head_dim
-# 64 (SmolLM2, Llama) ptxas issues a kernel of slots' K loads one at a time, each behind its
-# block-table lookup and into the same registers (SASS kv_loads_in_flight [1, 1, 1, 1, 4];
-# [4, 4] at head_dim 128 and in the one-sequence kernel): tests/kernel/test_sass.py.
+# attention K loop keeps all KV_UNROLL loads in flight: at head_dim 64 a lane reads one row's
+# four adjacent chunks (isa.attn_k_vec; with a chunk a lane ptxas issued a kernel of slots' K
+# loads one at a time: benchmarks/NOTES.md), tests/kernel/test_sass.py.
 V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rotate_rows=True,
-                    attn_k_in_flight=((64, 1),), stored_bf16_inputs=True,
-                    attn_row_tickets=True, attn_rolling_prefetch=True,
+                    stored_bf16_inputs=True, attn_row_tickets=True, attn_rolling_prefetch=True,
                     attn_first_unit_prefetch=True)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA, "v7": V7,

@@ -18,8 +18,8 @@ from ...errors import CostModelError
 from ..costmodel.parts import OpBatch, Phases, issue_us
 from ..costmodel.tokens import mma_us, widen_attention
 from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, T_TILE, Args,
-                   Op, attn_round_positions, merge_by_ticket, merge_row_lanes, merge_ways,
-                   row_finishes, row_rotations, split_chunk, splits_used, unit_finishes)
+                   Op, attn_k_vec, attn_round_positions, merge_by_ticket, merge_row_lanes,
+                   merge_ways, row_finishes, row_rotations, split_chunk, splits_used, unit_finishes)
 from ..program import Instruction, Region, split_even
 
 OP = Op.ATTENTION
@@ -131,9 +131,10 @@ def tile_isa(n: np.ndarray, g, d, G: int, D: int):
     n. Geometry from isa.py; instruction shapes read off the sm_90 SASS of megakernel.cu:
 
     - attention_scores: one iteration per attn_round_positions(D) positions; its KV_UNROLL
-      loads per lane, of which the compiled loop keeps ``attn_k_in_flight`` in flight (a group
-      of loads is one HBM round; a load whose rows all lie past n is predicated off). The
-      iteration's (load, head) dot products run side by side, their shuffle reductions
+      loads per lane (KV_UNROLL / attn_k_vec(D) rows of attn_k_vec(D) adjacent chunks each), of
+      which the compiled loop keeps ``attn_k_in_flight`` in flight (a group of loads is one HBM
+      round; a load whose rows all lie past n is predicated off). The iteration's (load, head)
+      dot products run side by side, their rows' shuffle reductions (log2 of the lanes a row)
       together, then the stores: the chains' latency once per iteration, the rest issue-bound.
     - attention_values: the iteration's KV_UNROLL loads all issued before the first FMA (one
       HBM round); per load 8 unpacks and G x (LDS p + 8 FFMA), issue-bound; then the
@@ -149,14 +150,16 @@ def tile_isa(n: np.ndarray, g, d, G: int, D: int):
         raise CostModelError(f"isa.attn_round_positions({D}) = {per_round} is not KV_SLOTS "
                              f"{slots} x KV_UNROLL {KV_UNROLL}: the model's geometry is stale")
     kf = min(dict(d.attn_k_in_flight).get(D, KV_UNROLL), KV_UNROLL)
-    steps = int(np.log2(lanes))
+    kvec = attn_k_vec(D)  # the K loop's layout: chunks a lane a row, rows a lane a round
+    k_slots, k_rows = d.warps * 32 // (lanes // kvec), KV_UNROLL // kvec
+    steps, k_steps = int(np.log2(lanes)), int(np.log2(lanes // kvec))
     it = -(-n // per_round)  # loop iterations
     rem = n - np.maximum(it - 1, 0) * per_round  # positions of the last iteration
-    u_last = -(-rem // slots)  # its loads with a row in range
+    u_last = -(-rem // k_slots) * kvec  # its loads with a row in range
     k_rounds = np.maximum(it - 1, 0) * -(-KV_UNROLL // kf) + np.where(it > 0, -(-u_last // kf), 0)
     v_rounds = it
-    chain = (2 + steps) * g.shfl  # one (load, head) of the scores
-    k_issue = issue_us(g, d, it * KV_UNROLL * (8 + G * (14 + 2 * steps)))
+    chain = (2 + k_steps) * g.shfl  # one (row, head) of the scores
+    k_issue = issue_us(g, d, it * (KV_UNROLL * (8 + 14 * G) + k_rows * G * 2 * k_steps))
     k_compute = np.maximum(it * chain, k_issue)
     v_issue = issue_us(g, d, it * KV_UNROLL * (8 + 9 * G))
     v_reduce = max(issue_us(g, d, G * 8 * 2 * np.log2(ppw)), np.log2(ppw) * g.shfl) \
