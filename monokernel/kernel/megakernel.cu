@@ -1114,8 +1114,9 @@ __device__ __forceinline__ int splits_used(int n_pos, int splits, int min_chunk)
 // partials of (r, g, s) are stored at slot j; the merge reads split s there, in the same
 // order as ever, so a row's numbers do not depend on where its units ran. Built in kernels of
 // slots (their steps carry many rows): in the one-sequence kernel of prompt chunks the same
-// code made ptxas issue attention_scores' K loads one at a time at head_dim 64
-// (tests/kernel/test_sass.py, kv_loads_in_flight [4, 4] -> [1, 1, 1, 1, 4] on Llama).
+// code made ptxas issue attention_scores' K loads one at a time at head_dim 64, when a lane
+// read one chunk of a K row (kv_loads_in_flight [4, 4] -> [1, 1, 1, 1, 4] on Llama; the
+// layout before isa.attn_k_vec).
 #define ROTATE_ROWS (MK_SLOTS > 0)
 static_assert(!MK_SLOTS || MK_T_MAX > 1, "a kernel of slots carries steps of many rows");
 // the slot of split s of a row rotated by off (s, off < splits)
