@@ -211,8 +211,11 @@ def test_attention_prefetch_of_a_step_is_its_first_rows_or_rolling():
     assert np.all(pref[busy] <= nbytes[busy])
     assert np.all(pref[busy] >= nbytes[busy] - unit), "more than a unit not prefetched"
     assert pref.sum() > 10 * a.fields["pref"][attn].sum()
+    # the prefetch turns K/V rounds from HBM into L2 latency: 10% of this step since the K
+    # loop keeps its four loads in flight at head_dim 64 (isa.attn_k_vec; over 20% when they went
+    # one at a time); without it the two would be equal
     assert cm.predict(prog, g, built, shape=shape).total_us < \
-        0.8 * cm.predict(prog, g, first_only, shape=shape).total_us
+        0.95 * cm.predict(prog, g, first_only, shape=shape).total_us
     single = StepShape.decode(1, 1024)
     assert cm.predict(prog, g, built, shape=single).total_us == pytest.approx(
         cm.predict(prog, g, first_only, shape=single).total_us)
