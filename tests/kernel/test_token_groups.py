@@ -209,3 +209,38 @@ def test_the_cost_model_reads_the_programs_groups():
     t_groups, tiles = step_us(groups, 64)
     assert t_groups < 0.85 * t_rows, (t_groups, t_rows)
     assert tiles["RMS_QKV_ROPE"] == (4, 1) and tiles["RMS_GATE_UP"] == (2, 1)
+
+
+def test_the_cost_model_multiplies_a_members_group_rows_by_its_share_of_tokens():
+    """The mma work the model charges an instruction is what megakernel.cu block_mma runs: in a
+    step of at least min_tokens, its group's rows (the union of its members' tiles, in weight
+    rows: RMS_QKV_ROPE's tile rows are row pairs) by ceil(T / members) tokens; in a smaller
+    step its own rows by every token. (Before, the model charged a member its own rows by all
+    T tokens: 2x the mma work of SmolLM2's DOWN, whose 4-5 rows pad to 16.)"""
+    from monokernel.kernel import costmodel as cm
+    from monokernel.kernel.costmodel.tokens import StepShape, mma_us
+
+    cfg = ModelConfig.from_name("smollm2-135m")
+    g, d = cm.gpu("h200"), cm.design("v6-mma")
+    prog = tc_program(cfg, 132, True, tokens=64)
+    weight_rows = {Op.RMS_QKV_ROPE: 2, Op.O_PROJ_RESIDUAL: 1, Op.RMS_GATE_UP: 2,
+                   Op.DOWN_RESIDUAL: 1}
+    k = {Op.RMS_QKV_ROPE: cfg.hidden_size, Op.O_PROJ_RESIDUAL: cfg.q_dim,
+         Op.RMS_GATE_UP: cfg.hidden_size, Op.DOWN_RESIDUAL: cfg.intermediate_size}
+    for batch in (8, 64):
+        st = cm.Static(prog, 16, g, d, StepShape.decode(batch, 16))
+        checked = set()
+        for b, q in enumerate(prog.queues):
+            for j, ins in enumerate(q):
+                if ins.op not in weight_rows or ins.layer != 0 or ins.tile[1] <= ins.tile[0]:
+                    continue
+                grp = ins.group
+                grouped = grp.members > 1 and batch >= grp.min_tokens
+                lo, hi = grp.tile if grouped else ins.tile
+                tokens = -(-batch // grp.members) if grouped else batch
+                want = mma_us(np.array([weight_rows[ins.op] * (hi - lo)]), k[ins.op], tokens, g)
+                assert st.fields["compute"][b, j] == pytest.approx(float(want[0]), rel=1e-9), \
+                    (ins.op, batch, b)
+                checked.add((ins.op, grouped))
+        # every op grouped at 64 (SmolLM2: 4 / 4 / 2 / 4 members), none at 8
+        assert checked == {(op, batch == 64) for op in weight_rows}, checked

@@ -164,8 +164,8 @@ def program_groups(b: OpBatch, tokens: int) -> int:
                default=1)
 
 
-def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | None = None
-                 ) -> Phases:
+def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | None = None,
+                 out_bytes: float = 8.0) -> Phases:
     """A mat-mul op's one-token phases for the step's tokens (b.shape): the same HBM weight
     stream; the tensor-core time as a floor under it; every token's input read from L2 and the
     2D tiles' extra costs (``tile_split``). ``rows``: the rows each instruction multiplies
@@ -196,14 +196,35 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
         c, s = program_groups(b, T), 1
     t_in, t_w, t_red = _tile_us(n, k, T, c, s, g, d, local_input=fused,
                                 in_bytes=levers.input_bytes(b, d))
-    compute = mma_us(rows, k, T, g) + (ph.compute if ph.compute is not None else 0.0)
+    mm_rows, mm_tokens = rows, np.full(len(rows), T)
+    if c > 1 and not (fused or d.tile_2d):  # a member multiplies its group's rows by its share
+        mm_rows, mm_tokens = _group_mma_shape(b, rows, T)
+    compute = mma_us(mm_rows, k, mm_tokens, g) + (ph.compute if ph.compute is not None else 0.0)
     if fused:  # its partial of every residual row for its T / c tokens, by atomics
         epilogue = busy * levers.atomic_us(b.program.config.hidden_size, T / c, g)
     else:  # the tile's outputs per token: written once (the residual's rows read and written)
-        epilogue = busy * T * rows * 8.0 * levers.output_factor(b, d) / (g.l2_bw / g.sms)
+        epilogue = busy * T * rows * out_bytes * levers.output_factor(b, d) / (g.l2_bw / g.sms)
     return Phases(ph.l2_trips, ph.hbm_trips, ph.other_us + busy * (t_in + t_w + t_red) + epilogue,
                   ph.rounds, ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue,
                   compute, (c, s))
+
+
+def _group_mma_shape(b: OpBatch, rows: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, tokens) each instruction's mma multiplies in a step of ``T`` tokens: a token
+    group's member (megakernel.cu token_group) its group's rows (its tile's ``rows`` scaled
+    by the group's tile over its own) by its share of the tokens, at most ceil(T / members);
+    an instruction of a smaller step than its group's min_tokens, or of none, its own rows by
+    all T (mma pads rows to 16 and tokens to 8: the group's fewer, larger fragments)."""
+    mm_rows = np.asarray(rows, np.float64).copy()
+    mm_tokens = np.full(len(mm_rows), T)
+    for i, ins in enumerate(b.instructions):
+        grp = getattr(ins, "group", None)
+        own = ins.tile[1] - ins.tile[0]
+        if grp is None or grp.members <= 1 or T < grp.min_tokens or own <= 0:
+            continue
+        mm_rows[i] = mm_rows[i] * (grp.tile[1] - grp.tile[0]) / own
+        mm_tokens[i] = -(-T // grp.members)
+    return mm_rows, mm_tokens
 
 
 def _token_loop(ph: Phases, T: int, g) -> Phases:

@@ -80,6 +80,7 @@ def cost(b: OpBatch, g, d) -> Phases:
     other = busy * block_sum_us(g) + np.bincount(idx, np.full(len(n), 2 * g.bar_sync), m)
     hbm = hbm + np.bincount(idx, np.full(len(n), float(c.attention_bias)), m)  # the bias
     pref = np.bincount(idx, prefetched(d, n * H * 2) * 2.0, m) if d.l2_prefetch else b.zeros()
+    # a tile row is a row pair (WEIGHT_ROWS weight rows); an output row stores one float
     return widen_matmul(b, g, d, Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64),
                                         pref, late_norm(busy, d), np.bincount(idx, seg_issue, m)),
-                        H)
+                        H, rows=WEIGHT_ROWS * b.n, out_bytes=4.0)
