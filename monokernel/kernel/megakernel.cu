@@ -66,8 +66,13 @@ __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 #define COPY_SPAN(n) (((n) / 4 + MK_THREADS - 1) / MK_THREADS * MK_THREADS * 4)
 // Longest vector a block keeps in shared memory: normed residual, attention output, or h (as
 // copy_to_shared writes it: whole rounds); and ATTENTION's per-warp V partials, which use
-// the same space.
-#define VEC_MAX cmax(cmax(MK_HIDDEN, cmax(COPY_SPAN(MK_FFN), COPY_SPAN(MK_Q_DIM))), \
+// the same space. The tensor-core DOWN reads h from global memory (block_mma): no h here.
+#if MK_MMA
+#define VEC_FFN 0
+#else
+#define VEC_FFN COPY_SPAN(MK_FFN)
+#endif
+#define VEC_MAX cmax(cmax(MK_HIDDEN, cmax(VEC_FFN, COPY_SPAN(MK_Q_DIM))), \
                      (MK_THREADS / 32) * cmax(MK_GROUP, 2) * MK_HEAD_DIM)
 static_assert(VEC_MAX * 4 + (2 * MK_GROUP * MK_HEAD_DIM + MK_GROUP * T_TILE) * 4 + KC_ELEMS * 2
                   < 46 * 1024,

@@ -364,7 +364,7 @@ def test_steps_of_many_tokens_compile_without_spills(tmp_path, shape, tokens, sl
     the chunk's keys in static shared memory, largest at Qwen3's head_dim and the most tokens
     a step may carry), or for steps of many sequences (``slots``: the token table copied into
     shared memory, K/V through block tables), or with its mat-muls on tensor cores (``mma``,
-    Llama's: the largest static shared memory, 48 KB at most), fits the shared-memory budget
+    Llama's: its DOWN reads h from global memory, so no h in shared memory), fits the budget
     and keeps no stack and no spills. The tensor-core kernel's SASS has the mma
     (HMMA.16816.F32.BF16) and reads its weights 16 bytes a load through the read-only path."""
     src = tmp_path / f"{shape}-t{tokens}-s{slots}.cu"

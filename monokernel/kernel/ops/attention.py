@@ -152,7 +152,7 @@ def tile_isa(n: np.ndarray, g, d, G: int, D: int):
     kf = min(dict(d.attn_k_in_flight).get(D, KV_UNROLL), KV_UNROLL)
     kvec = attn_k_vec(D)  # the K loop's layout: chunks a lane a row, rows a lane a round
     k_slots, k_rows = d.warps * 32 // (lanes // kvec), KV_UNROLL // kvec
-    steps, k_steps = int(np.log2(lanes)), int(np.log2(lanes // kvec))
+    k_steps = int(np.log2(lanes // kvec))  # a row's shuffle steps
     it = -(-n // per_round)  # loop iterations
     rem = n - np.maximum(it - 1, 0) * per_round  # positions of the last iteration
     u_last = -(-rem // k_slots) * kvec  # its loads with a row in range
