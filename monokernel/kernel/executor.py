@@ -29,7 +29,7 @@ from .base import (Backend, BackendOptions, Choose, DeviceSample, Executor, Laun
                    DEFAULT_PAGE_SIZE, StepResult, StepTable, TableResult, greedy, wall_times)
 from .devices.emulator import EmulatorDevice
 from .program import Program
-from .schedule import MAX_STEP_TOKENS, schedule, tensor_core_splits
+from .schedule import MAX_STEP_TOKENS, max_step_tokens, schedule, tensor_core_splits
 
 SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
@@ -174,6 +174,14 @@ class KernelExecutor(Executor):
                  step_tokens: int = 1, slots: int = 1, page_size: int = DEFAULT_PAGE_SIZE,
                  kv_pages: int | None = None, tensor_cores: bool = False):
         super().__init__(model, max_seq_len)
+        most = max_step_tokens(model.config)
+        for option, v in (("step_tokens", step_tokens), ("slots", slots)):
+            if program is None and v > most:
+                why = "" if most == MAX_STEP_TOKENS else (
+                    f" (late q/k: its attention keeps a step's keys in shared memory, "
+                    f"{model.config.head_dim} bf16 a token)")
+                raise ParameterError(f"option {option}={v} exceeds the {most} tokens a step "
+                                     f"of this model carries{why}")
         if tensor_cores:
             # the mat-muls on tensor cores (MK_MMA; docs/tensor-cores.md): a kernel of slots,
             # whose O_PROJ reads every row's attention merged by ticket (one input for all rows)

@@ -11,7 +11,7 @@
 // path (docs/tensor-cores.md says what to run).
 //
 // Orientation: Y^T [N_out, T] = W [N_out, K] . X^T [K, T], i.e. A = W and B = X^T.
-//   - At T = 1..64 tokens the weight rows fill mma's M = 16 side and the tokens its N = 8 side:
+//   - At T = 1..128 tokens the weight rows fill mma's M = 16 side and the tokens its N = 8 side:
 //     a T = 1 step wastes 7/8 of each mma instead of 15/16 (tokens on M), and every weight byte
 //     is loaded once per 8 tokens, not once per 16.
 //   - Both operands are K-contiguous in memory: W [N_out, K] row-major is mma's row-major A, and

@@ -55,16 +55,19 @@ def cmd_plan(args) -> int:
     if predict:
         print()
         print(predict_report(prog, args.predict, getattr(args, "design", None), args.context))
-        if batch is not None or prompt is not None:
-            many = _tokens_program(cfg, args.blocks, max_seq, prog, getattr(args, "design", None))
-        if batch is not None:
+        from ..kernel.schedule import max_step_tokens
+
+        design = getattr(args, "design", None)
+        if batch is not None:  # the program of a kernel of `batch` slots: steps of that many
+            many = _tokens_program(cfg, args.blocks, max_seq, prog, design,
+                                   min(max(batch, 2), max_step_tokens(cfg)))
             print()
-            print(batch_report(many, args.predict, getattr(args, "design", None), args.context,
-                               batch))
-        if prompt is not None:
+            print(batch_report(many, args.predict, design, args.context, batch))
+        if prompt is not None:  # prompt chunks of the most tokens the model's steps carry
+            many = _tokens_program(cfg, args.blocks, max_seq, prog, design,
+                                   max_step_tokens(cfg))
             print()
-            print(prompt_report(many, args.predict, getattr(args, "design", None), prompt,
-                                chunk))
+            print(prompt_report(many, args.predict, design, prompt, chunk))
     return 0
 
 
@@ -75,21 +78,22 @@ def _built(d) -> str:
         None, tensor_cores=True).name else "not built yet")
 
 
-def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | None):
+def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | None,
+                    tokens: int):
     """The program a step of many tokens is predicted on: for the built tensor-core design
-    (design_for(tensor_cores=True)), the one its executor of MAX_STEP_TOKENS slots runs
-    (splits fixed by absolute position, every step's attention merged by ticket, the
+    (design_for(tensor_cores=True)), the one its executor of steps of up to ``tokens`` rows
+    runs (splits fixed by absolute position, every step's attention merged by ticket, the
     mat-muls' token groups chosen for that many tokens a step: a smaller step runs in row
     tiles where groups would not pay); a design not built yet takes the default program."""
     from ..kernel import costmodel as cm
-    from ..kernel.schedule import MAX_STEP_TOKENS, schedule, tensor_core_splits
+    from ..kernel.schedule import schedule, tensor_core_splits
 
     if design_name is not None and cm.design(design_name).name != cm.design_for(
             None, tensor_cores=True).name:
         return prog
     splits, min_chunk = tensor_core_splits(cfg, blocks, max_seq)
     return schedule(cfg, blocks, max_seq, splits, min_chunk, merge_ticket_min=1,
-                    tokens=MAX_STEP_TOKENS, token_groups=True)
+                    tokens=tokens, token_groups=True)
 
 
 def _tokens_design(design_name: str | None, prog):

@@ -22,6 +22,7 @@ from monokernel.batching import batch_options
 from monokernel.errors import KernelError, ParameterError
 from monokernel.kernel.base import StepTable
 from monokernel.kernel.executor import KernelExecutor
+from monokernel.kernel.schedule import MAX_STEP_TOKENS
 from monokernel.model.reference import ReferenceModel
 from monokernel.runtime import Engine, backend_options
 from monokernel.sampling import SamplingParams
@@ -273,7 +274,7 @@ def test_a_bad_table_is_refused_before_the_launch(synth_model):
 
 
 def test_the_options_are_validated():
-    for bad in (0, 65, "2"):
+    for bad in (0, MAX_STEP_TOKENS + 1, "2"):
         with pytest.raises(ParameterError, match="slots"):
             backend_options("emulator", {"slots": bad})
     with pytest.raises(ParameterError, match="page_size"):

@@ -20,7 +20,7 @@ from monokernel.errors import ParameterError, ProgramError
 from monokernel.kernel import costmodel as cm
 from monokernel.kernel.base import DeviceSample
 from monokernel.kernel.executor import KernelExecutor
-from monokernel.kernel.schedule import MAX_STEP_TOKENS, schedule
+from monokernel.kernel.schedule import MAX_STEP_TOKENS, max_step_tokens, schedule
 from monokernel.model.config import ModelConfig
 from monokernel.model.reference import ReferenceModel
 from monokernel.runtime import Engine, backend_options
@@ -36,11 +36,12 @@ def prompt_of(model, n: int, seed: int = 1) -> list[int]:
 
 
 def run(model, tokens_per_step: int, prompt: list[int], stop_pos: int, blocks: int,
-        sample: DeviceSample, start: int = 0, ex: KernelExecutor | None = None):
+        sample: DeviceSample, start: int = 0, ex: KernelExecutor | None = None,
+        max_seq: int = MAX_SEQ):
     """(tokens, last logits, K cache, V cache of positions < stop_pos, steps) of one
     multi-step run on NaN-poisoned activations."""
     if ex is None:
-        ex = KernelExecutor(model, MAX_SEQ, blocks=blocks, step_tokens=tokens_per_step)
+        ex = KernelExecutor(model, max_seq, blocks=blocks, step_tokens=tokens_per_step)
         ex.reset()
     ex.poison()
     steps0 = ex.steps_run
@@ -76,6 +77,25 @@ def test_a_chunked_prompt_is_bitwise_the_one_token_steps(synth_model, arch, T, n
         assert_bitwise(got, want, f"{arch} T={T} temperature {sample.temperature}")
         # one step per chunk, then one per generated token
         assert want[4] == stop and got[4] == -(-n // T) + stop - n
+
+
+@pytest.mark.parametrize("arch", ["llama3-tiny", "qwen3-tiny"])
+def test_the_largest_step_a_model_takes(synth_model, arch):
+    """A chunk of max_step_tokens (128; 64 for late q/k at head_dim 128, whose chunk keys fill
+    OpShared::kc), then one of 3, then decode: bitwise the one-token steps; one more token a
+    step is refused with the reason."""
+    model = synth_model(arch)
+    T = max_step_tokens(model.config)
+    assert T == (64 if arch == "qwen3-tiny" else MAX_STEP_TOKENS)
+    prompt = prompt_of(model, T + 3, seed=8)
+    stop, seq = T + 5, T + 8
+    sample = DeviceSample(HOT, 5)
+    want = run(model, 1, prompt, stop, 2, sample, max_seq=seq)
+    got = run(model, T, prompt, stop, 2, sample, max_seq=seq)
+    assert_bitwise(got, want, f"{arch} T={T}")
+    assert got[4] == 2 + stop - len(prompt)
+    with pytest.raises(ParameterError, match=f"step_tokens={T + 1} exceeds the {T} tokens"):
+        KernelExecutor(model, seq, blocks=2, step_tokens=T + 1)
 
 
 def test_a_chunk_after_a_reused_prefix(synth_model):
@@ -130,6 +150,11 @@ def test_the_option_is_validated():
     assert backend_options("emulator", {"step_tokens": 8}).step_tokens == 8
     with pytest.raises(ProgramError, match="tokens per step"):
         schedule(ModelConfig.from_name("tiny"), 2, 32, tokens=0)
+    # late q/k at head_dim 128 (Qwen3): 64 tokens a step, and the error says why
+    with pytest.raises(ProgramError, match=r"\[1, 64\] for qwen3-tiny \(late q/k"):
+        schedule(ModelConfig.from_name("qwen3-tiny"), 2, 32, tokens=65)
+    assert schedule(ModelConfig.from_name("llama3-tiny"), 2, 32, tokens=MAX_STEP_TOKENS).tokens \
+        == MAX_STEP_TOKENS
 
 
 def test_the_program_sizes_its_token_rows_and_the_design_follows():

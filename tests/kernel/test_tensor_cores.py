@@ -26,6 +26,7 @@ from helpers.batch import PAGE, prompt_of, round_robin
 from monokernel.errors import KernelError
 from monokernel.kernel.base import DeviceSample, StepTable
 from monokernel.kernel.executor import KernelExecutor
+from monokernel.kernel.schedule import MAX_STEP_TOKENS
 from monokernel.model.reference import ReferenceModel
 from monokernel.runtime import Engine
 from monokernel.sampling import Sampler, SamplingParams
@@ -92,6 +93,23 @@ def test_a_mixed_step_agrees_with_the_bf16_reference(synth_model, arch, blocks, 
     # the negative control: the fp32 reference is not what this kernel computes
     fp32 = row_errors(got, want[False])
     assert np.mean(fp32 <= CLOSE_TOL) < 0.3, f"{arch}: the fp32 reference is as close: {fp32}"
+
+
+def test_a_step_of_the_most_tokens_agrees_with_the_bf16_reference(synth_model):
+    """One step of MAX_STEP_TOKENS rows (prompts of 48, 48 and 32: two fill the cache to its
+    last slot), the mat-muls in the token groups chosen for 128 tokens: the same judge."""
+    model = synth_model("llama3-tiny")
+    ex = tc_executor(model, slots=3, step_tokens=MAX_STEP_TOKENS)
+    assert ex.program.tokens == MAX_STEP_TOKENS == 128
+    assert any(i.group is not None for q in ex.program.queues for i in q)
+    prompts = [prompt_of(model, n, seed) for n, seed in ((48, 4), (48, 5), (32, 6))]
+    got = prefill_all(ex, prompts).logits
+    assert got.shape[0] == MAX_STEP_TOKENS and np.isfinite(got).all()
+    want = np.concatenate([ReferenceModel(model.config, model.weights, MAX_SEQ,
+                                          bf16_inputs=True).forward(p, 0) for p in prompts])
+    err = row_errors(got, want)
+    assert err.max() <= ROW_TOL, f"worst row {err.argmax()}: {err.max():.3g}"
+    assert np.mean(err <= CLOSE_TOL) >= 0.6, f"rows within {CLOSE_TOL}: {err}"
 
 
 def test_o_proj_and_down_read_bf16_inputs_their_producers_store(synth_model):
