@@ -22,14 +22,14 @@ from ..errors import KernelError, NumericalError, ParameterError
 from .isa import (BF16_INPUTS, ERROR_WORDS, HOST_FLAG_WORDS, NUM_THREADS, PARAMS, ROW_WORDS,
                   STATE_WORDS, TRACE_WORDS, Err, ErrCode, HostFlag, Op, RowWord, State,
                   StopReason, params_dtype)
-from .header import render_header, slot_pages, stop_mask_words
+from .header import dynamic_shared_bytes, render_header, slot_pages, stop_mask_words
 from .includes import inline_includes
 from ..model.loader import LoadedModel
 from .base import (Backend, BackendOptions, Choose, DeviceSample, Executor, LaunchEnd,
                    DEFAULT_PAGE_SIZE, StepResult, StepTable, TableResult, greedy, wall_times)
 from .devices.emulator import EmulatorDevice
 from .program import Program
-from .schedule import MAX_STEP_TOKENS, max_step_tokens, schedule, tensor_core_splits
+from .schedule import MAX_STEP_TOKENS, schedule, tensor_core_splits
 
 SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
@@ -174,14 +174,6 @@ class KernelExecutor(Executor):
                  step_tokens: int = 1, slots: int = 1, page_size: int = DEFAULT_PAGE_SIZE,
                  kv_pages: int | None = None, tensor_cores: bool = False):
         super().__init__(model, max_seq_len)
-        most = max_step_tokens(model.config)
-        for option, v in (("step_tokens", step_tokens), ("slots", slots)):
-            if program is None and v > most:
-                why = "" if most == MAX_STEP_TOKENS else (
-                    f" (late q/k: its attention keeps a step's keys in shared memory, "
-                    f"{model.config.head_dim} bf16 a token)")
-                raise ParameterError(f"option {option}={v} exceeds the {most} tokens a step "
-                                     f"of this model carries{why}")
         if tensor_cores:
             # the mat-muls on tensor cores (MK_MMA; docs/tensor-cores.md): a kernel of slots,
             # whose O_PROJ reads every row's attention merged by ticket (one input for all rows)
@@ -275,6 +267,8 @@ class KernelExecutor(Executor):
                                        mma=self.tensor_cores)
         self.source = source  # as compiled, but for the -D defines (strict mode rebuilds it)
         self.module = self.device.compile(source, KERNEL_NAMES, defines)
+        # every launch passes the kernel's dynamic shared memory (late q/k's chunk keys)
+        self.shared_bytes = dynamic_shared_bytes(c, self.program.tokens)
         self._alloc_buffers(model)
         self._broken: str | None = None
         self._state_on_device: tuple | None = None
@@ -419,7 +413,7 @@ class KernelExecutor(Executor):
         self.launches += len(self._op_params) if self.multi and not self.graph else 1
         if not self.multi:
             self.device.launch(self.module, "megakernel", self.blocks, self.params,
-                               cooperative=True)
+                               cooperative=True, shared_bytes=self.shared_bytes)
         elif self.graph:
             if self._graph is None:
                 self._graph = self.device.capture(self._launch_ops)
@@ -430,7 +424,7 @@ class KernelExecutor(Executor):
     def _launch_ops(self) -> None:
         for name, pp in self._op_params:
             self.device.launch(self.module, name, self.blocks, pp, cooperative=False,
-                               pdl=self.pdl)
+                               pdl=self.pdl, shared_bytes=self.shared_bytes)
 
     # ---- many steps per launch ----------------------------------------------------------------
     def run_steps(self, tokens: list[int], start_pos: int, sample: DeviceSample | None = None,

@@ -56,6 +56,13 @@ def slot_pages(max_seq_len: int, page_size: int) -> int:
     return -(-max_seq_len // page_size)
 
 
+def dynamic_shared_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """Dynamic shared memory a block of the kernel takes (MK_DYN_SMEM; every launch passes
+    it): late q/k attention's chunk keys, bf16 [tokens, head_dim] (megakernel.cu
+    chunk_keys), in a kernel of steps of many tokens; 0 otherwise."""
+    return tokens * cfg.head_dim * 2 if cfg.qk_norm and tokens > 1 else 0
+
+
 def render_header(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: int = 0,
                   page_size: int = 0, pool_pages: int = 0, mma: bool = False) -> str:
     """The C header prepended to megakernel.cu; ``tokens``: the most tokens a step carries
@@ -97,6 +104,7 @@ def render_header(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: in
     out.append(f"#define MK_HOST_FLAG_WORDS {HOST_FLAG_WORDS}")
     out.append(f"#define MK_TRACE_WORDS {TRACE_WORDS}")
     out.append(f"#define MK_T_MAX {tokens}")
+    out.append(f"#define MK_DYN_SMEM {dynamic_shared_bytes(cfg, tokens)}")
     out.append(f"#define MK_ROW_WORDS {ROW_WORDS}")
     out.append(f"#define MK_SLOTS {slots}")
     out.append(f"#define MK_MMA {int(bool(mma))}")

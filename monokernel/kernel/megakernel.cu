@@ -51,8 +51,13 @@
 #ifndef MK_T_MAX
 #define MK_T_MAX 1
 #endif
-// Late q/k attention keeps the chunk's keys (bf16) in shared memory: OpShared::kc.
-#define KC_ELEMS (MK_QK_NORM && MK_T_MAX > 1 ? MK_T_MAX * MK_HEAD_DIM : 1)
+// Late q/k attention keeps the chunk's keys (bf16 [T_MAX, HEAD_DIM]) in dynamic shared memory
+// (chunk_keys): MK_DYN_SMEM bytes, which every launch passes (header.dynamic_shared_bytes).
+#define KC_ELEMS (MK_QK_NORM && MK_T_MAX > 1 ? MK_T_MAX * MK_HEAD_DIM : 0)
+#ifndef MK_DYN_SMEM
+#define MK_DYN_SMEM 0
+#endif
+static_assert(KC_ELEMS * 2 == MK_DYN_SMEM, "MK_DYN_SMEM is the chunk keys' bytes");
 
 static_assert(MK_THREADS % 32 == 0, "whole warps only");
 static_assert(MK_HIDDEN % 8 == 0 && MK_FFN % 8 == 0 && MK_Q_DIM % 8 == 0,
@@ -74,8 +79,7 @@ __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 #endif
 #define VEC_MAX cmax(cmax(MK_HIDDEN, cmax(VEC_FFN, COPY_SPAN(MK_Q_DIM))), \
                      (MK_THREADS / 32) * cmax(MK_GROUP, 2) * MK_HEAD_DIM)
-static_assert(VEC_MAX * 4 + (2 * MK_GROUP * MK_HEAD_DIM + MK_GROUP * T_TILE) * 4 + KC_ELEMS * 2
-                  < 46 * 1024,
+static_assert(VEC_MAX * 4 + (2 * MK_GROUP * MK_HEAD_DIM + MK_GROUP * T_TILE) * 4 < 46 * 1024,
               "static shared memory budget (48 KB) exceeded for this model (and MK_T_MAX)");
 
 // ================================================================================================
@@ -716,7 +720,6 @@ struct OpShared {
   alignas(16) float q[MK_GROUP * MK_HEAD_DIM];  // ATTENTION: the group's queries
   alignas(16) float o[MK_GROUP * MK_HEAD_DIM];  // ATTENTION: running outputs
   float score[MK_GROUP * T_TILE];           // ATTENTION: scores, then probabilities
-  alignas(16) unsigned short kc[KC_ELEMS];  // ATTENTION (late q/k): the chunk's earlier keys
   float m[MK_GROUP], l[MK_GROUP], corr[MK_GROUP];
   float best[NWARPS];
   int best_id[NWARPS];
@@ -725,6 +728,22 @@ struct OpShared {
   MmaShared mma;  // the mat-muls on tensor cores
 #endif
 };
+
+// Late q/k attention's chunk keys: dynamic shared memory, sized by the launch (MK_DYN_SMEM), so
+// a step of 128 tokens at head_dim 128 (32 KB) does not count against the 48 KB of static
+// shared memory; nullptr in a kernel without them.
+__device__ __forceinline__ unsigned short* chunk_keys() {
+#if MK_DYN_SMEM > 0
+#ifdef __CUDA_ARCH__
+  extern __shared__ uint4 mk_dynamic_shared[];
+  return reinterpret_cast<unsigned short*>(mk_dynamic_shared);
+#else
+  return static_cast<unsigned short*>(emu::dynamic_shared(MK_DYN_SMEM));
+#endif
+#else
+  return nullptr;
+#endif
+}
 
 // ================================================================================================
 // Op: EMBED - residual[b:e] = embed[token, b:e]
@@ -1008,7 +1027,8 @@ __device__ __forceinline__ void load_kv_rows(const Params& P, int seq,
 static_assert(K_LANES <= 32 && 32 % K_LANES == 0 && KV_UNROLL % K_VEC == 0 &&
               K_SLOTS * K_UNROLL == KV_SLOTS * KV_UNROLL, "the K loop's layout");
 
-// s.score[h][i] = q_h . K[base + i] * scale for i < cnt (K rows from chunk_from on: s.kc)
+// s.score[h][i] = q_h . K[base + i] * scale for i < cnt (K rows from chunk_from on:
+// chunk_keys)
 __device__ void attention_scores(const Params& P, OpShared& s, int seq,
                                  const unsigned short* Kg, int base, int cnt, float scale,
                                  int chunk_from) {
@@ -1016,7 +1036,7 @@ __device__ void attention_scores(const Params& P, OpShared& s, int seq,
   const int c = lane % K_LANES, slot = warp * K_PPW + lane / K_LANES;
   for (int i0 = slot; i0 - slot < cnt; i0 += K_SLOTS * K_UNROLL) {
     uint4 kv[K_UNROLL][K_VEC];
-    load_kv_rows(P, seq, Kg, base, cnt, i0, K_SLOTS, c, kv, s.kc, chunk_from);
+    load_kv_rows(P, seq, Kg, base, cnt, i0, K_SLOTS, c, kv, chunk_keys(), chunk_from);
     // every dot product of the K_UNROLL rows first, then their reductions side by side, then
     // the stores: K_UNROLL x GROUP independent chains instead of one chain per row, each ended
     // by a store before the next row's work
@@ -1502,11 +1522,12 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
       // warp's s.vec rows as scratch (attention_values uses s.vec only later)
       const int c0 = max(t0, pos0), c1 = min(t1, pos);
       if (c0 < c1) {
+        unsigned short* kc = chunk_keys();
         for (int p = c0 + warp; p < c1; p += NWARPS) {
           float* tmp = s.vec + warp * D;
           warp_qk_norm_rope(P, P.k_raw + (size_t)(seg + p - pos0) * MK_KV_DIM + g * D,
                             P.k_norm + (size_t)layer * D, p, tmp);
-          for (int d = lane; d < D; d += 32) s.kc[(p - pos0) * D + d] = f32_to_bf16(tmp[d]);
+          for (int d = lane; d < D; d += 32) kc[(p - pos0) * D + d] = f32_to_bf16(tmp[d]);
         }
         __syncthreads();
       }

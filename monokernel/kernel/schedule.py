@@ -33,19 +33,10 @@ STEP: tuple[tuple[Op, bool], ...] = (
 # cost model picked it (benchmarks/NOTES.md): SmolLM2 16, Qwen3 16, Llama 16 at 132 blocks.
 LONG_CONTEXT = 2048
 MAX_DEFAULT_SPLITS = 16
-# The most tokens a step may carry (every build of a model without late q/k fits its static
-# shared memory at 128: benchmarks/NOTES.md "Steps of 128 tokens"); a late q/k model's
-# attention keeps the chunk's keys there too (megakernel.cu OpShared::kc, bf16 [T_MAX,
-# HEAD_DIM]), at most KC_BYTES of them: Qwen3's head_dim 128 takes 64 tokens.
+# The most tokens a step may carry: every build fits its static shared memory at 128
+# (benchmarks/NOTES.md "Steps of 128 tokens"); late q/k keeps the chunk's keys in dynamic
+# shared memory (megakernel.cu chunk_keys, bf16 [T_MAX, HEAD_DIM]: 32 KB on Qwen3).
 MAX_STEP_TOKENS = 128
-KC_BYTES = 16 * 1024
-
-
-def max_step_tokens(cfg: ModelConfig) -> int:
-    """The most tokens a step of ``cfg``'s kernel may carry (its program's ``tokens``)."""
-    if not cfg.qk_norm:
-        return MAX_STEP_TOKENS
-    return max(1, min(MAX_STEP_TOKENS, KC_BYTES // (2 * cfg.head_dim)))
 
 
 def default_attn_splits(cfg: ModelConfig, num_blocks: int, max_seq_len: int | None = None) -> int:
@@ -123,7 +114,7 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     ``merge_ticket_min``: fewest used splits a step merges by ticket (default
     isa.merge_ticket_min_splits, 0: never, the per-block merge of every O_PROJ block). It
     applies only where no attention instruction holds units of two KV groups.
-    ``tokens``: the most tokens a step carries (a prompt chunk; at most max_step_tokens).
+    ``tokens``: the most tokens a step carries (a prompt chunk; at most MAX_STEP_TOKENS).
     ``token_groups``: the mat-muls' token groups of a tensor-core kernel (token_groups.py;
     needs every step's attention merged by ticket, merge_ticket_min 1): True, chosen per op
     for ``tokens`` (none where the attention cannot be merged by ticket); the tests: an int,
@@ -141,12 +132,8 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
         merge_ticket_min = merge_ticket_min_splits(cfg)
     if merge_ticket_min < 0:
         raise ProgramError(f"merge_ticket_min must be >= 0, got {merge_ticket_min}")
-    most = max_step_tokens(cfg)
-    if not 1 <= tokens <= most:
-        why = "" if most == MAX_STEP_TOKENS else (
-            f" for {cfg.name or 'this model'} (late q/k: its attention keeps a step's keys, "
-            f"{cfg.head_dim} bf16 a token, in at most {KC_BYTES // 1024} KB of shared memory)")
-        raise ProgramError(f"tokens per step must be in [1, {most}]{why}, got {tokens}")
+    if not 1 <= tokens <= MAX_STEP_TOKENS:
+        raise ProgramError(f"tokens per step must be in [1, {MAX_STEP_TOKENS}], got {tokens}")
     key = (cfg, num_blocks, max_seq_len, splits, attn_min_chunk, merge_ticket_min, tokens,
            token_groups)
     prog = _VERIFIED.get(key)

@@ -55,17 +55,16 @@ def cmd_plan(args) -> int:
     if predict:
         print()
         print(predict_report(prog, args.predict, getattr(args, "design", None), args.context))
-        from ..kernel.schedule import max_step_tokens
+        from ..kernel.schedule import MAX_STEP_TOKENS
 
         design = getattr(args, "design", None)
         if batch is not None:  # the program of a kernel of `batch` slots: steps of that many
             many = _tokens_program(cfg, args.blocks, max_seq, prog, design,
-                                   min(max(batch, 2), max_step_tokens(cfg)))
+                                   min(max(batch, 2), MAX_STEP_TOKENS))
             print()
             print(batch_report(many, args.predict, design, args.context, batch))
-        if prompt is not None:  # prompt chunks of the most tokens the model's steps carry
-            many = _tokens_program(cfg, args.blocks, max_seq, prog, design,
-                                   max_step_tokens(cfg))
+        if prompt is not None:  # prompt chunks of the most tokens a step carries
+            many = _tokens_program(cfg, args.blocks, max_seq, prog, design, MAX_STEP_TOKENS)
             print()
             print(prompt_report(many, args.predict, design, prompt, chunk))
     return 0

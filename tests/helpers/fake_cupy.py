@@ -42,10 +42,11 @@ class FakeCupy:
     """Just the CuPy surface cuda_backend uses, recording what it is asked to do."""
 
     def __init__(self, num_sms=4, blocks_per_sm=1, hang=False, launch_mode="emulator",
-                 nvrtc=False):
+                 nvrtc=False, static_shared=9000):
         from monokernel.kernel.devices.emulator import EmulatorDevice
 
         fake = self
+        self.static_shared = static_shared  # every kernel's static shared memory, bytes
         self.launch_mode = launch_mode  # "emulator": launches run there; "noop": they do nothing
         FakeArray.lazy = launch_mode == "noop"
         self.emulator = EmulatorDevice()
@@ -114,6 +115,12 @@ class FakeCupy:
             arg_ptr = ctypes.c_void_p.from_address(kparams).value
             struct = np.frombuffer(ctypes.string_at(arg_ptr, fake.param_size), np.uint8).copy()
             name = fake.functions[func]
+            # the driver's rule: past 48 KB with the static, dynamic shared memory needs
+            # cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) first
+            if smem > fake.dynamic_allowed.get(func, 48 * 1024 - fake.static_shared):
+                raise RuntimeError(f"CUDA_ERROR_INVALID_VALUE: {name} launched with {smem} B "
+                                   "of dynamic shared memory it was not allowed")
+            fake.launch_shared.append((name, smem))
 
             def run():
                 fake.launches.append((name, gx, cooperative))
@@ -127,7 +134,8 @@ class FakeCupy:
             def __init__(self, name):
                 self.kernel = types.SimpleNamespace(ptr=hash(name) & 0xFFFFFF)
                 fake.functions[self.kernel.ptr] = name
-                self.num_regs, self.shared_size_bytes, self.local_size_bytes = 64, 9000, 0
+                self.num_regs, self.local_size_bytes = 64, 0
+                self.shared_size_bytes = fake.static_shared
                 self.const_size_bytes, self.max_threads_per_block = 0, 1024
 
         class RawModule:
@@ -158,6 +166,12 @@ class FakeCupy:
 
         self.functions: dict[int, str] = {}
         self.emulated: set[str] = set()
+        self.dynamic_allowed: dict[int, int] = {}  # func -> bytes (funcSetAttribute 8)
+        self.launch_shared: list[tuple[str, int]] = []  # (kernel, dynamic shared bytes)
+
+        def set_attribute(func, attribute, value):
+            if attribute == 8:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                self.dynamic_allowed[func] = value
         self.cuda = types.SimpleNamespace(
             runtime=types.SimpleNamespace(
                 getDeviceCount=lambda: 1,
@@ -167,7 +181,8 @@ class FakeCupy:
             driver=types.SimpleNamespace(
                 launchKernel=launch,
                 launchCooperativeKernel=lambda *a: launch(*a, cooperative=True),
-                occupancyMaxActiveBlocksPerMultiprocessor=lambda f, t, s: blocks_per_sm),
+                occupancyMaxActiveBlocksPerMultiprocessor=lambda f, t, s: blocks_per_sm,
+                funcSetAttribute=set_attribute),
             compiler=types.SimpleNamespace(CompileException=CompileException),
             get_elapsed_time=lambda a, b: 0.5)
         self.RawModule = RawModule

@@ -247,7 +247,7 @@ def test_plan_batch_and_prompt_end_with_their_predictions(capsys):
     out = capsys.readouterr().out
     # by default the design built (the tensor-core kernel of slots), prompts in its chunks
     assert "PREDICTION" in out and "design v6-mma (built: backend option tensor_cores)" in out
-    assert "3 steps of up to 128 tokens" in out  # schedule.max_step_tokens
+    assert "3 steps of up to 128 tokens" in out  # schedule.MAX_STEP_TOKENS
     m = [line for line in out.splitlines() if line.startswith("predicted")]
     assert m[0].startswith("predicted on h200:") and "us/token" in m[0]
     assert m[1].startswith("predicted on h200:") and m[1].endswith("tokens/s at batch 8")

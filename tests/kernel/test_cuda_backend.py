@@ -670,6 +670,47 @@ def test_a_prepared_chunk_build_is_what_step_tokens_compiles(fake_cupy, tiny):
             parse_build(bad)
 
 
+@pytest.mark.parametrize("backend", ["cuda", "cuda-multi-graph-pdl"])
+def test_fake_cupy_chunk_keys_in_dynamic_shared_memory(fake_cupy, synth_dir, monkeypatch,
+                                                       backend):
+    """Late q/k in steps of 128 tokens at head_dim 128 keeps 32 KB of chunk keys in dynamic
+    shared memory (megakernel.cu chunk_keys): every launch passes MK_DYN_SMEM bytes, each
+    kernel is allowed them first (past 48 KB with its static memory the driver refuses a
+    launch otherwise: the fake does too), and a 130-token prompt's tokens and logits are
+    bitwise the emulator's one token a step (of the same kind: megakernel or one op a
+    launch). Without the opt-in the launch fails, named.
+    (The fake's kernels say 27 KB of static shared memory, Qwen3-0.6B's: 59 KB in all.)"""
+    from monokernel.kernel.executor import KernelExecutor
+    from monokernel.model.loader import load_model
+    from monokernel.runtime import make_executor
+
+    m = load_model(synth_dir("qwen3-tiny"), progress=False)
+    assert m.config.qk_norm and m.config.head_dim == 128
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, m.config.vocab_size, 130)]
+    sample = DeviceSample(25.0, 9)
+    one = KernelExecutor(m, 160, blocks=3, multi=backend != "cuda")
+    one.reset()
+    want = list(one.run_steps(prompt, 0, sample, stop_pos=133)), one.logits().copy()
+    fake = fake_cupy(num_sms=3, static_shared=27216)
+    ex = make_executor(backend, m, 160, step_tokens=128)
+    assert ex.shared_bytes == 128 * 128 * 2 and fake.kernel_defines is not None
+    ex.reset()
+    got = list(ex.run_steps(prompt, 0, sample, stop_pos=133)), ex.logits().copy()
+    assert got[0] == want[0]
+    assert np.array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
+    assert fake.launch_shared and all(b == ex.shared_bytes for _, b in fake.launch_shared)
+    assert set(fake.dynamic_allowed.values()) == {ex.shared_bytes}
+    # the negative control: no opt-in, and the driver refuses the launch
+    fake = fake_cupy(num_sms=3, static_shared=27216)
+    from monokernel.kernel.devices import cuda as cuda_device
+
+    monkeypatch.setattr(cuda_device.CupyDevice, "_allow_dynamic_shared", lambda *a: None)
+    ex = make_executor(backend, m, 160, step_tokens=128)
+    ex.reset()
+    with pytest.raises(KernelError, match="dynamic shared memory"):
+        list(ex.run_steps(prompt, 0, sample, stop_pos=133))
+
+
 @pytest.mark.gpu
 def test_gpu_steps_of_many_sequences_are_bitwise_each_alone(gpu_case):
     """Steps of many sequences (slots=4, step_tokens=32, issue 17 slice 3; prepared as

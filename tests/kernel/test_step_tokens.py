@@ -20,7 +20,7 @@ from monokernel.errors import ParameterError, ProgramError
 from monokernel.kernel import costmodel as cm
 from monokernel.kernel.base import DeviceSample
 from monokernel.kernel.executor import KernelExecutor
-from monokernel.kernel.schedule import MAX_STEP_TOKENS, max_step_tokens, schedule
+from monokernel.kernel.schedule import MAX_STEP_TOKENS, schedule
 from monokernel.model.config import ModelConfig
 from monokernel.model.reference import ReferenceModel
 from monokernel.runtime import Engine, backend_options
@@ -80,13 +80,12 @@ def test_a_chunked_prompt_is_bitwise_the_one_token_steps(synth_model, arch, T, n
 
 
 @pytest.mark.parametrize("arch", ["llama3-tiny", "qwen3-tiny"])
-def test_the_largest_step_a_model_takes(synth_model, arch):
-    """A chunk of max_step_tokens (128; 64 for late q/k at head_dim 128, whose chunk keys fill
-    OpShared::kc), then one of 3, then decode: bitwise the one-token steps; one more token a
-    step is refused with the reason."""
+def test_the_largest_step(synth_model, arch):
+    """A chunk of MAX_STEP_TOKENS (128; on qwen3-tiny, late q/k at head_dim 128, its keys fill
+    32 KB of dynamic shared memory: megakernel.cu chunk_keys), then one of 3, then decode:
+    bitwise the one-token steps; one more token a step is refused."""
     model = synth_model(arch)
-    T = max_step_tokens(model.config)
-    assert T == (64 if arch == "qwen3-tiny" else MAX_STEP_TOKENS)
+    T = MAX_STEP_TOKENS
     prompt = prompt_of(model, T + 3, seed=8)
     stop, seq = T + 5, T + 8
     sample = DeviceSample(HOT, 5)
@@ -94,7 +93,7 @@ def test_the_largest_step_a_model_takes(synth_model, arch):
     got = run(model, T, prompt, stop, 2, sample, max_seq=seq)
     assert_bitwise(got, want, f"{arch} T={T}")
     assert got[4] == 2 + stop - len(prompt)
-    with pytest.raises(ParameterError, match=f"step_tokens={T + 1} exceeds the {T} tokens"):
+    with pytest.raises(ProgramError, match=f"tokens per step must be in \\[1, {T}\\]"):
         KernelExecutor(model, seq, blocks=2, step_tokens=T + 1)
 
 
@@ -150,10 +149,7 @@ def test_the_option_is_validated():
     assert backend_options("emulator", {"step_tokens": 8}).step_tokens == 8
     with pytest.raises(ProgramError, match="tokens per step"):
         schedule(ModelConfig.from_name("tiny"), 2, 32, tokens=0)
-    # late q/k at head_dim 128 (Qwen3): 64 tokens a step, and the error says why
-    with pytest.raises(ProgramError, match=r"\[1, 64\] for qwen3-tiny \(late q/k"):
-        schedule(ModelConfig.from_name("qwen3-tiny"), 2, 32, tokens=65)
-    assert schedule(ModelConfig.from_name("llama3-tiny"), 2, 32, tokens=MAX_STEP_TOKENS).tokens \
+    assert schedule(ModelConfig.from_name("qwen3-tiny"), 2, 32, tokens=MAX_STEP_TOKENS).tokens \
         == MAX_STEP_TOKENS
 
 

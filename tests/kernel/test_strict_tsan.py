@@ -331,9 +331,10 @@ def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny, tensor
 @needs_tsan
 def test_negative_control_a_segments_keys_without_their_barrier_is_reported(synth_dir):
     """Late q/k (Qwen3) with slot 1's segment starting at row 1: its second row scores the
-    first row's key from shared memory (s.kc, filled per unit from the segment's k_raw rows).
-    Without the barrier after the fill, other warps read keys still being written: TSan must
-    see it (and the kernel as built is race-free on the same table)."""
+    first row's key from shared memory (chunk_keys, dynamic shared memory filled per unit
+    from the segment's k_raw rows). Without the barrier after the fill, other warps read keys
+    still being written: TSan must see it (and the kernel as built is race-free on the same
+    table)."""
     from monokernel.kernel.base import StepTable
 
     model = load_model(synth_dir("qwen3-tiny"), progress=False)
@@ -342,7 +343,7 @@ def test_negative_control_a_segments_keys_without_their_barrier_is_reported(synt
     table = StepTable.of([(5, 0, 0, True, True), (17, 1, 0, True, True),
                           (999, 1, 1, True, True)], {0: [pages[0]], 1: [pages[3]]})
     source = ex.source
-    old = ("s.kc[(p - pos0) * D + d] = f32_to_bf16(tmp[d]);\n        }\n"
+    old = (" kc[(p - pos0) * D + d] = f32_to_bf16(tmp[d]);\n        }\n"
            "        __syncthreads();\n")
     assert source.count(old) == 1, "the segment keys' barrier is not where this test expects"
     _, _, report = run_strict(ex, [], table=table)

@@ -36,6 +36,8 @@ MAX_QUEUED_LAUNCHES = 500
 HOLD_NS_START = 2_000_000
 HOLD_NS_MAX = 50_000_000
 PROBES_PATH = Path(__file__).parent.parent / "probes.cu"
+# cuFuncSetAttribute's CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (CUDA driver API)
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 # Compiled modules of this process, keyed by (device, hash of source and options). CuPy also
 # caches the cubin on disk (~/.cupy/kernel_cache), so a new process skips NVRTC too.
@@ -94,7 +96,8 @@ class CupyDevice:
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._pinned: dict[int, np.ndarray] = {}  # nbytes -> pinned uint8 staging buffer
         self._in_flight: list[str] = []  # launches since the last completed wait
-        self._coresident_ok: set[tuple[str, str, int]] = set()
+        self._coresident_ok: set[tuple[str, str, int, int]] = set()
+        self._dynamic_shared_ok: set[tuple[str, str, int]] = set()  # (module, kernel, bytes)
         self._broken: str | None = None
         self._probe_module: CupyModule | None = None
         self._launch_ex: libcuda.LibcudaLaunchEx | None = None  # cuLaunchKernelEx, on first use
@@ -193,12 +196,14 @@ class CupyDevice:
 
     # ---- launch ---------------------------------------------------------------------------
     def launch(self, module: CupyModule, name: str, grid: int, params: np.ndarray,
-               cooperative: bool, pdl: bool = False) -> None:
+               cooperative: bool, pdl: bool = False, shared_bytes: int = 0) -> None:
         """One launch of ``name`` with ``grid`` blocks of NUM_THREADS threads; ``params`` is the
         struct Params argument (a structured numpy array of one element, params_dtype()).
         ``pdl``: launch through cuLaunchKernelEx with programmatic stream serialization allowed
         (the kernel must execute griddepcontrol.wait before reading its predecessor's output:
-        megakernel.cu's thin kernels built with MK_PDL=1 do)."""
+        megakernel.cu's thin kernels built with MK_PDL=1 do). ``shared_bytes``: dynamic shared
+        memory per block (megakernel.cu MK_DYN_SMEM), allowed past the default 48 KB with
+        static first (cuFuncSetAttribute, once per kernel)."""
         self._check_usable()
         if pdl and cooperative:
             raise KernelError(f"cuda: {name}: a cooperative launch cannot also be a "
@@ -213,22 +218,26 @@ class CupyDevice:
         kparams = np.array([arg.ctypes.data], dtype=np.uintp)
         drv = self.cp.cuda.driver
         label = f"{name} (grid {grid} x {NUM_THREADS} threads{', PDL' if pdl else ''})"
+        if shared_bytes:
+            self._allow_dynamic_shared(module, name, shared_bytes)
         if cooperative:
-            self._check_coresident(module, name, grid)
+            self._check_coresident(module, name, grid, shared_bytes)
         try:
             with self.device:
                 if cooperative:
-                    drv.launchCooperativeKernel(func, grid, 1, 1, NUM_THREADS, 1, 1, 0,
-                                                self.stream.ptr, kparams.ctypes.data)
+                    drv.launchCooperativeKernel(func, grid, 1, 1, NUM_THREADS, 1, 1,
+                                                shared_bytes, self.stream.ptr,
+                                                kparams.ctypes.data)
                 elif pdl:
                     ex = self.launch_ex()
-                    cfg = libcuda.programmatic_launch_config(grid, NUM_THREADS, self.stream.ptr)
+                    cfg = libcuda.programmatic_launch_config(grid, NUM_THREADS, self.stream.ptr,
+                                                             shared_bytes)
                     rc = ex.launch(ctypes.addressof(cfg), func, kparams.ctypes.data)
                     if rc != libcuda.CUDA_SUCCESS:
                         raise KernelError(f"cuLaunchKernelEx returned {ex.error_name(rc)}")
                 else:
-                    drv.launchKernel(func, grid, 1, 1, NUM_THREADS, 1, 1, 0, self.stream.ptr,
-                                     kparams.ctypes.data, 0)
+                    drv.launchKernel(func, grid, 1, 1, NUM_THREADS, 1, 1, shared_bytes,
+                                     self.stream.ptr, kparams.ctypes.data, 0)
         except Exception as e:
             raise KernelError(f"cuda: launch of {label} failed: {type(e).__name__}: {e}") \
                 from None
@@ -241,10 +250,29 @@ class CupyDevice:
             self._launch_ex = libcuda.load_launch_ex()
         return self._launch_ex
 
-    def _check_coresident(self, module: CupyModule, name: str, grid: int) -> None:
+    def _allow_dynamic_shared(self, module: CupyModule, name: str, nbytes: int) -> None:
+        """Let ``name`` take ``nbytes`` of dynamic shared memory a block (beyond 48 KB with its
+        static shared memory the driver asks for this opt-in), once per kernel and size."""
+        key = (module.key, name, nbytes)
+        if key in self._dynamic_shared_ok:
+            return
+        try:
+            with self.device:
+                self.cp.cuda.driver.funcSetAttribute(
+                    module.kernels[name].kernel.ptr,
+                    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+        except Exception as e:
+            raise KernelError(f"cuda: {name} cannot take {nbytes} B of dynamic shared memory a "
+                              f"block on {self.gpu_name} (beside "
+                              f"{module.kernels[name].shared_size_bytes} B static): "
+                              f"{type(e).__name__}: {e}") from None
+        self._dynamic_shared_ok.add(key)
+
+    def _check_coresident(self, module: CupyModule, name: str, grid: int,
+                          shared_bytes: int = 0) -> None:
         """A persistent kernel whose blocks wait on each other needs every block resident at
         once: refuse a grid larger than the occupancy calculator allows."""
-        key = (module.key, name, grid)
+        key = (module.key, name, grid, shared_bytes)
         if key in self._coresident_ok:
             return
         if not self.cooperative_launch:
@@ -252,14 +280,15 @@ class CupyDevice:
                               f"which the persistent {name} needs")
         kernel = module.kernels[name]
         per_sm = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            kernel.kernel.ptr, NUM_THREADS, 0)
+            kernel.kernel.ptr, NUM_THREADS, shared_bytes)
         limit = per_sm * self.num_sms
         if grid > limit:
             raise KernelError(
                 f"cuda: grid of {grid} blocks cannot be co-resident: {name} fits {per_sm} "
                 f"block(s) of {NUM_THREADS} threads per SM x {self.num_sms} SMs = {limit} on "
                 f"{self.gpu_name} ({kernel.num_regs} registers/thread, "
-                f"{kernel.shared_size_bytes} B static shared memory per block); "
+                f"{kernel.shared_size_bytes} B static + {shared_bytes} B dynamic shared "
+                f"memory per block); "
                 f"use blocks <= {limit}")
         self._coresident_ok.add(key)
 

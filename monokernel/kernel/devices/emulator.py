@@ -51,9 +51,11 @@ class EmulatorDevice:
         buf[...] = value
 
     def launch(self, module, name: str, grid: int, params: np.ndarray, cooperative: bool,
-               pdl: bool = False) -> None:
+               pdl: bool = False, shared_bytes: int = 0) -> None:
         """``pdl`` changes nothing here: launches run one after another, and the emulator's
-        build of MK_PDL=1 has no griddepcontrol (it is sm_90 device code only)."""
+        build of MK_PDL=1 has no griddepcontrol (it is sm_90 device code only). Nor does
+        ``shared_bytes``: the shim's emu::dynamic_shared sizes each block's dynamic shared
+        memory at the kernel's first call (the kernel asks for MK_DYN_SMEM)."""
         module.launch(name, grid, NUM_THREADS, params.ctypes.data, self.timeout_s)
 
     def synchronize(self) -> None:
