@@ -53,11 +53,11 @@
 #endif
 // Late q/k attention keeps the chunk's keys (bf16 [T_MAX, HEAD_DIM]) in dynamic shared memory
 // (chunk_keys): MK_DYN_SMEM bytes, which every launch passes (header.dynamic_shared_bytes).
-#define KC_ELEMS (MK_QK_NORM && MK_T_MAX > 1 ? MK_T_MAX * MK_HEAD_DIM : 0)
 #ifndef MK_DYN_SMEM
 #define MK_DYN_SMEM 0
 #endif
-static_assert(KC_ELEMS * 2 == MK_DYN_SMEM, "MK_DYN_SMEM is the chunk keys' bytes");
+static_assert(!(MK_QK_NORM && MK_T_MAX > 1) || MK_DYN_SMEM >= MK_T_MAX * MK_HEAD_DIM * 2,
+              "late q/k in steps of many tokens: chunk_keys holds T_MAX keys of HEAD_DIM bf16");
 
 static_assert(MK_THREADS % 32 == 0, "whole warps only");
 static_assert(MK_HIDDEN % 8 == 0 && MK_FFN % 8 == 0 && MK_Q_DIM % 8 == 0,
