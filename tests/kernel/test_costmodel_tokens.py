@@ -221,6 +221,33 @@ def test_attention_prefetch_of_a_step_is_its_first_rows_or_rolling():
         cm.predict(prog, g, first_only, shape=single).total_us)
 
 
+def test_segments_read_a_units_kv_once_for_all_their_rows():
+    """attn_segments (predicted, not built): a prompt chunk's rows share one rotation and run
+    each unit together, so ATTENTION's K/V bytes of a late chunk of 128 rows are each used
+    split's K/V once (not once per row, as rotating rows read them), its step is faster, and
+    a decode step of one row (a segment of one) moves the same bytes as before."""
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    cfg = ModelConfig.from_name("smollm2-135m").replace(num_layers=2)
+    splits, min_chunk = tensor_core_splits(cfg, 132, 1100)
+    prog = schedule(cfg, 132, 1100, splits, min_chunk, merge_ticket_min=1, tokens=128)
+    g = cm.gpu("h200")
+    rows = cm.design_for(prog, tensor_cores=True)
+    seg = rows.replace(attn_segments=True)
+    attn = np.array([[ins.op == Op.ATTENTION for ins in q] for q in prog.queues])
+    chunk = StepShape.chunk(896, 128, True)
+    a, b = cm.Static(prog, 0, g, rows, chunk), cm.Static(prog, 0, g, seg, chunk)
+    kv = 1024 * cfg.head_dim * 2 * 2.0 * cfg.num_kv_heads * cfg.num_layers  # K and V once
+    assert b.fields["bytes"][attn].sum() == pytest.approx(kv)
+    assert a.fields["bytes"][attn].sum() > 50 * kv  # every row its own pass
+    assert cm.predict(prog, g, seg, shape=chunk).total_us < \
+        0.7 * cm.predict(prog, g, rows, shape=chunk).total_us
+    one = StepShape.decode(1, 1024)
+    x, y = cm.Static(prog, 0, g, rows, one), cm.Static(prog, 0, g, seg, one)
+    assert x.fields["bytes"][attn].sum() == pytest.approx(y.fields["bytes"][attn].sum())
+
+
 def test_prefill_shapes_cover_the_prompt_once():
     for prompt, chunk in ((1, 128), (128, 128), (1000, 128), (1024, 512)):
         steps = prefill_shapes(prompt, chunk)

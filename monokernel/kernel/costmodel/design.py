@@ -142,6 +142,14 @@ class KernelDesign:
     # cached before the step of the instruction's first unit, whichever row's it is; False:
     # the units of the step's first row
     attn_first_unit_prefetch: bool = False
+    # (with attn_rotate_rows, a kernel of slots on tensor cores) a step's segment (one
+    # sequence's rows: a prompt chunk, or a decode row) shares one rotation, the used splits
+    # of its last row; a block runs a unit for all the segment's rows that reach it at once:
+    # the unit's K and V staged in shared memory once, the rows' queries x K and
+    # probabilities x V on tensor cores (mma.sync), the (row, head) pairs in m-tiles of 16 a
+    # warp (predicted, not built yet: benchmarks/NOTES.md, segments on tensor cores); False:
+    # every row its own pass on CUDA cores
+    attn_segments: bool = False
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
     attn_units_in_flight: int = 1

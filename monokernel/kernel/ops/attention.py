@@ -17,8 +17,8 @@ import numpy as np
 from ...errors import CostModelError
 from ..costmodel.parts import OpBatch, Phases, issue_us
 from ..costmodel.tokens import mma_us, widen_attention
-from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, T_TILE, Args,
-                   Op, attn_k_vec, attn_round_positions, merge_by_ticket, merge_row_lanes,
+from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, SEG_SUB, T_TILE,
+                   Args, Op, attn_k_vec, attn_round_positions, merge_by_ticket, merge_row_lanes,
                    merge_ways, row_finishes, row_rotations, split_chunk, splits_used, unit_finishes)
 from ..program import Instruction, Region, split_even
 
@@ -126,7 +126,7 @@ def _unit_positions(b: OpBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return idx, t0, cnt
 
 
-def tile_isa(n: np.ndarray, g, d, G: int, D: int):
+def tile_isa(n: np.ndarray, g, d, G: int, D: int, rows=1):
     """(K rounds, V rounds, compute us) of one pass over n <= T_TILE positions, vectorised over
     n. Geometry from isa.py; instruction shapes read off the sm_90 SASS of megakernel.cu:
 
@@ -141,7 +141,11 @@ def tile_isa(n: np.ndarray, g, d, G: int, D: int):
       cross-slot sum (G x 8 values x log2(KV_PPW) SHFL+FADD), the shared-memory store and
       barrier, and the cross-warp sum (an LDS round, NWARPS dependent adds: ~2 steps).
     - the online softmax between them (one warp per head: max and sum reductions, expf) and
-      the tile's four barriers."""
+      the tile's four barriers.
+
+    With attn_segments, the pass of ``rows`` rows of a segment (_segment_tile)."""
+    if d.attn_segments:
+        return _segment_tile(n, g, d, G, D, rows)
     lanes = D // 8  # KV_LANES
     ppw = 32 // lanes  # KV_PPW
     slots = d.warps * ppw  # KV_SLOTS
@@ -174,6 +178,34 @@ def tile_isa(n: np.ndarray, g, d, G: int, D: int):
     return k_rounds, v_rounds, compute
 
 
+def _segment_tile(n: np.ndarray, g, d, G: int, D: int, rows) -> tuple:
+    """(K/V rounds, 0, compute us) of a segment's pass over a tile of n <= T_TILE positions
+    for its ``rows`` rows that reach it (design attn_segments, predicted), vectorised: the
+    block stages the tile's K (rows) and V (transposed) in shared memory, every load of a
+    thread issued before its stores (one HBM round), two barriers; then each warp takes
+    m-tiles of 16 (row, head) queries, passes of NWARPS m-tiles: scores as mma.sync
+    (n / 8 x D / 16 of them), the online softmax in registers per SEG_SUB positions (a
+    thread's rows' max and sum over its 4 lanes: 2 shuffle steps each, an expf a score),
+    probabilities x V (n / 16 x D / 8 mma). A pass's mma run at the SM's share of
+    mma_tflops when 4 or more warps hold m-tiles (a warp issues to one of the 4 tensor
+    cores), a quarter of it per warp below that."""
+    n = np.asarray(n, np.float64)
+    rows = np.broadcast_to(np.asarray(rows, np.float64), n.shape)
+    mt = np.ceil(rows * G / 16)
+    active = np.minimum(mt, d.warps)
+    passes = np.ceil(mt / d.warps)
+    n8, n16, d16 = np.ceil(n / 8) * 8, np.ceil(n / 16) * 16, -(-D // 16) * 16
+    flops = 2.0 * 16 * d16 * n8 + 2.0 * 16 * D * n16  # an m-tile's QK and PV
+    rate = g.mma_tflops * 1e6 / g.sms * np.minimum(np.maximum(active, 1), 4) / 4
+    mma = passes * active * flops / rate
+    sub = np.ceil(n / SEG_SUB)
+    softmax = passes * (issue_us(g, d, n / 8 * 4 * 8) + sub * 4 * g.shfl)
+    chunks = np.ceil(n * D / 8 / d.threads)  # a thread's 16-byte K and V loads
+    stage = issue_us(g, d, chunks * (2 + 8)) + 2 * g.bar_sync
+    compute = (n > 0) * (rows > 0) * (stage + mma + softmax)
+    return (n > 0).astype(np.float64), np.zeros_like(n), compute
+
+
 def cost(b: OpBatch, g, d) -> Phases:
     if b.shape is None or (b.shape.single and not d.tensor_cores):
         return _one_token(b, g, d)
@@ -189,24 +221,28 @@ def _rotated(b: OpBatch, g, d) -> Phases:
     is a block-wide pass, the same arithmetic whichever block runs it)."""
     prog = b.program
     S = prog.attn_splits
-    rows = [s.context + i for s in b.shape.segments for i in range(s.tokens)]
-    used = [used_splits(prog, ctx + 1) for ctx in rows]
+    # what runs a unit: a row, or with attn_segments a segment's rows (its last row's context)
+    if d.attn_segments:
+        rows = [(s.context + s.tokens - 1, s.tokens) for s in b.shape.segments]
+    else:
+        rows = [(s.context + i, 1) for s in b.shape.segments for i in range(s.tokens)]
+    used = [used_splits(prog, ctx + 1) for ctx, _ in rows]
     offs = row_rotations(used, S)
     probe = np.arange(S)
     keys = ("l2", "hbm", "other", "rounds", "bytes", "pref")
     per_slot = {k: np.zeros(S) for k in keys}
-    cache: dict[int, dict] = {}
+    cache: dict[tuple[int, int], dict] = {}
     row_bytes, row_pref = [], []  # per row, its units' bytes and prefetchable bytes by slot
-    for r, (ctx, u, off) in enumerate(zip(rows, used, offs)):
-        if ctx not in cache:
+    for r, ((ctx, n), u, off) in enumerate(zip(rows, used, offs)):
+        if (ctx, n) not in cache:
             one = _unit_costs(OpBatch(prog, ctx, np.zeros(S, np.int64), probe, probe + 1,
-                                      np.zeros(S), []), g, d)
-            cache[ctx] = {k: np.where(probe < u, v, 0.0) for k, v in one.items()}
+                                      np.zeros(S), []), g, d, n)
+            cache[ctx, n] = {k: np.where(probe < u, v, 0.0) for k, v in one.items()}
         for k in keys:
             if k != "pref" or r == 0:  # prefetch_weights: the step's first row's units only
-                per_slot[k] += np.roll(cache[ctx][k], off)
-        row_bytes.append(np.roll(cache[ctx]["bytes"], off))
-        row_pref.append(np.roll(cache[ctx]["pref"], off))
+                per_slot[k] += np.roll(cache[ctx, n][k], off)
+        row_bytes.append(np.roll(cache[ctx, n]["bytes"], off))
+        row_pref.append(np.roll(cache[ctx, n]["pref"], off))
     # instruction i: its units [lo, hi) of g * S + slot, every group alike
     kv = prog.config.num_kv_heads
     out = {}
@@ -239,6 +275,17 @@ def _rolling_prefetch(b: OpBatch, S: int, kv: int, row_bytes: list[np.ndarray],
     return out
 
 
+def _row_offsets(b: OpBatch, d, used: list[int]) -> list[int]:
+    """Each row's rotation (isa.row_rotations): its own, or with attn_segments its segment's,
+    the used splits of the step's earlier segments' last rows."""
+    S = b.program.attn_splits
+    if not d.attn_segments:
+        return row_rotations(used, S)
+    ends = np.cumsum([s.tokens for s in b.shape.segments]) - 1
+    seg = row_rotations([used[e] for e in ends], S)
+    return [off for s, off in zip(b.shape.segments, seg) for _ in range(s.tokens)]
+
+
 def _merge_row_bytes(c, used: int) -> float:
     """The bytes a row's merge reads and writes in one KV group: its used splits' partials
     (G x (head_dim + 2) floats each) and its merged output (G x head_dim)."""
@@ -255,7 +302,7 @@ def _step_merge(b: OpBatch, g, d, ph: Phases) -> Phases:
     used = [used_splits(b.program, s.context + i + 1) for s in b.shape.segments
             for i in range(s.tokens)]
     if d.attn_rotate_rows:  # a row of one split finishes in its unit only in slot 0
-        offs = row_rotations(used, b.program.attn_splits)
+        offs = _row_offsets(b, d, used)
         merging = [(u, off) for u, off in zip(used, offs) if merges_by_ticket(b.program, d, u)
                    and not row_finishes(u, b.program.merge_ticket_min, off)]
     else:
@@ -315,9 +362,11 @@ def _row_ticket_merge(b: OpBatch, g, d, ph: Phases, merging: list[tuple[int, int
     return replace(ph, l2_trips=l2, other_us=other)
 
 
-def _unit_costs(b: OpBatch, g, d) -> dict[str, np.ndarray]:
+def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
     """Per attention unit of the batch's instructions (in order): its dependent L2 and HBM
-    trips, other time, K/V rounds, bytes and prefetched bytes at ``b.context``."""
+    trips, other time, K/V rounds, bytes and prefetched bytes at ``b.context``; with
+    attn_segments, of a segment of ``rows`` rows, the last at ``b.context`` (a unit runs the
+    rows that reach its positions; their queries and partials at the SM's share of L2)."""
     c = b.program.config
     G, D = c.group_size, c.head_dim
     idx, t0, cnt = _unit_positions(b)
@@ -325,10 +374,13 @@ def _unit_costs(b: OpBatch, g, d) -> dict[str, np.ndarray]:
     full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * T_TILE
     unit_hbm = np.zeros(len(idx))
     unit_l2 = np.full(len(idx), float(d.trips["ATTENTION"][0]))  # the group's queries
-    kf, vf, of = tile_isa(np.full(1, T_TILE), g, d, G, D)
-    kl, vl, ol = tile_isa(last, g, d, G, D)
-    k_rounds, v_rounds = full * kf[0] + kl, full * vf[0] + vl
-    unit_other = full * of[0] + ol + 2 * g.bar_sync  # the unit's set-up and end barriers
+    reach = np.clip(b.context - t0 + 1, 0, rows) if d.attn_segments else 1
+    kf, vf, of = tile_isa(np.full(len(idx), T_TILE), g, d, G, D, reach)
+    kl, vl, ol = tile_isa(last, g, d, G, D, reach)
+    k_rounds, v_rounds = full * kf + kl, full * vf + vl
+    unit_other = full * of + ol + 2 * g.bar_sync  # the unit's set-up and end barriers
+    if d.attn_segments:  # fp32 queries in, fp32 partials (or a row's bf16 output) out
+        unit_other += reach * G * (D * 4 + (D + 2) * 4) / (g.l2_bw / g.sms)
     if c.qk_norm:
         # warp_qk_norm_rope per query head and the key, after the queries' L2 trip: the
         # warp_sum, then the q/k-norm weights and the RoPE row, a barrier; the unit holding the
