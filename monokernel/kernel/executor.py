@@ -267,8 +267,9 @@ class KernelExecutor(Executor):
                                        mma=self.tensor_cores)
         self.source = source  # as compiled, but for the -D defines (strict mode rebuilds it)
         self.module = self.device.compile(source, KERNEL_NAMES, defines)
-        # every launch passes the kernel's dynamic shared memory (late q/k's chunk keys)
-        self.shared_bytes = dynamic_shared_bytes(c, self.program.tokens)
+        # every launch passes the kernel's dynamic shared memory (late q/k's chunk keys, the
+        # tensor-core kernel's staged K and V)
+        self.shared_bytes = dynamic_shared_bytes(c, self.program.tokens, self.tensor_cores)
         self._alloc_buffers(model)
         self._broken: str | None = None
         self._state_on_device: tuple | None = None

@@ -249,8 +249,8 @@ NUM_THREADS = 256
 PREFETCH_MAX_BYTES = 64 * 1024
 # Positions of one attention unit processed per pass (its scores live in shared memory).
 T_TILE = 128
-# Positions of one online-softmax step of a segment's unit on tensor cores (costmodel design
-# attn_segments, predicted: a warp's scores of 16 queries x SEG_SUB positions in registers).
+# Positions of one online-softmax step of a segment's unit on tensor cores (megakernel.cu
+# attention_segment: a warp's scores of 16 queries x SEG_SUB positions live in registers).
 SEG_SUB = 64
 # Mat-vecs (megakernel.cu RowShape<N>): 16-byte weight loads per lane a warp pass
 # keeps in flight where the row allows; see row_shape.

@@ -729,20 +729,24 @@ struct OpShared {
 #endif
 };
 
-// Late q/k attention's chunk keys: dynamic shared memory, sized by the launch (MK_DYN_SMEM), so
-// a step of 128 tokens at head_dim 128 (32 KB) does not count against the 48 KB of static
-// shared memory; nullptr in a kernel without them.
-__device__ __forceinline__ unsigned short* chunk_keys() {
+// Dynamic shared memory, sized by the launch (MK_DYN_SMEM, header.dynamic_shared_bytes), so
+// it does not count against the 48 KB of static shared memory: late q/k attention's chunk keys
+// (chunk_keys: a step of 128 tokens at head_dim 128, 32 KB), or the tensor-core kernel's
+// staged K and V tiles (attention_segment); nullptr in a kernel without them.
+__device__ __forceinline__ void* dynamic_smem() {
 #if MK_DYN_SMEM > 0
 #ifdef __CUDA_ARCH__
   extern __shared__ uint4 mk_dynamic_shared[];
-  return reinterpret_cast<unsigned short*>(mk_dynamic_shared);
+  return mk_dynamic_shared;
 #else
-  return static_cast<unsigned short*>(emu::dynamic_shared(MK_DYN_SMEM));
+  return emu::dynamic_shared(MK_DYN_SMEM);
 #endif
 #else
   return nullptr;
 #endif
+}
+__device__ __forceinline__ unsigned short* chunk_keys() {
+  return static_cast<unsigned short*>(dynamic_smem());
 }
 
 // ================================================================================================
@@ -1153,6 +1157,26 @@ __device__ __forceinline__ int next_rotation(int off, int used, int splits) {
   return ROTATE_ROWS ? split_slot(used == splits ? 0 : used, off, splits) : 0;
 }
 
+// The tensor-core kernel runs a unit for a whole segment (a sequence's rows of the step) at
+// once, its K and V staged in shared memory and the rows' queries on mma.sync
+// (attention_segment); a segment shares one rotation, its last row's used splits (costmodel
+// design attn_segments). Late q/k (the queries normed and roped in the unit) keeps a row's own
+// pass on CUDA cores.
+#define SEG_ATTN (MK_MMA && !LATE_QK)
+// The rows that run tok's units together: [tok, unit_rows_end): its segment (tok its first
+// row) with SEG_ATTN, else tok alone.
+__device__ __forceinline__ int unit_rows_end(const int* st, int tok, int ntok) {
+#if SEG_ATTN
+  int end = tok + 1;
+  while (end < ntok && row_seg(st, end) == tok) ++end;
+  return end;
+#else
+  (void)st;
+  (void)ntok;
+  return tok + 1;
+#endif
+}
+
 // ---- The split merge (O_PROJ_RESIDUAL's, or by ticket at ATTENTION's end) ------------------
 // The merge of the splits in one or two rounds. A thread owns 8 consecutive output
 // elements of one (KV group, query head) and loads, for MERGE_CHUNK splits at once, their
@@ -1430,7 +1454,8 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
   constexpr int LINES = (D * 2 + 127) / 128;  // 128-byte lines per K or V row
   if (c.tok < tok || (c.tok == tok && c.u <= u)) c = {tok, u + 1, rot};  // past this unit
   for (; c.tok < ntok; c.u = b) {
-    const int n_pos = row_pos(st, c.tok) + 1, used = splits_used(n_pos, splits, min_chunk);
+    const int last = unit_rows_end(st, c.tok, ntok) - 1;  // the rows that run c.tok's units
+    const int n_pos = row_pos(st, last) + 1, used = splits_used(n_pos, splits, min_chunk);
     for (; c.u < e; ++c.u) {
       const int j = c.u % splits, split = j >= c.rot ? j - c.rot : j - c.rot + splits;
       if (split >= used) continue;
@@ -1449,8 +1474,377 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
       return;
     }
     c.rot = next_rotation(c.rot, used, splits);
-    ++c.tok;
+    c.tok = last + 1;
   }
+}
+#endif
+
+#if SEG_ATTN
+// ---- A segment's unit on tensor cores (SEG_ATTN) ----------------------------------------------
+// The unit's positions [t0, t1) for the segment's rows that reach them (rows r0.. of the
+// segment: a row at position pos sees [t0, min(pos + 1, t1))), in tiles of T_TILE positions
+// staged in dynamic shared memory: K as rows (the scores' "col" B operand, ldmatrix) and V
+// transposed (V^T[d][i], the values' B operand alike). Its (row, head) queries, q = (r - r0) *
+// GROUP + h, come in m-tiles of 16, one a warp (passes of NWARPS m-tiles); a warp keeps its
+// m-tile's queries (bf16 A fragments), outputs (fp32) and running (max, sum) in registers and
+// runs the online softmax per SEG_SUB positions: scores = q . k * scale on mma.sync, masked to
+// -inf past each row's own position, then p = exp(score - max) packed as the next mma's A
+// fragment (FlashAttention-2's register reuse) against V. Where the numbers cannot depend on
+// the step's other rows: a query's score is its own A row against K; a sub-tile (fixed by
+// absolute position) without a position of the row leaves its (max, sum, outputs) exactly as
+// they were (corr 1, p 0 times a finite or zero V: +0); padding past the tile's positions is
+// zeros in V^T, so a row run alone and in a chunk add the same numbers in the same order.
+#define SEG_K_LD (D + 8)       // a staged K row: HEAD_DIM bf16 + 16 bytes (ldmatrix rows
+#define SEG_V_LD (T_TILE + 8)  // land on distinct banks); a V^T row: T_TILE positions + 16
+#define SEG_SUB MK_SEG_SUB     // isa.SEG_SUB
+#define SEG_NB (SEG_SUB / 8)   // n-blocks of 8 positions a sub-tile
+static_assert(D % 16 == 0 && T_TILE % SEG_SUB == 0 && SEG_SUB % 16 == 0,
+              "a segment's unit: mma k-steps of 16 over HEAD_DIM and over the positions");
+static_assert(MK_DYN_SMEM >= (T_TILE * SEG_K_LD + D * SEG_V_LD) * 2,
+              "a segment's K and V^T tiles live in dynamic shared memory");
+
+// Positions [base, base + cnt) of the unit's K and V (slot's cache rows at Kg / Vg) into Ks and
+// Vt; positions [cnt, cnt rounded up to 16) are zeros. Every load of a thread is issued before
+// its stores (a position past cnt loads the last one again, an L1 hit, and stores zeros).
+__device__ void segment_stage(const Params& P, int slot, const unsigned short* Kg,
+                              const unsigned short* Vg, int base, int cnt, unsigned short* Ks,
+                              unsigned short* Vt) {
+  constexpr int CH = D / 8;  // 16-byte chunks a row
+  constexpr int PER = (T_TILE * CH + MK_THREADS - 1) / MK_THREADS;
+  const int n16 = (cnt + 15) & ~15;
+  uint4 k[PER], v[PER];
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int idx = threadIdx.x + u * MK_THREADS, i = min(idx / CH, cnt - 1), c = idx % CH;
+    const size_t at = (size_t)kv_row(P, slot, base + i) * MK_KV_DIM + c * 8;
+    k[u] = load_kv(Kg + at);
+    v[u] = load_kv(Vg + at);
+  }
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int idx = threadIdx.x + u * MK_THREADS, i = idx / CH, c = idx % CH;
+    if (i >= n16) continue;
+    const bool in = i < cnt;
+    *reinterpret_cast<uint4*>(Ks + i * SEG_K_LD + c * 8) = in ? k[u] : make_uint4(0u, 0u, 0u, 0u);
+    const unsigned w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      Vt[(c * 8 + 2 * e) * SEG_V_LD + i] = in ? (unsigned short)(w[e] & 0xffffu) : 0;
+      Vt[(c * 8 + 2 * e + 1) * SEG_V_LD + i] = in ? (unsigned short)(w[e] >> 16) : 0;
+    }
+  }
+}
+
+// One SEG_SUB step of the online softmax of a warp's m-tile (both modes of attention_segment
+// run this code, so a query's numbers do not depend on the mode): the scores sc (the mma's
+// C fragments of n-blocks sb.. of the tile at `base`) scaled and masked past each of the
+// lane's two rows' positions (lim) and the tile's (end), the rows' running max and sum
+// updated, corr their correction, sc turned into the probabilities.
+__device__ __forceinline__ void segment_softmax(float (&sc)[SEG_NB][4], const int (&lim)[2],
+                                                int end, int p0, float scale, float (&mrun)[2],
+                                                float (&lrun)[2], float (&corr)[2]) {
+  const int t = threadIdx.x & 3;
+  float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nb = 0; nb < SEG_NB; ++nb)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int p = p0 + nb * 8 + 2 * t + (i & 1), h = i >> 1;
+      sc[nb][i] = p < min(lim[h], end) ? sc[nb][i] * scale : NEG_INF;
+      mx[h] = fmaxf(mx[h], sc[nb][i]);
+    }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL_MASK, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL_MASK, mx[h], 2));
+    const float mn = fmaxf(mrun[h], mx[h]);
+    corr[h] = mn == NEG_INF ? 1.f : expf(mrun[h] - mn);
+    mrun[h] = mn;
+  }
+#pragma unroll
+  for (int nb = 0; nb < SEG_NB; ++nb)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int h = i >> 1;
+      const float p = mrun[h] == NEG_INF ? 0.f : expf(sc[nb][i] - mrun[h]);
+      sc[nb][i] = p;
+      sum[h] += p;
+    }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    sum[h] += __shfl_xor_sync(FULL_MASK, sum[h], 1);
+    sum[h] += __shfl_xor_sync(FULL_MASK, sum[h], 2);
+    lrun[h] = lrun[h] * corr[h] + sum[h];
+  }
+}
+
+// The probabilities of k-step kk of a sub-tile as the A fragment of probabilities x V: the
+// score fragments of n-blocks 2 kk and 2 kk + 1 are its halves (FlashAttention-2's reuse).
+__device__ __forceinline__ void segment_p_frag(const float (&sc)[SEG_NB][4], int kk,
+                                               unsigned (&a)[4]) {
+  a[0] = bf16_pack(sc[2 * kk][0], sc[2 * kk][1]);
+  a[1] = bf16_pack(sc[2 * kk][2], sc[2 * kk][3]);
+  a[2] = bf16_pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+  a[3] = bf16_pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+}
+
+// Output n-tile nd += probabilities (k-step kk of the sub-tile at sb) x V, after the sub-tile's
+// correction (kk 0 applies it).
+__device__ __forceinline__ void segment_pv(float (&o)[4], const unsigned (&a)[4],
+                                           const float (&corr)[2], const unsigned short* Vt,
+                                           int nd, int sb, int kk) {
+  if (kk == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[i] *= corr[i >> 1];
+  }
+  unsigned b[2];
+  ldmatrix_b(b, Vt + nd * 8 * SEG_V_LD + sb + kk * 16, SEG_V_LD);
+  mma_m16n8k16_bf16(o, a, b, o);
+}
+
+// The scores of an n-block of the m-tile (queries qa) against the staged K rows from k8.
+__device__ __forceinline__ void segment_scores(float (&c)[4], const unsigned (&qa)[D / 16][4],
+                                               const unsigned short* k8) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) c[i] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    unsigned b[2];
+    ldmatrix_b(b, k8 + ks * 16, SEG_K_LD);
+    mma_m16n8k16_bf16(c, qa[ks], b, c);
+  }
+}
+
+// The split mode's shared memory after the K and V^T tiles (one m-tile): its scores, then the
+// softmax warp's probability fragments and corrections per lane, its final (max, sum).
+struct SegSplit {
+  float s[16][T_TILE + 4];                      // the tile's scores, [query row][position]
+  unsigned pa[T_TILE / 16][32][4];              // probability A fragments, per k-step and lane
+  float corr[T_TILE / SEG_SUB][32][2];          // each sub-tile's corrections, per lane
+  float ml[32][4];                              // per lane: (max, sum) of its two rows
+};
+#define SEG_TILES_BYTES ((T_TILE * SEG_K_LD + D * SEG_V_LD) * 2)
+static_assert(SEG_TILES_BYTES % 16 == 0, "the split mode's shared memory stays aligned");
+static_assert(MK_DYN_SMEM >= SEG_TILES_BYTES + (int)sizeof(SegSplit),
+              "the split mode's scores and fragments live in dynamic shared memory");
+
+// Unit slot j (split `split`) of KV group gk for the segment of nrows rows from row seg: the
+// partials of each row that reaches it at its slot j, or (row_finishes) its normalised output
+// into P.attn. Two modes, one arithmetic per query: m-tiles a warp each (a chunk's rows), or
+// one m-tile split over the warps (a decode row's GROUP queries: the scores' n-blocks over the
+// warps, warp 0's softmax over them in the same fragment layout, probabilities x V over the
+// output's n-tiles), each score, probability and output element computed by the same
+// instructions in the same order either way.
+__device__ void attention_segment(const Params& P, const int* st, int layer, int gk, int j,
+                                  int split, int seg, int nrows, int splits, int min_chunk,
+                                  int least, int rot, float scale) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
+  unsigned short* Ks = static_cast<unsigned short*>(dynamic_smem());
+  unsigned short* Vt = Ks + T_TILE * SEG_K_LD;
+  SegSplit& sp = *reinterpret_cast<SegSplit*>(reinterpret_cast<char*>(Ks) + SEG_TILES_BYTES);
+  const int pos0 = row_pos(st, seg), slot = row_slot(st, seg);
+  const int chunk = split_chunk(pos0 + nrows, splits, min_chunk);
+  const int t0 = split * chunk, t1 = min(pos0 + nrows, t0 + chunk);
+  const int r0 = max(0, t0 - pos0);       // the segment's first row reaching t0
+  const int M = (nrows - r0) * MK_GROUP;  // their (row, head) queries
+  const int mtiles = (M + 15) / 16, ntiles = (t1 - t0 + T_TILE - 1) / T_TILE;
+  const bool one = mtiles == 1;           // the split mode (block-uniform)
+  const size_t kv_layer = (size_t)layer * MK_KV_ROWS * MK_KV_HEADS * D;
+  const unsigned short* Kg = P.k_cache + kv_layer + (size_t)gk * D;
+  const unsigned short* Vg = P.v_cache + kv_layer + (size_t)gk * D;
+  for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS) {
+    const int mt = one ? 0 : mt0 + warp;
+    const bool live = mt < mtiles;
+    int lim[2];  // this lane's query rows gq, gq + 8: their row's positions end (0: padding)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = mt * 16 + gq + 8 * h;
+      lim[h] = live && m < M ? pos0 + r0 + m / MK_GROUP + 1 : 0;
+    }
+    const int warp_lim = live ? pos0 + r0 + (min(mt * 16 + 15, M - 1)) / MK_GROUP + 1 : 0;
+    unsigned qa[D / 16][4];  // the m-tile's queries, bf16 A fragments
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int m = mt * 16 + gq + 8 * (r & 1), col = ks * 16 + 2 * t + 8 * (r >> 1);
+        qa[ks][r] = 0u;
+        if (live && m < M) {
+          const float2 q = *reinterpret_cast<const float2*>(
+              P.q + (size_t)(seg + r0 + m / MK_GROUP) * MK_Q_DIM +
+              (gk * MK_GROUP + m % MK_GROUP) * D + col);
+          qa[ks][r] = bf16_pack(q.x, q.y);
+        }
+      }
+    float o[D / 8][4], mrun[2] = {NEG_INF, NEG_INF}, lrun[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[nd][i] = 0.f;
+    for (int tile = 0; tile < ntiles; ++tile) {
+      const int base = t0 + tile * T_TILE, cnt = min(T_TILE, t1 - base);
+      if (mt0 == 0 || ntiles > 1) {  // block-uniform: one tile is staged once for all passes
+        __syncthreads();             // the previous tile's readers are done
+        segment_stage(P, slot, Kg, Vg, base, cnt, Ks, Vt);
+        __syncthreads();
+      }
+      const int n16 = (cnt + 15) & ~15, end = base + cnt;
+      if (one) {
+        // the scores: n-blocks nb = warp, warp + NWARPS, ... below n16
+        for (int nb = warp; nb * 8 < n16; nb += NWARPS) {
+          float c[4];
+          segment_scores(c, qa, Ks + nb * 8 * SEG_K_LD);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sp.s[gq + 8 * (i >> 1)][nb * 8 + 2 * t + (i & 1)] = c[i];
+        }
+        __syncthreads();
+        if (warp == 0) {  // the softmax, sub-tile by sub-tile as the other mode's warps
+          for (int sb = 0; sb < n16 && base + sb < warp_lim; sb += SEG_SUB) {
+            float sc[SEG_NB][4], corr[2];
+#pragma unroll
+            for (int nb = 0; nb < SEG_NB; ++nb)
+#pragma unroll
+              for (int i = 0; i < 4; ++i)
+                sc[nb][i] = sb + nb * 8 < n16
+                                ? sp.s[gq + 8 * (i >> 1)][sb + nb * 8 + 2 * t + (i & 1)]
+                                : 0.f;
+            segment_softmax(sc, lim, end, base + sb, scale, mrun, lrun, corr);
+            sp.corr[sb / SEG_SUB][lane][0] = corr[0];
+            sp.corr[sb / SEG_SUB][lane][1] = corr[1];
+#pragma unroll
+            for (int kk = 0; kk < SEG_SUB / 16; ++kk) {
+              unsigned a[4];
+              segment_p_frag(sc, kk, a);
+#pragma unroll
+              for (int r = 0; r < 4; ++r) sp.pa[(sb + kk * 16) / 16][lane][r] = a[r];
+            }
+          }
+          sp.ml[lane][0] = mrun[0];
+          sp.ml[lane][1] = mrun[1];
+          sp.ml[lane][2] = lrun[0];
+          sp.ml[lane][3] = lrun[1];
+        }
+        __syncthreads();
+        // probabilities x V: output n-tiles nd = warp, warp + NWARPS, ...
+        for (int sb = 0; sb < n16 && base + sb < warp_lim; sb += SEG_SUB) {
+          const float corr[2] = {sp.corr[sb / SEG_SUB][lane][0], sp.corr[sb / SEG_SUB][lane][1]};
+#pragma unroll
+          for (int kk = 0; kk < SEG_SUB / 16; ++kk) {
+            if (sb + kk * 16 >= n16) continue;
+            const unsigned* ap = sp.pa[(sb + kk * 16) / 16][lane];
+            const unsigned a[4] = {ap[0], ap[1], ap[2], ap[3]};
+#pragma unroll
+            for (int nd = 0; nd < D / 8; ++nd)
+              if (nd % NWARPS == warp) segment_pv(o[nd], a, corr, Vt, nd, sb, kk);
+          }
+        }
+        mrun[0] = sp.ml[lane][0];
+        mrun[1] = sp.ml[lane][1];
+        lrun[0] = sp.ml[lane][2];
+        lrun[1] = sp.ml[lane][3];
+        continue;
+      }
+      for (int sb = 0; live && sb < n16 && base + sb < warp_lim; sb += SEG_SUB) {
+        float sc[SEG_NB][4], corr[2];
+#pragma unroll
+        for (int nb = 0; nb < SEG_NB; ++nb) {
+          if (sb + nb * 8 < n16) {
+            segment_scores(sc[nb], qa, Ks + (sb + nb * 8) * SEG_K_LD);
+          } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sc[nb][i] = 0.f;
+          }
+        }
+        segment_softmax(sc, lim, end, base + sb, scale, mrun, lrun, corr);
+#pragma unroll
+        for (int kk = 0; kk < SEG_SUB / 16; ++kk) {
+          if (sb + kk * 16 >= n16) continue;
+          unsigned a[4];
+          segment_p_frag(sc, kk, a);
+#pragma unroll
+          for (int nd = 0; nd < D / 8; ++nd) segment_pv(o[nd], a, corr, Vt, nd, sb, kk);
+        }
+      }
+    }
+    if (!live) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = mt * 16 + gq + 8 * h;
+      if (m >= M) continue;
+      const int tok = seg + r0 + m / MK_GROUP, head = m % MK_GROUP;
+      const int used = splits_used(row_pos(st, tok) + 1, splits, min_chunk);
+      if (row_finishes(used, least, rot)) {
+        mk_in_t* out = P.attn + (size_t)tok * MK_Q_DIM + (size_t)(gk * MK_GROUP + head) * D;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+          if (one && nd % NWARPS != warp) continue;
+          store_in(out + nd * 8 + 2 * t, o[nd][2 * h] / lrun[h]);
+          store_in(out + nd * 8 + 2 * t + 1, o[nd][2 * h + 1] / lrun[h]);
+        }
+      } else {
+        const size_t unit = (size_t)tok * MK_KV_HEADS * splits + (size_t)gk * splits + j;
+        float* po = P.attn_o + (unit * MK_GROUP + head) * D;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+          if (one && nd % NWARPS != warp) continue;
+          *reinterpret_cast<float2*>(po + nd * 8 + 2 * t) =
+              make_float2(o[nd][2 * h], o[nd][2 * h + 1]);
+        }
+        if (t == 0 && (!one || warp == 0)) {
+          P.attn_ml[(unit * MK_GROUP + head) * 2] = mrun[h];
+          P.attn_ml[(unit * MK_GROUP + head) * 2 + 1] = lrun[h];
+        }
+      }
+    }
+  }
+}
+
+// ATTENTION of the tensor-core kernel: every segment of the step (one rotation each, its last
+// row's used splits) runs the instruction's units that hold its splits (attention_segment),
+// then each row's ticket as op_attention draws it.
+__device__ void op_attention_segments(const Params& P, const int* ins, const int* st) {
+  const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
+  const int splits = ins[A_ATTENTION_SPLITS], min_chunk = ins[A_ATTENTION_MIN_CHUNK];
+  const int least = ins[A_ATTENTION_MERGE_MIN], ntok = step_tokens(st);
+  const float scale = 1.0f / sqrtf((float)D);
+  int rot = 0;          // the segment's rotation (split_slot)
+  bool merges = false;  // it ran units of a row that merges by ticket (not row_finishes)
+  int my_draw = 0, my_rot = 0;  // thread r: row r's draw and rotation (attention_row_tickets)
+  UnitCursor next = {0, b, 0};  // the rolling prefetch's (attention_prefetch_next)
+  for (int seg = 0; seg < ntok;) {
+    const int end = unit_rows_end(st, seg, ntok), nrows = end - seg;
+    const int used = splits_used(row_pos(st, end - 1) + 1, splits, min_chunk);
+    for (int u = b; u < e; ++u) {
+      const int g = u / splits, j = u % splits;
+      const int split = j >= rot ? j - rot : j - rot + splits;
+      if (split >= used) continue;  // no positions: no queries, no partials
+      attention_prefetch_next(P, st, next, seg, u, rot, layer, b, e, splits, min_chunk, ntok);
+      attention_segment(P, st, layer, g, j, split, seg, nrows, splits, min_chunk, least, rot,
+                        scale);
+    }
+    // each row's draw: this instruction's units of it (a row uses the splits below its own
+    // used ones), as op_attention's row loop counts them
+    for (int tok = seg; tok < end; ++tok) {
+      const int u_tok = splits_used(row_pos(st, tok) + 1, splits, min_chunk);
+      int ran = 0;
+      for (int u = b; u < e; ++u) {
+        const int j = u % splits;
+        ran += (j >= rot ? j - rot : j - rot + splits) < u_tok;
+      }
+      const bool draws = merge_by_ticket(u_tok, least) && !row_finishes(u_tok, least, rot) &&
+                         ran > 0;
+      merges |= draws;
+      if (threadIdx.x == tok) {
+        my_draw = draws ? ran | u_tok << 16 : 0;
+        my_rot = rot;
+      }
+    }
+    rot = next_rotation(rot, used, splits);
+    seg = end;
+  }
+  if (ins[A_ATTENTION_TICKETS] > 0 && least > 0 && merges)
+    attention_row_tickets(P, st, ins[A_ATTENTION_TICKET], b / splits, splits, min_chunk, ntok,
+                          my_draw, my_rot);
 }
 #endif
 
@@ -2245,7 +2639,11 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
         if (!op_embed(P, w, st, i)) return false;
         break;
       case OP_RMS_QKV_ROPE: op_rms_qkv_rope(P, s, w, st, g); break;
+#if SEG_ATTN
+      case OP_ATTENTION: op_attention_segments(P, w, st); break;
+#else
       case OP_ATTENTION: op_attention(P, s, w, st); break;
+#endif
       case OP_O_PROJ_RESIDUAL: op_o_proj_residual(P, s, w, st); break;
       case OP_RMS_GATE_UP: op_rms_gate_up(P, s, w, st, g); break;
       case OP_DOWN_RESIDUAL: op_down_residual(P, s, w, st); break;

@@ -89,13 +89,19 @@ class ReferenceModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
                  max_seq_len: int | None = None, page_size: int = 16,
-                 bf16_inputs: bool = False):
+                 bf16_inputs: bool = False, attn_chunk: int | None = None):
         """``bf16_inputs``: every matrix product's input (the normed residual, attention's
         output, the FFN's h) rounded to bf16 first, as a kernel built with tensor cores
-        (``tensor_cores=1``) feeds them to mma; its judge. The default fp32 inputs are the
-        judge against Hugging Face and of the CUDA-core kernel."""
+        (``tensor_cores=1``) feeds them to mma; its judge. Without late q/k that kernel runs
+        attention on mma too (megakernel.cu attention_segment): the query is rounded to bf16,
+        and the probabilities, exp(score - the running max) over SEG_SUB positions at a time
+        within each split of ``attn_chunk`` positions (the program's attn_min_chunk; None: one
+        split), before their product with V; the splits merged in fp32 (_attention_mma). The
+        default fp32 inputs are the judge against Hugging Face and of the CUDA-core kernel."""
         self.cfg = c = config
         self.bf16_inputs = bool(bf16_inputs)
+        self.attn_mma = self.bf16_inputs and not c.qk_norm
+        self.attn_chunk = attn_chunk
         self.max_seq_len = max_seq_len or min(c.max_position_embeddings, 4096)
         f32 = lambda name: as_float32(weights[name])  # noqa: E731
         self.embed = f32("model.embed_tokens.weight")
@@ -231,6 +237,10 @@ class ReferenceModel:
                 V = self.v_pages[li, used].reshape(-1, c.num_kv_heads, c.head_dim)
                 for r in rows:  # each row over exactly its own context: the same call alone
                     t = int(positions[r]) + 1
+                    if self.attn_mma:
+                        attn[r] = _attention_mma(q[r], K[:t], V[:t], scale,
+                                                 self.attn_chunk or t)
+                        continue
                     sc = np.matmul(q[r], K[:t].transpose(1, 2, 0)) * scale  # [kvh, g, t]
                     sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
                     sc = sc / sc.sum(axis=-1, keepdims=True)
@@ -246,6 +256,38 @@ class ReferenceModel:
             pad = padded(len(x))
         h = rms_norm(x, self.final_norm, c.rms_norm_eps)
         return linear(h, self.lm_head).astype(np.float32)
+
+
+# Positions of one online-softmax step of the tensor-core attention (isa.SEG_SUB, which the
+# kernel's header takes; the reference stays free of the kernel's imports).
+SEG_SUB = 64
+
+
+def _attention_mma(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: np.float32,
+                   chunk: int) -> np.ndarray:
+    """One row's attention as the tensor-core kernel rounds it (ReferenceModel bf16_inputs
+    without late q/k): q [kvh, g, d] against its context's K, V [t, kvh, d]."""
+    t = len(K)
+    sc = np.matmul(bf16_round(q), K.transpose(1, 2, 0)) * scale  # [kvh, g, t]
+    parts = []
+    for t0 in range(0, t, chunk):  # a split: running (max, sum, outputs) per SEG_SUB
+        t1 = min(t, t0 + chunk)
+        m = np.full(sc.shape[:2] + (1,), -np.inf, np.float32)
+        l = np.zeros_like(m)
+        o = np.zeros(q.shape, np.float32)
+        for b0 in range(t0, t1, SEG_SUB):
+            s = sc[..., b0:min(t1, b0 + SEG_SUB)]
+            mn = np.maximum(m, s.max(axis=-1, keepdims=True))
+            corr = np.exp(m - mn)
+            p = np.exp(s - mn)
+            l = l * corr + p.sum(axis=-1, keepdims=True)
+            o = o * corr + np.matmul(bf16_round(p), V[b0:b0 + s.shape[-1]].transpose(1, 0, 2))
+            m = mn
+        parts.append((m, l, o))
+    M = np.max([m for m, _, _ in parts], axis=0)
+    w = [np.exp(m - M) for m, _, _ in parts]
+    return (sum(o * x for (_, _, o), x in zip(parts, w))
+            / sum(l * x for (_, l, _), x in zip(parts, w))).astype(np.float32)
 
 
 def greedy_reference_run(model, tokens: list[int], n_steps: int, *,

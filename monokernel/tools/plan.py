@@ -70,11 +70,11 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _built(d) -> str:
+def _built(d, prog) -> str:
     from ..kernel import costmodel as cm
 
     return ("built: backend option tensor_cores" if d.name == cm.design_for(
-        None, tensor_cores=True).name else "not built yet")
+        prog, tensor_cores=True).name else "not built yet")
 
 
 def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | None,
@@ -87,8 +87,7 @@ def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | Non
     from ..kernel import costmodel as cm
     from ..kernel.schedule import schedule, tensor_core_splits
 
-    if design_name is not None and cm.design(design_name).name != cm.design_for(
-            None, tensor_cores=True).name:
+    if design_name is not None and cm.design(design_name).name not in cm.BUILT_MMA:
         return prog
     splits, min_chunk = tensor_core_splits(cfg, blocks, max_seq)
     return schedule(cfg, blocks, max_seq, splits, min_chunk, merge_ticket_min=1,
@@ -130,7 +129,7 @@ def batch_report(prog, gpu_name: str, design_name: str | None, context: int,
         cm.predict(prog, g, d, context)
     one = cm.predict(prog, g, cm.design_for(prog), context)
     lines = [f"cost model (a PREDICTION, not a measurement) of a step of many tokens: "
-             f"{g.name}, design {d.name} ({_built(d)}), {batch} sequences at context "
+             f"{g.name}, design {d.name} ({_built(d, prog)}), {batch} sequences at context "
              f"{context}",
              f"{'op':<16} {'busy us':>8} {'path us':>8} {'share':>6}"]
     for r in p.op_rows():
@@ -161,7 +160,7 @@ def prompt_report(prog, gpu_name: str, design_name: str | None, prompt: int,
     total = sum(p.step_us for p in steps) + g.launch
     one = cm.predict(prog, g, cm.design_for(prog), prompt // 2)  # the prompt's mean context
     lines = [f"cost model (a PREDICTION, not a measurement) of a {prompt}-token prompt: "
-             f"{g.name}, design {d.name} ({_built(d)}), {len(steps)} step"
+             f"{g.name}, design {d.name} ({_built(d, prog)}), {len(steps)} step"
              f"{'s' if len(steps) != 1 else ''} of up to {chunk} tokens, one launch "
              f"({g.launch:.0f} us)",
              "steps (us): " + ", ".join(f"{p.step_us:.0f}" for p in steps),

@@ -134,17 +134,56 @@ def test_mixed_steps_are_bitwise_each_sequence_alone(synth_model, arch, slots, T
 # row's splits by ticket (merge_ticket_min 1); with 6 splits of 8 positions (fixed by absolute
 # position), a row of one split is finished by its unit and the later rows merge by ticket
 # in the same steps
-INVARIANCE_CASES = [(False, 3, None), (True, 3, None), (True, 4, 6)]
+INVARIANCE_CASES = [("qwen3-gqa-tiny", False, 3, None), ("qwen3-gqa-tiny", True, 3, None),
+                    ("qwen3-gqa-tiny", True, 4, 6), ("llama3-tiny", True, 3, None),
+                    ("llama3-tiny", True, 3, 6)]
 
 
-@pytest.mark.parametrize("tensor_cores,blocks,splits", INVARIANCE_CASES,
-                         ids=["cuda-cores", "tensor-cores", "tensor-cores-6-splits"])
-def test_a_sequence_alone_or_beside_1_5_and_15_others(synth_model, tensor_cores, blocks,
+@pytest.mark.parametrize("splits", [None, 6])
+def test_a_prompts_numbers_do_not_depend_on_its_chunks_on_tensor_cores(synth_model, splits):
+    """Attention a segment at a time on tensor cores (megakernel.cu attention_segment) gives a
+    row the same numbers whatever segment carries it: a prompt of 20 in one chunk, in chunks
+    of 7, 1 and 12 (a 7-row chunk: two m-tiles, one a warp; a row alone: one m-tile split
+    over the warps), one row a step, and in chunks beside another sequence's rows: its
+    logits at every position and its K/V, bitwise. Then 4 decode rows, bitwise too."""
+    model = synth_model("llama3-tiny")
+    assert not model.config.qk_norm and model.config.group_size * 7 > 16
+    ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=2, page_size=PAGE, tensor_cores=True,
+                        step_tokens=24, attn_splits=splits)
+    me, other = prompt_of(model, 20, 31), prompt_of(model, 9, 32)
+    runs = []
+    for plans in ([{0: 20}], [{0: 7}, {0: 1}, {0: 12}], [{0: 1}] * 20,
+                  [{1: 9, 0: 5}, {0: 15, 1: 1}]):
+        b = Batch(ex)
+        b.join(0, me)
+        if any(1 in p for p in plans):
+            b.join(1, other)
+        for plan in plans:
+            b.step(plan)
+        for _ in range(4):
+            b.step({slot: 1 for slot in b.seqs})
+        runs.append((b.seqs[0], b.kv(0, 24)))
+    (first, (k0, v0)), rest = runs[0], runs[1:]
+    assert sorted(first["logits"]) == list(range(24))
+    for k, (run, (k1, v1)) in enumerate(rest):
+        for pos in first["logits"]:
+            assert np.array_equal(run["logits"][pos].view(np.uint32),
+                                  first["logits"][pos].view(np.uint32)), (k, pos)
+        assert np.array_equal(k0, k1) and np.array_equal(v0, v1), k
+        assert run["tokens"] == first["tokens"]
+
+
+@pytest.mark.parametrize("arch,tensor_cores,blocks,splits", INVARIANCE_CASES,
+                         ids=["cuda-cores", "tensor-cores", "tensor-cores-6-splits",
+                              "tensor-cores-segments", "tensor-cores-segments-6-splits"])
+def test_a_sequence_alone_or_beside_1_5_and_15_others(synth_model, arch, tensor_cores, blocks,
                                                       splits):
     """Batch invariance: one sequence's logits rows, bitwise, alone and in steps of 2, 6 and 16
     sequences at other positions (a step of 16 decode rows: T_MAX); on tensor cores, token
-    groups of 8 holding other sequences' rows beside its own, or padding."""
-    model = synth_model("qwen3-gqa-tiny")
+    groups of 8 holding other sequences' rows beside its own, or padding; without late q/k
+    (llama3-tiny) its attention a segment at a time on mma (megakernel.cu attention_segment:
+    its prompt's chunk, then its decode rows, each beside other segments' units)."""
+    model = synth_model(arch)
     ex = KernelExecutor(model, MAX_SEQ, blocks=blocks, slots=16, page_size=PAGE,
                         tensor_cores=tensor_cores, attn_splits=splits)
     if splits:

@@ -222,7 +222,7 @@ def test_attention_prefetch_of_a_step_is_its_first_rows_or_rolling():
 
 
 def test_segments_read_a_units_kv_once_for_all_their_rows():
-    """attn_segments (predicted, not built): a prompt chunk's rows share one rotation and run
+    """attn_segments (built: megakernel.cu SEG_ATTN): a prompt chunk's rows share one rotation and run
     each unit together, so ATTENTION's K/V bytes of a late chunk of 128 rows are each used
     split's K/V once (not once per row, as rotating rows read them), its step is faster, and
     a decode step of one row (a segment of one) moves the same bytes as before."""
@@ -233,8 +233,9 @@ def test_segments_read_a_units_kv_once_for_all_their_rows():
     splits, min_chunk = tensor_core_splits(cfg, 132, 1100)
     prog = schedule(cfg, 132, 1100, splits, min_chunk, merge_ticket_min=1, tokens=128)
     g = cm.gpu("h200")
-    rows = cm.design_for(prog, tensor_cores=True)
-    seg = rows.replace(attn_segments=True)
+    seg = cm.design_for(prog, tensor_cores=True)  # as built: megakernel.cu SEG_ATTN
+    assert seg.attn_segments
+    rows = seg.replace(attn_segments=False)  # a row's own pass, rotating rows (late q/k)
     attn = np.array([[ins.op == Op.ATTENTION for ins in q] for q in prog.queues])
     chunk = StepShape.chunk(896, 128, True)
     a, b = cm.Static(prog, 0, g, rows, chunk), cm.Static(prog, 0, g, seg, chunk)
@@ -273,7 +274,7 @@ def test_plan_batch_and_prompt_end_with_their_predictions(capsys):
                  "--predict", "h200", "--batch", "8", "--prompt", "300"]) == 0
     out = capsys.readouterr().out
     # by default the design built (the tensor-core kernel of slots), prompts in its chunks
-    assert "PREDICTION" in out and "design v6-mma (built: backend option tensor_cores)" in out
+    assert "PREDICTION" in out and "design v6-mma-seg (built: backend option tensor_cores)" in out
     assert "3 steps of up to 128 tokens" in out  # schedule.MAX_STEP_TOKENS
     m = [line for line in out.splitlines() if line.startswith("predicted")]
     assert m[0].startswith("predicted on h200:") and "us/token" in m[0]

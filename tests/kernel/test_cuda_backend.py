@@ -777,7 +777,8 @@ def test_gpu_tensor_cores_agree_with_the_bf16_reference_and_alone(gpu_case):
     tables = {s: pages[2 * s:2 * s + 2] for s in range(4)}
     rows = [(t, s, i, True, True) for s, p in enumerate(prompts) for i, t in enumerate(p)]
     got = ex.run_table(StepTable.of(rows, tables)).logits
-    ref = ReferenceModel(m.config, m.weights, GPU_MAX_SEQ, bf16_inputs=True)
+    ref = ReferenceModel(m.config, m.weights, GPU_MAX_SEQ, bf16_inputs=True,
+                         attn_chunk=ex.program.attn_min_chunk)
     at = 0
     for s, p in enumerate(prompts):
         ref.reset()

@@ -213,10 +213,31 @@ def test_a_kernel_of_prompt_chunks_keeps_the_decode_facts(shape):
     assert {k: chunked[k] for k in KEPT_WITH_CHUNKS} == {k: one[k] for k in KEPT_WITH_CHUNKS}
 
 
-@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-0.6b"])
+def test_the_tensor_core_kernels_segment_staging_is_one_round():
+    """The tensor-core kernel without late q/k stages a unit's K and V tiles (megakernel.cu
+    segment_stage) with every 16-byte load of a thread issued before the first is used (the
+    select of a position past the tile, then the shared stores): T_TILE x HEAD_DIM / 8 /
+    threads of K and as many of V, one HBM round a tile, as v6-mma-seg's _segment_tile
+    charges (costmodel ops/attention.py)."""
+    from monokernel.kernel.isa import NUM_THREADS, T_TILE
+
+    try:
+        sass = sf.compile_sass("smollm2-135m", function="op_ATTENTION", tokens=16, slots=4,
+                               mma=True)
+    except SassToolMissing as e:
+        pytest.skip(str(e))
+    per = T_TILE * 64 // 8 // NUM_THREADS
+    groups = sf._plain_load_groups(sass)
+    staged = [n for n, use in groups if sf._opcode(use).startswith(("SEL", "STS"))]
+    print(f"plain 16-byte load groups: {groups}")
+    assert staged == [2 * per], groups
+    assert cm.design("v6-mma-seg").attn_segments
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b"])
 def test_the_tensor_core_kernels_attention_loads_are_the_cost_models(shape):
-    """A kernel of slots on tensor cores (here 4 slots, steps of up to 16 rows): its K and V
-    loops keep what costmodel.V6_MMA says in flight per lane: all KV_UNROLL of each. (At
+    """A kernel of slots on tensor cores with late q/k (its attention a row at a time on CUDA
+    cores; here 4 slots, steps of up to 16 rows): its K and V loops keep what costmodel.V6_MMA says in flight per lane: all KV_UNROLL of each. (At
     head_dim 64, with one 16-byte chunk a lane, ptxas issued the K loads one at a time, each
     behind its block-table lookup and into the same registers, [1, 1, 1, 1, 4]; a lane now
     reads one row's four adjacent chunks, isa.attn_k_vec.) When this fails, the compiled loop

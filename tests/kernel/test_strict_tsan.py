@@ -318,7 +318,8 @@ def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny, tensor
             slot, pos = int(t.slots[i]), int(t.positions[i])
             seqs[slot].append(int(t.tokens[i]))
             want = ReferenceModel(tiny.config, tiny.weights, MAX_SEQ,
-                                  bf16_inputs=tensor_cores).forward(seqs[slot], 0)[-1]
+                                  bf16_inputs=tensor_cores,
+                                  attn_chunk=ex.program.attn_min_chunk).forward(seqs[slot], 0)[-1]
             assert float(np.abs(rows[k] - want).max()) <= tol * float(np.abs(want).max()), \
                 (slot, pos)
             if slot == 1:  # the device's draw from the row's own logits
@@ -410,6 +411,71 @@ def test_negative_control_next_table_written_after_the_release_is_reported(tiny)
         info.value.report[:4000]
 
 
+def segment_step(ex: KernelExecutor):
+    """One step of a 7-row prompt chunk (slot 0: 21 queries, two m-tiles, a warp each) beside
+    slot 1's first row (one m-tile, split over the warps): both modes of attention_segment."""
+    from monokernel.kernel.base import StepTable
+
+    pages = list(ex.add_pages(6))
+    tables = {0: pages[:4], 1: pages[4:]}
+    rows = [(5 + 3 * i, 0, i, True, True) for i in range(7)] + [(17, 1, 0, True, True)]
+    return StepTable.of(rows, tables)
+
+
+def segment_executor(model) -> KernelExecutor:
+    ex = KernelExecutor(model, MAX_SEQ, blocks=BLOCKS, slots=2, step_tokens=8, page_size=2,
+                        tensor_cores=True)
+    ex.poison()
+    return ex
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+def test_strict_tsan_segments_on_tensor_cores_no_race_match_the_mirror(tiny):
+    """Attention a segment at a time on tensor cores (megakernel.cu attention_segment, tiny has
+    no late q/k): the staged K and V^T tiles, the m-tiles a warp each, and the one m-tile split
+    over the warps (its scores, probability fragments and corrections through shared memory)
+    race-free; every row's logits the bf16-inputs reference's (its mirror of the attention's
+    rounding), test_tensor_cores.py's tolerance."""
+    ex = segment_executor(tiny)
+    _, logits, report = run_strict(ex, [], table=segment_step(ex))
+    assert report == ""
+    rows = logits[0].reshape(ex.program.tokens, -1)
+    ref = ReferenceModel(tiny.config, tiny.weights, MAX_SEQ, bf16_inputs=True,
+                         attn_chunk=ex.program.attn_min_chunk)
+    chunk = ref.forward([5 + 3 * i for i in range(7)], 0)
+    ref.reset()
+    want = np.concatenate([chunk, ref.forward([17], 0)])
+    err = np.abs(rows[:8] - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert err.max() <= 4e-3, err
+
+
+SEGMENT_BARRIERS = {
+    # the staged tile read before every thread has stored its share
+    "staging": ("        segment_stage(P, slot, Kg, Vg, base, cnt, Ks, Vt);\n"
+                "        __syncthreads();\n",
+                "        segment_stage(P, slot, Kg, Vg, base, cnt, Ks, Vt);\n"),
+    # the split mode's softmax reading scores other warps are still storing
+    "split-scores": ("        __syncthreads();\n        if (warp == 0) {  // the softmax",
+                     "        if (warp == 0) {  // the softmax"),
+}
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+@pytest.mark.parametrize("barrier", sorted(SEGMENT_BARRIERS))
+def test_negative_control_a_segments_attention_without_its_barrier_is_reported(tiny, barrier):
+    """attention_segment without the barrier after staging its tile, or (the split mode)
+    between the warps' scores and warp 0's softmax over them: TSan must see it."""
+    ex = segment_executor(tiny)
+    old, new = SEGMENT_BARRIERS[barrier]
+    assert ex.source.count(old) == 1, f"the {barrier} barrier is not where this test expects"
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, [], table=segment_step(ex), source=ex.source.replace(old, new))
+    assert re.search(r"attention_segment|segment_stage|segment_scores|ldmatrix",
+                     info.value.report), info.value.report[:4000]
+
+
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
 def test_negative_control_tensor_core_partials_without_their_barrier_is_reported(tiny):
@@ -450,18 +516,26 @@ def test_negative_control_token_group_members_on_the_same_share_are_reported(tin
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
 def test_negative_control_a_relaxed_row_ticket_is_reported(tiny):
-    """A kernel of slots draws a ticket per row (attention_ticket); with that draw relaxed
+    """A kernel of slots draws a ticket per row (attention_row_tickets); with that draw relaxed
     (the LM head's ticket left as it is), the first step (every row of one split, merged by
     its one holder) stays race-free, and in the second the row of slot 1 at position 2, its 2
-    splits rotated to unit slots 3 and 0 (one on each block), is merged by whichever block
+    splits rotated past slot 0's one-split row to unit slots 1 and 2 (one on each block: a
+    segment's rotation is the earlier segments' used splits), is merged by whichever block
     draws last, reading the other block's partials with nothing ordering them: TSan must see
     it in the merge."""
+    from monokernel.kernel.base import StepTable
+
     ex = table_executor(tiny, tensor_cores=True, attn_splits=4)
+    assert ex.program.attn_min_chunk == 2 and BLOCKS == 2  # unit slots 0-1 and 2-3 a block
     old = "last = ticket_add(c, n) + n == used;"
     assert ex.source.count(old) == 1, "the row ticket's draw is not where this test expects"
     source = ex.source.replace(old, "last = __atomic_fetch_add(c, n, __ATOMIC_RELAXED) + n "
                                     "== used;")
-    first, second = table_steps(ex)
+    pages = list(ex.add_pages(6))
+    tables = {0: [pages[5], pages[0]], 1: [pages[2], pages[3]]}
+    first = StepTable.of([(17, 1, 0, True, True), (7, 1, 1, True, True),
+                          (5, 0, 0, True, True)], tables)
+    second = StepTable.of([(999, 0, 1, True, True), (23, 1, 2, True, True)], tables)
     _, _, report = run_strict(ex, [], table=first, source=source)
     assert report == ""
     with pytest.raises(DataRaceError) as info:

@@ -147,8 +147,7 @@ class KernelDesign:
     # of its last row; a block runs a unit for all the segment's rows that reach it at once:
     # the unit's K and V staged in shared memory once, the rows' queries x K and
     # probabilities x V on tensor cores (mma.sync), the (row, head) pairs in m-tiles of 16 a
-    # warp (predicted, not built yet: benchmarks/NOTES.md, segments on tensor cores); False:
-    # every row its own pass on CUDA cores
+    # warp (megakernel.cu attention_segment); False: every row its own pass on CUDA cores
     attn_segments: bool = False
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
@@ -254,9 +253,16 @@ V8_CLUSTER = V8.replace(name="v8-cluster", input_multicast=2)
 V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rotate_rows=True,
                     stored_bf16_inputs=True, attn_row_tickets=True, attn_rolling_prefetch=True,
                     attn_first_unit_prefetch=True)
+# The tensor-core kernel of a model without late q/k (megakernel.cu SEG_ATTN): a step's
+# segments run each attention unit for all their rows on mma.sync (attn_segments), a decode
+# row's one m-tile split over the warps. With late q/k (Qwen3) the kernel is V6_MMA.
+V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True)
+# The tensor-core designs megakernel.cu builds.
+BUILT_MMA = ("v6-mma", "v6-mma-seg")
 # Every design a prediction can name (`monokernel plan --design`).
-DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA, "v7": V7,
-                                    "v7-rows": V7_ROWS, "v8": V8, "v8-cluster": V8_CLUSTER}
+DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
+                                    "v6-mma-seg": V6_MMA_SEG, "v7": V7, "v7-rows": V7_ROWS,
+                                    "v8": V8, "v8-cluster": V8_CLUSTER}
 
 
 def design_for(program=None, sync: int = 2, multi_step: bool = True,
@@ -265,10 +271,13 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
     per launch; its A/B twins with one launch per step (backend cuda-1step) or the fenced hop
     (MK_SYNC=1, backend cuda-sync1); with a program of steps of up to T tokens (``tokens``),
     the token loop and prompts in chunks of T; ``tensor_cores`` (a kernel of slots built with
-    them, MK_MMA): V6_MMA. A kernel change updates these in the same commit."""
+    them, MK_MMA): V6_MMA_SEG, or V6_MMA for a model with late q/k (``program``'s config;
+    no program: V6_MMA). A kernel change updates these in the same commit."""
     if tensor_cores:
         tokens = getattr(program, "tokens", 1)
-        return V6_MMA if tokens <= 1 else V6_MMA.replace(prefill_chunk=tokens)
+        cfg = getattr(program, "config", None)
+        d = V6_MMA if cfg is None or cfg.qk_norm else V6_MMA_SEG
+        return d if tokens <= 1 else d.replace(prefill_chunk=tokens)
     d = V6
     if sync < 2:
         d = d.replace(signal_sc_fence=True, poll_loads=2, poll_sleep=True)

@@ -188,7 +188,13 @@ def _segment_tile(n: np.ndarray, g, d, G: int, D: int, rows) -> tuple:
     thread's rows' max and sum over its 4 lanes: 2 shuffle steps each, an expf a score),
     probabilities x V (n / 16 x D / 8 mma). A pass's mma run at the SM's share of
     mma_tflops when 4 or more warps hold m-tiles (a warp issues to one of the 4 tensor
-    cores), a quarter of it per warp below that."""
+    cores), a quarter of it per warp below that.
+
+    One m-tile (a decode row: GROUP <= 16 queries) runs split over the warps instead, with
+    the same arithmetic per element: the scores' n-blocks over the warps (into shared
+    memory, a barrier), one warp's softmax over them in the same fragment layout (its
+    probability fragments and corrections into shared memory, a barrier), then
+    probabilities x V over the output's D / 8 n-tiles."""
     n = np.asarray(n, np.float64)
     rows = np.broadcast_to(np.asarray(rows, np.float64), n.shape)
     mt = np.ceil(rows * G / 16)
@@ -196,13 +202,24 @@ def _segment_tile(n: np.ndarray, g, d, G: int, D: int, rows) -> tuple:
     passes = np.ceil(mt / d.warps)
     n8, n16, d16 = np.ceil(n / 8) * 8, np.ceil(n / 16) * 16, -(-D // 16) * 16
     flops = 2.0 * 16 * d16 * n8 + 2.0 * 16 * D * n16  # an m-tile's QK and PV
-    rate = g.mma_tflops * 1e6 / g.sms * np.minimum(np.maximum(active, 1), 4) / 4
+    sm_rate = g.mma_tflops * 1e6 / g.sms
+
+    def at(warps):  # mma time of `flops` spread over `warps` warps
+        return np.minimum(np.maximum(warps, 1), 4) / 4 * sm_rate
+
+    rate = at(active)
     mma = passes * active * flops / rate
     sub = np.ceil(n / SEG_SUB)
     softmax = passes * (issue_us(g, d, n / 8 * 4 * 8) + sub * 4 * g.shfl)
     chunks = np.ceil(n * D / 8 / d.threads)  # a thread's 16-byte K and V loads
     stage = issue_us(g, d, chunks * (2 + 8)) + 2 * g.bar_sync
-    compute = (n > 0) * (rows > 0) * (stage + mma + softmax)
+    # one m-tile: the split mode (QK over n / 8 n-blocks, PV over D / 8 n-tiles; one warp's
+    # softmax at one instruction a clock)
+    qk, pv = 2.0 * 16 * d16 * n8, 2.0 * 16 * D * n16
+    one_warp = (n / 8 * 4 * 8 + n / 16 * 4 * 4) / (g.clock_ghz * 1e3) + sub * 4 * g.shfl
+    split = qk / at(np.minimum(n8 / 8, d.warps)) + pv / at(min(D // 8, d.warps)) \
+        + one_warp + 2 * g.bar_sync
+    compute = (n > 0) * (rows > 0) * (stage + np.where(mt == 1, split, mma + softmax))
     return (n > 0).astype(np.float64), np.zeros_like(n), compute
 
 
