@@ -1500,8 +1500,7 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
 #define SEG_NB (SEG_SUB / 8)   // n-blocks of 8 positions a sub-tile
 static_assert(D % 16 == 0 && T_TILE % SEG_SUB == 0 && SEG_SUB % 16 == 0,
               "a segment's unit: mma k-steps of 16 over HEAD_DIM and over the positions");
-static_assert(MK_DYN_SMEM >= (T_TILE * SEG_K_LD + D * SEG_V_LD) * 2,
-              "a segment's K and V^T tiles live in dynamic shared memory");
+#define SEG_TILES_BYTES ((T_TILE * SEG_K_LD + D * SEG_V_LD) * 2)  // the K and V^T tiles
 
 // Positions [base, base + cnt) of the unit's K and V (slot's cache rows at Kg / Vg) into Ks and
 // Vt; positions [cnt, cnt rounded up to 16) are zeros. Every load of a thread is issued before
@@ -1623,10 +1622,10 @@ struct SegSplit {
   float corr[T_TILE / SEG_SUB][32][2];          // each sub-tile's corrections, per lane
   float ml[32][4];                              // per lane: (max, sum) of its two rows
 };
-#define SEG_TILES_BYTES ((T_TILE * SEG_K_LD + D * SEG_V_LD) * 2)
 static_assert(SEG_TILES_BYTES % 16 == 0, "the split mode's shared memory stays aligned");
 static_assert(MK_DYN_SMEM >= SEG_TILES_BYTES + (int)sizeof(SegSplit),
-              "the split mode's scores and fragments live in dynamic shared memory");
+              "the K and V^T tiles, then the split mode's scores and fragments, live in "
+              "dynamic shared memory");
 
 // Unit slot j (split `split`) of KV group gk for the segment of nrows rows from row seg: the
 // partials of each row that reaches it at its slot j, or (row_finishes) its normalised output
