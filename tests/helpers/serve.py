@@ -13,6 +13,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -45,10 +46,28 @@ def port_is_closed(port: int) -> bool:
 
 def free_port() -> int:
     """A port free on 127.0.0.1 now, for a server started in another process (which binds it
-    itself: another process could take it in between, so use it at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    itself: another process could take it in between, so use it at once). Drawn below the
+    kernel's ephemeral range (ip_local_port_range), never from it: a port the OS hands out
+    for a bind to port 0 is one every other process binding port 0 may get next, and a Ray
+    Serve start binds dozens (its gRPC servers) before its proxy binds ours (a CI run on
+    2026-12-04 failed so: "Failed to bind to address 127.0.0.1:44529")."""
+    import random
+
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [10000, {low}) on 127.0.0.1")
 
 
 @contextmanager
