@@ -8,8 +8,9 @@ from ..model.config import ModelConfig
 from . import ops
 from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, KV_UNROLL, MATVEC_LOADS, MERGE_CHUNK,
                   MERGE_TICKET_WAYS, NUM_THREADS, PARAMS, PREFETCH_MAX_BYTES, ROW_WORDS,
-                  SEG_SUB, STATE_WORDS, T_TILE, TRACE_WORDS, WIDTH, Err, ErrCode, HostFlag, Op,
-                  RowWord, State, StopReason, TraceWord, Word, attn_k_vec, merge_block_ways)
+                  SEG_KEYS, SEG_QUERIES, SEG_SUB, STATE_WORDS, T_TILE, TRACE_WORDS, WIDTH, Err,
+                  ErrCode, HostFlag, Op, RowWord, State, StopReason, TraceWord, Word, attn_k_vec,
+                  merge_block_ways)
 
 
 def stop_mask_words(vocab_size: int) -> int:
@@ -27,6 +28,8 @@ def model_constants(cfg: ModelConfig, max_seq_len: int) -> dict[str, int | str]:
         "MK_PREFETCH_MAX_BYTES": PREFETCH_MAX_BYTES,
         "MK_T_TILE": T_TILE,
         "MK_SEG_SUB": SEG_SUB,
+        "MK_SEG_KEYS": SEG_KEYS,
+        "MK_SEG_QUERIES": SEG_QUERIES,
         "MK_MATVEC_LOADS": MATVEC_LOADS,
         "MK_KV_UNROLL": KV_UNROLL,
         "MK_K_VEC": attn_k_vec(cfg.head_dim),
@@ -59,19 +62,21 @@ def slot_pages(max_seq_len: int, page_size: int) -> int:
 
 def dynamic_shared_bytes(cfg: ModelConfig, tokens: int, mma: bool = False) -> int:
     """Dynamic shared memory a block of the kernel takes (MK_DYN_SMEM; every launch passes
-    it): late q/k attention's chunk keys, bf16 [tokens, head_dim] (megakernel.cu
-    chunk_keys), in a kernel of steps of many tokens; in the tensor-core kernel without late
-    q/k (``mma``), a segment's staged K [T_TILE, head_dim + 8] and V^T [head_dim, T_TILE + 8]
-    tiles, bf16, then its split mode's SegSplit (attention_segment: scores fp32 [16, T_TILE +
-    4], probability fragments [T_TILE / 16, 32, 4] and corrections [T_TILE / SEG_SUB, 32, 2]
-    words, the final (max, sum) [32, 4]); 0 otherwise. megakernel.cu asserts it is enough."""
-    if cfg.qk_norm:
-        return tokens * cfg.head_dim * 2 if tokens > 1 else 0
+    it): in the tensor-core kernel (``mma``), a segment's staged K [T_TILE, head_dim + 8] and
+    V^T [head_dim, T_TILE + 8] tiles, bf16, then its split mode's SegSplit (attention_segment:
+    scores fp32 [16, T_TILE + 4], probability fragments [T_TILE / 16, 32, 4] and corrections
+    [T_TILE / SEG_SUB, 32, 2] words, the final (max, sum) [32, 4]), then a query tile a warp,
+    bf16 [16, head_dim + 8]; on CUDA cores, late q/k attention's chunk keys, bf16
+    [tokens, head_dim] (megakernel.cu chunk_keys), in a kernel of steps of many tokens; 0
+    otherwise. megakernel.cu asserts it is enough."""
     if mma:
         D = cfg.head_dim
         tiles = (T_TILE * (D + 8) + D * (T_TILE + 8)) * 2
         split = 16 * (T_TILE + 4) + T_TILE // 16 * 32 * 4 + T_TILE // SEG_SUB * 32 * 2 + 32 * 4
-        return tiles + split * 4
+        queries = NUM_THREADS // 32 * 16 * (D + 8) * 2
+        return tiles + split * 4 + queries
+    if cfg.qk_norm:
+        return tokens * cfg.head_dim * 2 if tokens > 1 else 0
     return 0
 
 

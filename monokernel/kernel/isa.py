@@ -252,6 +252,12 @@ T_TILE = 128
 # Positions of one online-softmax step of a segment's unit on tensor cores (megakernel.cu
 # attention_segment: a warp's scores of 16 queries x SEG_SUB positions live in registers).
 SEG_SUB = 64
+# Late q/k keys of a segment's own rows a warp norms and ropes at once when it stages a K tile
+# (megakernel.cu segment_keys: every key's loads issued before the first one's arithmetic).
+SEG_KEYS = 4
+# Late q/k queries of an m-tile a warp norms and ropes at once when it builds its query tile
+# (megakernel.cu segment_q_tile): a 16-query m-tile in two rounds.
+SEG_QUERIES = 8
 # Mat-vecs (megakernel.cu RowShape<N>): 16-byte weight loads per lane a warp pass
 # keeps in flight where the row allows; see row_shape.
 MATVEC_LOADS = 8

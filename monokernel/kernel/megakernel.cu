@@ -778,41 +778,65 @@ __device__ bool op_embed(const Params& P, const int* ins, const int* st, int ins
 // hundred values, redundant across splits), and O_PROJ caches the key afterwards.
 #define LATE_QK MK_QK_NORM
 
-// One warp: out = rope(rmsnorm(x) * w) of one head vector at position pos (x may be global or
-// shared). Every load - x, the norm weights w and the RoPE row - is issued before the first use:
-// one round trip after the wait (the weights and the RoPE row were prefetched into L2 before
-// it: prefetch_weights). Lane l owns the rotation pairs (j, j + HALF) for j = l + 32 k.
-__device__ __forceinline__ void warp_qk_norm_rope(const Params& P, const float* x,
-                                                  const unsigned short* w, int pos, float* out) {
+// One warp: N head vectors k < N, out(k, j, v) for v = rope(rmsnorm(x_k) * w)[j], x_k = x(k)
+// (global or shared) at position pos(k); live(k) false: the vector is skipped (its loads
+// read vector 0 again). Every load of the N vectors - x, the norm weights w and the RoPE rows -
+// is issued before the first use: one round trip after the wait (the weights and the RoPE row
+// were prefetched into L2 before it: prefetch_weights). Lane l owns the rotation pairs (j, j +
+// HALF) for j = l + 32 k. The arithmetic is pinned (no contraction: __fmul_rn / __fadd_rn), so
+// a key normed here for a segment's K tile (N keys at once) and for the cache (one at a time)
+// is the same value whichever instantiation ran it.
+template <int N, class X, class Pos, class Live, class Out>
+__device__ __forceinline__ void warp_qk_norm_rope_n(const Params& P, X x, const unsigned short* w,
+                                                    Pos pos, Live live, Out out) {
   constexpr int PAIRS = (HALF + 31) / 32;
   const int lane = threadIdx.x & 31;
-  float a[PAIRS], c[PAIRS], wa[PAIRS], wc[PAIRS], cs[PAIRS], sn[PAIRS];
+  float a[N][PAIRS], c[N][PAIRS], wa[PAIRS], wc[PAIRS], cs[N][PAIRS], sn[N][PAIRS];
 #pragma unroll
   for (int k = 0; k < PAIRS; ++k) {
     const int j = min(lane + 32 * k, HALF - 1);  // clamped: unpredicated loads; unused past HALF
-    a[k] = x[j];
-    c[k] = x[j + HALF];
     wa[k] = bf16_to_f32(__ldg(w + j));
     wc[k] = bf16_to_f32(__ldg(w + j + HALF));
-    cs[k] = __ldg(P.rope_cos + (size_t)pos * HALF + j);
-    sn[k] = __ldg(P.rope_sin + (size_t)pos * HALF + j);
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const int v = live(n) ? n : 0;
+      const float* xv = x(v);
+      a[n][k] = xv[j];
+      c[n][k] = xv[j + HALF];
+      cs[n][k] = __ldg(P.rope_cos + (size_t)pos(v) * HALF + j);
+      sn[n][k] = __ldg(P.rope_sin + (size_t)pos(v) * HALF + j);
+    }
   }
-  float ss = 0.f;
 #pragma unroll
-  for (int k = 0; k < PAIRS; ++k)
-    if (lane + 32 * k < HALF) ss += a[k] * a[k] + c[k] * c[k];
-  ss = warp_sum(ss);
-  const float r = 1.0f / sqrtf(ss / (float)D + MK_RMS_EPS);
+  for (int n = 0; n < N; ++n) {
+    float ss = 0.f;
 #pragma unroll
-  for (int k = 0; k < PAIRS; ++k) {
-    const int j = lane + 32 * k;
-    if (j < HALF) {
-      const float na = a[k] * r * wa[k], nc = c[k] * r * wc[k];
-      out[j] = na * cs[k] - nc * sn[k];
-      out[j + HALF] = nc * cs[k] + na * sn[k];
+    for (int k = 0; k < PAIRS; ++k)
+      if (lane + 32 * k < HALF)
+        ss = __fadd_rn(ss, __fadd_rn(__fmul_rn(a[n][k], a[n][k]), __fmul_rn(c[n][k], c[n][k])));
+    ss = warp_sum(ss);
+    const float r = 1.0f / sqrtf(ss / (float)D + MK_RMS_EPS);
+#pragma unroll
+    for (int k = 0; k < PAIRS; ++k) {
+      const int j = lane + 32 * k;
+      if (j < HALF && live(n)) {
+        const float na = __fmul_rn(__fmul_rn(a[n][k], r), wa[k]);
+        const float nc = __fmul_rn(__fmul_rn(c[n][k], r), wc[k]);
+        out(n, j, __fadd_rn(__fmul_rn(na, cs[n][k]), -__fmul_rn(nc, sn[n][k])));
+        out(n, j + HALF, __fadd_rn(__fmul_rn(nc, cs[n][k]), __fmul_rn(na, sn[n][k])));
+      }
     }
   }
   __syncwarp();
+}
+
+// One warp: out = rope(rmsnorm(x) * w) of one head vector at position pos (x may be global or
+// shared).
+__device__ __forceinline__ void warp_qk_norm_rope(const Params& P, const float* x,
+                                                  const unsigned short* w, int pos, float* out) {
+  warp_qk_norm_rope_n<1>(
+      P, [&](int) { return x; }, w, [&](int) { return pos; }, [](int) { return true; },
+      [&](int, int j, float v) { out[j] = v; });
 }
 
 // ================================================================================================
@@ -1160,9 +1184,8 @@ __device__ __forceinline__ int next_rotation(int off, int used, int splits) {
 // The tensor-core kernel runs a unit for a whole segment (a sequence's rows of the step) at
 // once, its K and V staged in shared memory and the rows' queries on mma.sync
 // (attention_segment); a segment shares one rotation, its last row's used splits (costmodel
-// design attn_segments). Late q/k (the queries normed and roped in the unit) keeps a row's own
-// pass on CUDA cores.
-#define SEG_ATTN (MK_MMA && !LATE_QK)
+// design attn_segments).
+#define SEG_ATTN MK_MMA
 // The rows that run tok's units together: [tok, unit_rows_end): its segment (tok its first
 // row) with SEG_ATTN, else tok alone.
 __device__ __forceinline__ int unit_rows_end(const int* st, int tok, int ntok) {
@@ -1497,34 +1520,55 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
 #define SEG_K_LD (D + 8)       // a staged K row: HEAD_DIM bf16 + 16 bytes (ldmatrix rows
 #define SEG_V_LD (T_TILE + 8)  // land on distinct banks); a V^T row: T_TILE positions + 16
 #define SEG_SUB MK_SEG_SUB     // isa.SEG_SUB
+#define SEG_KEYS MK_SEG_KEYS   // isa.SEG_KEYS
+#define SEG_QUERIES MK_SEG_QUERIES  // isa.SEG_QUERIES
+#define SEG_Q_LD (D + 8)  // a query tile's row: HEAD_DIM bf16 + 16 bytes
 #define SEG_NB (SEG_SUB / 8)   // n-blocks of 8 positions a sub-tile
 static_assert(D % 16 == 0 && T_TILE % SEG_SUB == 0 && SEG_SUB % 16 == 0,
               "a segment's unit: mma k-steps of 16 over HEAD_DIM and over the positions");
 #define SEG_TILES_BYTES ((T_TILE * SEG_K_LD + D * SEG_V_LD) * 2)  // the K and V^T tiles
 
+// threadIdx.x read afresh (a volatile read of %tid.x on the GPU): what is computed from it is
+// recomputed where it is used instead of hoisted to the kernel's start and kept in registers
+// through every op (the staging's per-thread shared-memory addresses were 24 registers held
+// across the whole attention of a late q/k model at head_dim 128, and it spilled).
+__device__ __forceinline__ int fresh_tid() {
+#ifdef __CUDA_ARCH__
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+#else
+  return threadIdx.x;
+#endif
+}
+
 // Positions [base, base + cnt) of the unit's K and V (slot's cache rows at Kg / Vg) into Ks and
-// Vt; positions [cnt, cnt rounded up to 16) are zeros. Every load of a thread is issued before
-// its stores (a position past cnt loads the last one again, an L1 hit, and stores zeros).
+// Vt; positions [cnt, cnt rounded up to 16) are zeros. K rows go by cp.async (no registers:
+// a thread's V loads, its K copies and its V^T stores overlap); K rows from k_end on are left
+// to segment_keys (late q/k: the segment's own keys, not cached yet). Every V load of a thread
+// is issued before its stores (a position past cnt loads the last one again, an L1 hit, and
+// stores zeros). The copies have landed when it returns (cp_async_wait); the caller's barrier
+// shows them to the block.
 __device__ void segment_stage(const Params& P, int slot, const unsigned short* Kg,
-                              const unsigned short* Vg, int base, int cnt, unsigned short* Ks,
-                              unsigned short* Vt) {
+                              const unsigned short* Vg, int base, int cnt, int k_end,
+                              unsigned short* Ks, unsigned short* Vt) {
   constexpr int CH = D / 8;  // 16-byte chunks a row
   constexpr int PER = (T_TILE * CH + MK_THREADS - 1) / MK_THREADS;
-  const int n16 = (cnt + 15) & ~15;
-  uint4 k[PER], v[PER];
+  const int n16 = (cnt + 15) & ~15, tid = fresh_tid();
+  uint4 v[PER];
 #pragma unroll
   for (int u = 0; u < PER; ++u) {
-    const int idx = threadIdx.x + u * MK_THREADS, i = min(idx / CH, cnt - 1), c = idx % CH;
-    const size_t at = (size_t)kv_row(P, slot, base + i) * MK_KV_DIM + c * 8;
-    k[u] = load_kv(Kg + at);
+    const int idx = tid + u * MK_THREADS, i = idx / CH, c = idx % CH;
+    const size_t at = (size_t)kv_row(P, slot, base + min(i, cnt - 1)) * MK_KV_DIM + c * 8;
+    if (i < min(cnt, k_end)) cp_async_16(Ks + i * SEG_K_LD + c * 8, Kg + at);
     v[u] = load_kv(Vg + at);
   }
 #pragma unroll
   for (int u = 0; u < PER; ++u) {
-    const int idx = threadIdx.x + u * MK_THREADS, i = idx / CH, c = idx % CH;
+    const int idx = tid + u * MK_THREADS, i = idx / CH, c = idx % CH;
     if (i >= n16) continue;
     const bool in = i < cnt;
-    *reinterpret_cast<uint4*>(Ks + i * SEG_K_LD + c * 8) = in ? k[u] : make_uint4(0u, 0u, 0u, 0u);
+    if (!in) *reinterpret_cast<uint4*>(Ks + i * SEG_K_LD + c * 8) = make_uint4(0u, 0u, 0u, 0u);
     const unsigned w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -1532,6 +1576,7 @@ __device__ void segment_stage(const Params& P, int slot, const unsigned short* K
       Vt[(c * 8 + 2 * e + 1) * SEG_V_LD + i] = in ? (unsigned short)(w[e] >> 16) : 0;
     }
   }
+  cp_async_wait();
 }
 
 // One SEG_SUB step of the online softmax of a warp's m-tile (both modes of attention_segment
@@ -1590,29 +1635,101 @@ __device__ __forceinline__ void segment_p_frag(const float (&sc)[SEG_NB][4], int
 // Output n-tile nd += probabilities (k-step kk of the sub-tile at sb) x V, after the sub-tile's
 // correction (kk 0 applies it).
 __device__ __forceinline__ void segment_pv(float (&o)[4], const unsigned (&a)[4],
-                                           const float (&corr)[2], const unsigned short* Vt,
-                                           int nd, int sb, int kk) {
+                                           const float (&corr)[2], smem_addr_t Vt, int nd,
+                                           int sb, int kk) {
   if (kk == 0) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[i] *= corr[i >> 1];
   }
   unsigned b[2];
-  ldmatrix_b(b, Vt + nd * 8 * SEG_V_LD + sb + kk * 16, SEG_V_LD);
+  ldmatrix_b_at(b, Vt + 2u * (nd * 8 * SEG_V_LD + sb + kk * 16), SEG_V_LD);
   mma_m16n8k16_bf16(o, a, b, o);
 }
 
-// The scores of an n-block of the m-tile (queries qa) against the staged K rows from k8.
-__device__ __forceinline__ void segment_scores(float (&c)[4], const unsigned (&qa)[D / 16][4],
-                                               const unsigned short* k8) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) c[i] = 0.f;
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
-    unsigned b[2];
-    ldmatrix_b(b, k8 + ks * 16, SEG_K_LD);
-    mma_m16n8k16_bf16(c, qa[ks], b, c);
-  }
+// k-step ks of the scores of an n-block of the m-tile (its query tile's fragment a) against the
+// staged K rows from k8: c += Q[:, ks] K[k8.., ks]^T. An n-block's scores are k-steps 0, 1, ..
+// in order from zeros, in either mode.
+__device__ __forceinline__ void segment_score_step(float (&c)[4], const unsigned (&a)[4],
+                                                   smem_addr_t k8, int ks) {
+  unsigned b[2];
+  ldmatrix_b_at(b, k8 + 2u * ks * 16, SEG_K_LD);
+  mma_m16n8k16_bf16(c, a, b, c);
 }
+
+// Rows r = first, first + stride, ... < 16 of m-tile mt's query tile Qt (row-major bf16,
+// SEG_Q_LD a row): (row, head) m = mt * 16 + r, the query of head gk * GROUP + m % GROUP of
+// the step's row row0 + m / GROUP, rounded to bf16; past M, zeros. Late q/k: normed and roped
+// first (warp_qk_norm_rope_n, SEG_QUERIES of them a round), their norm weights and RoPE rows
+// loaded with them (N of them a round: SEG_QUERIES, or the split mode's 16 / NWARPS rows a
+// warp). One warp; every lane's loads of a round before its stores.
+template <int N>
+__device__ __forceinline__ void segment_q_tile(const Params& P, const int* st, int layer,
+                                               int gk, int row0, int M, int mt, int first,
+                                               int stride, unsigned short* Qt) {
+  const int lane = threadIdx.x & 31;
+  auto tok_of = [&](int r) { return row0 + (mt * 16 + r) / MK_GROUP; };
+  auto q_of = [&](int r) {
+    return P.q + (size_t)tok_of(r) * MK_Q_DIM + (gk * MK_GROUP + (mt * 16 + r) % MK_GROUP) * D;
+  };
+#if LATE_QK
+  for (int r0 = first; r0 < 16; r0 += stride * N) {
+    auto r_of = [&](int n) { return r0 + n * stride; };
+    auto live = [&](int n) { return r_of(n) < 16 && mt * 16 + r_of(n) < M; };
+    if (live(0))
+      warp_qk_norm_rope_n<N>(
+          P, [&](int n) { return q_of(r_of(n)); }, P.q_norm + (size_t)layer * D,
+          [&](int n) { return row_pos(st, tok_of(r_of(n))); }, live,
+          [&](int n, int j, float v) { Qt[r_of(n) * SEG_Q_LD + j] = f32_to_bf16(v); });
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+      if (r_of(n) < 16 && !live(n))
+        for (int d = lane; d < D; d += 32) Qt[r_of(n) * SEG_Q_LD + d] = 0;
+  }
+#else
+  (void)st;
+  (void)layer;
+  constexpr int ROWS = 16, PER = (D + 63) / 64;  // float2 loads a lane a row: columns 2 lane + 64 c
+  float2 q[ROWS][PER];
+#pragma unroll
+  for (int k = 0; k < ROWS; ++k) {
+    const int r = first + k * stride;
+    if (r >= 16) break;
+    const float* src = q_of(mt * 16 + r < M ? r : 0);
+#pragma unroll
+    for (int c = 0; c < PER; ++c)
+      if (2 * lane + 64 * c < D)
+        q[k][c] = *reinterpret_cast<const float2*>(src + 2 * lane + 64 * c);
+  }
+#pragma unroll
+  for (int k = 0; k < ROWS; ++k) {
+    const int r = first + k * stride;
+    if (r >= 16) break;
+    const bool in = mt * 16 + r < M;
+#pragma unroll
+    for (int c = 0; c < PER; ++c)
+      if (2 * lane + 64 * c < D)
+        *reinterpret_cast<unsigned*>(Qt + r * SEG_Q_LD + 2 * lane + 64 * c) =
+            in ? bf16_pack(q[k][c].x, q[k][c].y) : 0u;
+  }
+#endif
+}
+
+#if LATE_QK
+// Late q/k: the segment's own keys in the tile's positions [max(base, pos0), base + cnt) (row
+// seg + p - pos0 of k_raw; the cache gets them after the layer's attention), normed and roped
+// as O_PROJ caches them (warp_qk_norm_rope_n: the same bf16 value), into Ks; SEG_KEYS keys a
+// warp at once.
+__device__ void segment_keys(const Params& P, int layer, int gk, int seg, int pos0, int base,
+                             int cnt, unsigned short* Ks) {
+  const int warp = threadIdx.x >> 5, hi = base + cnt;
+  for (int p0 = max(base, pos0) + warp * SEG_KEYS; p0 < hi; p0 += NWARPS * SEG_KEYS)
+    warp_qk_norm_rope_n<SEG_KEYS>(
+        P, [&](int n) { return P.k_raw + (size_t)(seg + p0 + n - pos0) * MK_KV_DIM + gk * D; },
+        P.k_norm + (size_t)layer * D, [&](int n) { return p0 + n; },
+        [&](int n) { return p0 + n < hi; },
+        [&](int n, int j, float v) { Ks[(p0 + n - base) * SEG_K_LD + j] = f32_to_bf16(v); });
+}
+#endif
 
 // The split mode's shared memory after the K and V^T tiles (one m-tile): its scores, then the
 // softmax warp's probability fragments and corrections per lane, its final (max, sum).
@@ -1623,179 +1740,218 @@ struct SegSplit {
   float ml[32][4];                              // per lane: (max, sum) of its two rows
 };
 static_assert(SEG_TILES_BYTES % 16 == 0, "the split mode's shared memory stays aligned");
-static_assert(MK_DYN_SMEM >= SEG_TILES_BYTES + (int)sizeof(SegSplit),
-              "the K and V^T tiles, then the split mode's scores and fragments, live in "
-              "dynamic shared memory");
+static_assert(MK_DYN_SMEM >=
+                  SEG_TILES_BYTES + (int)sizeof(SegSplit) + NWARPS * 16 * SEG_Q_LD * 2,
+              "the K and V^T tiles, then the split mode's scores and fragments, then a query "
+              "tile a warp, live in dynamic shared memory");
 
-// Unit slot j (split `split`) of KV group gk for the segment of nrows rows from row seg: the
-// partials of each row that reaches it at its slot j, or (row_finishes) its normalised output
-// into P.attn. Two modes, one arithmetic per query: m-tiles a warp each (a chunk's rows), or
-// one m-tile split over the warps (a decode row's GROUP queries: the scores' n-blocks over the
-// warps, warp 0's softmax over them in the same fragment layout, probabilities x V over the
-// output's n-tiles), each score, probability and output element computed by the same
-// instructions in the same order either way.
-__device__ void attention_segment(const Params& P, const int* st, int layer, int gk, int j,
-                                  int split, int seg, int nrows, int splits, int min_chunk,
-                                  int least, int rot, float scale) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
+// One pass of attention_segment: m-tiles mt0 + warp (ONE false: a warp's own m-tile, rows of
+// a chunk) or m-tile 0 split over the warps (ONE: a decode row's GROUP queries: the scores'
+// n-blocks over the warps, warp 0's softmax over them in the same fragment layout,
+// probabilities x V over the output's n-tiles, a warp keeping only its own n-tiles nd = warp +
+// NWARPS i), each score, probability and output element computed by the same instructions in
+// the same order either way. The tiles [t0, t1) are staged here (block-wide: ONE is
+// block-uniform), once for all passes when there is one tile.
+template <bool ONE>
+__device__ __forceinline__ void segment_pass(const Params& P, const int* st, int layer, int gk,
+                                             int j, int seg, int r0, int M, int mt0, int t0,
+                                             int t1, int splits, int min_chunk, int least,
+                                             int rot, float scale) {
+  const int tid = fresh_tid(), lane = tid & 31, warp = tid >> 5, gq = lane >> 2, t = lane & 3;
+  constexpr int OWN = ONE ? (D / 8 + NWARPS - 1) / NWARPS : D / 8;  // a warp's output n-tiles
+  auto nd_of = [&](int i) { return ONE ? warp + NWARPS * i : i; };
   unsigned short* Ks = static_cast<unsigned short*>(dynamic_smem());
   unsigned short* Vt = Ks + T_TILE * SEG_K_LD;
   SegSplit& sp = *reinterpret_cast<SegSplit*>(reinterpret_cast<char*>(Ks) + SEG_TILES_BYTES);
+  // the pass's query tile: the block's one (ONE) or this warp's
+  unsigned short* Qt = reinterpret_cast<unsigned short*>(reinterpret_cast<char*>(Ks) +
+                                                         SEG_TILES_BYTES + sizeof(SegSplit)) +
+                       (ONE ? 0 : warp) * 16 * SEG_Q_LD;
+  const smem_addr_t ks_at = smem_addr(Ks), vt_at = smem_addr(Vt), qt = smem_addr(Qt);
   const int pos0 = row_pos(st, seg), slot = row_slot(st, seg);
+  const int ntiles = (t1 - t0 + T_TILE - 1) / T_TILE;
+  const size_t kv_layer = (size_t)layer * MK_KV_ROWS * MK_KV_HEADS * D;
+  const unsigned short* Kg = P.k_cache + kv_layer + (size_t)gk * D;
+  const unsigned short* Vg = P.v_cache + kv_layer + (size_t)gk * D;
+  const int mt = ONE ? 0 : mt0 + warp;
+  const bool live = ONE || mt < (M + 15) / 16;
+  int lim[2];  // this lane's query rows gq, gq + 8: their row's positions end (0: padding)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = mt * 16 + gq + 8 * h;
+    lim[h] = live && m < M ? pos0 + r0 + m / MK_GROUP + 1 : 0;
+  }
+  const int warp_lim = live ? pos0 + r0 + (min(mt * 16 + 15, M - 1)) / MK_GROUP + 1 : 0;
+  // block-uniform: one tile is staged once for all passes
+  const bool stage = mt0 == 0 || ntiles > 1;
+  if (stage) __syncthreads();  // the previous unit's (or pass's) readers of the tiles are done
+  else __syncwarp();           // this warp's previous pass read its query tile
+  // the query tile (before the outputs are live): the split mode's by all warps, two rows each
+  if (live)
+    segment_q_tile<ONE ? (16 + NWARPS - 1) / NWARPS : SEG_QUERIES>(
+        P, st, layer, gk, seg + r0, M, mt, ONE ? warp : 0, ONE ? NWARPS : 1, Qt);
+  float o[OWN][4], mrun[2] = {NEG_INF, NEG_INF}, lrun[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < OWN; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
+  for (int tile = 0; tile < ntiles; ++tile) {
+    const int base = t0 + tile * T_TILE, cnt = min(T_TILE, t1 - base);
+    if (stage && tile > 0) __syncthreads();  // the previous tile's readers are done
+    if (stage) {
+#if LATE_QK
+      segment_stage(P, slot, Kg, Vg, base, cnt, pos0 - base, Ks, Vt);
+      if (base + cnt > pos0) segment_keys(P, layer, gk, seg, pos0, base, cnt, Ks);
+#else
+      segment_stage(P, slot, Kg, Vg, base, cnt, cnt, Ks, Vt);
+#endif
+      __syncthreads();  // the tiles (and the query tiles) are in
+    } else {
+      __syncwarp();  // this warp's query tile is in
+    }
+    const int n16 = (cnt + 15) & ~15, end = base + cnt;
+    if (ONE) {
+      // the scores: n-blocks nb = warp, warp + NWARPS, ... below n16
+      for (int nb = warp; nb * 8 < n16; nb += NWARPS) {
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+          unsigned a[4];
+          ldmatrix_a_at(a, qt + 2u * ks * 16, SEG_Q_LD);
+          segment_score_step(c, a, ks_at + 2u * nb * 8 * SEG_K_LD, ks);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sp.s[gq + 8 * (i >> 1)][nb * 8 + 2 * t + (i & 1)] = c[i];
+      }
+      __syncthreads();
+      if (warp == 0) {  // the softmax, sub-tile by sub-tile as the other mode's warps
+        for (int sb = 0; sb < n16 && base + sb < warp_lim; sb += SEG_SUB) {
+          float sc[SEG_NB][4], corr[2];
+#pragma unroll
+          for (int nb = 0; nb < SEG_NB; ++nb)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              sc[nb][i] = sb + nb * 8 < n16
+                              ? sp.s[gq + 8 * (i >> 1)][sb + nb * 8 + 2 * t + (i & 1)]
+                              : 0.f;
+          segment_softmax(sc, lim, end, base + sb, scale, mrun, lrun, corr);
+          sp.corr[sb / SEG_SUB][lane][0] = corr[0];
+          sp.corr[sb / SEG_SUB][lane][1] = corr[1];
+#pragma unroll
+          for (int kk = 0; kk < SEG_SUB / 16; ++kk) {
+            unsigned a[4];
+            segment_p_frag(sc, kk, a);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) sp.pa[(sb + kk * 16) / 16][lane][r] = a[r];
+          }
+        }
+        sp.ml[lane][0] = mrun[0];
+        sp.ml[lane][1] = mrun[1];
+        sp.ml[lane][2] = lrun[0];
+        sp.ml[lane][3] = lrun[1];
+      }
+      __syncthreads();
+      // probabilities x V: this warp's output n-tiles
+      for (int sb = 0; sb < n16 && base + sb < warp_lim; sb += SEG_SUB) {
+        const float corr[2] = {sp.corr[sb / SEG_SUB][lane][0], sp.corr[sb / SEG_SUB][lane][1]};
+#pragma unroll
+        for (int kk = 0; kk < SEG_SUB / 16; ++kk) {
+          if (sb + kk * 16 >= n16) continue;
+          const unsigned* ap = sp.pa[(sb + kk * 16) / 16][lane];
+          const unsigned a[4] = {ap[0], ap[1], ap[2], ap[3]};
+#pragma unroll
+          for (int i = 0; i < OWN; ++i)
+            if (nd_of(i) < D / 8) segment_pv(o[i], a, corr, vt_at, nd_of(i), sb, kk);
+        }
+      }
+      mrun[0] = sp.ml[lane][0];
+      mrun[1] = sp.ml[lane][1];
+      lrun[0] = sp.ml[lane][2];
+      lrun[1] = sp.ml[lane][3];
+      continue;
+    }
+    for (int sb = 0; live && sb < n16 && base + sb < warp_lim; sb += SEG_SUB) {
+      float sc[SEG_NB][4], corr[2];
+#pragma unroll
+      for (int nb = 0; nb < SEG_NB; ++nb)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sc[nb][i] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {  // the query's k-step once for the sub-tile's n-blocks
+        unsigned a[4];
+        ldmatrix_a_at(a, qt + 2u * ks * 16, SEG_Q_LD);
+#pragma unroll
+        for (int nb = 0; nb < SEG_NB; ++nb)
+          if (sb + nb * 8 < n16)
+            segment_score_step(sc[nb], a, ks_at + 2u * (sb + nb * 8) * SEG_K_LD, ks);
+      }
+      segment_softmax(sc, lim, end, base + sb, scale, mrun, lrun, corr);
+      unsigned pa[SEG_SUB / 16][4];  // the probabilities as A fragments (the scores die here)
+#pragma unroll
+      for (int kk = 0; kk < SEG_SUB / 16; ++kk) segment_p_frag(sc, kk, pa[kk]);
+      // an output n-tile at a time, its k-steps in order (each element's chain as in the
+      // split mode, which runs the k-steps outer)
+#pragma unroll
+      for (int i = 0; i < OWN; ++i)
+#pragma unroll
+        for (int kk = 0; kk < SEG_SUB / 16; ++kk)
+          if (sb + kk * 16 < n16) segment_pv(o[i], pa[kk], corr, vt_at, nd_of(i), sb, kk);
+    }
+  }
+  if (!live) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = mt * 16 + gq + 8 * h;
+    if (m >= M) continue;
+    const int tok = seg + r0 + m / MK_GROUP, head = m % MK_GROUP;
+    const int used = splits_used(row_pos(st, tok) + 1, splits, min_chunk);
+    if (row_finishes(used, least, rot)) {
+      mk_in_t* out = P.attn + (size_t)tok * MK_Q_DIM + (size_t)(gk * MK_GROUP + head) * D;
+#pragma unroll
+      for (int i = 0; i < OWN; ++i) {
+        const int nd = nd_of(i);
+        if (nd >= D / 8) continue;
+        store_in(out + nd * 8 + 2 * t, o[i][2 * h] / lrun[h]);
+        store_in(out + nd * 8 + 2 * t + 1, o[i][2 * h + 1] / lrun[h]);
+      }
+    } else {
+      const size_t unit = (size_t)tok * MK_KV_HEADS * splits + (size_t)gk * splits + j;
+      float* po = P.attn_o + (unit * MK_GROUP + head) * D;
+#pragma unroll
+      for (int i = 0; i < OWN; ++i) {
+        const int nd = nd_of(i);
+        if (nd >= D / 8) continue;
+        *reinterpret_cast<float2*>(po + nd * 8 + 2 * t) = make_float2(o[i][2 * h], o[i][2 * h + 1]);
+      }
+      if (t == 0 && (!ONE || warp == 0)) {
+        P.attn_ml[(unit * MK_GROUP + head) * 2] = mrun[h];
+        P.attn_ml[(unit * MK_GROUP + head) * 2 + 1] = lrun[h];
+      }
+    }
+  }
+}
+
+// Unit slot j (split `split`) of KV group gk for the segment of nrows rows from row seg: the
+// partials of each row that reaches it at its slot j, or (row_finishes) its normalised output
+// into P.attn; its (row, head) queries in passes of NWARPS m-tiles, or one m-tile split over
+// the warps (segment_pass).
+__device__ void attention_segment(const Params& P, const int* st, int layer, int gk, int j,
+                                  int split, int seg, int nrows, int splits, int min_chunk,
+                                  int least, int rot, float scale) {
+  const int pos0 = row_pos(st, seg);
   const int chunk = split_chunk(pos0 + nrows, splits, min_chunk);
   const int t0 = split * chunk, t1 = min(pos0 + nrows, t0 + chunk);
   const int r0 = max(0, t0 - pos0);       // the segment's first row reaching t0
   const int M = (nrows - r0) * MK_GROUP;  // their (row, head) queries
-  const int mtiles = (M + 15) / 16, ntiles = (t1 - t0 + T_TILE - 1) / T_TILE;
-  const bool one = mtiles == 1;           // the split mode (block-uniform)
-  const size_t kv_layer = (size_t)layer * MK_KV_ROWS * MK_KV_HEADS * D;
-  const unsigned short* Kg = P.k_cache + kv_layer + (size_t)gk * D;
-  const unsigned short* Vg = P.v_cache + kv_layer + (size_t)gk * D;
-  for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS) {
-    const int mt = one ? 0 : mt0 + warp;
-    const bool live = mt < mtiles;
-    int lim[2];  // this lane's query rows gq, gq + 8: their row's positions end (0: padding)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = mt * 16 + gq + 8 * h;
-      lim[h] = live && m < M ? pos0 + r0 + m / MK_GROUP + 1 : 0;
-    }
-    const int warp_lim = live ? pos0 + r0 + (min(mt * 16 + 15, M - 1)) / MK_GROUP + 1 : 0;
-    unsigned qa[D / 16][4];  // the m-tile's queries, bf16 A fragments
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int m = mt * 16 + gq + 8 * (r & 1), col = ks * 16 + 2 * t + 8 * (r >> 1);
-        qa[ks][r] = 0u;
-        if (live && m < M) {
-          const float2 q = *reinterpret_cast<const float2*>(
-              P.q + (size_t)(seg + r0 + m / MK_GROUP) * MK_Q_DIM +
-              (gk * MK_GROUP + m % MK_GROUP) * D + col);
-          qa[ks][r] = bf16_pack(q.x, q.y);
-        }
-      }
-    float o[D / 8][4], mrun[2] = {NEG_INF, NEG_INF}, lrun[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) o[nd][i] = 0.f;
-    for (int tile = 0; tile < ntiles; ++tile) {
-      const int base = t0 + tile * T_TILE, cnt = min(T_TILE, t1 - base);
-      if (mt0 == 0 || ntiles > 1) {  // block-uniform: one tile is staged once for all passes
-        __syncthreads();             // the previous tile's readers are done
-        segment_stage(P, slot, Kg, Vg, base, cnt, Ks, Vt);
-        __syncthreads();
-      }
-      const int n16 = (cnt + 15) & ~15, end = base + cnt;
-      if (one) {
-        // the scores: n-blocks nb = warp, warp + NWARPS, ... below n16
-        for (int nb = warp; nb * 8 < n16; nb += NWARPS) {
-          float c[4];
-          segment_scores(c, qa, Ks + nb * 8 * SEG_K_LD);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) sp.s[gq + 8 * (i >> 1)][nb * 8 + 2 * t + (i & 1)] = c[i];
-        }
-        __syncthreads();
-        if (warp == 0) {  // the softmax, sub-tile by sub-tile as the other mode's warps
-          for (int sb = 0; sb < n16 && base + sb < warp_lim; sb += SEG_SUB) {
-            float sc[SEG_NB][4], corr[2];
-#pragma unroll
-            for (int nb = 0; nb < SEG_NB; ++nb)
-#pragma unroll
-              for (int i = 0; i < 4; ++i)
-                sc[nb][i] = sb + nb * 8 < n16
-                                ? sp.s[gq + 8 * (i >> 1)][sb + nb * 8 + 2 * t + (i & 1)]
-                                : 0.f;
-            segment_softmax(sc, lim, end, base + sb, scale, mrun, lrun, corr);
-            sp.corr[sb / SEG_SUB][lane][0] = corr[0];
-            sp.corr[sb / SEG_SUB][lane][1] = corr[1];
-#pragma unroll
-            for (int kk = 0; kk < SEG_SUB / 16; ++kk) {
-              unsigned a[4];
-              segment_p_frag(sc, kk, a);
-#pragma unroll
-              for (int r = 0; r < 4; ++r) sp.pa[(sb + kk * 16) / 16][lane][r] = a[r];
-            }
-          }
-          sp.ml[lane][0] = mrun[0];
-          sp.ml[lane][1] = mrun[1];
-          sp.ml[lane][2] = lrun[0];
-          sp.ml[lane][3] = lrun[1];
-        }
-        __syncthreads();
-        // probabilities x V: output n-tiles nd = warp, warp + NWARPS, ...
-        for (int sb = 0; sb < n16 && base + sb < warp_lim; sb += SEG_SUB) {
-          const float corr[2] = {sp.corr[sb / SEG_SUB][lane][0], sp.corr[sb / SEG_SUB][lane][1]};
-#pragma unroll
-          for (int kk = 0; kk < SEG_SUB / 16; ++kk) {
-            if (sb + kk * 16 >= n16) continue;
-            const unsigned* ap = sp.pa[(sb + kk * 16) / 16][lane];
-            const unsigned a[4] = {ap[0], ap[1], ap[2], ap[3]};
-#pragma unroll
-            for (int nd = 0; nd < D / 8; ++nd)
-              if (nd % NWARPS == warp) segment_pv(o[nd], a, corr, Vt, nd, sb, kk);
-          }
-        }
-        mrun[0] = sp.ml[lane][0];
-        mrun[1] = sp.ml[lane][1];
-        lrun[0] = sp.ml[lane][2];
-        lrun[1] = sp.ml[lane][3];
-        continue;
-      }
-      for (int sb = 0; live && sb < n16 && base + sb < warp_lim; sb += SEG_SUB) {
-        float sc[SEG_NB][4], corr[2];
-#pragma unroll
-        for (int nb = 0; nb < SEG_NB; ++nb) {
-          if (sb + nb * 8 < n16) {
-            segment_scores(sc[nb], qa, Ks + (sb + nb * 8) * SEG_K_LD);
-          } else {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) sc[nb][i] = 0.f;
-          }
-        }
-        segment_softmax(sc, lim, end, base + sb, scale, mrun, lrun, corr);
-#pragma unroll
-        for (int kk = 0; kk < SEG_SUB / 16; ++kk) {
-          if (sb + kk * 16 >= n16) continue;
-          unsigned a[4];
-          segment_p_frag(sc, kk, a);
-#pragma unroll
-          for (int nd = 0; nd < D / 8; ++nd) segment_pv(o[nd], a, corr, Vt, nd, sb, kk);
-        }
-      }
-    }
-    if (!live) continue;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = mt * 16 + gq + 8 * h;
-      if (m >= M) continue;
-      const int tok = seg + r0 + m / MK_GROUP, head = m % MK_GROUP;
-      const int used = splits_used(row_pos(st, tok) + 1, splits, min_chunk);
-      if (row_finishes(used, least, rot)) {
-        mk_in_t* out = P.attn + (size_t)tok * MK_Q_DIM + (size_t)(gk * MK_GROUP + head) * D;
-#pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-          if (one && nd % NWARPS != warp) continue;
-          store_in(out + nd * 8 + 2 * t, o[nd][2 * h] / lrun[h]);
-          store_in(out + nd * 8 + 2 * t + 1, o[nd][2 * h + 1] / lrun[h]);
-        }
-      } else {
-        const size_t unit = (size_t)tok * MK_KV_HEADS * splits + (size_t)gk * splits + j;
-        float* po = P.attn_o + (unit * MK_GROUP + head) * D;
-#pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-          if (one && nd % NWARPS != warp) continue;
-          *reinterpret_cast<float2*>(po + nd * 8 + 2 * t) =
-              make_float2(o[nd][2 * h], o[nd][2 * h + 1]);
-        }
-        if (t == 0 && (!one || warp == 0)) {
-          P.attn_ml[(unit * MK_GROUP + head) * 2] = mrun[h];
-          P.attn_ml[(unit * MK_GROUP + head) * 2 + 1] = lrun[h];
-        }
-      }
-    }
+  const int mtiles = (M + 15) / 16;
+  if (mtiles == 1) {  // the split mode (block-uniform)
+    segment_pass<true>(P, st, layer, gk, j, seg, r0, M, 0, t0, t1, splits, min_chunk, least,
+                       rot, scale);
+    return;
   }
+  for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS)
+    segment_pass<false>(P, st, layer, gk, j, seg, r0, M, mt0, t0, t1, splits, min_chunk, least,
+                        rot, scale);
 }
 
 // ATTENTION of the tensor-core kernel: every segment of the step (one rotation each, its last

@@ -5,6 +5,7 @@
 //   mma_m16n8k16_bf16   D = A B + C, A 16x16 bf16 (row), B 16x8 bf16 (col), C and D fp32
 //   ldmatrix_x4/_x2     four / two 8x8 bf16 matrices from shared memory into fragments
 //   ldmatrix_a / _b     the lane's row address for an A (16x16) / B (8 tokens x 16) tile
+//   cp_async_16         16 bytes global -> shared without registers (cp.async.cg), cp_async_wait
 //   load_a_global / load_b_global   the same fragments straight from global memory, zero padded
 //   mma_d_row / mma_d_col           where element i of a lane's D fragment sits
 // The twins can share a bug with this file's reading of the ISA; only a GPU run proves the PTX
@@ -100,6 +101,77 @@ __device__ __forceinline__ void ldmatrix_x2(unsigned r[2], const void* smem_row)
   r[0] = out[0];
   r[1] = out[1];
 #endif
+}
+
+// 16 bytes from global memory into shared memory without passing through registers
+// (cp.async.cg: cached in L2 only, so a line another SM wrote before the reader's acquire is
+// read from L2, as a plain load after the acquire would be); both addresses 16-byte aligned.
+// The copy lands by this thread's cp_async_wait(); a barrier after it shows it to the block.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+#ifdef __CUDA_ARCH__
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(addr), "l"(gmem) : "memory");
+#elif defined(__CUDACC__)
+  (void)smem;
+  (void)gmem;
+#else
+  emu::cp_async_16(smem, gmem);
+#endif
+}
+
+// Every cp_async_16 of this thread has landed.
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+// A shared-memory address as ldmatrix takes it: the 32-bit shared-window offset on the GPU (the
+// emulator's: the pointer). Computing it once for a tile and adding byte offsets to it lets
+// ptxas fold constant offsets into the instruction (LDSM [R + imm]) instead of keeping an
+// address register for every ldmatrix of an unrolled loop.
+#ifdef __CUDA_ARCH__
+typedef unsigned smem_addr_t;
+__device__ __forceinline__ smem_addr_t smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+#else
+typedef unsigned long long smem_addr_t;
+__device__ __forceinline__ smem_addr_t smem_addr(const void* p) {
+  return reinterpret_cast<smem_addr_t>(p);
+}
+#endif
+
+// ldmatrix_x4 / ldmatrix_x2 at a shared-memory address (smem_addr).
+__device__ __forceinline__ void ldmatrix_x4_at(unsigned r[4], smem_addr_t addr) {
+#ifdef __CUDA_ARCH__
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+#else
+  ldmatrix_x4(r, reinterpret_cast<const void*>(addr));
+#endif
+}
+__device__ __forceinline__ void ldmatrix_x2_at(unsigned r[2], smem_addr_t addr) {
+#ifdef __CUDA_ARCH__
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr)
+               : "memory");
+#else
+  ldmatrix_x2(r, reinterpret_cast<const void*>(addr));
+#endif
+}
+
+// ldmatrix_a / ldmatrix_b (below) of the tile at shared-memory address `tile`.
+__device__ __forceinline__ void ldmatrix_a_at(unsigned a[4], smem_addr_t tile, int ld) {
+  const int lane = threadIdx.x & 31;
+  ldmatrix_x4_at(a, tile + 2u * ((lane & 15) * ld + (lane >> 4) * 8));
+}
+__device__ __forceinline__ void ldmatrix_b_at(unsigned b[2], smem_addr_t tile, int ld) {
+  const int lane = threadIdx.x & 31;
+  ldmatrix_x2_at(b, tile + 2u * ((lane & 7) * ld + ((lane >> 3) & 1) * 8));
 }
 
 // A fragment of a 16x16 tile at `tile` (row-major bf16 in shared memory, `ld` elements per row,

@@ -92,15 +92,15 @@ class ReferenceModel:
                  bf16_inputs: bool = False, attn_chunk: int | None = None):
         """``bf16_inputs``: every matrix product's input (the normed residual, attention's
         output, the FFN's h) rounded to bf16 first, as a kernel built with tensor cores
-        (``tensor_cores=1``) feeds them to mma; its judge. Without late q/k that kernel runs
-        attention on mma too (megakernel.cu attention_segment): the query is rounded to bf16,
+        (``tensor_cores=1``) feeds them to mma; its judge. That kernel runs attention on mma
+        too (megakernel.cu attention_segment): the query (normed and roped first, with late
+        q/k) is rounded to bf16,
         and the probabilities, exp(score - the running max) over SEG_SUB positions at a time
         within each split of ``attn_chunk`` positions (the program's attn_min_chunk; None: one
         split), before their product with V; the splits merged in fp32 (_attention_mma). The
         default fp32 inputs are the judge against Hugging Face and of the CUDA-core kernel."""
         self.cfg = c = config
         self.bf16_inputs = bool(bf16_inputs)
-        self.attn_mma = self.bf16_inputs and not c.qk_norm
         self.attn_chunk = attn_chunk
         self.max_seq_len = max_seq_len or min(c.max_position_embeddings, 4096)
         f32 = lambda name: as_float32(weights[name])  # noqa: E731
@@ -237,7 +237,7 @@ class ReferenceModel:
                 V = self.v_pages[li, used].reshape(-1, c.num_kv_heads, c.head_dim)
                 for r in rows:  # each row over exactly its own context: the same call alone
                     t = int(positions[r]) + 1
-                    if self.attn_mma:
+                    if self.bf16_inputs:
                         attn[r] = _attention_mma(q[r], K[:t], V[:t], scale,
                                                  self.attn_chunk or t)
                         continue

@@ -115,7 +115,7 @@ def test_the_lm_head_runs_only_for_tokens_that_need_logits():
 
 
 def test_stored_bf16_inputs_halve_o_proj_and_downs_broadcast_only():
-    """v6-mma's O_PROJ and DOWN read the bf16 their producers store (megakernel.cu store_in,
+    """v6-mma(-seg)'s O_PROJ and DOWN read the bf16 their producers store (megakernel.cu store_in,
     isa.BF16_INPUTS): at batch 64 their input's time from L2 halves; the RMS ops, which read
     the fp32 residual, and the step's other phases are what they were."""
     from monokernel.kernel.schedule import schedule
@@ -124,7 +124,7 @@ def test_stored_bf16_inputs_halve_o_proj_and_downs_broadcast_only():
     cfg = ModelConfig.from_name("smollm2-135m").replace(num_layers=3)
     prog = schedule(cfg, 32, 300, merge_ticket_min=1, tokens=64)
     g = cm.gpu("h200")
-    built = cm.design("v6-mma")
+    built = cm.design("v6-mma-seg")
     assert built.stored_bf16_inputs and built.input_bytes == 4
     fp32 = built.replace(stored_bf16_inputs=False)
     shape = StepShape.decode(64, 16)
@@ -145,7 +145,7 @@ def test_stored_bf16_inputs_halve_o_proj_and_downs_broadcast_only():
 
 
 def test_row_tickets_spread_the_merge_over_a_groups_blocks():
-    """v6-mma draws a ticket per row (megakernel.cu attention_row_tickets): at batch 64,
+    """v6-mma(-seg) draws a ticket per row (megakernel.cu attention_row_tickets): at batch 64,
     context 1024, the rows' merges spread over each KV group's blocks, so the busiest
     ATTENTION instruction's other time falls below the group ticket's (whose last drawer
     merges all 64 rows) and the step is faster; a step of one row (batch 1), whose one merge
@@ -158,7 +158,7 @@ def test_row_tickets_spread_the_merge_over_a_groups_blocks():
     splits, min_chunk = tensor_core_splits(cfg, 132, 1100)
     prog = schedule(cfg, 132, 1100, splits, min_chunk, merge_ticket_min=1, tokens=64)
     g = cm.gpu("h200")
-    built = cm.design("v6-mma")
+    built = cm.design("v6-mma-seg")
     assert built.attn_row_tickets
     group = built.replace(attn_row_tickets=False)
     attn = np.array([[ins.op == Op.ATTENTION for ins in q] for q in prog.queues])
@@ -183,7 +183,7 @@ def test_row_tickets_spread_the_merge_over_a_groups_blocks():
 def test_attention_prefetch_of_a_step_is_its_first_rows_or_rolling():
     """ATTENTION's prefetch in a step of many rows. Without the rolling prefetch only the step's
     first row's units are prefetched (prefetch_weights before the wait): an instruction's
-    prefetched bytes are those of row 0's units. With it (v6-mma as built:
+    prefetched bytes are those of row 0's units. With it (v6-mma-seg as built:
     megakernel.cu attention_prefetch_next) every unit's bytes but the instruction's first
     unit's are, plus that one's positions cached before the step (prefetched before the
     wait, whichever row's it is); the step at batch 64, context 1024 is faster, and batch 1
@@ -195,7 +195,7 @@ def test_attention_prefetch_of_a_step_is_its_first_rows_or_rolling():
     splits, min_chunk = tensor_core_splits(cfg, 132, 1100)
     prog = schedule(cfg, 132, 1100, splits, min_chunk, merge_ticket_min=1, tokens=64)
     g = cm.gpu("h200")
-    built = cm.design("v6-mma")
+    built = cm.design("v6-mma-seg")
     assert built.attn_rolling_prefetch and built.attn_first_unit_prefetch
     first_only = built.replace(attn_rolling_prefetch=False, attn_first_unit_prefetch=False)
     attn = np.array([[ins.op == Op.ATTENTION for ins in q] for q in prog.queues])
@@ -299,16 +299,16 @@ def test_plan_batch_refuses_bad_input(argv, message, capsys):
 
 
 def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsys):
-    """`plan --design v6-mma` (the design of backend option tensor_cores) predicts on the
+    """`plan --design v6-mma-seg` (the design of backend option tensor_cores) predicts on the
     program that option builds: splits fixed by absolute position, every step's attention
     merged by ticket (merge_ticket_min 1); a design not built yet keeps the default program."""
     from monokernel.kernel.schedule import default_attn_splits, schedule, tensor_core_splits
     from monokernel.model.config import ModelConfig
 
     assert main(["plan", "--shape", "qwen3-0.6b", "--blocks", "32", "--context", "1024",
-                 "--predict", "h200", "--design", "v6-mma", "--batch", "16"]) == 0
+                 "--predict", "h200", "--design", "v6-mma-seg", "--batch", "16"]) == 0
     out = capsys.readouterr().out
-    assert "design v6-mma (built: backend option tensor_cores)" in out
+    assert "design v6-mma-seg (built: backend option tensor_cores)" in out
     got = float(out.strip().splitlines()[-1].split(", ")[1].split()[0])
     cfg = ModelConfig.from_name("qwen3-0.6b")
     splits, chunk = tensor_core_splits(cfg, 32, 2048)
@@ -320,8 +320,8 @@ def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsy
                                                                                      2048))
     built = schedule(cfg, 32, 2048, splits, chunk, merge_ticket_min=1)
     assert built.merge_ticket_min == 1
-    want = cm.predict(built, "h200", cm.design("v6-mma"), 1024,
+    want = cm.predict(built, "h200", cm.design("v6-mma-seg"), 1024,
                       shape=StepShape.decode(16, 1024)).tokens_per_s
-    default = cm.predict(schedule(cfg, 32, 2048), "h200", cm.design("v6-mma"), 1024,
+    default = cm.predict(schedule(cfg, 32, 2048), "h200", cm.design("v6-mma-seg"), 1024,
                          shape=StepShape.decode(16, 1024)).tokens_per_s
     assert got == pytest.approx(want, abs=0.5) and abs(want - default) > 1

@@ -213,43 +213,31 @@ def test_a_kernel_of_prompt_chunks_keeps_the_decode_facts(shape):
     assert {k: chunked[k] for k in KEPT_WITH_CHUNKS} == {k: one[k] for k in KEPT_WITH_CHUNKS}
 
 
-def test_the_tensor_core_kernels_segment_staging_is_one_round():
-    """The tensor-core kernel without late q/k stages a unit's K and V tiles (megakernel.cu
-    segment_stage) with every 16-byte load of a thread issued before the first is used (the
-    select of a position past the tile, then the shared stores): T_TILE x HEAD_DIM / 8 /
-    threads of K and as many of V, one HBM round a tile, as v6-mma-seg's _segment_tile
-    charges (costmodel ops/attention.py)."""
-    from monokernel.kernel.isa import NUM_THREADS, T_TILE
+@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-0.6b"])
+def test_the_tensor_core_kernels_segment_staging_is_one_round(shape):
+    """The tensor-core kernel stages a unit's K and V tiles (megakernel.cu segment_stage, in
+    each of attention_segment's two modes) in one round: K by cp.async (LDGSTS, no registers),
+    T_TILE x HEAD_DIM / 8 / threads 16-byte copies a thread, and as many 16-byte V loads all
+    issued before the first is used (the select of a position past the tile, or the unpack of
+    its high halves for V^T): one HBM round a tile, as v6-mma-seg's _segment_tile charges
+    (costmodel ops/attention.py). Qwen3 (late q/k, head_dim 128) included: every model's
+    attention runs in segments on tensor cores."""
+    import re
+
+    from monokernel.kernel.isa import T_TILE
 
     try:
-        sass = sf.compile_sass("smollm2-135m", function="op_ATTENTION", tokens=16, slots=4,
-                               mma=True)
+        sass = sf.compile_sass(shape, function="op_ATTENTION", tokens=16, slots=4, mma=True)
     except SassToolMissing as e:
         pytest.skip(str(e))
-    per = T_TILE * 64 // 8 // NUM_THREADS
+    per = T_TILE * ModelConfig.from_name(shape).head_dim // 8 // NUM_THREADS
     groups = sf._plain_load_groups(sass)
-    staged = [n for n, use in groups if sf._opcode(use).startswith(("SEL", "STS"))]
-    print(f"plain 16-byte load groups: {groups}")
-    assert staged == [2 * per], groups
+    staged = [n for n, use in groups if sf._opcode(use).startswith(("SEL", "STS", "SHF"))]
+    copies = [t for t in sf._texts(sass) if re.search(r"\bLDGSTS\.E\.BYPASS\.128\b", t)]
+    print(f"plain 16-byte load groups: {groups}; cp.async copies: {len(copies)}")
+    assert staged == [per, per], groups  # the split mode's and the m-tiles'
+    assert len(copies) == 2 * per
     assert cm.design("v6-mma-seg").attn_segments
-
-
-@pytest.mark.parametrize("shape", ["qwen3-0.6b"])
-def test_the_tensor_core_kernels_attention_loads_are_the_cost_models(shape):
-    """A kernel of slots on tensor cores with late q/k (its attention a row at a time on CUDA
-    cores; here 4 slots, steps of up to 16 rows): its K and V loops keep what costmodel.V6_MMA says in flight per lane: all KV_UNROLL of each. (At
-    head_dim 64, with one 16-byte chunk a lane, ptxas issued the K loads one at a time, each
-    behind its block-table lookup and into the same registers, [1, 1, 1, 1, 4]; a lane now
-    reads one row's four adjacent chunks, isa.attn_k_vec.) When this fails, the compiled loop
-    changed: update the model and benchmarks/NOTES.md with it."""
-    c = ModelConfig.from_name(shape)
-    try:
-        found = kv_loads_in_flight(sf.compile_sass(shape, tokens=16, slots=4, mma=True))
-    except SassToolMissing as e:
-        pytest.skip(str(e))
-    k = dict(cm.design("v6-mma").attn_k_in_flight).get(c.head_dim, KV_UNROLL)
-    print(f"{shape}: K/V loads in flight per lane {found} (model: K {k}, V {KV_UNROLL})")
-    assert found == [k] * (KV_UNROLL // k) + [KV_UNROLL], found
 
 
 @pytest.mark.parametrize("op,stored", [("O_PROJ_RESIDUAL", True), ("DOWN_RESIDUAL", True),
@@ -270,7 +258,7 @@ def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, stored):
     ops = [m.group(0) for t in sf._texts(sass) for m in [re.search(r"\bLDG\S*", t)] if m]
     weights, inputs = ops.count("LDG.E.128.CONSTANT"), ops.count("LDG.E.128")
     assert weights >= 8, ops  # MMA_UNROLL x MMA_RG x 2 halves of 16 rows
-    assert cm.design("v6-mma").stored_bf16_inputs
+    assert cm.design("v6-mma-seg").stored_bf16_inputs
     assert inputs == (2 if stored else 4), (op, ops)
 
 
@@ -288,6 +276,6 @@ def test_a_kernel_of_slots_draws_each_rows_ticket_on_a_thread_of_its_own():
     except SassToolMissing as e:
         pytest.skip(str(e))
     ops = [m.group(0) for t in sf._texts(sass) for m in [re.search(r"\bATOMG\S*", t)] if m]
-    assert cm.design("v6-mma").attn_row_tickets
+    assert cm.design("v6-mma-seg").attn_row_tickets
     assert ops.count("ATOMG.E.ADD.S32.STRONG.GPU") == 1, ops
     assert ops.count("ATOMG.E.EXCH.STRONG.GPU") == 1, ops

@@ -411,69 +411,97 @@ def test_negative_control_next_table_written_after_the_release_is_reported(tiny)
         info.value.report[:4000]
 
 
+# A segment's prompt chunk of two m-tiles: tiny's GROUP 3 (21 queries), qwen3-gqa-tiny's 2
+# (late q/k: 18 queries; its queries normed into the query tiles, its keys into the K tile).
+SEGMENT_ROWS = {"tiny": 7, "qwen3-gqa-tiny": 9}
+
+
 def segment_step(ex: KernelExecutor):
-    """One step of a 7-row prompt chunk (slot 0: 21 queries, two m-tiles, a warp each) beside
-    slot 1's first row (one m-tile, split over the warps): both modes of attention_segment."""
+    """One step of a prompt chunk (slot 0: two m-tiles, a warp each) beside slot 1's first row
+    (one m-tile, split over the warps): both modes of attention_segment."""
     from monokernel.kernel.base import StepTable
 
-    pages = list(ex.add_pages(6))
-    tables = {0: pages[:4], 1: pages[4:]}
-    rows = [(5 + 3 * i, 0, i, True, True) for i in range(7)] + [(17, 1, 0, True, True)]
+    n = ex.program.tokens - 1
+    pages = list(ex.add_pages(-(-n // 2) + 1))
+    tables = {0: pages[:-1], 1: pages[-1:]}
+    rows = [(5 + 3 * i, 0, i, True, True) for i in range(n)] + [(17, 1, 0, True, True)]
     return StepTable.of(rows, tables)
 
 
-def segment_executor(model) -> KernelExecutor:
-    ex = KernelExecutor(model, MAX_SEQ, blocks=BLOCKS, slots=2, step_tokens=8, page_size=2,
-                        tensor_cores=True)
+def segment_executor(model, arch: str = "tiny") -> KernelExecutor:
+    n = SEGMENT_ROWS[arch]
+    ex = KernelExecutor(model, 2 * MAX_SEQ, blocks=BLOCKS, slots=2, step_tokens=n + 1,
+                        page_size=2, tensor_cores=True)
     ex.poison()
     return ex
 
 
+@pytest.fixture
+def segment_model(request, tiny, synth_dir):
+    """(arch, model) for the segment tests: the session's tiny, or a synthetic late q/k one."""
+    arch = request.param
+    return arch, tiny if arch == "tiny" else load_model(synth_dir(arch), progress=False)
+
+
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
-def test_strict_tsan_segments_on_tensor_cores_no_race_match_the_mirror(tiny):
-    """Attention a segment at a time on tensor cores (megakernel.cu attention_segment, tiny has
-    no late q/k): the staged K and V^T tiles, the m-tiles a warp each, and the one m-tile split
-    over the warps (its scores, probability fragments and corrections through shared memory)
-    race-free; every row's logits the bf16-inputs reference's (its mirror of the attention's
-    rounding), test_tensor_cores.py's tolerance."""
-    ex = segment_executor(tiny)
+@pytest.mark.parametrize("segment_model", sorted(SEGMENT_ROWS), indirect=True)
+def test_strict_tsan_segments_on_tensor_cores_no_race_match_the_mirror(segment_model):
+    """Attention a segment at a time on tensor cores (megakernel.cu attention_segment): the
+    staged K (cp.async) and V^T tiles, the query tiles, the m-tiles a warp each, and the one
+    m-tile split over the warps (its query tile built by all warps; its scores, probability
+    fragments and corrections through shared memory) race-free; with late q/k (qwen3-gqa-tiny)
+    the segment's keys normed into the K tile too. Every row's logits the bf16-inputs
+    reference's (its mirror of the attention's rounding), test_tensor_cores.py's tolerance."""
+    arch, model = segment_model
+    ex = segment_executor(model, arch)
     _, logits, report = run_strict(ex, [], table=segment_step(ex))
     assert report == ""
+    n = SEGMENT_ROWS[arch]
     rows = logits[0].reshape(ex.program.tokens, -1)
-    ref = ReferenceModel(tiny.config, tiny.weights, MAX_SEQ, bf16_inputs=True,
+    ref = ReferenceModel(model.config, model.weights, 2 * MAX_SEQ, bf16_inputs=True,
                          attn_chunk=ex.program.attn_min_chunk)
-    chunk = ref.forward([5 + 3 * i for i in range(7)], 0)
+    chunk = ref.forward([5 + 3 * i for i in range(n)], 0)
     ref.reset()
     want = np.concatenate([chunk, ref.forward([17], 0)])
-    err = np.abs(rows[:8] - want).max(axis=1) / np.abs(want).max(axis=1)
+    err = np.abs(rows[:n + 1] - want).max(axis=1) / np.abs(want).max(axis=1)
     assert err.max() <= 4e-3, err
 
 
+_KEYS = "      if (base + cnt > pos0) segment_keys(P, layer, gk, seg, pos0, base, cnt, Ks);\n"
+_STAGED = "#endif\n      __syncthreads();  // the tiles (and the query tiles) are in\n"
 SEGMENT_BARRIERS = {
-    # the staged tile read before every thread has stored its share
-    "staging": ("        segment_stage(P, slot, Kg, Vg, base, cnt, Ks, Vt);\n"
-                "        __syncthreads();\n",
-                "        segment_stage(P, slot, Kg, Vg, base, cnt, Ks, Vt);\n"),
+    # the staged tile (and the query tiles) read before every thread has stored its share
+    "staging": ("tiny", [(_STAGED, "#endif\n")]),
     # the split mode's softmax reading scores other warps are still storing
-    "split-scores": ("        __syncthreads();\n        if (warp == 0) {  // the softmax",
-                     "        if (warp == 0) {  // the softmax"),
+    "split-scores": ("tiny", [("      __syncthreads();\n      if (warp == 0) {  // the softmax",
+                               "      if (warp == 0) {  // the softmax")]),
+    # late q/k: the segment's keys normed into the K tile after the barrier, as other warps
+    # read it
+    "late-keys": ("qwen3-gqa-tiny", [(_KEYS, ""), (_STAGED, _STAGED + "      if (stage) "
+                                                  + _KEYS.lstrip())]),
 }
 
 
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
 @pytest.mark.parametrize("barrier", sorted(SEGMENT_BARRIERS))
-def test_negative_control_a_segments_attention_without_its_barrier_is_reported(tiny, barrier):
+def test_negative_control_a_segments_attention_without_its_barrier_is_reported(tiny, synth_dir,
+                                                                              barrier):
     """attention_segment without the barrier after staging its tile, or (the split mode)
-    between the warps' scores and warp 0's softmax over them: TSan must see it."""
-    ex = segment_executor(tiny)
-    old, new = SEGMENT_BARRIERS[barrier]
-    assert ex.source.count(old) == 1, f"the {barrier} barrier is not where this test expects"
+    between the warps' scores and warp 0's softmax over them, or (late q/k) with the keys
+    normed into the K tile after it: TSan must see it."""
+    arch, edits = SEGMENT_BARRIERS[barrier]
+    model = tiny if arch == "tiny" else load_model(synth_dir(arch), progress=False)
+    ex = segment_executor(model, arch)
+    source = ex.source
+    for old, new in edits:
+        assert source.count(old) == 1, f"the {barrier} barrier is not where this test expects"
+        source = source.replace(old, new)
     with pytest.raises(DataRaceError) as info:
-        run_strict(ex, [], table=segment_step(ex), source=ex.source.replace(old, new))
-    assert re.search(r"attention_segment|segment_stage|segment_scores|ldmatrix",
-                     info.value.report), info.value.report[:4000]
+        run_strict(ex, [], table=segment_step(ex), source=source)
+    assert re.search(r"attention_segment|segment_pass|segment_stage|segment_keys|"
+                     r"segment_score|ldmatrix", info.value.report), info.value.report[:4000]
 
 
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast

@@ -117,20 +117,45 @@ def bf16_mirror_mismatches(got: np.ndarray, want: np.ndarray, window: float = 1e
     return bad, int(near.sum())
 
 
+def kernel_qk_norm_rope(x: np.ndarray, w: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                       eps: float) -> np.ndarray:
+    """megakernel.cu warp_qk_norm_rope_n's arithmetic in float32, operation for operation (the
+    kernel pins it: __fmul_rn / __fadd_rn, no contraction): lane l sums a_j^2 + c_j^2 over its
+    pairs j = l + 32 k < HALF in order, the warp adds the lanes' sums by a butterfly (xor 16,
+    8, .., 1), r = 1 / sqrt(ss / D + eps), then (a r) w_a and (c r) w_c rotated. x [..., D]
+    (heads of one position), cos / sin [HALF] of that position."""
+    f = np.float32
+    D = x.shape[-1]
+    H = D // 2
+    a, c = x[..., :H].astype(f), x[..., H:].astype(f)
+    sq = a * a + c * c
+    lanes = np.zeros(x.shape[:-1] + (32,), f)
+    for j in range(H):
+        lanes[..., j % 32] = lanes[..., j % 32] + sq[..., j]
+    for o in (16, 8, 4, 2, 1):
+        lanes = lanes + lanes[..., np.arange(32) ^ o]
+    r = (f(1) / np.sqrt(lanes[..., :1] / f(D) + f(eps))).astype(f)
+    na, nc = (a * r) * w[:H], (c * r) * w[H:]
+    return np.concatenate([na * cos - nc * sin, nc * cos + na * sin], axis=-1)
+
+
 SEGMENT_CASES = [("llama3-tiny", None, (11, 5, 3)), ("llama3-tiny", 12, (11, 5, 3)),
                  ("llama3-tiny", 24, (11, 5, 3)), ("qwen2-tiny", None, (11, 5, 3)),
-                 ("tiny", None, (11, 5, 3)), ("llama3-tiny", None, (48, 48, 32))]
+                 ("tiny", None, (11, 5, 3)), ("llama3-tiny", None, (48, 48, 32)),
+                 ("qwen3-gqa-tiny", None, (11, 5, 3)), ("qwen3-gqa-tiny", None, (48, 48, 32)),
+                 ("qwen3-tiny", None, (11, 5, 3))]
 
 
 @pytest.mark.parametrize("arch,splits,lengths", SEGMENT_CASES,
                          ids=["llama3-tiny", "llama3-tiny-12-splits", "llama3-tiny-24-splits",
-                              "qwen2-tiny", "tiny", "llama3-tiny-128-rows"])
+                              "qwen2-tiny", "tiny", "llama3-tiny-128-rows", "qwen3-gqa-tiny",
+                              "qwen3-gqa-tiny-128-rows", "qwen3-tiny"])
 def test_segment_attention_is_its_bf16_mirror_on_the_kernels_inputs(synth_model, arch, splits,
                                                                      lengths):
-    """Attention on tensor cores (megakernel.cu attention_segment: models without late q/k),
-    judged on its own inputs: the last layer's queries (fp32, as RMS_QKV_ROPE stored them)
-    and K/V (the cache's bf16, through the slots' pages) of a step of three prompts, through
-    the reference's mirror of its rounding (model/reference.py _attention_mma: bf16 queries,
+    """Attention on tensor cores (megakernel.cu attention_segment), judged on its own inputs:
+    the last layer's queries (fp32, as RMS_QKV_ROPE stored them; with late q/k raw, normed and
+    roped here by kernel_qk_norm_rope, the kernel's own arithmetic) and K/V (the cache's bf16,
+    through the slots' pages) of a step of three prompts, through the reference's mirror of its rounding (model/reference.py _attention_mma: bf16 queries,
     bf16 probabilities per SEG_SUB positions of each split, fp32 sums and merge). Every
     element of the step's attention output (bf16: a row finished by its unit, or merged by
     ticket) is the bf16 rounding of the mirror's, but where the mirror's value lies within
@@ -162,6 +187,12 @@ def test_segment_attention_is_its_bf16_mirror_on_the_kernels_inputs(synth_model,
         return bits.view(np.float32).reshape(L, -1, c.num_kv_heads, D)[L - 1]
 
     K, V = cache("k_cache"), cache("v_cache")
+    if c.qk_norm:  # late q/k: P.q holds the raw queries
+        ref = ReferenceModel(c, model.weights, MAX_SEQ)
+        w = ref.layers[L - 1]["q_norm"]
+        q = np.stack([kernel_qk_norm_rope(q[r].reshape(c.num_heads, D), w, ref.cos[pos],
+                                          ref.sin[pos], c.rms_norm_eps).reshape(-1)
+                      for r, (_, _, pos, _, _) in enumerate(rows)])
     scale = np.float32(1.0 / np.sqrt(D))
     want = np.empty_like(got)
     for r, (_, s, pos, _, _) in enumerate(rows):

@@ -195,7 +195,7 @@ def test_the_cost_model_reads_the_programs_groups():
     from monokernel.kernel.costmodel.tokens import StepShape
 
     cfg = ModelConfig.from_name("smollm2-135m")
-    g, d = cm.gpu("h200"), cm.design("v6-mma")
+    g, d = cm.gpu("h200"), cm.design("v6-mma-seg")
     rows, groups = (tc_program(cfg, 132, tgv, tokens=64) for tgv in (False, True))
 
     def step_us(prog, batch):
@@ -221,7 +221,7 @@ def test_the_cost_model_multiplies_a_members_group_rows_by_its_share_of_tokens()
     from monokernel.kernel.costmodel.tokens import StepShape, mma_us
 
     cfg = ModelConfig.from_name("smollm2-135m")
-    g, d = cm.gpu("h200"), cm.design("v6-mma")
+    g, d = cm.gpu("h200"), cm.design("v6-mma-seg")
     prog = tc_program(cfg, 132, True, tokens=64)
     weight_rows = {Op.RMS_QKV_ROPE: 2, Op.O_PROJ_RESIDUAL: 1, Op.RMS_GATE_UP: 2,
                    Op.DOWN_RESIDUAL: 1}

@@ -253,12 +253,13 @@ V8_CLUSTER = V8.replace(name="v8-cluster", input_multicast=2)
 V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rotate_rows=True,
                     stored_bf16_inputs=True, attn_row_tickets=True, attn_rolling_prefetch=True,
                     attn_first_unit_prefetch=True)
-# The tensor-core kernel of a model without late q/k (megakernel.cu SEG_ATTN): a step's
-# segments run each attention unit for all their rows on mma.sync (attn_segments), a decode
-# row's one m-tile split over the warps. With late q/k (Qwen3) the kernel is V6_MMA.
+# The tensor-core kernel (megakernel.cu SEG_ATTN): a step's segments run each attention unit
+# for all their rows on mma.sync (attn_segments), a decode row's one m-tile split over the
+# warps; with late q/k (Qwen3) the queries normed and roped into their query tiles and the
+# segment's keys into the K tile. V6_MMA (rows on CUDA cores) is no longer built.
 V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True)
 # The tensor-core designs megakernel.cu builds.
-BUILT_MMA = ("v6-mma", "v6-mma-seg")
+BUILT_MMA = ("v6-mma-seg",)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v7": V7, "v7-rows": V7_ROWS,
@@ -271,13 +272,10 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
     per launch; its A/B twins with one launch per step (backend cuda-1step) or the fenced hop
     (MK_SYNC=1, backend cuda-sync1); with a program of steps of up to T tokens (``tokens``),
     the token loop and prompts in chunks of T; ``tensor_cores`` (a kernel of slots built with
-    them, MK_MMA): V6_MMA_SEG, or V6_MMA for a model with late q/k (``program``'s config;
-    no program: V6_MMA). A kernel change updates these in the same commit."""
+    them, MK_MMA): V6_MMA_SEG. A kernel change updates these in the same commit."""
     if tensor_cores:
         tokens = getattr(program, "tokens", 1)
-        cfg = getattr(program, "config", None)
-        d = V6_MMA if cfg is None or cfg.qk_norm else V6_MMA_SEG
-        return d if tokens <= 1 else d.replace(prefill_chunk=tokens)
+        return V6_MMA_SEG if tokens <= 1 else V6_MMA_SEG.replace(prefill_chunk=tokens)
     d = V6
     if sync < 2:
         d = d.replace(signal_sc_fence=True, poll_loads=2, poll_sleep=True)

@@ -117,4 +117,16 @@ inline void ldmatrix(unsigned int (&r)[N], const void* row) {
   detail::warp_exchange(detail::ldmatrix_name<N>(), bytes, sizeof bytes, r, sizeof r, detail::ldmatrix_warp<N>);
 }
 
+// The twin of cp.async.cg.shared.global [smem], [gmem], 16: the thread's own 16-byte copy, done
+// at once (the GPU's lands by cp.async.wait_all, before the barrier that shows it to the block;
+// ThreadSanitizer sees this thread's read and write either way).
+inline void cp_async_16(void* smem, const void* gmem) {
+  if (reinterpret_cast<std::uintptr_t>(smem) % 16 != 0 ||
+      reinterpret_cast<std::uintptr_t>(gmem) % 16 != 0)
+    detail::fail_here(kTrap,
+                      detail::fmt("block %u thread %u: cp.async addresses %p <- %p are not "
+                                  "16-byte aligned", blockIdx.x, threadIdx.x, smem, gmem));
+  std::memcpy(smem, gmem, 16);
+}
+
 }  // namespace emu

@@ -17,9 +17,10 @@ import numpy as np
 from ...errors import CostModelError
 from ..costmodel.parts import OpBatch, Phases, issue_us
 from ..costmodel.tokens import mma_us, widen_attention
-from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, SEG_SUB, T_TILE,
-                   Args, Op, attn_k_vec, attn_round_positions, merge_by_ticket, merge_row_lanes,
-                   merge_ways, row_finishes, row_rotations, split_chunk, splits_used, unit_finishes)
+from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, SEG_KEYS,
+                   SEG_QUERIES, SEG_SUB, T_TILE, Args, Op, attn_k_vec, attn_round_positions,
+                   merge_by_ticket, merge_row_lanes, merge_ways, row_finishes, row_rotations,
+                   split_chunk, splits_used, unit_finishes)
 from ..program import Instruction, Region, split_even
 
 OP = Op.ATTENTION
@@ -398,7 +399,25 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
     unit_other = full * of + ol + 2 * g.bar_sync  # the unit's set-up and end barriers
     if d.attn_segments:  # fp32 queries in, fp32 partials (or a row's bf16 output) out
         unit_other += reach * G * (D * 4 + (D + 2) * 4) / (g.l2_bw / g.sms)
-    if c.qk_norm:
+    if c.qk_norm and d.attn_segments:
+        # late q/k in a segment's unit (megakernel.cu segment_q_tile, segment_keys): a pass's
+        # queries normed and roped into its query tiles, SEG_QUERIES a warp a round (the split
+        # mode's one m-tile: every warp 16 / warps of them, one round), each round an L2 trip
+        # (the first rides the queries' own) and a warp_sum; the segment's own keys in the
+        # unit's positions into the K tile, SEG_KEYS a warp a round, each round an L2 trip for
+        # their raw keys and RoPE rows and a warp_sum
+        mt = np.ceil(reach * G / 16)
+        passes = np.ceil(mt / d.warps)
+        per_warp = np.where(mt == 1, -(-16 // d.warps), SEG_QUERIES)
+        q_rounds = np.where(mt == 1, 1, -(-16 // SEG_QUERIES))
+        unit_l2 += passes * (q_rounds - 1)
+        unit_other += passes * q_rounds * (5 * g.shfl + issue_us(g, d, per_warp * D // 32 * 12))
+        keys = np.clip(np.minimum(t0 + cnt, b.context + 1) - np.maximum(t0, b.context + 1 - rows),
+                       0, None)
+        key_rounds = np.ceil(keys / (d.warps * SEG_KEYS))
+        unit_l2 += key_rounds
+        unit_other += key_rounds * (5 * g.shfl + issue_us(g, d, SEG_KEYS * D // 32 * 12))
+    elif c.qk_norm:
         # warp_qk_norm_rope per query head and the key, after the queries' L2 trip: the
         # warp_sum, then the q/k-norm weights and the RoPE row, a barrier; the unit holding the
         # new position scores it from shared memory (barrier, warp_sum)
