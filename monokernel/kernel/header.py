@@ -62,16 +62,16 @@ def slot_pages(max_seq_len: int, page_size: int) -> int:
 
 def dynamic_shared_bytes(cfg: ModelConfig, tokens: int, mma: bool = False) -> int:
     """Dynamic shared memory a block of the kernel takes (MK_DYN_SMEM; every launch passes
-    it): in the tensor-core kernel (``mma``), a segment's staged K [T_TILE, head_dim + 8] and
-    V^T [head_dim, T_TILE + 8] tiles, bf16, then its split mode's SegSplit (attention_segment:
-    scores fp32 [16, T_TILE + 4], probability fragments [T_TILE / 16, 32, 4] and corrections
-    [T_TILE / SEG_SUB, 32, 2] words, the final (max, sum) [32, 4]), then a query tile a warp,
-    bf16 [16, head_dim + 8]; on CUDA cores, late q/k attention's chunk keys, bf16
+    it): in the tensor-core kernel (``mma``), a segment's staged K and V [T_TILE, head_dim + 8]
+    tiles, bf16, then its split mode's SegSplit (attention_segment: scores fp32 [16, T_TILE +
+    4], probability fragments [T_TILE / 16, 32, 4] and corrections [T_TILE / SEG_SUB, 32, 2]
+    words, the final (max, sum) [32, 4]), then a query tile a warp, bf16 [16, head_dim + 8];
+    on CUDA cores, late q/k attention's chunk keys, bf16
     [tokens, head_dim] (megakernel.cu chunk_keys), in a kernel of steps of many tokens; 0
     otherwise. megakernel.cu asserts it is enough."""
     if mma:
         D = cfg.head_dim
-        tiles = (T_TILE * (D + 8) + D * (T_TILE + 8)) * 2
+        tiles = 2 * T_TILE * (D + 8) * 2
         split = 16 * (T_TILE + 4) + T_TILE // 16 * 32 * 4 + T_TILE // SEG_SUB * 32 * 2 + 32 * 4
         queries = NUM_THREADS // 32 * 16 * (D + 8) * 2
         return tiles + split * 4 + queries

@@ -1506,19 +1506,19 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
 // ---- A segment's unit on tensor cores (SEG_ATTN) ----------------------------------------------
 // The unit's positions [t0, t1) for the segment's rows that reach them (rows r0.. of the
 // segment: a row at position pos sees [t0, min(pos + 1, t1))), in tiles of T_TILE positions
-// staged in dynamic shared memory: K as rows (the scores' "col" B operand, ldmatrix) and V
-// transposed (V^T[d][i], the values' B operand alike). Its (row, head) queries, q = (r - r0) *
-// GROUP + h, come in m-tiles of 16, one a warp (passes of NWARPS m-tiles); a warp keeps its
-// m-tile's queries (bf16 A fragments), outputs (fp32) and running (max, sum) in registers and
-// runs the online softmax per SEG_SUB positions: scores = q . k * scale on mma.sync, masked to
+// staged in dynamic shared memory by cp.async, K and V as rows: K the scores' "col" B operand
+// (ldmatrix), V the values' (ldmatrix .trans). Its (row, head) queries, q = (r - r0) * GROUP +
+// h, come in m-tiles of 16, one a warp (passes of NWARPS m-tiles); a warp keeps its m-tile's
+// queries in a bf16 query tile in shared memory, its outputs (fp32) and running (max, sum) in
+// registers, and runs the online softmax per SEG_SUB positions: scores = q . k * scale on mma.sync, masked to
 // -inf past each row's own position, then p = exp(score - max) packed as the next mma's A
 // fragment (FlashAttention-2's register reuse) against V. Where the numbers cannot depend on
 // the step's other rows: a query's score is its own A row against K; a sub-tile (fixed by
 // absolute position) without a position of the row leaves its (max, sum, outputs) exactly as
 // they were (corr 1, p 0 times a finite or zero V: +0); padding past the tile's positions is
-// zeros in V^T, so a row run alone and in a chunk add the same numbers in the same order.
-#define SEG_K_LD (D + 8)       // a staged K row: HEAD_DIM bf16 + 16 bytes (ldmatrix rows
-#define SEG_V_LD (T_TILE + 8)  // land on distinct banks); a V^T row: T_TILE positions + 16
+// zeros in K and V, so a row run alone and in a chunk add the same numbers in the same order.
+#define SEG_KV_LD (D + 8)      // a staged K or V row: HEAD_DIM bf16 + 16 bytes (the 8 rows of
+                               // an ldmatrix land on distinct banks)
 #define SEG_SUB MK_SEG_SUB     // isa.SEG_SUB
 #define SEG_KEYS MK_SEG_KEYS   // isa.SEG_KEYS
 #define SEG_QUERIES MK_SEG_QUERIES  // isa.SEG_QUERIES
@@ -1526,7 +1526,7 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
 #define SEG_NB (SEG_SUB / 8)   // n-blocks of 8 positions a sub-tile
 static_assert(D % 16 == 0 && T_TILE % SEG_SUB == 0 && SEG_SUB % 16 == 0,
               "a segment's unit: mma k-steps of 16 over HEAD_DIM and over the positions");
-#define SEG_TILES_BYTES ((T_TILE * SEG_K_LD + D * SEG_V_LD) * 2)  // the K and V^T tiles
+#define SEG_TILES_BYTES (2 * T_TILE * SEG_KV_LD * 2)  // the K and V tiles
 
 // threadIdx.x read afresh (a volatile read of %tid.x on the GPU): what is computed from it is
 // recomputed where it is used instead of hoisted to the kernel's start and kept in registers
@@ -1543,37 +1543,28 @@ __device__ __forceinline__ int fresh_tid() {
 }
 
 // Positions [base, base + cnt) of the unit's K and V (slot's cache rows at Kg / Vg) into Ks and
-// Vt; positions [cnt, cnt rounded up to 16) are zeros. K rows go by cp.async (no registers:
-// a thread's V loads, its K copies and its V^T stores overlap); K rows from k_end on are left
-// to segment_keys (late q/k: the segment's own keys, not cached yet). Every V load of a thread
-// is issued before its stores (a position past cnt loads the last one again, an L1 hit, and
-// stores zeros). The copies have landed when it returns (cp_async_wait); the caller's barrier
-// shows them to the block.
+// Vs by cp.async, a 16-byte chunk a copy (no registers, no transposition); positions [cnt, cnt
+// rounded up to 16) are zeros. K rows from k_end on are left to segment_keys (late q/k: the
+// segment's own keys, not cached yet). The copies have landed when it returns
+// (cp_async_wait); the caller's barrier shows them to the block.
 __device__ void segment_stage(const Params& P, int slot, const unsigned short* Kg,
                               const unsigned short* Vg, int base, int cnt, int k_end,
-                              unsigned short* Ks, unsigned short* Vt) {
+                              unsigned short* Ks, unsigned short* Vs) {
   constexpr int CH = D / 8;  // 16-byte chunks a row
   constexpr int PER = (T_TILE * CH + MK_THREADS - 1) / MK_THREADS;
   const int n16 = (cnt + 15) & ~15, tid = fresh_tid();
-  uint4 v[PER];
-#pragma unroll
-  for (int u = 0; u < PER; ++u) {
-    const int idx = tid + u * MK_THREADS, i = idx / CH, c = idx % CH;
-    const size_t at = (size_t)kv_row(P, slot, base + min(i, cnt - 1)) * MK_KV_DIM + c * 8;
-    if (i < min(cnt, k_end)) cp_async_16(Ks + i * SEG_K_LD + c * 8, Kg + at);
-    v[u] = load_kv(Vg + at);
-  }
 #pragma unroll
   for (int u = 0; u < PER; ++u) {
     const int idx = tid + u * MK_THREADS, i = idx / CH, c = idx % CH;
     if (i >= n16) continue;
-    const bool in = i < cnt;
-    if (!in) *reinterpret_cast<uint4*>(Ks + i * SEG_K_LD + c * 8) = make_uint4(0u, 0u, 0u, 0u);
-    const unsigned w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      Vt[(c * 8 + 2 * e) * SEG_V_LD + i] = in ? (unsigned short)(w[e] & 0xffffu) : 0;
-      Vt[(c * 8 + 2 * e + 1) * SEG_V_LD + i] = in ? (unsigned short)(w[e] >> 16) : 0;
+    const int at = i * SEG_KV_LD + c * 8;
+    if (i < cnt) {
+      const size_t row = (size_t)kv_row(P, slot, base + i) * MK_KV_DIM + c * 8;
+      if (i < k_end) cp_async_16(Ks + at, Kg + row);
+      cp_async_16(Vs + at, Vg + row);
+    } else {
+      *reinterpret_cast<uint4*>(Ks + at) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(Vs + at) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
   cp_async_wait();
@@ -1635,14 +1626,14 @@ __device__ __forceinline__ void segment_p_frag(const float (&sc)[SEG_NB][4], int
 // Output n-tile nd += probabilities (k-step kk of the sub-tile at sb) x V, after the sub-tile's
 // correction (kk 0 applies it).
 __device__ __forceinline__ void segment_pv(float (&o)[4], const unsigned (&a)[4],
-                                           const float (&corr)[2], smem_addr_t Vt, int nd,
+                                           const float (&corr)[2], smem_addr_t Vs, int nd,
                                            int sb, int kk) {
   if (kk == 0) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[i] *= corr[i >> 1];
   }
   unsigned b[2];
-  ldmatrix_b_at(b, Vt + 2u * (nd * 8 * SEG_V_LD + sb + kk * 16), SEG_V_LD);
+  ldmatrix_bt_at(b, Vs + 2u * ((sb + kk * 16) * SEG_KV_LD + nd * 8), SEG_KV_LD);
   mma_m16n8k16_bf16(o, a, b, o);
 }
 
@@ -1652,7 +1643,7 @@ __device__ __forceinline__ void segment_pv(float (&o)[4], const unsigned (&a)[4]
 __device__ __forceinline__ void segment_score_step(float (&c)[4], const unsigned (&a)[4],
                                                    smem_addr_t k8, int ks) {
   unsigned b[2];
-  ldmatrix_b_at(b, k8 + 2u * ks * 16, SEG_K_LD);
+  ldmatrix_b_at(b, k8 + 2u * ks * 16, SEG_KV_LD);
   mma_m16n8k16_bf16(c, a, b, c);
 }
 
@@ -1727,11 +1718,11 @@ __device__ void segment_keys(const Params& P, int layer, int gk, int seg, int po
         P, [&](int n) { return P.k_raw + (size_t)(seg + p0 + n - pos0) * MK_KV_DIM + gk * D; },
         P.k_norm + (size_t)layer * D, [&](int n) { return p0 + n; },
         [&](int n) { return p0 + n < hi; },
-        [&](int n, int j, float v) { Ks[(p0 + n - base) * SEG_K_LD + j] = f32_to_bf16(v); });
+        [&](int n, int j, float v) { Ks[(p0 + n - base) * SEG_KV_LD + j] = f32_to_bf16(v); });
 }
 #endif
 
-// The split mode's shared memory after the K and V^T tiles (one m-tile): its scores, then the
+// The split mode's shared memory after the K and V tiles (one m-tile): its scores, then the
 // softmax warp's probability fragments and corrections per lane, its final (max, sum).
 struct SegSplit {
   float s[16][T_TILE + 4];                      // the tile's scores, [query row][position]
@@ -1742,7 +1733,7 @@ struct SegSplit {
 static_assert(SEG_TILES_BYTES % 16 == 0, "the split mode's shared memory stays aligned");
 static_assert(MK_DYN_SMEM >=
                   SEG_TILES_BYTES + (int)sizeof(SegSplit) + NWARPS * 16 * SEG_Q_LD * 2,
-              "the K and V^T tiles, then the split mode's scores and fragments, then a query "
+              "the K and V tiles, then the split mode's scores and fragments, then a query "
               "tile a warp, live in dynamic shared memory");
 
 // One pass of attention_segment: m-tiles mt0 + warp (ONE false: a warp's own m-tile, rows of
@@ -1761,13 +1752,13 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
   constexpr int OWN = ONE ? (D / 8 + NWARPS - 1) / NWARPS : D / 8;  // a warp's output n-tiles
   auto nd_of = [&](int i) { return ONE ? warp + NWARPS * i : i; };
   unsigned short* Ks = static_cast<unsigned short*>(dynamic_smem());
-  unsigned short* Vt = Ks + T_TILE * SEG_K_LD;
+  unsigned short* Vs = Ks + T_TILE * SEG_KV_LD;
   SegSplit& sp = *reinterpret_cast<SegSplit*>(reinterpret_cast<char*>(Ks) + SEG_TILES_BYTES);
   // the pass's query tile: the block's one (ONE) or this warp's
   unsigned short* Qt = reinterpret_cast<unsigned short*>(reinterpret_cast<char*>(Ks) +
                                                          SEG_TILES_BYTES + sizeof(SegSplit)) +
                        (ONE ? 0 : warp) * 16 * SEG_Q_LD;
-  const smem_addr_t ks_at = smem_addr(Ks), vt_at = smem_addr(Vt), qt = smem_addr(Qt);
+  const smem_addr_t ks_at = smem_addr(Ks), vs_at = smem_addr(Vs), qt = smem_addr(Qt);
   const int pos0 = row_pos(st, seg), slot = row_slot(st, seg);
   const int ntiles = (t1 - t0 + T_TILE - 1) / T_TILE;
   const size_t kv_layer = (size_t)layer * MK_KV_ROWS * MK_KV_HEADS * D;
@@ -1800,10 +1791,10 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
     if (stage && tile > 0) __syncthreads();  // the previous tile's readers are done
     if (stage) {
 #if LATE_QK
-      segment_stage(P, slot, Kg, Vg, base, cnt, pos0 - base, Ks, Vt);
+      segment_stage(P, slot, Kg, Vg, base, cnt, pos0 - base, Ks, Vs);
       if (base + cnt > pos0) segment_keys(P, layer, gk, seg, pos0, base, cnt, Ks);
 #else
-      segment_stage(P, slot, Kg, Vg, base, cnt, cnt, Ks, Vt);
+      segment_stage(P, slot, Kg, Vg, base, cnt, cnt, Ks, Vs);
 #endif
       __syncthreads();  // the tiles (and the query tiles) are in
     } else {
@@ -1818,7 +1809,7 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
         for (int ks = 0; ks < D / 16; ++ks) {
           unsigned a[4];
           ldmatrix_a_at(a, qt + 2u * ks * 16, SEG_Q_LD);
-          segment_score_step(c, a, ks_at + 2u * nb * 8 * SEG_K_LD, ks);
+          segment_score_step(c, a, ks_at + 2u * nb * 8 * SEG_KV_LD, ks);
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) sp.s[gq + 8 * (i >> 1)][nb * 8 + 2 * t + (i & 1)] = c[i];
@@ -1861,7 +1852,7 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
           const unsigned a[4] = {ap[0], ap[1], ap[2], ap[3]};
 #pragma unroll
           for (int i = 0; i < OWN; ++i)
-            if (nd_of(i) < D / 8) segment_pv(o[i], a, corr, vt_at, nd_of(i), sb, kk);
+            if (nd_of(i) < D / 8) segment_pv(o[i], a, corr, vs_at, nd_of(i), sb, kk);
         }
       }
       mrun[0] = sp.ml[lane][0];
@@ -1883,7 +1874,7 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
 #pragma unroll
         for (int nb = 0; nb < SEG_NB; ++nb)
           if (sb + nb * 8 < n16)
-            segment_score_step(sc[nb], a, ks_at + 2u * (sb + nb * 8) * SEG_K_LD, ks);
+            segment_score_step(sc[nb], a, ks_at + 2u * (sb + nb * 8) * SEG_KV_LD, ks);
       }
       segment_softmax(sc, lim, end, base + sb, scale, mrun, lrun, corr);
       unsigned pa[SEG_SUB / 16][4];  // the probabilities as A fragments (the scores die here)
@@ -1895,7 +1886,7 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
       for (int i = 0; i < OWN; ++i)
 #pragma unroll
         for (int kk = 0; kk < SEG_SUB / 16; ++kk)
-          if (sb + kk * 16 < n16) segment_pv(o[i], pa[kk], corr, vt_at, nd_of(i), sb, kk);
+          if (sb + kk * 16 < n16) segment_pv(o[i], pa[kk], corr, vs_at, nd_of(i), sb, kk);
     }
   }
   if (!live) return;

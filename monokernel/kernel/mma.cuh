@@ -3,8 +3,10 @@
 // Small __device__ helpers around inline PTX (sm_80 and newer), each with a CPU twin in the
 // emulator (kernel/emulator/cuda_cpu_mma.h) behind `#ifndef __CUDA_ARCH__`:
 //   mma_m16n8k16_bf16   D = A B + C, A 16x16 bf16 (row), B 16x8 bf16 (col), C and D fp32
-//   ldmatrix_x4/_x2     four / two 8x8 bf16 matrices from shared memory into fragments
-//   ldmatrix_a / _b     the lane's row address for an A (16x16) / B (8 tokens x 16) tile
+//   ldmatrix_x4/_x2     four / two 8x8 bf16 matrices from shared memory into fragments (_at: at
+//                       a smem_addr, so constant offsets fold into the instruction)
+//   ldmatrix_a / _b     the lane's row address for an A (16x16) / B (8 tokens x 16) tile; _bt:
+//                       a B tile stored k-major (16 k rows of 8 n), by ldmatrix .trans
 //   cp_async_16         16 bytes global -> shared without registers (cp.async.cg), cp_async_wait
 //   load_a_global / load_b_global   the same fragments straight from global memory, zero padded
 //   mma_d_row / mma_d_col           where element i of a lane's D fragment sits
@@ -66,41 +68,83 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float d[4], const unsigned a[4
 #endif
 }
 
-// Four 8x8 bf16 matrices from shared memory: lanes 8i..8i+7 pass the addresses of matrix i's
-// rows (16 bytes each, 16-byte aligned); lane l gets r[i] = matrix i's row l >> 2, elements
-// 2 (l & 3) and 2 (l & 3) + 1.
-__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* smem_row) {
+// A shared-memory address as ldmatrix takes it: the 32-bit shared-window offset on the GPU (the
+// emulator's: the pointer). Computing it once for a tile and adding byte offsets to it lets
+// ptxas fold constant offsets into the instruction (LDSM [R + imm]) instead of keeping an
+// address register for every ldmatrix of an unrolled loop.
 #ifdef __CUDA_ARCH__
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+typedef unsigned smem_addr_t;
+__device__ __forceinline__ smem_addr_t smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+#else
+typedef unsigned long long smem_addr_t;
+__device__ __forceinline__ smem_addr_t smem_addr(const void* p) {
+  return reinterpret_cast<smem_addr_t>(p);
+}
+#endif
+
+// Four 8x8 bf16 matrices from shared memory (at smem_addr): lanes 8i..8i+7 pass the addresses
+// of matrix i's rows (16 bytes each, 16-byte aligned); lane l gets r[i] = matrix i's row l >> 2,
+// elements 2 (l & 3) and 2 (l & 3) + 1.
+__device__ __forceinline__ void ldmatrix_x4_at(unsigned r[4], smem_addr_t addr) {
+#ifdef __CUDA_ARCH__
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr)
                : "memory");
 #elif defined(__CUDACC__)
+  (void)addr;
   for (int i = 0; i < 4; ++i) r[i] = 0u;
 #else
   unsigned out[4];
-  emu::ldmatrix<4>(out, smem_row);
+  emu::ldmatrix<4>(out, reinterpret_cast<const void*>(addr));
   for (int i = 0; i < 4; ++i) r[i] = out[i];
 #endif
 }
 
 // Two 8x8 bf16 matrices: lanes 0..15 pass row addresses (lanes 16..31's are ignored).
-__device__ __forceinline__ void ldmatrix_x2(unsigned r[2], const void* smem_row) {
+__device__ __forceinline__ void ldmatrix_x2_at(unsigned r[2], smem_addr_t addr) {
 #ifdef __CUDA_ARCH__
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
                : "=r"(r[0]), "=r"(r[1])
                : "r"(addr)
                : "memory");
 #elif defined(__CUDACC__)
+  (void)addr;
   r[0] = r[1] = 0u;
 #else
   unsigned out[2];
-  emu::ldmatrix<2>(out, smem_row);
+  emu::ldmatrix<2>(out, reinterpret_cast<const void*>(addr));
   r[0] = out[0];
   r[1] = out[1];
 #endif
+}
+
+// ldmatrix_x2_at of the transposed matrices (.trans): lane l gets r[i] = matrix i's rows 2t and
+// 2t + 1, element g of each (g = l >> 2, t = l & 3).
+__device__ __forceinline__ void ldmatrix_x2_trans_at(unsigned r[2], smem_addr_t addr) {
+#ifdef __CUDA_ARCH__
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr)
+               : "memory");
+#elif defined(__CUDACC__)
+  (void)addr;
+  r[0] = r[1] = 0u;
+#else
+  unsigned out[2];
+  emu::ldmatrix<2, true>(out, reinterpret_cast<const void*>(addr));
+  r[0] = out[0];
+  r[1] = out[1];
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* smem_row) {
+  ldmatrix_x4_at(r, smem_addr(smem_row));
+}
+__device__ __forceinline__ void ldmatrix_x2(unsigned r[2], const void* smem_row) {
+  ldmatrix_x2_at(r, smem_addr(smem_row));
 }
 
 // 16 bytes from global memory into shared memory without passing through registers
@@ -126,67 +170,36 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// A shared-memory address as ldmatrix takes it: the 32-bit shared-window offset on the GPU (the
-// emulator's: the pointer). Computing it once for a tile and adding byte offsets to it lets
-// ptxas fold constant offsets into the instruction (LDSM [R + imm]) instead of keeping an
-// address register for every ldmatrix of an unrolled loop.
-#ifdef __CUDA_ARCH__
-typedef unsigned smem_addr_t;
-__device__ __forceinline__ smem_addr_t smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-#else
-typedef unsigned long long smem_addr_t;
-__device__ __forceinline__ smem_addr_t smem_addr(const void* p) {
-  return reinterpret_cast<smem_addr_t>(p);
-}
-#endif
-
-// ldmatrix_x4 / ldmatrix_x2 at a shared-memory address (smem_addr).
-__device__ __forceinline__ void ldmatrix_x4_at(unsigned r[4], smem_addr_t addr) {
-#ifdef __CUDA_ARCH__
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-#else
-  ldmatrix_x4(r, reinterpret_cast<const void*>(addr));
-#endif
-}
-__device__ __forceinline__ void ldmatrix_x2_at(unsigned r[2], smem_addr_t addr) {
-#ifdef __CUDA_ARCH__
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
-               : "=r"(r[0]), "=r"(r[1])
-               : "r"(addr)
-               : "memory");
-#else
-  ldmatrix_x2(r, reinterpret_cast<const void*>(addr));
-#endif
-}
-
-// ldmatrix_a / ldmatrix_b (below) of the tile at shared-memory address `tile`.
+// A fragment of a 16x16 tile at shared-memory address `tile` (row-major bf16, `ld` elements
+// per row, ld a multiple of 8 so rows stay 16-byte aligned): matrices (rows 0-7, k 0-7), (rows
+// 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15) are a[0..3].
 __device__ __forceinline__ void ldmatrix_a_at(unsigned a[4], smem_addr_t tile, int ld) {
   const int lane = threadIdx.x & 31;
   ldmatrix_x4_at(a, tile + 2u * ((lane & 15) * ld + (lane >> 4) * 8));
 }
+
+// B fragment of an 8-token x 16-k tile at shared-memory address `tile` (X's rows, bf16, `ld` a
+// multiple of 8): matrices (tokens 0-7, k 0-7) and (tokens 0-7, k 8-15) are b[0] and b[1].
 __device__ __forceinline__ void ldmatrix_b_at(unsigned b[2], smem_addr_t tile, int ld) {
   const int lane = threadIdx.x & 31;
   ldmatrix_x2_at(b, tile + 2u * ((lane & 7) * ld + ((lane >> 3) & 1) * 8));
 }
 
-// A fragment of a 16x16 tile at `tile` (row-major bf16 in shared memory, `ld` elements per row,
-// ld a multiple of 8 so rows stay 16-byte aligned): matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7),
-// (rows 0-7, k 8-15), (rows 8-15, k 8-15) are a[0..3].
-__device__ __forceinline__ void ldmatrix_a(unsigned a[4], const unsigned short* tile, int ld) {
+// B fragment of a 16-k x 8-n tile stored k-major at shared-memory address `tile` (row k holds
+// its 8 n values; bf16, `ld` a multiple of 8), e.g. V's rows [position][d] for probabilities x
+// V: lanes 0-7 pass rows k 0-7, lanes 8-15 rows k 8-15, and .trans hands lane (g, t) B[2t..2t +
+// 1][g] (b[0]) and B[8 + 2t..][g] (b[1]), the "col" layout mma takes.
+__device__ __forceinline__ void ldmatrix_bt_at(unsigned b[2], smem_addr_t tile, int ld) {
   const int lane = threadIdx.x & 31;
-  ldmatrix_x4(a, tile + (lane & 15) * ld + (lane >> 4) * 8);
+  ldmatrix_x2_trans_at(b, tile + 2u * ((lane & 15) * ld));
 }
 
-// B fragment of an 8-token x 16-k tile at `tile` (X's rows, bf16 in shared memory, `ld` a
-// multiple of 8): matrices (tokens 0-7, k 0-7) and (tokens 0-7, k 8-15) are b[0] and b[1].
+// ldmatrix_a_at / ldmatrix_b_at of a tile given by its pointer.
+__device__ __forceinline__ void ldmatrix_a(unsigned a[4], const unsigned short* tile, int ld) {
+  ldmatrix_a_at(a, smem_addr(tile), ld);
+}
 __device__ __forceinline__ void ldmatrix_b(unsigned b[2], const unsigned short* tile, int ld) {
-  const int lane = threadIdx.x & 31;
-  ldmatrix_x2(b, tile + (lane & 7) * ld + ((lane >> 3) & 1) * 8);
+  ldmatrix_b_at(b, smem_addr(tile), ld);
 }
 
 // Two consecutive bf16 m[r][c], m[r][c + 1] of a row-major [rows, cols] matrix (ld elements per

@@ -53,6 +53,7 @@ struct LdmParams {
   const int* row_of_lane;     // (32,)
   unsigned* out4;             // (32, 4)
   unsigned* out2;             // (32, 2)
+  unsigned* out2t;            // (32, 2): .x2.trans
 };
 extern "C" __global__ void ldmatrix_fragments(const LdmParams p) {
   __shared__ Rows32 rows;
@@ -62,8 +63,28 @@ extern "C" __global__ void ldmatrix_fragments(const LdmParams p) {
   unsigned r4[4], r2[2];
   ldmatrix_x4(r4, rows.v[p.row_of_lane[lane]]);
   ldmatrix_x2(r2, rows.v[p.row_of_lane[lane]]);
+  unsigned r2t[2];
+  ldmatrix_x2_trans_at(r2t, smem_addr(rows.v[p.row_of_lane[lane]]));
   for (int i = 0; i < 4; ++i) p.out4[lane * 4 + i] = r4[i];
   for (int i = 0; i < 2; ++i) p.out2[lane * 2 + i] = r2[i];
+  for (int i = 0; i < 2; ++i) p.out2t[lane * 2 + i] = r2t[i];
+}
+
+// ---- cp.async: each thread copies 16-byte chunks of src (+ offset bytes) into shared memory,
+// waits for its copies, then the block writes shared memory back out
+struct CpParams {
+  const unsigned char* src;  // (chunks * 16 + offset) bytes
+  unsigned char* out;        // (chunks * 16)
+  int chunks, offset;
+};
+extern "C" __global__ void cp_async_chunks(const CpParams p) {
+  __shared__ uint4 tile[64];
+  for (int i = threadIdx.x; i < p.chunks; i += blockDim.x)
+    cp_async_16(&tile[i], p.src + p.offset + 16 * i);
+  cp_async_wait();
+  __syncthreads();
+  for (int i = threadIdx.x; i < p.chunks; i += blockDim.x)
+    *reinterpret_cast<uint4*>(p.out + 16 * i) = tile[(i + 1) % p.chunks];  // another thread's
 }
 
 // ---- Y [tokens, n_out] = X [tokens, k] W [n_out, k]^T, as mma.cuh's header describes: each
@@ -137,7 +158,8 @@ extern "C" __global__ void mma_missing_lane(const FragParams p) {
   p.d[threadIdx.x] = d[0];
 }
 """
-KERNEL_NAMES = ["mma_fragments", "ldmatrix_fragments", "mma_wx", "mma_missing_lane"]
+KERNEL_NAMES = ["mma_fragments", "ldmatrix_fragments", "cp_async_chunks", "mma_wx",
+                "mma_missing_lane"]
 WX_THREADS = 64  # WX_WARPS warps
 WX_SMEM_BYTES = (16 * 24 + 2 * 8 * 24) * 2
 
@@ -246,7 +268,9 @@ def pinning_cases() -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
 FRAG_PARAMS = np.dtype([("a", np.uint64), ("b", np.uint64), ("c", np.uint64), ("d", np.uint64),
                         ("cases", np.int32)], align=True)
 LDM_PARAMS = np.dtype([("src", np.uint64), ("row_of_lane", np.uint64), ("out4", np.uint64),
-                       ("out2", np.uint64)], align=True)
+                       ("out2", np.uint64), ("out2t", np.uint64)], align=True)
+CP_PARAMS = np.dtype([("src", np.uint64), ("out", np.uint64), ("chunks", np.int32),
+                      ("offset", np.int32)], align=True)
 WX_PARAMS = np.dtype([("w", np.uint64), ("x", np.uint64), ("y", np.uint64), ("n_out", np.int32),
                       ("k", np.int32), ("tokens", np.int32), ("mode", np.int32)], align=True)
 
@@ -357,12 +381,24 @@ def layout_mismatches(runner) -> list[str]:
     return bad
 
 
+def run_cp_async(runner, chunks: int = 64, offset: int = 0, block: int = 32):
+    """cp_async_chunks: (the source bytes past ``offset``, what came back), each output chunk
+    the one after it in the source (read back by another thread after the barrier)."""
+    src = np.random.default_rng(7).integers(0, 256, chunks * 16 + 16, dtype=np.uint8)
+    bufs = [runner.buffer(v) for v in (src, np.zeros(chunks * 16, np.uint8))]
+    params = struct(CP_PARAMS, src=runner.ptr(bufs[0]), out=runner.ptr(bufs[1]), chunks=chunks,
+                    offset=offset)
+    runner.launch("cp_async_chunks", 1, block, params)
+    return src[offset:offset + chunks * 16], runner.read(bufs[1])
+
+
 def run_ldmatrix(runner, block: int = 32):
     src = (np.arange(32 * 8, dtype=np.uint16) * 7 + 3).reshape(32, 8)
     row_of_lane = np.random.default_rng(5).permutation(32).astype(np.int32)
     bufs = [runner.buffer(v) for v in (src, row_of_lane, np.full((block, 4), 0xDEADBEEF, np.uint32),
+                                         np.full((block, 2), 0xDEADBEEF, np.uint32),
                                          np.full((block, 2), 0xDEADBEEF, np.uint32))]
     params = struct(LDM_PARAMS, src=runner.ptr(bufs[0]), row_of_lane=runner.ptr(bufs[1]),
-                    out4=runner.ptr(bufs[2]), out2=runner.ptr(bufs[3]))
+                    out4=runner.ptr(bufs[2]), out2=runner.ptr(bufs[3]), out2t=runner.ptr(bufs[4]))
     runner.launch("ldmatrix_fragments", 1, block, params)
-    return src, row_of_lane, runner.read(bufs[2]), runner.read(bufs[3])
+    return src, row_of_lane, runner.read(bufs[2]), runner.read(bufs[3]), runner.read(bufs[4])

@@ -249,6 +249,27 @@ def test_segments_read_a_units_kv_once_for_all_their_rows():
     assert x.fields["bytes"][attn].sum() == pytest.approx(y.fields["bytes"][attn].sum())
 
 
+def test_a_segments_staging_of_v_transposed_pays_its_bank_conflicts():
+    """attn_stage_async (built): K and V staged by cp.async as rows. The kernel before it
+    transposed V through registers with 2-byte stores whose HEAD_DIM / 8 chunks of a row all
+    fall on one shared-memory bank (a V^T row of T_TILE + 8 bf16 is 544 words, a multiple of
+    32 banks): every warp store HEAD_DIM / 8 wavefronts, n x HEAD_DIM / 32 of them a tile. The
+    model charges that (its decode at context 1024 falls far behind: K/V staging dominates a
+    decode unit), and not for the copies."""
+    from monokernel.kernel.ops.attention import _segment_tile
+
+    g, d = cm.gpu("h200"), cm.design("v6-mma-seg")
+    assert d.attn_stage_async
+    n = np.array([128.0])
+    for D in (64, 128):
+        fast = _segment_tile(n, g, d, 2, D, 1)[2]
+        slow = _segment_tile(n, g, d.replace(attn_stage_async=False), 2, D, 1)[2]
+        conflicts = 128 * D / 32 * (D // 8) / (g.clock_ghz * 1e3)  # wavefronts at one a clock
+        assert slow - fast == pytest.approx(conflicts - 128 * D / 8 / d.threads * 3 * 2
+                                            / (g.clock_ghz * 1e3), rel=1e-6)
+        assert slow > 1.5 * fast if D == 128 else slow > 1.2 * fast
+
+
 def test_prefill_shapes_cover_the_prompt_once():
     for prompt, chunk in ((1, 128), (128, 128), (1000, 128), (1024, 512)):
         steps = prefill_shapes(prompt, chunk)

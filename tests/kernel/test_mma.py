@@ -76,8 +76,10 @@ def test_negative_control_twin_with_swapped_registers_is_rejected():
 
 def test_ldmatrix_x4_and_x2_layouts(runner):
     """Distinct 16-bit ids in 32 shared rows, each lane passing a scrambled row: lane l gets, of
-    matrix i (the rows named by lanes 8i..8i+7), row l >> 2, elements 2 (l & 3) and 2 (l & 3) + 1."""
-    src, row_of_lane, out4, out2 = run_ldmatrix(runner)
+    matrix i (the rows named by lanes 8i..8i+7), row l >> 2, elements 2 (l & 3) and 2 (l & 3) + 1;
+    with .x2.trans (V's B fragments in the segment attention), of the transposed matrix: rows
+    2 (l & 3) and 2 (l & 3) + 1, element l >> 2 of each."""
+    src, row_of_lane, out4, out2, out2t = run_ldmatrix(runner)
     for n, out in ((4, out4), (2, out2)):
         for lane in range(32):
             g, t = lane >> 2, lane & 3
@@ -85,6 +87,12 @@ def test_ldmatrix_x4_and_x2_layouts(runner):
                 row = src[row_of_lane[8 * i + g]]
                 want = int(row[2 * t]) | int(row[2 * t + 1]) << 16
                 assert out[lane, i] == want, f"x{n} lane {lane} r[{i}] = {out[lane, i]:#x}, want {want:#x}"
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for i in range(2):
+            lo, hi = src[row_of_lane[8 * i + 2 * t]], src[row_of_lane[8 * i + 2 * t + 1]]
+            want = int(lo[g]) | int(hi[g]) << 16
+            assert out2t[lane, i] == want, f"x2.trans lane {lane} r[{i}] = {out2t[lane, i]:#x}"
 
 
 # ================================================================================================
@@ -117,6 +125,25 @@ def test_product_check_sees_a_dropped_k_step(mod):
 # ================================================================================================
 # Warp errors
 # ================================================================================================
+def test_cp_async_copies_16_bytes_a_thread_into_shared_memory(runner):
+    """mma.cuh cp_async_16 + cp_async_wait (the segment attention's K staging): 64 chunks by 32
+    threads, each output chunk read back from shared memory by another thread after the
+    barrier, byte for byte the source's."""
+    from helpers.mma import run_cp_async
+
+    src, out = run_cp_async(runner)
+    assert np.array_equal(out.reshape(64, 16), np.roll(src.reshape(64, 16), -1, axis=0))
+
+
+def test_cp_async_of_a_misaligned_source_is_an_error_naming_cp_async(mod):
+    """cp.async.cg of 16 bytes needs 16-byte aligned addresses (the PTX ISA); the twin refuses a
+    source 8 bytes off, naming cp.async, instead of copying what the GPU would not."""
+    from helpers.mma import run_cp_async
+
+    with pytest.raises(KernelError, match=r"cp\.async addresses .* not 16-byte aligned"):
+        run_cp_async(EmulatorRunner(mod), offset=8)
+
+
 def test_missing_lane_is_a_warp_error_naming_mma(mod):
     d = np.zeros(32, np.float32)
     with pytest.raises(KernelError, match=r"lane 7 .*mma_m16n8k16_bf16"):
@@ -181,6 +208,9 @@ def test_sass_has_tensor_core_mma_and_ldmatrix(cubins):
     assert "HMMA.16816.F32.BF16" in wx
     assert re.search(r"\bLDSM\.16\.M88\.4\b", wx) and re.search(r"\bLDSM\.16\.M88\.2\b", wx)
     assert re.search(r"\bLDSM\.16\.M88\.4\b", funcs["ldmatrix_fragments"])
+    assert re.search(r"\bLDSM\.16\.MT88\.2\b", funcs["ldmatrix_fragments"])
+    assert re.search(r"\bLDGSTS\.E\.BYPASS\.128\b", funcs["cp_async_chunks"])
+    assert re.search(r"\bLDGDEPBAR\b", funcs["cp_async_chunks"])
     assert "HMMA.16816.F32.BF16" in funcs["mma_fragments"]
 
 

@@ -214,14 +214,14 @@ def test_a_kernel_of_prompt_chunks_keeps_the_decode_facts(shape):
 
 
 @pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-0.6b"])
-def test_the_tensor_core_kernels_segment_staging_is_one_round(shape):
+def test_the_tensor_core_kernels_segment_staging_is_one_round_of_copies(shape):
     """The tensor-core kernel stages a unit's K and V tiles (megakernel.cu segment_stage, in
-    each of attention_segment's two modes) in one round: K by cp.async (LDGSTS, no registers),
-    T_TILE x HEAD_DIM / 8 / threads 16-byte copies a thread, and as many 16-byte V loads all
-    issued before the first is used (the select of a position past the tile, or the unpack of
-    its high halves for V^T): one HBM round a tile, as v6-mma-seg's _segment_tile charges
-    (costmodel ops/attention.py). Qwen3 (late q/k, head_dim 128) included: every model's
-    attention runs in segments on tensor cores."""
+    each of attention_segment's two modes) by cp.async alone (LDGSTS: no registers, no
+    transposition): T_TILE x HEAD_DIM / 8 / threads 16-byte copies a thread of K and as many of
+    V, one round a tile, as v6-mma-seg's _segment_tile charges (attn_stage_async); V's B
+    fragments come back by ldmatrix .trans (LDSM.16.MT88), and no plain 16-byte load is staged
+    through registers into shared memory any more (V^T's 2-byte stores put a row's chunks on
+    one bank: benchmarks/NOTES.md). Qwen3 (late q/k, head_dim 128) included."""
     import re
 
     from monokernel.kernel.isa import T_TILE
@@ -231,13 +231,15 @@ def test_the_tensor_core_kernels_segment_staging_is_one_round(shape):
     except SassToolMissing as e:
         pytest.skip(str(e))
     per = T_TILE * ModelConfig.from_name(shape).head_dim // 8 // NUM_THREADS
-    groups = sf._plain_load_groups(sass)
-    staged = [n for n, use in groups if sf._opcode(use).startswith(("SEL", "STS", "SHF"))]
-    copies = [t for t in sf._texts(sass) if re.search(r"\bLDGSTS\.E\.BYPASS\.128\b", t)]
-    print(f"plain 16-byte load groups: {groups}; cp.async copies: {len(copies)}")
-    assert staged == [per, per], groups  # the split mode's and the m-tiles'
-    assert len(copies) == 2 * per
-    assert cm.design("v6-mma-seg").attn_segments
+    texts = sf._texts(sass)
+    copies = [t for t in texts if re.search(r"\bLDGSTS\.E\.BYPASS\.128\b", t)]
+    staged = [n for n, use in sf._plain_load_groups(sass)
+              if sf._opcode(use).startswith(("SEL", "STS", "SHF", "PRMT"))]
+    print(f"cp.async copies: {len(copies)}; plain 16-byte loads into shared memory: {staged}")
+    assert len(copies) == 2 * 2 * per  # K and V, in the split mode's and the m-tiles' staging
+    assert staged == []
+    assert any(re.search(r"\bLDSM\.16\.MT88\.2\b", t) for t in texts)
+    assert cm.design("v6-mma-seg").attn_segments and cm.design("v6-mma-seg").attn_stage_async
 
 
 @pytest.mark.parametrize("op,stored", [("O_PROJ_RESIDUAL", True), ("DOWN_RESIDUAL", True),

@@ -149,6 +149,11 @@ class KernelDesign:
     # probabilities x V on tensor cores (mma.sync), the (row, head) pairs in m-tiles of 16 a
     # warp (megakernel.cu attention_segment); False: every row its own pass on CUDA cores
     attn_segments: bool = False
+    # (with attn_segments) a unit's K and V tiles staged by cp.async as rows (V's B fragments
+    # by ldmatrix .trans); False: V transposed through registers into V^T by 2-byte stores,
+    # a row's HEAD_DIM / 8 chunks on one bank (T_TILE + 8 bf16 a V^T row: 544 words, a
+    # multiple of 32 banks), so each warp store is HEAD_DIM / 8 shared-memory wavefronts
+    attn_stage_async: bool = False
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
     attn_units_in_flight: int = 1
@@ -256,8 +261,9 @@ V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rota
 # The tensor-core kernel (megakernel.cu SEG_ATTN): a step's segments run each attention unit
 # for all their rows on mma.sync (attn_segments), a decode row's one m-tile split over the
 # warps; with late q/k (Qwen3) the queries normed and roped into their query tiles and the
-# segment's keys into the K tile. V6_MMA (rows on CUDA cores) is no longer built.
-V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True)
+# segment's keys into the K tile; K and V staged by cp.async (attn_stage_async). V6_MMA (rows
+# on CUDA cores) is no longer built.
+V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_async=True)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg",)
 # Every design a prediction can name (`monokernel plan --design`).

@@ -2,6 +2,7 @@
 // in inline PTX, for both runtimes of cuda_cpu.h (included at its end):
 //   mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32   -> emu::mma_m16n8k16_bf16
 //   ldmatrix.sync.aligned.m8n8.x{2,4}.shared.b16          -> emu::ldmatrix<N>
+//   ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16        -> emu::ldmatrix<2, true>
 // Each lane deposits its fragment (or its ldmatrix row) in the warp's exchange buffer
 // (warp_exchange, a wide collective: all 32 lanes, so a missing or divergent lane is the
 // runtime's usual warp error naming the instruction); the last lane to arrive computes the whole
@@ -15,7 +16,8 @@
 //   B (16 x 8, "col"):       b[r] = B[2t + 8r + {0, 1}][g]
 //   C, D (16 x 8, fp32):     c[i] = C[g + 8 * (i >> 1)][2t + (i & 1)]
 //   ldmatrix: lanes 8i..8i+7 give the row addresses of 8x8 matrix i (16 bytes each); lane l
-//   receives r[i] = matrix i's row g, elements 2t and 2t + 1.
+//   receives r[i] = matrix i's row g, elements 2t and 2t + 1; with .trans, of its transpose:
+//   rows 2t and 2t + 1, element g of each.
 // tests/kernel/test_mma.py pins every (lane, register, half) of these against its own NumPy copy
 // of the ISA's tables; EMU_MMA_MUTANT_SWAP_A12 (a fault for that test's negative control only)
 // swaps a[1] and a[2].
@@ -71,20 +73,31 @@ inline void mma_m16n8k16_bf16_warp(Warp& w) {
   }
 }
 
-// ldmatrix: lane 8i + j deposited row j of matrix i (8 bf16); hand each lane its pairs.
-template <int N>
+// ldmatrix: lane 8i + j deposited row j of matrix i (8 bf16); hand each lane its pairs (Trans:
+// of the transposed matrix, element g of rows 2t and 2t + 1).
+template <int N, bool Trans>
 inline void ldmatrix_warp(Warp& w) {
   for (int lane = 0; lane < 32; ++lane) {
     const int g = lane >> 2, t = lane & 3;
     unsigned int r[N];
-    for (int i = 0; i < N; ++i) std::memcpy(&r[i], &w.wide_in[8 * i + g][4 * t], 4);
+    for (int i = 0; i < N; ++i) {
+      if (Trans) {
+        unsigned short lo, hi;
+        std::memcpy(&lo, &w.wide_in[8 * i + 2 * t][2 * g], 2);
+        std::memcpy(&hi, &w.wide_in[8 * i + 2 * t + 1][2 * g], 2);
+        r[i] = static_cast<unsigned int>(lo) | static_cast<unsigned int>(hi) << 16;
+      } else {
+        std::memcpy(&r[i], &w.wide_in[8 * i + g][4 * t], 4);
+      }
+    }
     std::memcpy(w.wide_out[lane], r, sizeof r);
   }
 }
 
-template <int N>
+template <int N, bool Trans>
 constexpr const char* ldmatrix_name() {
-  return N == 4 ? "ldmatrix.x4" : "ldmatrix.x2";
+  return Trans ? (N == 4 ? "ldmatrix.x4.trans" : "ldmatrix.x2.trans")
+               : (N == 4 ? "ldmatrix.x4" : "ldmatrix.x2");
 }
 
 }  // namespace detail
@@ -103,7 +116,7 @@ inline void mma_m16n8k16_bf16(float d[4], const unsigned int a[4], const unsigne
 // before the exchange, so ThreadSanitizer and AddressSanitizer see that read as the lane's own:
 // a row stored by another thread without a barrier is a data race, a row past a buffer's end an
 // overflow.
-template <int N>
+template <int N, bool Trans = false>
 inline void ldmatrix(unsigned int (&r)[N], const void* row) {
   static_assert(N == 2 || N == 4, "mma.cuh uses ldmatrix .x2 and .x4 (an .x1 twin would need its own test)");
   const unsigned int lane = threadIdx.x & 31u;
@@ -111,10 +124,11 @@ inline void ldmatrix(unsigned int (&r)[N], const void* row) {
   if (lane < 8u * N) {
     if (reinterpret_cast<std::uintptr_t>(row) % 16 != 0)
       detail::fail_here(kTrap, detail::fmt("block %u thread %u: %s row address %p is not 16-byte aligned",
-                                           blockIdx.x, threadIdx.x, detail::ldmatrix_name<N>(), row));
+                                           blockIdx.x, threadIdx.x, detail::ldmatrix_name<N, Trans>(), row));
     std::memcpy(bytes, row, 16);
   }
-  detail::warp_exchange(detail::ldmatrix_name<N>(), bytes, sizeof bytes, r, sizeof r, detail::ldmatrix_warp<N>);
+  detail::warp_exchange(detail::ldmatrix_name<N, Trans>(), bytes, sizeof bytes, r, sizeof r,
+                        detail::ldmatrix_warp<N, Trans>);
 }
 
 // The twin of cp.async.cg.shared.global [smem], [gmem], 16: the thread's own 16-byte copy, done

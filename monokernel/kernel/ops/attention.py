@@ -213,7 +213,11 @@ def _segment_tile(n: np.ndarray, g, d, G: int, D: int, rows) -> tuple:
     sub = np.ceil(n / SEG_SUB)
     softmax = passes * (issue_us(g, d, n / 8 * 4 * 8) + sub * 4 * g.shfl)
     chunks = np.ceil(n * D / 8 / d.threads)  # a thread's 16-byte K and V loads
-    stage = issue_us(g, d, chunks * (2 + 8)) + 2 * g.bar_sync
+    if d.attn_stage_async:  # a cp.async for each of K and V, zeros past the tile
+        stage = issue_us(g, d, chunks * 3) + 2 * g.bar_sync
+    else:  # V^T's 2-byte stores (n16 x D / 32 a block), D / 8 wavefronts each (bank conflicts)
+        conflicts = n16 * D / 32 * (D // 8) / (g.clock_ghz * 1e3)
+        stage = np.maximum(issue_us(g, d, chunks * (2 + 8)), conflicts) + 2 * g.bar_sync
     # one m-tile: the split mode (QK over n / 8 n-blocks, PV over D / 8 n-tiles; one warp's
     # softmax at one instruction a clock)
     qk, pv = 2.0 * 16 * d16 * n8, 2.0 * 16 * D * n16
