@@ -1859,34 +1859,35 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
       mrun[1] = sp.ml[lane][1];
       lrun[0] = sp.ml[lane][2];
       lrun[1] = sp.ml[lane][3];
-      continue;
-    }
-    for (int sb = 0; live && sb < n16 && base + sb < warp_lim; sb += SEG_SUB) {
-      float sc[SEG_NB][4], corr[2];
-#pragma unroll
-      for (int nb = 0; nb < SEG_NB; ++nb)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) sc[nb][i] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {  // the query's k-step once for the sub-tile's n-blocks
-        unsigned a[4];
-        ldmatrix_a_at(a, qt + 2u * ks * 16, SEG_Q_LD);
+    } else {
+      for (int sb = 0; live && sb < n16 && base + sb < warp_lim; sb += SEG_SUB) {
+        float sc[SEG_NB][4], corr[2];
 #pragma unroll
         for (int nb = 0; nb < SEG_NB; ++nb)
-          if (sb + nb * 8 < n16)
-            segment_score_step(sc[nb], a, ks_at + 2u * (sb + nb * 8) * SEG_KV_LD, ks);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sc[nb][i] = 0.f;
+        // the query's k-step once for the sub-tile's n-blocks
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+          unsigned a[4];
+          ldmatrix_a_at(a, qt + 2u * ks * 16, SEG_Q_LD);
+#pragma unroll
+          for (int nb = 0; nb < SEG_NB; ++nb)
+            if (sb + nb * 8 < n16)
+              segment_score_step(sc[nb], a, ks_at + 2u * (sb + nb * 8) * SEG_KV_LD, ks);
+        }
+        segment_softmax(sc, lim, end, base + sb, scale, mrun, lrun, corr);
+        unsigned pa[SEG_SUB / 16][4];  // the probabilities as A fragments (the scores die here)
+#pragma unroll
+        for (int kk = 0; kk < SEG_SUB / 16; ++kk) segment_p_frag(sc, kk, pa[kk]);
+        // an output n-tile at a time, its k-steps in order (each element's chain as in the
+        // split mode, which runs the k-steps outer)
+#pragma unroll
+        for (int i = 0; i < OWN; ++i)
+#pragma unroll
+          for (int kk = 0; kk < SEG_SUB / 16; ++kk)
+            if (sb + kk * 16 < n16) segment_pv(o[i], pa[kk], corr, vs_at, nd_of(i), sb, kk);
       }
-      segment_softmax(sc, lim, end, base + sb, scale, mrun, lrun, corr);
-      unsigned pa[SEG_SUB / 16][4];  // the probabilities as A fragments (the scores die here)
-#pragma unroll
-      for (int kk = 0; kk < SEG_SUB / 16; ++kk) segment_p_frag(sc, kk, pa[kk]);
-      // an output n-tile at a time, its k-steps in order (each element's chain as in the
-      // split mode, which runs the k-steps outer)
-#pragma unroll
-      for (int i = 0; i < OWN; ++i)
-#pragma unroll
-        for (int kk = 0; kk < SEG_SUB / 16; ++kk)
-          if (sb + kk * 16 < n16) segment_pv(o[i], pa[kk], corr, vs_at, nd_of(i), sb, kk);
     }
   }
   if (!live) return;
