@@ -94,11 +94,11 @@ class ReferenceModel:
         output, the FFN's h) rounded to bf16 first, as a kernel built with tensor cores
         (``tensor_cores=1``) feeds them to mma; its judge. That kernel runs attention on mma
         too (megakernel.cu attention_segment): the query (normed and roped first, with late
-        q/k) is rounded to bf16,
-        and the probabilities, exp(score - the running max) over SEG_SUB positions at a time
-        within each split of ``attn_chunk`` positions (the program's attn_min_chunk; None: one
-        split), before their product with V; the splits merged in fp32 (_attention_mma). The
-        default fp32 inputs are the judge against Hugging Face and of the CUDA-core kernel."""
+        q/k) is rounded to bf16, and the probabilities, exp(score - the running max) over
+        SEG_SUB positions at a time within each split of ``attn_chunk`` positions (the
+        program's attn_min_chunk; None: one split), before their product with V; the splits
+        merged in fp32 (_attention_mma). The default fp32 inputs are the judge against
+        Hugging Face and of the CUDA-core kernel."""
         self.cfg = c = config
         self.bf16_inputs = bool(bf16_inputs)
         self.attn_chunk = attn_chunk

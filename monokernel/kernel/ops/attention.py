@@ -182,8 +182,9 @@ def tile_isa(n: np.ndarray, g, d, G: int, D: int, rows=1):
 def _segment_tile(n: np.ndarray, g, d, G: int, D: int, rows) -> tuple:
     """(K/V rounds, 0, compute us) of a segment's pass over a tile of n <= T_TILE positions
     for its ``rows`` rows that reach it (design attn_segments, predicted), vectorised: the
-    block stages the tile's K (rows) and V (transposed) in shared memory, every load of a
-    thread issued before its stores (one HBM round), two barriers; then each warp takes
+    block stages the tile's K and V rows in shared memory by cp.async (attn_stage_async; else
+    V transposed through registers, its 2-byte stores HEAD_DIM / 8-way bank-conflicted), one
+    HBM round, two barriers; then each warp takes
     m-tiles of 16 (row, head) queries, passes of NWARPS m-tiles: scores as mma.sync
     (n / 8 x D / 16 of them), the online softmax in registers per SEG_SUB positions (a
     thread's rows' max and sum over its 4 lanes: 2 shuffle steps each, an expf a score),
