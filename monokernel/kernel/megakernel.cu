@@ -208,6 +208,20 @@ __device__ __forceinline__ unsigned sm_id() {
 #endif
 }
 
+// threadIdx.x read afresh (a volatile read of %tid.x on the GPU): what is computed from it is
+// recomputed where it is used instead of hoisted to the kernel's start and kept in registers
+// through every op (the staging's per-thread shared-memory addresses were 24 registers held
+// across the whole attention of a late q/k model at head_dim 128, and it spilled).
+__device__ __forceinline__ int fresh_tid() {
+#ifdef __CUDA_ARCH__
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+#else
+  return threadIdx.x;
+#endif
+}
+
 // ---- mat-vec ------------------------------------------------------------------------------
 // Weight rows are bf16, read 16 bytes (8 values) per load through the read-only path; x is an
 // fp32 vector in shared memory. A warp computes R rows per pass: every lane issues its loads for
@@ -1527,20 +1541,6 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
 static_assert(D % 16 == 0 && T_TILE % SEG_SUB == 0 && SEG_SUB % 16 == 0,
               "a segment's unit: mma k-steps of 16 over HEAD_DIM and over the positions");
 #define SEG_TILES_BYTES (2 * T_TILE * SEG_KV_LD * 2)  // the K and V tiles
-
-// threadIdx.x read afresh (a volatile read of %tid.x on the GPU): what is computed from it is
-// recomputed where it is used instead of hoisted to the kernel's start and kept in registers
-// through every op (the staging's per-thread shared-memory addresses were 24 registers held
-// across the whole attention of a late q/k model at head_dim 128, and it spilled).
-__device__ __forceinline__ int fresh_tid() {
-#ifdef __CUDA_ARCH__
-  int t;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-  return t;
-#else
-  return threadIdx.x;
-#endif
-}
 
 // Positions [base, base + cnt) of the unit's K and V (slot's cache rows at Kg / Vg) into Ks and
 // Vs by cp.async, a 16-byte chunk a copy (no registers, no transposition); positions [cnt, cnt

@@ -103,38 +103,28 @@ __device__ __forceinline__ void ldmatrix_x4_at(unsigned r[4], smem_addr_t addr) 
 #endif
 }
 
-// Two 8x8 bf16 matrices: lanes 0..15 pass row addresses (lanes 16..31's are ignored).
+// Two 8x8 bf16 matrices: lanes 0..15 pass row addresses (lanes 16..31's are ignored). Trans
+// (.trans): of the transposed matrices, lane l gets r[i] = matrix i's rows 2t and 2t + 1,
+// element g of each (g = l >> 2, t = l & 3).
+template <bool Trans = false>
 __device__ __forceinline__ void ldmatrix_x2_at(unsigned r[2], smem_addr_t addr) {
 #ifdef __CUDA_ARCH__
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
-               : "=r"(r[0]), "=r"(r[1])
-               : "r"(addr)
-               : "memory");
+  if (Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(addr)
+                 : "memory");
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(addr)
+                 : "memory");
 #elif defined(__CUDACC__)
   (void)addr;
   r[0] = r[1] = 0u;
 #else
   unsigned out[2];
-  emu::ldmatrix<2>(out, reinterpret_cast<const void*>(addr));
-  r[0] = out[0];
-  r[1] = out[1];
-#endif
-}
-
-// ldmatrix_x2_at of the transposed matrices (.trans): lane l gets r[i] = matrix i's rows 2t and
-// 2t + 1, element g of each (g = l >> 2, t = l & 3).
-__device__ __forceinline__ void ldmatrix_x2_trans_at(unsigned r[2], smem_addr_t addr) {
-#ifdef __CUDA_ARCH__
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
-               : "=r"(r[0]), "=r"(r[1])
-               : "r"(addr)
-               : "memory");
-#elif defined(__CUDACC__)
-  (void)addr;
-  r[0] = r[1] = 0u;
-#else
-  unsigned out[2];
-  emu::ldmatrix<2, true>(out, reinterpret_cast<const void*>(addr));
+  emu::ldmatrix<2, Trans>(out, reinterpret_cast<const void*>(addr));
   r[0] = out[0];
   r[1] = out[1];
 #endif
@@ -191,7 +181,7 @@ __device__ __forceinline__ void ldmatrix_b_at(unsigned b[2], smem_addr_t tile, i
 // 1][g] (b[0]) and B[8 + 2t..][g] (b[1]), the "col" layout mma takes.
 __device__ __forceinline__ void ldmatrix_bt_at(unsigned b[2], smem_addr_t tile, int ld) {
   const int lane = threadIdx.x & 31;
-  ldmatrix_x2_trans_at(b, tile + 2u * ((lane & 15) * ld));
+  ldmatrix_x2_at<true>(b, tile + 2u * ((lane & 15) * ld));
 }
 
 // ldmatrix_a_at / ldmatrix_b_at of a tile given by its pointer.

@@ -64,7 +64,7 @@ extern "C" __global__ void ldmatrix_fragments(const LdmParams p) {
   ldmatrix_x4(r4, rows.v[p.row_of_lane[lane]]);
   ldmatrix_x2(r2, rows.v[p.row_of_lane[lane]]);
   unsigned r2t[2];
-  ldmatrix_x2_trans_at(r2t, smem_addr(rows.v[p.row_of_lane[lane]]));
+  ldmatrix_x2_at<true>(r2t, smem_addr(rows.v[p.row_of_lane[lane]]));
   for (int i = 0; i < 4; ++i) p.out4[lane * 4 + i] = r4[i];
   for (int i = 0; i < 2; ++i) p.out2[lane * 2 + i] = r2[i];
   for (int i = 0; i < 2; ++i) p.out2t[lane * 2 + i] = r2t[i];
