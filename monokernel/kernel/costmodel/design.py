@@ -122,6 +122,16 @@ class KernelDesign:
     # producer stored (what the tensor cores round it to: a token's numbers unchanged), 2 bytes
     # an element whatever input_bytes says; the RMS ops still read the residual at input_bytes
     stored_bf16_inputs: bool = False
+    # n-tiles (8 tokens each) a tensor-core mat-mul pass multiplies per load of its weights
+    # (megakernel.cu block_mma: a pass holds a 32-row group pair's fragments of a k chunk in
+    # registers and runs them against this many token tiles): a block's tile re-reads its
+    # weights ceil(T / (8 x this)) - 1 more times in a step of T tokens, from L2 (its tile
+    # is past L1). 0: once a step whatever its tokens (v7 / v8: staged in shared memory)
+    mma_token_tiles: int = 0
+    # a mat-mul's inputs of one token pass that L1 keeps across the tile's row passes (each
+    # pass of 32 weight rows reads them again; the weights go through L1 without allocating);
+    # a larger token pass reads them again from L2 on each row pass after the first
+    l1_input_bytes: int = 64 * 1024
     # steps of many rows (kernels of slots): row r's split s runs in its KV group's unit slot
     # (s + off_r) mod splits, off_r the used splits of the step's earlier rows (the step's
     # non-empty units dealt round-robin over the slots), and a unit with no positions is
@@ -256,7 +266,7 @@ V8_CLUSTER = V8.replace(name="v8-cluster", input_multicast=2)
 # four adjacent chunks (isa.attn_k_vec; with a chunk a lane ptxas issued a kernel of slots' K
 # loads one at a time: benchmarks/NOTES.md), tests/kernel/test_sass.py.
 V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rotate_rows=True,
-                    stored_bf16_inputs=True, attn_row_tickets=True, attn_rolling_prefetch=True,
+                    stored_bf16_inputs=True, mma_token_tiles=1, attn_row_tickets=True, attn_rolling_prefetch=True,
                     attn_first_unit_prefetch=True)
 # The tensor-core kernel (megakernel.cu SEG_ATTN): a step's segments run each attention unit
 # for all their rows on mma.sync (attn_segments), a decode row's one m-tile split over the

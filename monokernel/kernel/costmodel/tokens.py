@@ -200,13 +200,42 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
     if c > 1 and not (fused or d.tile_2d):  # a member multiplies its group's rows by its share
         mm_rows, mm_tokens = _group_mma_shape(b, rows, T)
     compute = mma_us(mm_rows, k, mm_tokens, g) + (ph.compute if ph.compute is not None else 0.0)
+    t_again = _passes_again_us(mm_rows, k / s, mm_tokens, g, d, levers.input_bytes(b, d),
+                               local_input=fused)
     if fused:  # its partial of every residual row for its T / c tokens, by atomics
         epilogue = busy * levers.atomic_us(b.program.config.hidden_size, T / c, g)
     else:  # the tile's outputs per token: written once (the residual's rows read and written)
         epilogue = busy * T * rows * out_bytes * levers.output_factor(b, d) / (g.l2_bw / g.sms)
-    return Phases(ph.l2_trips, ph.hbm_trips, ph.other_us + busy * (t_in + t_w + t_red) + epilogue,
+    return Phases(ph.l2_trips, ph.hbm_trips,
+                  ph.other_us + busy * (t_in + t_w + t_red) + t_again + epilogue,
                   ph.rounds, ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue,
                   compute, (c, s))
+
+
+MMA_PASS_ROWS = 32  # megakernel.cu block_mma: MMA_RG row groups of 16 a pass
+
+
+def _passes_again_us(rows, k: float, tokens, g, d, in_bytes: int,
+                     local_input: bool = False) -> np.ndarray:
+    """L2 time of what block_mma's passes read again (``mma_token_tiles``): a block's
+    ``rows`` x k weights once per pass over ``mma_token_tiles`` x 8 of its ``tokens`` after
+    the first (the first is the op's HBM stream), and with more than one row pass (32 rows
+    each) the token pass's inputs again on every row pass after the first when they are past
+    ``l1_input_bytes``. 0 where the design reads each once (``mma_token_tiles`` 0)."""
+    rows = np.asarray(rows, np.float64)
+    tokens = np.asarray(tokens, np.float64)
+    if not d.mma_token_tiles:
+        return np.zeros_like(rows)
+    l2_share = g.l2_bw / g.sms
+    per_pass = 8 * d.mma_token_tiles
+    token_passes = np.ceil(tokens / per_pass)
+    weights = np.maximum(token_passes - 1, 0) * rows * k * 2.0 / l2_share
+    row_passes = np.ceil(rows / MMA_PASS_ROWS)
+    pass_in = np.minimum(tokens, per_pass) * k * in_bytes
+    again = (row_passes > 1) & (pass_in > d.l1_input_bytes) & (not local_input)
+    inputs = np.where(again, (row_passes - 1) * tokens * k * in_bytes * levers.flag_factor(d)
+                      / levers.input_rate(g, d), 0.0)
+    return np.where(rows > 0, weights + inputs, 0.0)
 
 
 def _group_mma_shape(b: OpBatch, rows: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:
