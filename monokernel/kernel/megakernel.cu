@@ -67,6 +67,7 @@ static_assert(MK_HEAD_DIM <= MK_THREADS, "RMS_QKV_ROPE gives each head element a
 static_assert(MK_HEADS % MK_KV_HEADS == 0, "GQA groups must be whole");
 
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // Whole rounds of copy_to_shared: n floats rounded up to float4s for every thread.
 #define COPY_SPAN(n) (((n) / 4 + MK_THREADS - 1) / MK_THREADS * MK_THREADS * 4)
 // Longest vector a block keeps in shared memory: normed residual, attention output, or h (as
@@ -390,6 +391,8 @@ __device__ __forceinline__ void copy_to_shared(float* s_dst, const float* src) {
 //     two a word (the low half the even column): the RMS ops round their normed fp32 residual
 //     (rms_bf16_x8; the reference's bf16_inputs mode mirrors it); O_PROJ's and DOWN's inputs
 //     are stored as bf16 by their producers (isa.BF16_INPUTS) and loaded as they are.
+//   - A pass takes a pair of row groups and up to MMA_NT token tiles: each chunk's weight
+//     fragments are loaded once and multiplied by every token tile of the pass.
 //   - The k-loop is split over the block's warps in fixed chunk ranges; their partials go to
 //     shared memory and epi(q0, tok0, sum) adds them in warp order (sum(q, r, n): row r of
 //     group q0 + q, token tok0 + n). Neither split depends on ntok, and mma's columns are
@@ -397,9 +400,13 @@ __device__ __forceinline__ void copy_to_shared(float* s_dst, const float* src) {
 #define MMA_KC 32     // input columns per chunk (a lane: 8 of them)
 #define MMA_RG 2      // row groups of 16 per pass: one input fragment feeds both
 #define MMA_UNROLL 2  // chunks whose loads a lane issues before their mma
+// token tiles (8 tokens each) a pass multiplies by each chunk's weight fragments, loaded once:
+// a block reads its weight tile once per 32 of its step's tokens (once per 8, its loops token
+// tiles outermost, before 2026-12-04; 8 tiles spilled the megakernel: benchmarks/NOTES.md)
+#define MMA_NT cmin(4, (MK_T_MAX + 7) / 8)
 
 struct MmaShared {
-  float part[NWARPS][MMA_RG][16][8];  // the warps' partial sums of a pass
+  float part[NWARPS][MMA_RG][16][8];  // the warps' partial sums of a pass's token tile
   float rms[MK_T_MAX];                // 1 / rms of each input row (RMS ops)
   int rows[MK_T_MAX];                 // the LM head: the step's rows with logits
   float best[MK_T_MAX];               // the LM head: each row's best score so far
@@ -414,11 +421,11 @@ template <int K, class RowPtr, class LoadX, class Epi>
 __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, LoadX load_x,
                           Epi epi) {
   static_assert(K % 8 == 0, "a lane loads 8 columns at a time");
-  constexpr int C = (K + MMA_KC - 1) / MMA_KC;
+  constexpr int C = (K + MMA_KC - 1) / MMA_KC, NT = MMA_NT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int c_begin = warp * C / NWARPS, c_end = (warp + 1) * C / NWARPS;
-  for (int tok0 = 0; tok0 < ntok; tok0 += 8) {
-    const int tok = tok0 + g;
+  for (int tb0 = 0; tb0 < ntok; tb0 += 8 * NT) {
+    const int nt = min(NT, (ntok - tb0 + 7) / 8);  // the pass's token tiles (warp-uniform)
     for (int q0 = 0; q0 < groups; q0 += MMA_RG) {
       const unsigned short* w[MMA_RG][2];
 #pragma unroll
@@ -426,14 +433,16 @@ __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, Lo
         w[q][0] = q0 + q < groups ? rowptr(q0 + q, g) : nullptr;
         w[q][1] = q0 + q < groups ? rowptr(q0 + q, g + 8) : nullptr;
       }
-      float acc[MMA_RG][4];
+      float acc[NT][MMA_RG][4];
 #pragma unroll
-      for (int q = 0; q < MMA_RG; ++q)
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[q][i] = 0.f;
+        for (int q = 0; q < MMA_RG; ++q)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[j][q][i] = 0.f;
       for (int c0 = c_begin; c0 < c_end; c0 += MMA_UNROLL) {
         uint4 a[MMA_UNROLL][MMA_RG][2];
-        unsigned x[MMA_UNROLL][4];  // the input fragments' words: bf16 of columns 2i, 2i + 1
+        unsigned x[MMA_UNROLL][NT][4];  // the input fragments' words: bf16 of columns 2i, 2i + 1
 #pragma unroll
         for (int u = 0; u < MMA_UNROLL; ++u) {  // every load of the chunks first
           const int col = (c0 + u) * MMA_KC + 8 * t;
@@ -444,38 +453,50 @@ __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, Lo
             for (int h = 0; h < 2; ++h)
               a[u][q][h] = ok && w[q][h] ? __ldg(reinterpret_cast<const uint4*>(w[q][h] + col))
                                          : make_uint4(0u, 0u, 0u, 0u);
-          if (ok && tok < ntok) {
-            load_x(tok, col, x[u]);
-          } else {
 #pragma unroll
-            for (int k = 0; k < 4; ++k) x[u][k] = 0u;
+          for (int j = 0; j < NT; ++j) {
+            const int tok = tb0 + 8 * j + g;
+            if (ok && j < nt && tok < ntok) {
+              load_x(tok, col, x[u][j]);
+            } else {
+#pragma unroll
+              for (int k = 0; k < 4; ++k) x[u][j][k] = 0u;
+            }
           }
         }
 #pragma unroll
-        for (int u = 0; u < MMA_UNROLL; ++u) {
-          const unsigned b0[2] = {x[u][0], x[u][1]};
-          const unsigned b1[2] = {x[u][2], x[u][3]};
+        for (int u = 0; u < MMA_UNROLL; ++u)
 #pragma unroll
-          for (int q = 0; q < MMA_RG; ++q) {
-            const unsigned a0[4] = {a[u][q][0].x, a[u][q][1].x, a[u][q][0].y, a[u][q][1].y};
-            const unsigned a1[4] = {a[u][q][0].z, a[u][q][1].z, a[u][q][0].w, a[u][q][1].w};
-            mma_m16n8k16_bf16(acc[q], a0, b0, acc[q]);
-            mma_m16n8k16_bf16(acc[q], a1, b1, acc[q]);
+          for (int j = 0; j < NT; ++j) {
+            if (j >= nt) continue;
+            const unsigned b0[2] = {x[u][j][0], x[u][j][1]};
+            const unsigned b1[2] = {x[u][j][2], x[u][j][3]};
+#pragma unroll
+            for (int q = 0; q < MMA_RG; ++q) {
+              const unsigned a0[4] = {a[u][q][0].x, a[u][q][1].x, a[u][q][0].y, a[u][q][1].y};
+              const unsigned a1[4] = {a[u][q][0].z, a[u][q][1].z, a[u][q][0].w, a[u][q][1].w};
+              mma_m16n8k16_bf16(acc[j][q], a0, b0, acc[j][q]);
+              mma_m16n8k16_bf16(acc[j][q], a1, b1, acc[j][q]);
+            }
           }
-        }
       }
 #pragma unroll
-      for (int q = 0; q < MMA_RG; ++q)
+      for (int j = 0; j < NT; ++j) {
+        if (j >= nt) break;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) sm.part[warp][q][mma_d_row(i)][mma_d_col(i)] = acc[q][i];
-      __syncthreads();
-      epi(q0, tok0, [&](int q, int r, int n) {
-        float v = 0.f;
+        for (int q = 0; q < MMA_RG; ++q)
 #pragma unroll
-        for (int k = 0; k < NWARPS; ++k) v += sm.part[k][q][r][n];
-        return v;
-      });
-      __syncthreads();  // sm.part: the next pass's
+          for (int i = 0; i < 4; ++i)
+            sm.part[warp][q][mma_d_row(i)][mma_d_col(i)] = acc[j][q][i];
+        __syncthreads();
+        epi(q0, tb0 + 8 * j, [&](int q, int r, int n) {
+          float v = 0.f;
+#pragma unroll
+          for (int k = 0; k < NWARPS; ++k) v += sm.part[k][q][r][n];
+          return v;
+        });
+        __syncthreads();  // sm.part: the next token tile's
+      }
     }
   }
 }

@@ -52,8 +52,9 @@ def test_design_for_is_the_kernel_as_built():
     assert not prog.config.qk_norm
     assert mma is cm.DESIGNS["v6-mma-seg"] and mma.tensor_cores and mma.token_loop
     assert mma.attn_segments and mma.attn_stage_async
-    assert mma.replace(name="v6-mma", attn_segments=False,
-                       attn_stage_async=False) == cm.DESIGNS["v6-mma"]
+    assert mma.replace(name="v6-mma", attn_segments=False, attn_stage_async=False,
+                       mma_token_tiles=1) == cm.DESIGNS["v6-mma"]
+    assert mma.mma_token_tiles == 4  # megakernel.cu MMA_NT (test_sass.py reads it off the SASS)
     assert not (mma.tile_2d or mma.attn_tensor_cores) and mma.input_bytes == 4
     late = program("qwen3-0.6b", 8, 64, num_layers=1)
     assert cm.design_for(late, tensor_cores=True) is cm.DESIGNS["v6-mma-seg"]

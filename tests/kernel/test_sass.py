@@ -245,11 +245,15 @@ def test_the_tensor_core_kernels_segment_staging_is_one_round_of_copies(shape):
 @pytest.mark.parametrize("op,stored", [("O_PROJ_RESIDUAL", True), ("DOWN_RESIDUAL", True),
                                        ("RMS_GATE_UP", False)])
 def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, stored):
-    """v6-mma's stored_bf16_inputs, read off the SASS: O_PROJ's and DOWN's k-loop loads each
-    input chunk of 8 elements (bf16, isa.BF16_INPUTS) with one 16-byte load, MMA_UNROLL of
-    them beside the weights' 16-byte read-only loads; GATE_UP (the negative control, the RMS
-    ops read the fp32 residual) needs two per chunk. Counted over the op's kernel (op_<OP>):
-    the plain LDG.E.128 are the k-loop's input loads."""
+    """v6-mma's stored_bf16_inputs and mma_token_tiles, read off the SASS of a kernel of steps
+    of 64 rows: a pass's k-loop body loads MMA_UNROLL (2) chunks' weight fragments, MMA_RG (2)
+    row groups x 2 halves of 16 rows, with 16-byte read-only loads, once, and multiplies them
+    by MMA_NT (4) token tiles: 2 x 4 x 2 x 2 HMMA for 8 weight loads (one load per HMMA would
+    be the weights re-read per token tile, as before 2026-12-04). O_PROJ's and DOWN's inputs
+    (bf16, isa.BF16_INPUTS) are one 16-byte load per chunk and token tile; GATE_UP (the
+    negative control, the RMS ops read the fp32 residual) needs two, and reads its norm
+    weights beside them (read-only too). Counted over the op's kernel (op_<OP>): the plain
+    LDG.E.128 are the k-loop's input loads."""
     import re
 
     try:
@@ -257,11 +261,15 @@ def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, stored):
                                mma=True)
     except SassToolMissing as e:
         pytest.skip(str(e))
-    ops = [m.group(0) for t in sf._texts(sass) for m in [re.search(r"\bLDG\S*", t)] if m]
-    weights, inputs = ops.count("LDG.E.128.CONSTANT"), ops.count("LDG.E.128")
-    assert weights >= 8, ops  # MMA_UNROLL x MMA_RG x 2 halves of 16 rows
+    ops = [m.group(0) for t in sf._texts(sass) for m in [re.search(r"\b(LDG|HMMA)\S*", t)] if m]
+    unroll, row_groups, token_tiles = 2, 2, 4
+    weights = unroll * row_groups * 2
+    norms = 0 if stored else unroll * token_tiles
+    assert ops.count("LDG.E.128.CONSTANT") == weights + norms, ops
+    assert sum(o.startswith("HMMA.16816.F32.BF16") for o in ops) == weights * token_tiles, ops
     assert cm.design("v6-mma-seg").stored_bf16_inputs
-    assert inputs == (2 if stored else 4), (op, ops)
+    assert cm.design("v6-mma-seg").mma_token_tiles == token_tiles
+    assert ops.count("LDG.E.128") == unroll * token_tiles * (1 if stored else 2), (op, ops)
 
 
 def test_a_kernel_of_slots_draws_each_rows_ticket_on_a_thread_of_its_own():

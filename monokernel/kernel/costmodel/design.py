@@ -132,6 +132,9 @@ class KernelDesign:
     # pass of 32 weight rows reads them again; the weights go through L1 without allocating);
     # a larger token pass reads them again from L2 on each row pass after the first
     l1_input_bytes: int = 64 * 1024
+    # the weight rows a block_mma pass multiplies (with mma_token_tiles): 32, MMA_RG row
+    # groups of 16 with the k-loop split over the warps
+    mma_pass_rows: int = 32
     # steps of many rows (kernels of slots): row r's split s runs in its KV group's unit slot
     # (s + off_r) mod splits, off_r the used splits of the step's earlier rows (the step's
     # non-empty units dealt round-robin over the slots), and a unit with no positions is
@@ -266,14 +269,17 @@ V8_CLUSTER = V8.replace(name="v8-cluster", input_multicast=2)
 # four adjacent chunks (isa.attn_k_vec; with a chunk a lane ptxas issued a kernel of slots' K
 # loads one at a time: benchmarks/NOTES.md), tests/kernel/test_sass.py.
 V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rotate_rows=True,
-                    stored_bf16_inputs=True, mma_token_tiles=1, attn_row_tickets=True, attn_rolling_prefetch=True,
-                    attn_first_unit_prefetch=True)
+                    stored_bf16_inputs=True, mma_token_tiles=1, attn_row_tickets=True,
+                    attn_rolling_prefetch=True, attn_first_unit_prefetch=True)
 # The tensor-core kernel (megakernel.cu SEG_ATTN): a step's segments run each attention unit
 # for all their rows on mma.sync (attn_segments), a decode row's one m-tile split over the
 # warps; with late q/k (Qwen3) the queries normed and roped into their query tiles and the
 # segment's keys into the K tile; K and V staged by cp.async (attn_stage_async). V6_MMA (rows
 # on CUDA cores) is no longer built.
-V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_async=True)
+# A pass of block_mma multiplies each chunk's weights by up to 4 token tiles (mma_token_tiles;
+# 8 spilled the megakernel).
+V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_async=True,
+                            mma_token_tiles=4)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg",)
 # Every design a prediction can name (`monokernel plan --design`).

@@ -212,16 +212,14 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
                   compute, (c, s))
 
 
-MMA_PASS_ROWS = 32  # megakernel.cu block_mma: MMA_RG row groups of 16 a pass
-
-
 def _passes_again_us(rows, k: float, tokens, g, d, in_bytes: int,
                      local_input: bool = False) -> np.ndarray:
     """L2 time of what block_mma's passes read again (``mma_token_tiles``): a block's
     ``rows`` x k weights once per pass over ``mma_token_tiles`` x 8 of its ``tokens`` after
-    the first (the first is the op's HBM stream), and with more than one row pass (32 rows
-    each) the token pass's inputs again on every row pass after the first when they are past
-    ``l1_input_bytes``. 0 where the design reads each once (``mma_token_tiles`` 0)."""
+    the first (the first is the op's HBM stream), and with more than one row pass
+    (``mma_pass_rows`` each) the token pass's inputs again on every row pass after the first
+    when they are past ``l1_input_bytes``. 0 where the design reads each once
+    (``mma_token_tiles`` 0)."""
     rows = np.asarray(rows, np.float64)
     tokens = np.asarray(tokens, np.float64)
     if not d.mma_token_tiles:
@@ -230,7 +228,7 @@ def _passes_again_us(rows, k: float, tokens, g, d, in_bytes: int,
     per_pass = 8 * d.mma_token_tiles
     token_passes = np.ceil(tokens / per_pass)
     weights = np.maximum(token_passes - 1, 0) * rows * k * 2.0 / l2_share
-    row_passes = np.ceil(rows / MMA_PASS_ROWS)
+    row_passes = np.ceil(rows / d.mma_pass_rows)
     pass_in = np.minimum(tokens, per_pass) * k * in_bytes
     again = (row_passes > 1) & (pass_in > d.l1_input_bytes) & (not local_input)
     inputs = np.where(again, (row_passes - 1) * tokens * k * in_bytes * levers.flag_factor(d)
