@@ -65,7 +65,8 @@ def dynamic_shared_bytes(cfg: ModelConfig, tokens: int, mma: bool = False) -> in
     it): in the tensor-core kernel (``mma``), a segment's staged K and V [T_TILE, head_dim + 8]
     tiles, bf16, then its split mode's SegSplit (attention_segment: scores fp32 [16, T_TILE +
     4], probability fragments [T_TILE / 16, 32, 4] and corrections [T_TILE / SEG_SUB, 32, 2]
-    words, the final (max, sum) [32, 4]), then a query tile a warp, bf16 [16, head_dim + 8];
+    words, the final (max, sum) [32, 4]), then a query tile a warp, bf16 [16, head_dim + 8]
+    (or, if more, a row-split mat-mul pass's sums, block_mma_rows, in steps of more than 32);
     on CUDA cores, late q/k attention's chunk keys, bf16
     [tokens, head_dim] (megakernel.cu chunk_keys), in a kernel of steps of many tokens; 0
     otherwise. megakernel.cu asserts it is enough."""
@@ -74,7 +75,9 @@ def dynamic_shared_bytes(cfg: ModelConfig, tokens: int, mma: bool = False) -> in
         tiles = 2 * T_TILE * (D + 8) * 2
         split = 16 * (T_TILE + 4) + T_TILE // 16 * 32 * 4 + T_TILE // SEG_SUB * 32 * 2 + 32 * 4
         queries = NUM_THREADS // 32 * 16 * (D + 8) * 2
-        return tiles + split * 4 + queries
+        # block_mma_rows' sums (steps of more than 32 tokens): [token tiles][warps][16][8] fp32
+        rows = min(8, -(-tokens // 8)) * NUM_THREADS // 32 * 16 * 8 * 4 if tokens > 32 else 0
+        return max(tiles + split * 4 + queries, rows)
     if cfg.qk_norm:
         return tokens * cfg.head_dim * 2 if tokens > 1 else 0
     return 0

@@ -376,6 +376,24 @@ __device__ __forceinline__ void copy_to_shared(float* s_dst, const float* src) {
     reinterpret_cast<float4*>(s_dst)[threadIdx.x + k * MK_THREADS] = r[k];
 }
 
+// Dynamic shared memory, sized by the launch (MK_DYN_SMEM, header.dynamic_shared_bytes), so
+// it does not count against the 48 KB of static shared memory: late q/k attention's chunk keys
+// (chunk_keys: a step of 128 tokens at head_dim 128, 32 KB), or the tensor-core kernel's
+// staged K and V tiles (attention_segment) and its row-split passes' sums (block_mma_rows);
+// nullptr in a kernel without them.
+__device__ __forceinline__ void* dynamic_smem() {
+#if MK_DYN_SMEM > 0
+#ifdef __CUDA_ARCH__
+  extern __shared__ uint4 mk_dynamic_shared[];
+  return mk_dynamic_shared;
+#else
+  return emu::dynamic_shared(MK_DYN_SMEM);
+#endif
+#else
+  return nullptr;
+#endif
+}
+
 #if MK_MMA
 #include "mma.cuh"
 // ---- Mat-muls on tensor cores (MK_MMA: backend option tensor_cores) -------------------------
@@ -417,10 +435,107 @@ __device__ __forceinline__ unsigned bf16_pack(float lo, float hi) {
   return (unsigned)f32_to_bf16(lo) | (unsigned)f32_to_bf16(hi) << 16;
 }
 
+// A pass that splits the rows over the warps (block_mma in a step of more than
+// MMA_ROWS_SPLIT_ABOVE rows, K <= MMA_ROWS_SPLIT_MAX_K): warp w multiplies row group q0 + w by
+// up to MMA_RT token tiles over block_mma's k ranges, one after the other, each range's
+// partial from zero and added to the sum in warp order: every sum is the k split's, bit for
+// bit, but a block reads its weight tile once per 64 tokens and the pass's inputs once per
+// NWARPS row groups. The sums live in dynamic shared memory (registers: the megakernel
+// spilled), each lane's own words until the epilogue. A warp walks every chunk of k (C /
+// MMA_UNROLL dependent rounds), so long k (DOWN's) and small steps keep the k split.
+#define MMA_ROWS_SPLIT_ABOVE 32
+#define MMA_ROWS_SPLIT_MAX_K 2048
+#define MMA_RT cmin(8, (MK_T_MAX + 7) / 8)
+#define MMA_ROWS_UNROLL 2  // chunks whose weights a lane loads together
+#if MK_MMA && MK_T_MAX > MMA_ROWS_SPLIT_ABOVE
+static_assert(MK_DYN_SMEM >= MMA_RT * NWARPS * 16 * 8 * 4, "block_mma_rows' sums");
+#endif
+
+template <int K, class RowPtr, class LoadX, class Epi>
+__device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x, Epi epi) {
+  constexpr int C = (K + MMA_KC - 1) / MMA_KC, NT = MMA_RT;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  // the pass's sums: [token tile][row group of the pass][16][8]
+  float (*sums)[NWARPS][16][8] = static_cast<float (*)[NWARPS][16][8]>(dynamic_smem());
+  __syncthreads();  // the op before (attention's tiles) is done with dynamic shared memory
+  for (int tb0 = 0; tb0 < ntok; tb0 += 8 * NT) {
+    const int nt = min(NT, (ntok - tb0 + 7) / 8);  // the pass's token tiles (warp-uniform)
+    for (int qb = 0; qb < groups; qb += NWARPS) {
+      const int q = qb + warp;  // this warp's row group (none past the tile: zeros)
+      const unsigned short* w[2] = {q < groups ? rowptr(q, g) : nullptr,
+                                    q < groups ? rowptr(q, g + 8) : nullptr};
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sums[j][warp][mma_d_row(i)][mma_d_col(i)] = 0.f;
+      for (int r = 0; r < NWARPS && q < groups; ++r) {  // block_mma's k ranges, in warp order
+        const int c_begin = r * C / NWARPS, c_end = (r + 1) * C / NWARPS;
+        float acc[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+        for (int c0 = c_begin; c0 < c_end; c0 += MMA_ROWS_UNROLL) {
+          uint4 a[MMA_ROWS_UNROLL][2];  // the chunks' weights first (the stream's loads in flight)
+#pragma unroll
+          for (int u = 0; u < MMA_ROWS_UNROLL; ++u) {
+            const int col = (c0 + u) * MMA_KC + 8 * t;
+            const bool ok = c0 + u < c_end && col < K;
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              a[u][h] = ok && w[h] ? __ldg(reinterpret_cast<const uint4*>(w[h] + col))
+                                   : make_uint4(0u, 0u, 0u, 0u);
+          }
+#pragma unroll
+          for (int u = 0; u < MMA_ROWS_UNROLL; ++u) {  // then each chunk's inputs (L1: every warp
+            const int col = (c0 + u) * MMA_KC + 8 * t;  // of the block reads them)
+            const bool ok = c0 + u < c_end && col < K;
+            unsigned x[NT][4];
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              const int tok = tb0 + 8 * j + g;
+              if (ok && j < nt && tok < ntok) {
+                load_x(tok, col, x[j]);
+              } else {
+#pragma unroll
+                for (int k = 0; k < 4; ++k) x[j][k] = 0u;
+              }
+            }
+            const unsigned a0[4] = {a[u][0].x, a[u][1].x, a[u][0].y, a[u][1].y};
+            const unsigned a1[4] = {a[u][0].z, a[u][1].z, a[u][0].w, a[u][1].w};
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              if (j >= nt) continue;
+              const unsigned b0[2] = {x[j][0], x[j][1]};
+              const unsigned b1[2] = {x[j][2], x[j][3]};
+              mma_m16n8k16_bf16(acc[j], a0, b0, acc[j]);
+              mma_m16n8k16_bf16(acc[j], a1, b1, acc[j]);
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sums[j][warp][mma_d_row(i)][mma_d_col(i)] += acc[j][i];
+      }
+      __syncthreads();
+      for (int j = 0; j < nt; ++j)
+        for (int p = 0; p < NWARPS && qb + p < groups; p += MMA_RG)
+          epi(qb + p, tb0 + 8 * j, [&](int qq, int rr, int n) { return sums[j][p + qq][rr][n]; });
+      __syncthreads();  // sums: the next pass's
+    }
+  }
+}
+
 template <int K, class RowPtr, class LoadX, class Epi>
 __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, LoadX load_x,
                           Epi epi) {
   static_assert(K % 8 == 0, "a lane loads 8 columns at a time");
+  if (MK_T_MAX > MMA_ROWS_SPLIT_ABOVE && K <= MMA_ROWS_SPLIT_MAX_K &&
+      ntok > MMA_ROWS_SPLIT_ABOVE) {
+    block_mma_rows<K>(groups, ntok, rowptr, load_x, epi);
+    return;
+  }
   constexpr int C = (K + MMA_KC - 1) / MMA_KC, NT = MMA_NT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int c_begin = warp * C / NWARPS, c_end = (warp + 1) * C / NWARPS;
@@ -764,22 +879,6 @@ struct OpShared {
 #endif
 };
 
-// Dynamic shared memory, sized by the launch (MK_DYN_SMEM, header.dynamic_shared_bytes), so
-// it does not count against the 48 KB of static shared memory: late q/k attention's chunk keys
-// (chunk_keys: a step of 128 tokens at head_dim 128, 32 KB), or the tensor-core kernel's
-// staged K and V tiles (attention_segment); nullptr in a kernel without them.
-__device__ __forceinline__ void* dynamic_smem() {
-#if MK_DYN_SMEM > 0
-#ifdef __CUDA_ARCH__
-  extern __shared__ uint4 mk_dynamic_shared[];
-  return mk_dynamic_shared;
-#else
-  return emu::dynamic_shared(MK_DYN_SMEM);
-#endif
-#else
-  return nullptr;
-#endif
-}
 __device__ __forceinline__ unsigned short* chunk_keys() {
   return static_cast<unsigned short*>(dynamic_smem());
 }
@@ -2863,12 +2962,15 @@ __device__ void run_instructions(const Params& P, int begin, int end) {
   if (end <= begin) return;
   fetch_first(P, s, st[S_PROGRAM_LEN], begin, end);
   int n = 0;  // instructions run (the word ring's position)
-  for (int k = 1;; ++k) {
-    if (!run_step<ONLY>(P, s, st, begin, end, deadline_ns, n) || k >= steps) return;
+  for (;;) {
+    // the steps left are read from the state words (shared memory), not held in a register
+    // through every op (Qwen3's tensor-core megakernel spilled it)
+    if (!run_step<ONLY>(P, s, st, begin, end, deadline_ns, n) || st[S_STEPS] <= 1) return;
+    const int left = st[S_STEPS] - 1;  // read before wait_counter's barrier, load_state's write
     if (!wait_counter(P, st[S_STEP_COUNTER], st[S_STEP] + 1, st[S_PROGRAM_LEN], OP_NOOP,
                       deadline_ns))
       return;
-    load_state(P, st, steps - k);
+    load_state(P, st, left);
     if (!st[S_RUN]) return;
   }
 }

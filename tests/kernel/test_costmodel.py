@@ -53,8 +53,21 @@ def test_design_for_is_the_kernel_as_built():
     assert mma is cm.DESIGNS["v6-mma-seg"] and mma.tensor_cores and mma.token_loop
     assert mma.attn_segments and mma.attn_stage_async
     assert mma.replace(name="v6-mma", attn_segments=False, attn_stage_async=False,
-                       mma_token_tiles=1) == cm.DESIGNS["v6-mma"]
+                       mma_token_tiles=1, mma_rows_split_above=0,
+                       mma_rows_split_max_k=cm.V6.mma_rows_split_max_k) == cm.DESIGNS["v6-mma"]
     assert mma.mma_token_tiles == 4  # megakernel.cu MMA_NT (test_sass.py reads it off the SASS)
+    # block_mma_rows' constants, as megakernel.cu defines them
+    import re
+    from pathlib import Path
+
+    import monokernel.kernel as kernel_pkg
+
+    cu = (Path(kernel_pkg.__file__).parent / "megakernel.cu").read_text()
+    defined = dict(re.findall(r"#define (MMA_\w+) (?:cmin\()?(\d+)", cu))
+    assert (mma.mma_rows_split_above, mma.mma_rows_split_max_k, mma.mma_rows_split_tiles,
+            mma.mma_rows_split_unroll, mma.mma_token_tiles) == tuple(
+        int(defined[k]) for k in ("MMA_ROWS_SPLIT_ABOVE", "MMA_ROWS_SPLIT_MAX_K", "MMA_RT",
+                                  "MMA_ROWS_UNROLL", "MMA_NT"))
     assert not (mma.tile_2d or mma.attn_tensor_cores) and mma.input_bytes == 4
     late = program("qwen3-0.6b", 8, 64, num_layers=1)
     assert cm.design_for(late, tensor_cores=True) is cm.DESIGNS["v6-mma-seg"]

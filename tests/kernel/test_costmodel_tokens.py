@@ -242,8 +242,14 @@ def test_segments_read_a_units_kv_once_for_all_their_rows():
     kv = 1024 * cfg.head_dim * 2 * 2.0 * cfg.num_kv_heads * cfg.num_layers  # K and V once
     assert b.fields["bytes"][attn].sum() == pytest.approx(kv)
     assert a.fields["bytes"][attn].sum() > 50 * kv  # every row its own pass
-    assert cm.predict(prog, g, seg, shape=chunk).total_us < \
-        0.7 * cm.predict(prog, g, rows, shape=chunk).total_us
+    fast, slow = cm.predict(prog, g, seg, shape=chunk), cm.predict(prog, g, rows, shape=chunk)
+
+    def attention_us(p):
+        return next(r["critical_us"] for r in p.op_rows() if r["op"] == "ATTENTION")
+
+    # (the whole step: 0.75x, the mat-muls of this program's 128 rows a block the same in both)
+    assert attention_us(fast) < 0.5 * attention_us(slow)
+    assert fast.total_us < slow.total_us - (attention_us(slow) - attention_us(fast)) / 2
     one = StepShape.decode(1, 1024)
     x, y = cm.Static(prog, 0, g, rows, one), cm.Static(prog, 0, g, seg, one)
     assert x.fields["bytes"][attn].sum() == pytest.approx(y.fields["bytes"][attn].sum())

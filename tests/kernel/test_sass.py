@@ -242,14 +242,17 @@ def test_the_tensor_core_kernels_segment_staging_is_one_round_of_copies(shape):
     assert cm.design("v6-mma-seg").attn_segments and cm.design("v6-mma-seg").attn_stage_async
 
 
+@pytest.mark.parametrize("tokens", [32, 64])
 @pytest.mark.parametrize("op,stored", [("O_PROJ_RESIDUAL", True), ("DOWN_RESIDUAL", True),
                                        ("RMS_GATE_UP", False)])
-def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, stored):
-    """v6-mma's stored_bf16_inputs and mma_token_tiles, read off the SASS of a kernel of steps
-    of 64 rows: a pass's k-loop body loads MMA_UNROLL (2) chunks' weight fragments, MMA_RG (2)
-    row groups x 2 halves of 16 rows, with 16-byte read-only loads, once, and multiplies them
-    by MMA_NT (4) token tiles: 2 x 4 x 2 x 2 HMMA for 8 weight loads (one load per HMMA would
-    be the weights re-read per token tile, as before 2026-12-04). O_PROJ's and DOWN's inputs
+def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, stored, tokens):
+    """v6-mma's stored_bf16_inputs, mma_token_tiles and the row split, read off the SASS: the
+    k split's pass loads MMA_UNROLL (2) chunks' weight fragments, MMA_RG (2) row groups x 2
+    halves of 16 rows, with 16-byte read-only loads, once, and multiplies them by MMA_NT (4)
+    token tiles: 2 x 4 x 2 x 2 HMMA for 8 weight loads (one load per HMMA would be the
+    weights re-read per token tile, as before 2026-12-04). A kernel of steps of more than 32
+    rows also has block_mma_rows (K <= 2048: SmolLM2's four mat-muls): 2 chunks x 2 halves of
+    one row group, 4 loads for 2 x 8 x 2 HMMA (8 token tiles). O_PROJ's and DOWN's inputs
     (bf16, isa.BF16_INPUTS) are one 16-byte load per chunk and token tile; GATE_UP (the
     negative control, the RMS ops read the fp32 residual) needs two, and reads its norm
     weights beside them (read-only too). Counted over the op's kernel (op_<OP>): the plain
@@ -257,19 +260,25 @@ def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, stored):
     import re
 
     try:
-        sass = sf.compile_sass("smollm2-135m", function=f"op_{op}", tokens=64, slots=64,
+        sass = sf.compile_sass("smollm2-135m", function=f"op_{op}", tokens=tokens, slots=64,
                                mma=True)
     except SassToolMissing as e:
         pytest.skip(str(e))
     ops = [m.group(0) for t in sf._texts(sass) for m in [re.search(r"\b(LDG|HMMA)\S*", t)] if m]
-    unroll, row_groups, token_tiles = 2, 2, 4
-    weights = unroll * row_groups * 2
-    norms = 0 if stored else unroll * token_tiles
+    d = cm.design("v6-mma-seg")
+    paths = [(2 * 2 * 2, d.mma_token_tiles)]  # (weight loads, token tiles) of each pass
+    if tokens > d.mma_rows_split_above:
+        paths.append((d.mma_rows_split_unroll * 2, d.mma_rows_split_tiles))
+    assert (d.mma_token_tiles, d.mma_rows_split_tiles) == (4, 8)
+    per = 1 if stored else 2  # input loads a chunk and token tile
+    unroll = (2, d.mma_rows_split_unroll)
+    weights = sum(w for w, _ in paths)
+    norms = 0 if stored else sum(u * tiles for u, (_, tiles) in zip(unroll, paths))
     assert ops.count("LDG.E.128.CONSTANT") == weights + norms, ops
-    assert sum(o.startswith("HMMA.16816.F32.BF16") for o in ops) == weights * token_tiles, ops
-    assert cm.design("v6-mma-seg").stored_bf16_inputs
-    assert cm.design("v6-mma-seg").mma_token_tiles == token_tiles
-    assert ops.count("LDG.E.128") == unroll * token_tiles * (1 if stored else 2), (op, ops)
+    assert sum(o.startswith("HMMA.16816.F32.BF16") for o in ops) == \
+        sum(w * tiles for w, tiles in paths), ops
+    assert ops.count("LDG.E.128") == per * sum(u * tiles for u, (_, tiles) in zip(unroll, paths))
+    assert d.stored_bf16_inputs
 
 
 def test_a_kernel_of_slots_draws_each_rows_ticket_on_a_thread_of_its_own():

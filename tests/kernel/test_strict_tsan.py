@@ -511,12 +511,80 @@ def test_negative_control_tensor_core_partials_without_their_barrier_is_reported
     partials while other threads still add the last pass's (DOWN and O_PROJ have 3 row groups
     a block here: two passes). TSan must see it."""
     ex = table_executor(tiny, tensor_cores=True)
-    old = "      __syncthreads();  // sm.part: the next pass's\n"
+    old = "        __syncthreads();  // sm.part: the next token tile's\n"
     assert ex.source.count(old) == 1, "block_mma's barrier is not where this test expects"
     with pytest.raises(DataRaceError) as info:
         run_strict(ex, [], table=table_steps(ex)[0], source=ex.source.replace(old, ""))
     assert re.search(r"block_mma|mma_add_rows|op_down_residual|op_o_proj", info.value.report), \
         info.value.report[:4000]
+
+
+ROW_SPLIT_ROWS = 17  # a prompt chunk a slot: 34 rows, past block_mma's k split (32)
+
+
+def row_split_executor(model) -> KernelExecutor:
+    """2 blocks in row tiles (no token groups: each block multiplies all of a step's rows),
+    steps of up to 34 rows: block_mma_rows."""
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+
+    seq = 2 * ROW_SPLIT_ROWS
+    splits, min_chunk = tensor_core_splits(model.config, BLOCKS, seq)
+    prog = schedule(model.config, BLOCKS, seq, splits, min_chunk, merge_ticket_min=1,
+                    tokens=2 * ROW_SPLIT_ROWS, token_groups=False)
+    ex = KernelExecutor(model, seq, blocks=BLOCKS, slots=2, step_tokens=2 * ROW_SPLIT_ROWS,
+                        page_size=2, tensor_cores=True, program=prog)
+    ex.poison()
+    return ex
+
+
+def row_split_step(ex: KernelExecutor):
+    from monokernel.kernel.base import StepTable
+
+    n = ROW_SPLIT_ROWS
+    pages = list(ex.add_pages(2 * -(-n // 2)))
+    tables = {0: pages[:len(pages) // 2], 1: pages[len(pages) // 2:]}
+    rows = [(5 + 3 * i, 0, i, True, True) for i in range(n)] + \
+        [(7 + 2 * i, 1, i, True, True) for i in range(n)]
+    return StepTable.of(rows, tables)
+
+
+_ROW_SPLIT_SUMS = "      __syncthreads();\n      for (int j = 0; j < nt; ++j)\n"
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+def test_strict_tsan_row_split_mat_muls_no_race_match_the_reference(tiny):
+    """block_mma_rows (a step of 34 rows on 2 blocks in row tiles: every mat-mul splits its
+    rows over the warps): the sums in dynamic shared memory, each lane's own until the
+    epilogue's barrier, race-free; every row's logits the bf16-inputs reference's
+    (test_tensor_cores.py's tolerance)."""
+    ex = row_split_executor(tiny)
+    assert ex.source.count(_ROW_SPLIT_SUMS) == 1
+    _, logits, report = run_strict(ex, [], table=row_split_step(ex))
+    assert report == ""
+    n = ROW_SPLIT_ROWS
+    rows = logits[0].reshape(ex.program.tokens, -1)
+    ref = ReferenceModel(tiny.config, tiny.weights, 2 * n, bf16_inputs=True,
+                         attn_chunk=ex.program.attn_min_chunk)
+    want = [ref.forward([5 + 3 * i for i in range(n)], 0)]
+    ref.reset()
+    want.append(ref.forward([7 + 2 * i for i in range(n)], 0))
+    want = np.concatenate(want)
+    err = np.abs(rows[:2 * n] - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert err.max() <= 4e-3, err
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+def test_negative_control_row_split_sums_without_their_barrier_are_reported(tiny):
+    """block_mma_rows without the barrier between the warps' sums and the epilogue that reads
+    every warp's: TSan must see it."""
+    ex = row_split_executor(tiny)
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, [], table=row_split_step(ex), source=ex.source.replace(
+            _ROW_SPLIT_SUMS, "      for (int j = 0; j < nt; ++j)\n"))
+    assert re.search(r"block_mma_rows|mma_add_rows|qkv_store|op_rms|op_down|op_o_proj",
+                     info.value.report), info.value.report[:4000]
 
 
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast

@@ -233,6 +233,60 @@ def test_a_step_of_the_most_tokens_agrees_with_the_bf16_reference(synth_model):
     assert np.mean(err <= CLOSE_TOL) >= 0.6, f"rows within {CLOSE_TOL}: {err}"
 
 
+_RANGES = "const int c_begin = r * C / NWARPS, c_end = (r + 1) * C / NWARPS;"
+
+
+def _row_split_logits(model, step_tokens: int, plan: list[dict[int, int]], prompts,
+                      source_edit=None) -> dict:
+    """Every row's logits of ``prompts`` prefilled in the steps of ``plan`` on 3 blocks in row
+    tiles (no token groups: every block multiplies all of a step's rows), by (slot, pos)."""
+    from helpers.batch import Batch
+    from monokernel.kernel.executor import KERNEL_NAMES
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+
+    splits, min_chunk = tensor_core_splits(model.config, 3, MAX_SEQ)
+    prog = schedule(model.config, 3, MAX_SEQ, splits, min_chunk, merge_ticket_min=1,
+                    tokens=step_tokens, token_groups=False)
+    ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=len(prompts), page_size=PAGE,
+                        tensor_cores=True, program=prog, step_tokens=step_tokens)
+    if source_edit is not None:
+        old, new = source_edit
+        assert ex.source.count(old) == 1, "block_mma_rows is not as this test expects"
+        ex.module = ex.device.compile(ex.source.replace(old, new), KERNEL_NAMES,
+                                      {"MK_PREFETCH": "1"})
+    ex.poison()
+    b = Batch(ex)
+    for slot, p in enumerate(prompts):
+        b.join(slot, p)
+    for step in plan:
+        b.step(step)
+    return {(s, pos): lg for s, q in b.seqs.items() for pos, lg in q["logits"].items()}
+
+
+def test_a_big_steps_row_split_passes_leave_every_logit_bitwise(synth_model):
+    """block_mma splits the rows over the warps in a step (a block's share) of more than 32
+    rows and K <= 2048 (block_mma_rows: each warp every k range of its row group in turn,
+    each range's partial from zero, added in warp order) and the k-loop over the warps in
+    smaller steps: the same sums. Three prompts (48, 48, 32) in one step of 128 rows on row
+    tiles (every block all 128 rows: its QKV, O_PROJ, GATE_UP, DOWN and LM head split the
+    rows) against the same prompts in steps of 32 rows, chunks of 16 (a kernel built for 32:
+    the k split only; a prompt's numbers do not depend on its chunks): every row's logits bit for bit. Negative control: the ranges added
+    in the reverse order change some row's logits (so the big step did take the row split,
+    and the order is what keeps it bitwise)."""
+    model = synth_model("llama3-tiny")
+    prompts = [prompt_of(model, n, seed) for n, seed in ((48, 4), (48, 5), (32, 6))]
+    want = _row_split_logits(model, 32, [{0: 16, 1: 16}] * 3 + [{2: 16}] * 2, prompts)
+    got = _row_split_logits(model, MAX_STEP_TOKENS, [{0: 48, 1: 48, 2: 32}], prompts)
+    assert len(got) == len(want) == 128
+    bad = [k for k in want if not np.array_equal(got[k], want[k])]
+    assert not bad, f"rows {bad[:5]} differ"
+    mutant = _row_split_logits(
+        model, MAX_STEP_TOKENS, [{0: 48, 1: 48, 2: 32}], prompts,
+        (_RANGES, "const int c_begin = (NWARPS - 1 - r) * C / NWARPS, "
+                  "c_end = (NWARPS - r) * C / NWARPS;"))
+    assert any(not np.array_equal(mutant[k], want[k]) for k in want)
+
+
 def test_o_proj_and_down_read_bf16_inputs_their_producers_store(synth_model):
     """A tensor-core build stores attn and ffn_h as bf16 (isa.BF16_INPUTS: the precision
     block_mma rounds them to, half the bytes O_PROJ and DOWN read): buffers of 2 bytes an

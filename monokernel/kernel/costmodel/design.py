@@ -135,6 +135,17 @@ class KernelDesign:
     # the weight rows a block_mma pass multiplies (with mma_token_tiles): 32, MMA_RG row
     # groups of 16 with the k-loop split over the warps
     mma_pass_rows: int = 32
+    # block_mma's passes in a step (a token group member's share) of more than this many
+    # tokens split the rows over the warps instead of the k-loop: a row group of 16 a warp,
+    # 8 token tiles, each warp every k range in turn (its partials added in warp order: the
+    # same numbers); 0: never
+    mma_rows_split_above: int = 0
+    # ... in an op of at most this many input columns (a warp's walk over every k range is
+    # C / MMA_UNROLL dependent rounds: DOWN's long k stays split over the warps)
+    mma_rows_split_max_k: int = 1 << 30
+    # ... its token tiles a pass, and the chunks whose loads a lane issues together
+    mma_rows_split_tiles: int = 8
+    mma_rows_split_unroll: int = 2
     # steps of many rows (kernels of slots): row r's split s runs in its KV group's unit slot
     # (s + off_r) mod splits, off_r the used splits of the step's earlier rows (the step's
     # non-empty units dealt round-robin over the slots), and a unit with no positions is
@@ -277,9 +288,11 @@ V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rota
 # segment's keys into the K tile; K and V staged by cp.async (attn_stage_async). V6_MMA (rows
 # on CUDA cores) is no longer built.
 # A pass of block_mma multiplies each chunk's weights by up to 4 token tiles (mma_token_tiles;
-# 8 spilled the megakernel).
+# 8 spilled the megakernel); in a step (a block's share) of more than 32 rows, at K <= 2048,
+# its passes split the rows over the warps (block_mma_rows: 8 token tiles, 128 rows a pass).
 V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_async=True,
-                            mma_token_tiles=4)
+                            mma_token_tiles=4, mma_rows_split_above=32,
+                            mma_rows_split_max_k=2048)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg",)
 # Every design a prediction can name (`monokernel plan --design`).

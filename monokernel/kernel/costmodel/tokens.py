@@ -200,40 +200,56 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
     if c > 1 and not (fused or d.tile_2d):  # a member multiplies its group's rows by its share
         mm_rows, mm_tokens = _group_mma_shape(b, rows, T)
     compute = mma_us(mm_rows, k, mm_tokens, g) + (ph.compute if ph.compute is not None else 0.0)
-    t_again = _passes_again_us(mm_rows, k / s, mm_tokens, g, d, levers.input_bytes(b, d),
-                               local_input=fused)
+    t_again, rounds = _passes(mm_rows, k / s, mm_tokens, g, d, levers.input_bytes(b, d),
+                              local_input=fused)
     if fused:  # its partial of every residual row for its T / c tokens, by atomics
         epilogue = busy * levers.atomic_us(b.program.config.hidden_size, T / c, g)
     else:  # the tile's outputs per token: written once (the residual's rows read and written)
         epilogue = busy * T * rows * out_bytes * levers.output_factor(b, d) / (g.l2_bw / g.sms)
     return Phases(ph.l2_trips, ph.hbm_trips,
                   ph.other_us + busy * (t_in + t_w + t_red) + t_again + epilogue,
-                  ph.rounds, ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue,
+                  np.maximum(ph.rounds, rounds), ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue,
                   compute, (c, s))
 
 
-def _passes_again_us(rows, k: float, tokens, g, d, in_bytes: int,
-                     local_input: bool = False) -> np.ndarray:
-    """L2 time of what block_mma's passes read again (``mma_token_tiles``): a block's
-    ``rows`` x k weights once per pass over ``mma_token_tiles`` x 8 of its ``tokens`` after
-    the first (the first is the op's HBM stream), and with more than one row pass
-    (``mma_pass_rows`` each) the token pass's inputs again on every row pass after the first
-    when they are past ``l1_input_bytes``. 0 where the design reads each once
-    (``mma_token_tiles`` 0)."""
+MMA_KC = 32  # megakernel.cu block_mma: input columns a chunk
+MMA_UNROLL = 2  # ... chunks whose loads a lane issues together (a dependent round)
+
+
+def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = False
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """(L2 us, dependent rounds) of block_mma's passes (``mma_token_tiles``): a block's
+    ``rows`` x k weights again for every pass over its ``tokens`` after the first (the first
+    is the op's HBM stream), and with more than one row pass the token pass's inputs again on
+    every row pass after the first when they are past ``l1_input_bytes``. A pass splits the
+    k-loop over the warps (``mma_token_tiles`` token tiles x ``mma_pass_rows`` rows, each warp
+    its k range: ~C / (warps x MMA_UNROLL) rounds) or, in a step of more than
+    ``mma_rows_split_above`` tokens, the rows (a row group of 16 a warp,
+    ``mma_rows_split_tiles`` token tiles, each warp every k range in turn: C /
+    ``mma_rows_split_unroll`` rounds). (0, 0) where the design reads each
+    once (``mma_token_tiles`` 0)."""
     rows = np.asarray(rows, np.float64)
     tokens = np.asarray(tokens, np.float64)
     if not d.mma_token_tiles:
-        return np.zeros_like(rows)
+        return np.zeros_like(rows), np.zeros_like(rows)
+    chunks = -(-int(k) // MMA_KC)
+    split = d.mma_rows_split_above > 0 and k <= d.mma_rows_split_max_k
+    by_rows = (tokens > d.mma_rows_split_above) if split else np.zeros(len(rows), bool)
+    per_pass = np.where(by_rows, 8 * d.mma_rows_split_tiles, 8 * d.mma_token_tiles)
+    pass_rows = np.where(by_rows, 16 * d.warps, d.mma_pass_rows)
+    walk = np.where(by_rows, d.warps * np.ceil(chunks / d.warps / d.mma_rows_split_unroll),
+                    np.ceil(chunks / d.warps / MMA_UNROLL))
     l2_share = g.l2_bw / g.sms
-    per_pass = 8 * d.mma_token_tiles
     token_passes = np.ceil(tokens / per_pass)
     weights = np.maximum(token_passes - 1, 0) * rows * k * 2.0 / l2_share
-    row_passes = np.ceil(rows / d.mma_pass_rows)
+    row_passes = np.ceil(rows / pass_rows)
     pass_in = np.minimum(tokens, per_pass) * k * in_bytes
     again = (row_passes > 1) & (pass_in > d.l1_input_bytes) & (not local_input)
     inputs = np.where(again, (row_passes - 1) * tokens * k * in_bytes * levers.flag_factor(d)
                       / levers.input_rate(g, d), 0.0)
-    return np.where(rows > 0, weights + inputs, 0.0)
+    rounds = np.where(split & by_rows, row_passes * token_passes * walk, 0.0)
+    busy = rows > 0
+    return np.where(busy, weights + inputs, 0.0), np.where(busy, rounds, 0.0)
 
 
 def _group_mma_shape(b: OpBatch, rows: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:
