@@ -435,6 +435,41 @@ __device__ __forceinline__ unsigned bf16_pack(float lo, float hi) {
   return (unsigned)f32_to_bf16(lo) | (unsigned)f32_to_bf16(hi) << 16;
 }
 
+// A pass's input fragments of one chunk (columns col..col + 7 a lane) for its token tiles j < nt
+// (tokens tb0 + 8 j + g; zeros past ntok, past the tiles or where !ok).
+template <int NT, class LoadX>
+__device__ __forceinline__ void mma_load_tiles(LoadX& load_x, int tb0, int nt, int ntok, int col,
+                                               bool ok, unsigned (&x)[NT][4]) {
+  const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int tok = tb0 + 8 * j + g;
+    if (ok && j < nt && tok < ntok) {
+      load_x(tok, col, x[j]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) x[j][k] = 0u;
+    }
+  }
+}
+
+// acc[j] += a row group's chunk (its rows g and g + 8, 8 columns a lane: two k-steps) x token
+// tile j's input fragments, for j < nt.
+template <int NT>
+__device__ __forceinline__ void mma_tiles(float (&acc)[NT][4], const uint4 (&a)[2],
+                                          const unsigned (&x)[NT][4], int nt) {
+  const unsigned a0[4] = {a[0].x, a[1].x, a[0].y, a[1].y};
+  const unsigned a1[4] = {a[0].z, a[1].z, a[0].w, a[1].w};
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    if (j >= nt) continue;
+    const unsigned b0[2] = {x[j][0], x[j][1]};
+    const unsigned b1[2] = {x[j][2], x[j][3]};
+    mma_m16n8k16_bf16(acc[j], a0, b0, acc[j]);
+    mma_m16n8k16_bf16(acc[j], a1, b1, acc[j]);
+  }
+}
+
 // A pass that splits the rows over the warps (block_mma in a step of more than
 // MMA_ROWS_SPLIT_ABOVE rows, K <= MMA_ROWS_SPLIT_MAX_K): warp w multiplies row group q0 + w by
 // up to MMA_RT token tiles over block_mma's k ranges, one after the other, each range's
@@ -442,7 +477,7 @@ __device__ __forceinline__ unsigned bf16_pack(float lo, float hi) {
 // bit, but a block reads its weight tile once per 64 tokens and the pass's inputs once per
 // NWARPS row groups. The sums live in dynamic shared memory (registers: the megakernel
 // spilled), each lane's own words until the epilogue. A warp walks every chunk of k (C /
-// MMA_UNROLL dependent rounds), so long k (DOWN's) and small steps keep the k split.
+// MMA_ROWS_UNROLL dependent rounds), so long k (DOWN's) and small steps keep the k split.
 #define MMA_ROWS_SPLIT_ABOVE 32
 #define MMA_ROWS_SPLIT_MAX_K 2048
 #define MMA_RT cmin(8, (MK_T_MAX + 7) / 8)
@@ -476,7 +511,7 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
         for (int c0 = c_begin; c0 < c_end; c0 += MMA_ROWS_UNROLL) {
-          uint4 a[MMA_ROWS_UNROLL][2];  // the chunks' weights first (the stream's loads in flight)
+          uint4 a[MMA_ROWS_UNROLL][2];  // the chunks' weights first (the stream in flight)
 #pragma unroll
           for (int u = 0; u < MMA_ROWS_UNROLL; ++u) {
             const int col = (c0 + u) * MMA_KC + 8 * t;
@@ -487,30 +522,11 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
                                    : make_uint4(0u, 0u, 0u, 0u);
           }
 #pragma unroll
-          for (int u = 0; u < MMA_ROWS_UNROLL; ++u) {  // then each chunk's inputs (L1: every warp
-            const int col = (c0 + u) * MMA_KC + 8 * t;  // of the block reads them)
-            const bool ok = c0 + u < c_end && col < K;
+          for (int u = 0; u < MMA_ROWS_UNROLL; ++u) {  // then each chunk's inputs (L1: every
+            const int col = (c0 + u) * MMA_KC + 8 * t;  // warp of the block reads them)
             unsigned x[NT][4];
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-              const int tok = tb0 + 8 * j + g;
-              if (ok && j < nt && tok < ntok) {
-                load_x(tok, col, x[j]);
-              } else {
-#pragma unroll
-                for (int k = 0; k < 4; ++k) x[j][k] = 0u;
-              }
-            }
-            const unsigned a0[4] = {a[u][0].x, a[u][1].x, a[u][0].y, a[u][1].y};
-            const unsigned a1[4] = {a[u][0].z, a[u][1].z, a[u][0].w, a[u][1].w};
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-              if (j >= nt) continue;
-              const unsigned b0[2] = {x[j][0], x[j][1]};
-              const unsigned b1[2] = {x[j][2], x[j][3]};
-              mma_m16n8k16_bf16(acc[j], a0, b0, acc[j]);
-              mma_m16n8k16_bf16(acc[j], a1, b1, acc[j]);
-            }
+            mma_load_tiles<NT>(load_x, tb0, nt, ntok, col, c0 + u < c_end && col < K, x);
+            mma_tiles<NT>(acc, a[u], x, nt);
           }
         }
 #pragma unroll
@@ -521,7 +537,8 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
       __syncthreads();
       for (int j = 0; j < nt; ++j)
         for (int p = 0; p < NWARPS && qb + p < groups; p += MMA_RG)
-          epi(qb + p, tb0 + 8 * j, [&](int qq, int rr, int n) { return sums[j][p + qq][rr][n]; });
+          epi(qb + p, tb0 + 8 * j,
+              [&](int qq, int rr, int n) { return sums[j][p + qq][rr][n]; });
       __syncthreads();  // sums: the next pass's
     }
   }
@@ -548,13 +565,13 @@ __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, Lo
         w[q][0] = q0 + q < groups ? rowptr(q0 + q, g) : nullptr;
         w[q][1] = q0 + q < groups ? rowptr(q0 + q, g + 8) : nullptr;
       }
-      float acc[NT][MMA_RG][4];
+      float acc[MMA_RG][NT][4];
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
+      for (int q = 0; q < MMA_RG; ++q)
 #pragma unroll
-        for (int q = 0; q < MMA_RG; ++q)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) acc[j][q][i] = 0.f;
+          for (int i = 0; i < 4; ++i) acc[q][j][i] = 0.f;
       for (int c0 = c_begin; c0 < c_end; c0 += MMA_UNROLL) {
         uint4 a[MMA_UNROLL][MMA_RG][2];
         unsigned x[MMA_UNROLL][NT][4];  // the input fragments' words: bf16 of columns 2i, 2i + 1
@@ -568,32 +585,12 @@ __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, Lo
             for (int h = 0; h < 2; ++h)
               a[u][q][h] = ok && w[q][h] ? __ldg(reinterpret_cast<const uint4*>(w[q][h] + col))
                                          : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            const int tok = tb0 + 8 * j + g;
-            if (ok && j < nt && tok < ntok) {
-              load_x(tok, col, x[u][j]);
-            } else {
-#pragma unroll
-              for (int k = 0; k < 4; ++k) x[u][j][k] = 0u;
-            }
-          }
+          mma_load_tiles<NT>(load_x, tb0, nt, ntok, col, ok, x[u]);
         }
 #pragma unroll
         for (int u = 0; u < MMA_UNROLL; ++u)
 #pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            if (j >= nt) continue;
-            const unsigned b0[2] = {x[u][j][0], x[u][j][1]};
-            const unsigned b1[2] = {x[u][j][2], x[u][j][3]};
-#pragma unroll
-            for (int q = 0; q < MMA_RG; ++q) {
-              const unsigned a0[4] = {a[u][q][0].x, a[u][q][1].x, a[u][q][0].y, a[u][q][1].y};
-              const unsigned a1[4] = {a[u][q][0].z, a[u][q][1].z, a[u][q][0].w, a[u][q][1].w};
-              mma_m16n8k16_bf16(acc[j][q], a0, b0, acc[j][q]);
-              mma_m16n8k16_bf16(acc[j][q], a1, b1, acc[j][q]);
-            }
-          }
+          for (int q = 0; q < MMA_RG; ++q) mma_tiles<NT>(acc[q], a[u][q], x[u], nt);
       }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
@@ -602,7 +599,7 @@ __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, Lo
         for (int q = 0; q < MMA_RG; ++q)
 #pragma unroll
           for (int i = 0; i < 4; ++i)
-            sm.part[warp][q][mma_d_row(i)][mma_d_col(i)] = acc[j][q][i];
+            sm.part[warp][q][mma_d_row(i)][mma_d_col(i)] = acc[q][j][i];
         __syncthreads();
         epi(q0, tb0 + 8 * j, [&](int q, int r, int n) {
           float v = 0.f;
