@@ -255,7 +255,7 @@ else
   BUILDS+=(--build smollm2-135m:cuda:trace --build smollm2-135m:cuda-noprefetch
            --build smollm2-135m:cuda-sync1 --build smollm2-135m:cuda:tokens=16
            --build smollm2-135m:cuda:slots=4:tokens=32
-           --build smollm2-135m:cuda:slots=4:tokens=32:mma)
+           --build smollm2-135m:cuda:slots=4:tokens=64:mma)
   # programs besides the default ones: the tests' merge by ticket, bench's cuda-block-merge
   PROGRAMS=(--program qwen3-0.6b,merge_ticket_min=0)
   for SHAPE in qwen3-0.6b llama-3.2-1b; do

@@ -658,8 +658,8 @@ def test_a_prepared_chunk_build_is_what_step_tokens_compiles(fake_cupy, tiny):
     assert "#define MK_SLOTS 4" in source and ex.program.tokens == 32
     assert ex.device.compile(source, KERNEL_NAMES, defines) is ex.module
     # ... and with tensor cores (slice 6a), on the program that merges by ticket
-    ex = make_executor("cuda", tiny[0], 160, slots=4, step_tokens=32, tensor_cores=True)
-    source, defines = kernel_build(tiny[0].config, 160, tokens=32, slots=4, mma=True,
+    ex = make_executor("cuda", tiny[0], 160, slots=4, step_tokens=64, tensor_cores=True)
+    source, defines = kernel_build(tiny[0].config, 160, tokens=64, slots=4, mma=True,
                                    page_size=DEFAULT_PAGE_SIZE, **BUILD_OPTIONS["cuda"])
     assert "#define MK_MMA 1" in source and ex.program.merge_ticket_min == 1
     assert ex.device.compile(source, KERNEL_NAMES, defines) is ex.module
@@ -761,8 +761,10 @@ def test_gpu_steps_of_many_sequences_are_bitwise_each_alone(gpu_case):
 @pytest.mark.gpu
 def test_gpu_tensor_cores_agree_with_the_bf16_reference_and_alone(gpu_case):
     """The mat-muls on tensor cores (tensor_cores, issue 17 slice 6a; prepared as
-    smollm2-135m:cuda:slots=4:tokens=32:mma) on the real grid, the PTX mma path: four prompts
-    of 3-13 tokens in one step of 30 rows against the bf16-inputs reference (tolerance:
+    smollm2-135m:cuda:slots=4:tokens=64:mma) on the real grid, the PTX mma path: four prompts
+    of 5-13 tokens in one step of 40 rows (the LM head's 40 logits rows, and any mat-mul whose
+    block takes more than 32 of them, split their rows over the warps: block_mma_rows) against
+    the bf16-inputs reference (tolerance:
     tests/kernel/test_tensor_cores.py's every-row bound; the hardware's order inside an mma is
     not the emulator twin's), and each prompt alone on the same kernel bit for bit (batch
     invariance: a row's numbers never depend on the step's other rows)."""
@@ -771,8 +773,8 @@ def test_gpu_tensor_cores_agree_with_the_bf16_reference_and_alone(gpu_case):
     from monokernel.runtime import make_executor
 
     m = gpu_case("smollm2-135m")[0]
-    prompts = [(PROMPT * 3)[:n] for n in (5, 9, 13, 3)]
-    ex = make_executor("cuda", m, GPU_MAX_SEQ, slots=4, step_tokens=32, tensor_cores=True)
+    prompts = [(PROMPT * 3)[:n] for n in (5, 9, 13, 13)]
+    ex = make_executor("cuda", m, GPU_MAX_SEQ, slots=4, step_tokens=64, tensor_cores=True)
     pages = list(ex.add_pages(4 * 2))
     tables = {s: pages[2 * s:2 * s + 2] for s in range(4)}
     rows = [(t, s, i, True, True) for s, p in enumerate(prompts) for i, t in enumerate(p)]

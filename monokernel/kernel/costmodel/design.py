@@ -129,8 +129,9 @@ class KernelDesign:
     # is past L1). 0: once a step whatever its tokens (v7 / v8: staged in shared memory)
     mma_token_tiles: int = 0
     # a mat-mul's inputs of one token pass that L1 keeps across the tile's row passes (each
-    # pass of 32 weight rows reads them again; the weights go through L1 without allocating);
-    # a larger token pass reads them again from L2 on each row pass after the first
+    # pass of 32 weight rows reads them again); a larger token pass reads them again from L2
+    # on each row pass after the first. A guess, for a GPU to check: the 90-150 KB of L1 the
+    # kernel's shared memory leaves an SM, with the weights (__ldg) streaming through it too
     l1_input_bytes: int = 64 * 1024
     # the weight rows a block_mma pass multiplies (with mma_token_tiles): 32, MMA_RG row
     # groups of 16 with the k-loop split over the warps
