@@ -4,6 +4,14 @@
 #   scripts/gpu_check.sh RESULTS_DIR              NVIDIA GPU: prepare, smoke, GPU tests, bench,
 #                                                 trace
 #   scripts/gpu_check.sh --emulator RESULTS_DIR   the same steps on the CPU emulator, tiny shape
+#   scripts/gpu_check.sh --tensor-cores RESULTS_DIR   NVIDIA GPU, the tensor-core follow-up: the
+#                                                 mma kernels compiled with time to spare, the
+#                                                 GPU tests of the tensor-core and prompt-chunk
+#                                                 paths, and bench --batch 64 on kernels of 64
+#                                                 slots x 128 rows (a 1024-token prompt's chunk
+#                                                 steps and decode steps of 64 sequences at
+#                                                 contexts 1024 and 16, device time beside the
+#                                                 cost model's H200 prediction), three shapes
 #   scripts/gpu_check.sh --fake-cupy RESULTS_DIR  the GPU mode's host side on the project's fake
 #                                                 CuPy (tests/fakecupy: launches are no-ops,
 #                                                 NVRTC compiles are real when cuda-bindings is
@@ -65,6 +73,7 @@ MODE=gpu
 case "${1:-}" in
   --emulator) MODE=emulator; shift ;;
   --fake-cupy) MODE=fake-cupy; shift ;;
+  --tensor-cores) MODE=tc; shift ;;
 esac
 if [ $# -ne 1 ]; then
   echo "usage: $0 [--emulator | --fake-cupy] RESULTS_DIR" >&2
@@ -82,6 +91,8 @@ SNAPSHOT_S=${MONOKERNEL_CHECK_SNAPSHOT_S:-20}
 # emulator: the tiny shape's bench (context 16) and trace
 MAX_SEQ_DEFAULT=640
 [ "$MODE" = emulator ] && MAX_SEQ_DEFAULT=64
+# tensor cores: a 1024-token prompt and 16 tokens after it, in pages of 16
+[ "$MODE" = tc ] && MAX_SEQ_DEFAULT=1152
 MAX_SEQ=${MONOKERNEL_CHECK_MAX_SEQ:-$MAX_SEQ_DEFAULT}
 
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -193,7 +204,7 @@ environment() {
   echo "python:  $(command -v "$PY") $("$PY" --version 2>&1)"
   echo "cores:   $(nproc 2>/dev/null || echo ?), OPENBLAS_NUM_THREADS=$OPENBLAS_NUM_THREADS"
   echo "max_seq: $MAX_SEQ (every step)"
-  if [ "$MODE" = gpu ] && command -v nvidia-smi > /dev/null; then
+  if [ "$MODE" != emulator ] && [ "$MODE" != fake-cupy ] && command -v nvidia-smi > /dev/null; then
     timeout 30 nvidia-smi
     timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem \
       --format=csv
@@ -231,7 +242,10 @@ snapshot
 
 # pytest's per-test limit where pytest-timeout is installed (the GPU machine has it)
 PER_TEST=()
-"$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout=$((30 * LIMIT_SCALE)))
+# (tensor cores: 60 s; the bf16 reference of four prompts runs beside the 64-row kernel)
+PER_TEST_S=30
+[ "$MODE" = tc ] && PER_TEST_S=60
+"$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout=$((PER_TEST_S * LIMIT_SCALE)))
 
 if [ "$MODE" = emulator ]; then
   # the same steps on the CPU emulator, tiny shape: proves the script end to end without a GPU
@@ -245,6 +259,32 @@ if [ "$MODE" = emulator ]; then
     --context 4,16 --steps 3 --warmup 1 --max-seq "$MAX_SEQ" --out "$WORK"
   step trace 60 "$PY" -m monokernel trace --shape tiny --backend emulator --max-seq "$MAX_SEQ" \
     --out "$WORK"
+elif [ "$MODE" = tc ]; then
+  # The first GPU run (2026-12-04, benchmarks/RESULTS.md) lost the tensor-core path: its
+  # kernel's NVRTC build outlasted prepare's 45 s, and then the test's and bench's limits.
+  # Here the builds have 150 s (the 128-row kernels take 16-20 s of nvcc on the 2-core host).
+  SHAPES="smollm2-135m qwen3-0.6b llama-3.2-1b"
+  BUILDS=(--build smollm2-135m:cuda --build smollm2-135m:cuda:tokens=16
+          --build smollm2-135m:cuda:slots=4:tokens=64:mma --build smollm2-135m:cuda-noprefetch
+          --build smollm2-135m:cuda-sync1)
+  for SHAPE in $SHAPES; do BUILDS+=(--build "$SHAPE:cuda:slots=64:tokens=128:mma"); done
+  step prepare 150 "$PY" -m monokernel.tools.prepare --max-seq "$MAX_SEQ" "${BUILDS[@]}"
+  C=tests/kernel/test_cuda_backend.py
+  step tc_tests 120 env MONOKERNEL_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -v --tb=short -rs \
+    --durations=10 -p no:cacheprovider "${PER_TEST[@]}" tests/kernel/test_mma.py \
+    "$C::test_gpu_tensor_cores_agree_with_the_bf16_reference_and_alone" \
+    "$C::test_gpu_prompt_chunks_are_bitwise_the_one_token_steps"
+  # device time of a 1024-token prompt's 8 chunk steps and of decode steps of 64 sequences
+  # at context 1024, then at context 16, beside the model's prediction (bench_batch.py)
+  for P in 1024 16; do
+    step "bench_tc_$P" $((P > 16 ? 90 : 60)) "$PY" -m monokernel bench \
+      --shape "${SHAPES// /,}" --backends cuda --batch 64 --slots 64 --step-tokens 128 \
+      --tensor-cores --prompt "$P" --new-tokens 16 --repeats 1 --max-seq "$MAX_SEQ" --out "$WORK"
+  done
+  # the first run's lost A/B rows (its bench step's limit came first): L2 prefetch, the hop
+  step bench_ab 45 "$PY" -m monokernel bench --shape smollm2-135m \
+    --backends cuda,cuda-noprefetch,cuda-sync1 --context 16,512 --steps 50 --warmup 5 \
+    --max-seq "$MAX_SEQ" --out "$WORK"
 else
   SHAPES="smollm2-135m qwen3-0.6b llama-3.2-1b"
   # every kernel a later step builds (tests: cuda, cuda-multi*, cuda-1step share the plain one)

@@ -9,6 +9,12 @@ through the Engine as ``LLM.generate`` drives it.
   most N sequences a step) runs them in one step loop; a kernel backend without slots runs one
   sequence at a time, so its B sequences run in turn, and the row says which.
 
+- Device time (a kernel backend built with slots): the same two things with the host outside
+  the window (``device_times``): each prompt chunk step of a P-token prompt, timed alone, and
+  one launch of ``new_tokens`` decode steps of B sequences at context P; beside them, for a
+  tensor-core kernel, what the cost model predicts on an H200 for the same steps, so a GPU run
+  compares the two.
+
 A measurement of this machine (a CPU here); the H200's figures for the kernel's design of many
 tokens per step are predicted by ``monokernel plan --predict h200 --batch B / --prompt P``.
 """
@@ -76,12 +82,86 @@ def measure(backend: str, label: str, model: LoadedModel, batch: int, prompt: in
         for ids in ids_list:
             made += sum(1 for _ in eng.generate(ids, params))
     wall = time.perf_counter() - t0
+    device = device_times(ex, batch, prompt, new_tokens) if getattr(ex, "table", False) else None
     return {"backend": backend, "shape": label, "batch": batch, "prompt": prompt,
             "new_tokens": new_tokens, "options": {k: v for k, v in options.items()},
             "mode": (f"batched: up to {eng.batcher.max_num_seqs} sequences a step"
                      if batched else "one sequence at a time"),
             "ttft_s": ttft, "ttft_ms": float(np.median(ttft)) * 1e3,
-            "generated": made, "wall_s": wall, "tokens_per_s": made / wall}
+            "generated": made, "wall_s": wall, "tokens_per_s": made / wall,
+            **({"device": device} if device else {})}
+
+
+def device_times(ex, batch: int, prompt: int, steps: int) -> dict:
+    """Device time of a kernel of slots' own steps, the host outside the window: every slot's
+    ``prompt``-token prompt in chunks of the kernel's step rows, each chunk one launch timed by
+    ``device.time`` (its control words written before the start event; a cooperative launch's
+    own latency stays inside), then one launch of ``steps`` decode steps of the ``batch``
+    sequences, every row drawn greedily on the device, divided by the steps. The prompt's
+    time is the sum of its chunks' (the median over the slots of each chunk's time); the
+    control words after each launch must show every step run, so a launch that did nothing
+    cannot pass as fast. For a tensor-core kernel, ``predicted_h200`` holds the cost model's
+    figures for the same steps (plan --predict h200 --batch / --prompt)."""
+    from ..kernel.base import DeviceSample, StepTable
+
+    T, P = ex.max_step_rows, ex.page_size
+    per = -(-(prompt + steps + 1) // P)  # pages a slot's positions need
+    if batch > ex.slots or batch * per > ex.max_pages:
+        raise ValueError(f"device times: {batch} sequences of {prompt + steps + 1} positions "
+                         f"need {batch} slots and {batch * per} pages; the kernel has "
+                         f"{ex.slots} slots and {ex.max_pages} pages")
+    ex.reset()
+    pages = list(ex.add_pages(batch * per))
+    tables = {s: pages[s * per:(s + 1) * per] for s in range(batch)}
+    greedy = DeviceSample(0.0, 0)
+    dev, control = ex.device, ex.buffers["control"]
+
+    def timed(table: StepTable, want_steps: int) -> float:
+        dev.write(control, ex.write_table(table))
+        before = ex.steps_run
+        (t,) = dev.time(ex.run_launches, 1)
+        words = dev.read(control)
+        ex.absorb_control(words)
+        if ex.steps_run - before != want_steps:
+            raise RuntimeError(f"device times: a launch ran {ex.steps_run - before} steps, "
+                               f"expected {want_steps}")
+        return t
+
+    ids = prompts(ex.config.vocab_size, batch, prompt, seed=3)
+    starts = range(0, prompt, T)
+    chunks: list[list[float]] = [[] for _ in starts]  # [chunk][slot]
+    for s in range(batch):
+        for i, at in enumerate(starts):
+            n = min(T, prompt - at)
+            last = at + n == prompt
+            rows = [(ids[s][at + j], s, at + j, last and j == n - 1, True) for j in range(n)]
+            draws = {s: greedy} if last else None
+            chunks[i].append(timed(StepTable.of(rows, {s: tables[s]}, draws=draws), 1))
+    rows = [(ids[s][-1], s, prompt, True, False) for s in range(batch)]
+    t = timed(StepTable.of(rows, tables, draws={s: greedy for s in range(batch)}, steps=steps),
+              steps)
+    chunk_us = [float(np.median(c)) * 1e6 for c in chunks]
+    out = {"timer": "device.time around each launch (control words written before it)",
+           "chunk_rows": T, "prompt_chunks_us": chunk_us, "prompt_us": sum(chunk_us),
+           "decode_context": prompt, "decode_steps": steps,
+           "decode_step_us": t / steps * 1e6, "decode_tokens_per_s": batch * steps / t}
+    if ex.tensor_cores:
+        out["predicted_h200"] = predicted(ex.program, batch, prompt, steps)
+    return out
+
+
+def predicted(prog, batch: int, prompt: int, steps: int) -> dict:
+    """The cost model's H200 figures (a PREDICTION) for device_times' steps: each prompt chunk
+    and a decode step of ``batch`` sequences at the decode steps' mean context."""
+    from ..kernel import costmodel as cm
+    from ..kernel.costmodel.tokens import StepShape, prefill_shapes
+
+    g = cm.gpu("h200")
+    d = cm.design_for(prog, tensor_cores=True)
+    chunk = [cm.predict(prog, g, d, shape=s).step_us for s in prefill_shapes(prompt, prog.tokens)]
+    step = cm.predict(prog, g, d, shape=StepShape.decode(batch, prompt + steps // 2))
+    return {"design": d.name, "prompt_chunks_us": chunk, "prompt_us": sum(chunk),
+            "decode_step_us": step.step_us, "decode_tokens_per_s": batch / step.step_us * 1e6}
 
 
 def run(models: list[tuple[str, LoadedModel]], backends: list[str], batch: int, prompt: int,
@@ -117,11 +197,27 @@ def format_table(doc: dict) -> str:
             lines.append(pre + f"ERROR {r['error']}")
             continue
         lines.append(pre + f"{r['ttft_ms']:>10.1f} {r['tokens_per_s']:>9.1f}  {r['mode']}")
+        if r.get("device"):
+            lines.append("  " + device_line(r["device"], r["batch"], r["prompt"]))
     lines.append("TTFT: a prompt alone, request to first token (median); tokens/s: every "
                  "sequence's generated tokens over the wall time of the batch; measured on "
                  f"{doc['device']} (the H200's are predicted: monokernel plan --predict h200 "
                  "--batch B / --prompt P)")
     return "\n".join(lines)
+
+
+def device_line(d: dict, batch: int, prompt: int) -> str:
+    """device_times' figures in one line, the H200's predicted ones beside them."""
+    pred = d.get("predicted_h200") or {}
+    chunks = len(d["prompt_chunks_us"])
+    prompt_ms, step_us, rate = d["prompt_us"] / 1e3, d["decode_step_us"], d["decode_tokens_per_s"]
+    line = (f"device time: a {prompt}-token prompt in {chunks} step{'s' * (chunks != 1)} of up "
+            f"to {d['chunk_rows']} rows {prompt_ms:.2f} ms; a decode step of {batch} sequences "
+            f"at context {d['decode_context']} {step_us:.0f} us, {rate:.0f} tokens/s")
+    if pred:
+        line += (f" (predicted on h200: {pred['prompt_us'] / 1e3:.2f} ms; "
+                 f"{pred['decode_step_us']:.0f} us, {pred['decode_tokens_per_s']:.0f} tokens/s)")
+    return line
 
 
 def write(doc: dict, out_dir: str | Path) -> Path:
