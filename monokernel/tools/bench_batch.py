@@ -40,20 +40,41 @@ def prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:
 
 def measure(backend: str, label: str, model: LoadedModel, batch: int, prompt: int,
             new_tokens: int, repeats: int, blocks: int | None, options: dict,
-            max_seq: int | None = None) -> dict:
-    """One row: the backend's time to first token and aggregate tokens/s at ``batch``.
+            max_seq: int | None = None, device_only: bool = False) -> dict:
+    """One row: the backend's time to first token and aggregate tokens/s at ``batch``, and
+    for a kernel of slots its device times (``device_only``: those alone, no Engine run).
     ``max_seq``: the KV cache's length (default: the prompt and its tokens; the GPU check
-    gives its one length, so that the kernel it prepared is the one loaded)."""
-    from ..runtime import Engine, make_executor
-    from ..sampling import SamplingParams
+    gives its one length, so that the kernel it prepared is the one loaded). A failure of
+    the device times is the row's ``device_error``: the Engine's figures stay."""
+    from ..runtime import make_executor
 
     if blocks is not None and backend != "numpy":
         options = dict(options, blocks=blocks)
     max_seq = max_seq or prompt + new_tokens + 2
     ex = make_executor(backend, model, max_seq, **options)
+    row = {"backend": backend, "shape": label, "batch": batch, "prompt": prompt,
+           "new_tokens": new_tokens, "options": dict(options)}
+    if device_only and not getattr(ex, "table", False):
+        raise ValueError(f"{backend}: device times are for a kernel of slots (--slots S)")
+    if not device_only:
+        row.update(served(ex, batch, prompt, new_tokens, repeats))
+    if getattr(ex, "table", False):
+        try:
+            row["device"] = device_times(ex, batch, prompt, new_tokens)
+        except Exception as e:  # noqa: BLE001 - recorded in the row
+            row["device_error"] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def served(ex, batch: int, prompt: int, new_tokens: int, repeats: int) -> dict:
+    """Through the Engine: the time to first token of ``repeats`` prompts alone, then the
+    aggregate tokens/s of ``batch`` prompts started together."""
+    from ..runtime import Engine
+    from ..sampling import SamplingParams
+
     eng = Engine(ex, prefix_caching=False, max_num_seqs=batch)  # rows: the default, capped
     batched = eng.batcher is not None
-    vocab = model.config.vocab_size
+    vocab = ex.config.vocab_size
     first = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     ttft = []
     for ids in prompts(vocab, repeats, prompt, seed=1):
@@ -82,22 +103,19 @@ def measure(backend: str, label: str, model: LoadedModel, batch: int, prompt: in
         for ids in ids_list:
             made += sum(1 for _ in eng.generate(ids, params))
     wall = time.perf_counter() - t0
-    device = device_times(ex, batch, prompt, new_tokens) if getattr(ex, "table", False) else None
-    return {"backend": backend, "shape": label, "batch": batch, "prompt": prompt,
-            "new_tokens": new_tokens, "options": {k: v for k, v in options.items()},
-            "mode": (f"batched: up to {eng.batcher.max_num_seqs} sequences a step"
+    return {"mode": (f"batched: up to {eng.batcher.max_num_seqs} sequences a step"
                      if batched else "one sequence at a time"),
             "ttft_s": ttft, "ttft_ms": float(np.median(ttft)) * 1e3,
-            "generated": made, "wall_s": wall, "tokens_per_s": made / wall,
-            **({"device": device} if device else {})}
+            "generated": made, "wall_s": wall, "tokens_per_s": made / wall}
 
 
 def device_times(ex, batch: int, prompt: int, steps: int) -> dict:
     """Device time of a kernel of slots' own steps, the host outside the window: every slot's
     ``prompt``-token prompt in chunks of the kernel's step rows, each chunk one launch timed by
     ``device.time`` (its control words written before the start event; a cooperative launch's
-    own latency stays inside), then one launch of ``steps`` decode steps of the ``batch``
-    sequences, every row drawn greedily on the device, divided by the steps. The prompt's
+    own latency stays inside), then ``steps`` decode steps of the ``batch`` sequences in
+    launches of up to the kernel's steps per launch (as the Engine runs them), every row drawn
+    greedily on the device, their time divided by the steps. The prompt's
     time is the sum of its chunks' (the median over the slots of each chunk's time); the
     control words after each launch must show every step run, so a launch that did nothing
     cannot pass as fast. For a tensor-core kernel, ``predicted_h200`` holds the cost model's
@@ -137,11 +155,16 @@ def device_times(ex, batch: int, prompt: int, steps: int) -> dict:
             rows = [(ids[s][at + j], s, at + j, last and j == n - 1, True) for j in range(n)]
             draws = {s: greedy} if last else None
             chunks[i].append(timed(StepTable.of(rows, {s: tables[s]}, draws=draws), 1))
-    rows = [(ids[s][-1], s, prompt, True, False) for s in range(batch)]
-    t = timed(StepTable.of(rows, tables, draws={s: greedy for s in range(batch)}, steps=steps),
-              steps)
+    t, done, tokens = 0.0, 0, [ids[s][-1] for s in range(batch)]
+    while done < steps:  # launches of up to max_table_steps decode steps
+        n = min(ex.max_table_steps, steps - done)
+        rows = [(tokens[s], s, prompt + done, True, False) for s in range(batch)]
+        t += timed(StepTable.of(rows, tables, draws={s: greedy for s in range(batch)},
+                                steps=n), n)
+        done += n
     chunk_us = [float(np.median(c)) * 1e6 for c in chunks]
     out = {"timer": "device.time around each launch (control words written before it)",
+           "decode_launches": -(-steps // ex.max_table_steps),
            "chunk_rows": T, "prompt_chunks_us": chunk_us, "prompt_us": sum(chunk_us),
            "decode_context": prompt, "decode_steps": steps,
            "decode_step_us": t / steps * 1e6, "decode_tokens_per_s": batch * steps / t}
@@ -166,25 +189,30 @@ def predicted(prog, batch: int, prompt: int, steps: int) -> dict:
 
 def run(models: list[tuple[str, LoadedModel]], backends: list[str], batch: int, prompt: int,
         new_tokens: int, repeats: int, blocks: int | None, options: dict, log=print,
-        max_seq: int | None = None) -> dict:
+        max_seq: int | None = None, device_only: bool = False, command: str = "",
+        out_dir: str | Path | None = None) -> dict:
+    """Every (model, backend) row; with ``out_dir`` the JSON is rewritten after each row, so
+    a run stopped at a time limit keeps the rows it finished."""
     from .bench import commit_info, device_name, git_commit
 
-    rows = []
+    doc = {"kind": "served rates (bench --batch/--prompt)",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": device_name(), "commit": git_commit(), "commit_source": commit_info()[1],
+           "command": command, "results": []}
     for label, model in models:
         for backend in backends:
             log(f"{backend} {label}: batch {batch}, {prompt}-token prompts, "
                 f"{new_tokens} tokens each ...")
             try:
                 opts = options if backend != "numpy" else {}
-                rows.append(measure(backend, label, model, batch, prompt, new_tokens, repeats,
-                                    blocks, opts, max_seq))
+                doc["results"].append(measure(backend, label, model, batch, prompt, new_tokens,
+                                              repeats, blocks, opts, max_seq, device_only))
             except Exception as e:  # a row that fails is recorded, the run goes on
-                rows.append({"backend": backend, "shape": label, "batch": batch,
-                             "prompt": prompt, "error": f"{type(e).__name__}: {e}"})
-    return {"kind": "served rates (bench --batch/--prompt)",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": device_name(), "commit": git_commit(), "commit_source": commit_info()[1],
-            "results": rows}
+                doc["results"].append({"backend": backend, "shape": label, "batch": batch,
+                                       "prompt": prompt, "error": f"{type(e).__name__}: {e}"})
+            if out_dir is not None:
+                write(doc, out_dir)
+    return doc
 
 
 def format_table(doc: dict) -> str:
@@ -196,9 +224,12 @@ def format_table(doc: dict) -> str:
         if r.get("error"):
             lines.append(pre + f"ERROR {r['error']}")
             continue
-        lines.append(pre + f"{r['ttft_ms']:>10.1f} {r['tokens_per_s']:>9.1f}  {r['mode']}")
+        lines.append(pre + (f"{r['ttft_ms']:>10.1f} {r['tokens_per_s']:>9.1f}  {r['mode']}"
+                            if "ttft_ms" in r else f"{'-':>10} {'-':>9}  device times only"))
         if r.get("device"):
             lines.append("  " + device_line(r["device"], r["batch"], r["prompt"]))
+        if r.get("device_error"):
+            lines.append(f"  device time: ERROR {r['device_error']}")
     lines.append("TTFT: a prompt alone, request to first token (median); tokens/s: every "
                  "sequence's generated tokens over the wall time of the batch; measured on "
                  f"{doc['device']} (the H200's are predicted: monokernel plan --predict h200 "

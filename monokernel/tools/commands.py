@@ -110,6 +110,10 @@ def add_commands(sub) -> None:
     p.add_argument("--tensor-cores", action="store_true",
                    help="with --batch and --slots: kernel backends' option tensor_cores (the "
                         "mat-muls on mma.sync, bf16 inputs)")
+    p.add_argument("--device-only", action="store_true",
+                   help="with --batch and --slots: only the kernel's device times (each prompt "
+                        "chunk step, decode steps of B sequences) beside the H200 prediction, "
+                        "no Engine run")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("trace", help="timeline of one traced decode step (Perfetto JSON + PNG)")
@@ -276,10 +280,9 @@ def cmd_bench_batch(args) -> int:
         raise SystemExit(f"monokernel: error: --max-seq {max_seq} is too short for a "
                          f"{prompt}-token prompt and {args.new_tokens} new tokens (needs "
                          f"{prompt + args.new_tokens + 2})")
-    shapes = [s.strip() for s in args.shape.split(",")] if args.shape else [None]
-    models = [_load(args, s) for s in shapes]
-    doc = bb.run(models, backends, batch, prompt, args.new_tokens, args.repeats, args.blocks,
-                 options, log=lambda s: print(s, file=sys.stderr, flush=True), max_seq=max_seq)
+    if args.device_only and not (args.slots or 0) > 1:
+        raise SystemExit("monokernel: error: --device-only needs --slots S (S >= 2): device "
+                         "times are for a kernel of slots")
     parts = ["monokernel", "bench"] + (["--shape", args.shape] if args.shape else
                                         ["--model", _safe_path(args.model)] if args.model else [])
     parts += ["--backends", args.backends, "--batch", str(batch), "--prompt", str(prompt),
@@ -294,10 +297,17 @@ def cmd_bench_batch(args) -> int:
         parts.append("--tensor-cores")
     if max_seq is not None:
         parts += ["--max-seq", str(max_seq)]
-    doc["command"] = shlex.join(parts + ["--out", _safe_path(args.out)])
+    if args.device_only:
+        parts.append("--device-only")
+    shapes = [s.strip() for s in args.shape.split(",")] if args.shape else [None]
+    models = [_load(args, s) for s in shapes]
+    doc = bb.run(models, backends, batch, prompt, args.new_tokens, args.repeats, args.blocks,
+                 options, log=lambda s: print(s, file=sys.stderr, flush=True), max_seq=max_seq,
+                 device_only=args.device_only,
+                 command=shlex.join(parts + ["--out", _safe_path(args.out)]), out_dir=args.out)
     print(bb.format_table(doc))
     print(f"wrote {bb.write(doc, args.out)}")
-    return 1 if any(r.get("error") for r in doc["results"]) else 0
+    return 1 if any(r.get("error") or r.get("device_error") for r in doc["results"]) else 0
 
 
 # ================================================================================================

@@ -62,11 +62,43 @@ def test_bench_batch_on_tensor_cores(tmp_path, capsys):
     assert row["generated"] == 2 * 2
 
 
+def test_bench_batch_device_times(tmp_path, capsys):
+    """A kernel of slots' own steps on its device, beside the H200 prediction: a 9-token
+    prompt's 3 chunk launches of up to 4 rows, 10 decode steps of 3 sequences in launches of
+    up to 8 (the kernel's steps per launch: the first GPU run asked one launch for 16 and lost
+    the row); ``--device-only`` skips the Engine; the JSON is on disk after each row."""
+    out = tmp_path / "res"
+    argv = ["bench", "--shape", "tiny", "--backends", "emulator", "--batch", "3", "--prompt",
+            "9", "--new-tokens", "10", "--repeats", "1", "--blocks", "2", "--slots", "3",
+            "--step-tokens", "4", "--tensor-cores", "--out", str(out)]
+    assert main(argv) == 0
+    assert main(argv + ["--device-only"]) == 0
+    text = capsys.readouterr().out
+    assert "device time: a 9-token prompt in 3 steps of up to 4 rows" in text
+    assert "device times only" in text and "(predicted on h200: " in text
+    docs = [json.loads(p.read_text()) for p in sorted(out.glob("bench-batch-*.json"))]
+    [both] = [d for d in docs if not d["command"].endswith("--device-only --out res")]
+    [only] = [d for d in docs if d["command"].endswith("--device-only --out res")]
+    for doc in (both, only):
+        [row] = doc["results"]
+        dev = row["device"]
+        assert len(dev["prompt_chunks_us"]) == 3 and dev["chunk_rows"] == 4
+        assert dev["prompt_us"] == pytest.approx(sum(dev["prompt_chunks_us"]))
+        assert dev["decode_steps"] == 10 and dev["decode_launches"] == 2
+        assert dev["decode_tokens_per_s"] == pytest.approx(3 / dev["decode_step_us"] * 1e6)
+        pred = dev["predicted_h200"]
+        assert pred["design"].startswith("v6-mma") and len(pred["prompt_chunks_us"]) == 3
+        assert 0 < pred["decode_step_us"] < 1e4
+    assert both["results"][0]["generated"] == 3 * 10
+    assert "generated" not in only["results"][0] and "ttft_ms" not in only["results"][0]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--batch", "0"], "--batch must be >= 1"),
     (["--batch", "2", "--prompt", "0"], "--prompt must be >= 1"),
     (["--batch", "2", "--backends", "hf"], "monokernel's backends only"),
     (["--batch", "2", "--tensor-cores"], "--tensor-cores needs --slots"),
+    (["--batch", "2", "--device-only"], "--device-only needs --slots"),
 ])
 def test_bench_batch_refuses_bad_input(tmp_path, argv, message):
     with pytest.raises(SystemExit) as e:
