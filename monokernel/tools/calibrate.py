@@ -17,6 +17,7 @@ its timings are CPU timings, not GPU timings: the fitted numbers then describe t
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 import time
@@ -56,13 +57,15 @@ _LABELS = {"l2_latency": ("L2 latency", "us", 1.0), "hbm_latency": ("HBM latency
 # Reading a trace
 # ================================================================================================
 def load_trace(path: str | Path) -> tuple[dict, list[dict]]:
-    """(otherData, traceEvents) of a trace JSON written by ``monokernel trace``."""
+    """(otherData, traceEvents) of a trace JSON written by ``monokernel trace``, or of the same
+    gzipped (``.json.gz``: how benchmarks/results keeps a GPU's trace)."""
     path = Path(path)
     if not path.is_file():
         raise CostModelError(f"{path}: no such trace file")
     try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        doc = json.loads(raw.decode())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError) as e:
         raise CostModelError(f"{path}: not a JSON trace ({e})") from None
     if not isinstance(doc, dict) or "traceEvents" not in doc:
         raise CostModelError(f"{path}: no traceEvents: not a trace written by `monokernel trace`")

@@ -224,8 +224,14 @@ def predict_report(prog, gpu_name: str, design_name: str | None, context: int) -
               f"floor: {prog.config.weight_bytes_per_token() / 1e6:.1f} MB weights / "
               f"{g.hbm_bw / 1e6:.2f} TB/s = {p.floor_us:.1f} us; modelled in {t_model:.1f} s",
               f"range: low {low:.0f} / nominal {p.total_us:.0f} / high {high:.0f} us/token "
-              "(every constant at its fast / table / slow end at once)",
-              f"predicted on {g.name}: {p.total_us:.0f} us/token ({p.x_floor:.2f}x floor)"]
+              "(every constant at its fast / table / slow end at once)"]
+    seen = cm.measured_decode(g.name, c, context)
+    if seen and d.name == cm.design_for(prog).name:
+        shape, at, us = seen
+        lines.append(f"measured on {g.name}: {us:.1f} us/token, {shape} at context {at} "
+                     f"({cm.MEASURED_SOURCE}): {us / p.total_us:.2f}x this prediction "
+                     "(benchmarks/NOTES.md, \"The first GPU run\")")
+    lines.append(f"predicted on {g.name}: {p.total_us:.0f} us/token ({p.x_floor:.2f}x floor)")
     return "\n".join(lines)
 
 

@@ -326,6 +326,28 @@ def test_plan_predict_ends_with_the_prediction(capsys):
     for op in Op:
         if op != Op.NOOP:
             assert re.search(rf"^{op.name}\s+\d+\s+[\d.]+", out, re.M), op.name
+    # the H200's measurement of the shape under the prediction, with its ratio to it
+    seen = re.search(r"^measured on h200: 653\.5 us/token, smollm2-135m at context 16 "
+                     r"\(benchmarks/RESULTS\.md, 2026-12-04, commit a5ee726\): ([\d.]+)x this "
+                     r"prediction", out, re.M)
+    assert seen and abs(float(seen.group(1)) - 653.5 / p.total_us) < 0.0051, out[-600:]
+
+
+def test_plan_measured_only_where_it_was_measured(capsys):
+    """The measurement line names the nearest measured context of the same architecture on the
+    same GPU, and only under the design the GPU ran (not a design not built, not another GPU,
+    not a shape nobody measured)."""
+    from monokernel.model.config import ModelConfig
+
+    cfg = ModelConfig.from_name("qwen3-0.6b")
+    assert cm.measured_decode("h200", cfg, 2048) == ("qwen3-0.6b", 512, 937.2)
+    assert cm.measured_decode("h100", cfg, 16) is None
+    assert cm.measured_decode("h200", ModelConfig.from_name("tiny"), 16) is None
+    for argv in (["--shape", "tiny"], ["--shape", "smollm2-135m", "--design", "v5"],
+                 ["--shape", "smollm2-135m", "--predict", "h100"]):
+        argv = argv if "--predict" in argv else argv + ["--predict", "h200"]
+        assert main(["plan", "--blocks", "32", "--context", "16"] + argv) == 0
+        assert "measured on" not in capsys.readouterr().out, argv
 
 
 def test_plan_weight_balance_proxy():
