@@ -118,8 +118,9 @@ def device_times(ex, batch: int, prompt: int, steps: int) -> dict:
     greedily on the device, their time divided by the steps. The prompt's
     time is the sum of its chunks' (the median over the slots of each chunk's time); the
     control words after each launch must show every step run, so a launch that did nothing
-    cannot pass as fast. For a tensor-core kernel, ``predicted_h200`` holds the cost model's
-    figures for the same steps (plan --predict h200 --batch / --prompt)."""
+    cannot pass as fast. For a tensor-core kernel, ``predicted`` holds the cost model's
+    figures for the same steps on "h200" (the physical table) and "h200-fit" (fitted to the
+    first GPU run's decode steps): plan --predict GPU --batch / --prompt."""
     from ..kernel.base import DeviceSample, StepTable
 
     T, P = ex.max_step_rows, ex.page_size
@@ -169,17 +170,21 @@ def device_times(ex, batch: int, prompt: int, steps: int) -> dict:
            "decode_context": prompt, "decode_steps": steps,
            "decode_step_us": t / steps * 1e6, "decode_tokens_per_s": batch * steps / t}
     if ex.tensor_cores:
-        out["predicted_h200"] = predicted(ex.program, batch, prompt, steps)
+        out["predicted"] = {g: predicted(ex.program, g, batch, prompt, steps)
+                            for g in PREDICTED_ON}
     return out
 
 
-def predicted(prog, batch: int, prompt: int, steps: int) -> dict:
-    """The cost model's H200 figures (a PREDICTION) for device_times' steps: each prompt chunk
-    and a decode step of ``batch`` sequences at the decode steps' mean context."""
+PREDICTED_ON = ("h200", "h200-fit")
+
+
+def predicted(prog, gpu_name: str, batch: int, prompt: int, steps: int) -> dict:
+    """The cost model's figures on ``gpu_name`` (a PREDICTION) for device_times' steps: each
+    prompt chunk and a decode step of ``batch`` sequences at the decode steps' mean context."""
     from ..kernel import costmodel as cm
     from ..kernel.costmodel.tokens import StepShape, prefill_shapes
 
-    g = cm.gpu("h200")
+    g = cm.gpu(gpu_name)
     d = cm.design_for(prog, tensor_cores=True)
     chunk = [cm.predict(prog, g, d, shape=s).step_us for s in prefill_shapes(prompt, prog.tokens)]
     step = cm.predict(prog, g, d, shape=StepShape.decode(batch, prompt + steps // 2))
@@ -238,16 +243,15 @@ def format_table(doc: dict) -> str:
 
 
 def device_line(d: dict, batch: int, prompt: int) -> str:
-    """device_times' figures in one line, the H200's predicted ones beside them."""
-    pred = d.get("predicted_h200") or {}
+    """device_times' figures in one line, the predicted ones beside them."""
     chunks = len(d["prompt_chunks_us"])
     prompt_ms, step_us, rate = d["prompt_us"] / 1e3, d["decode_step_us"], d["decode_tokens_per_s"]
     line = (f"device time: a {prompt}-token prompt in {chunks} step{'s' * (chunks != 1)} of up "
             f"to {d['chunk_rows']} rows {prompt_ms:.2f} ms; a decode step of {batch} sequences "
             f"at context {d['decode_context']} {step_us:.0f} us, {rate:.0f} tokens/s")
-    if pred:
-        line += (f" (predicted on h200: {pred['prompt_us'] / 1e3:.2f} ms; "
-                 f"{pred['decode_step_us']:.0f} us, {pred['decode_tokens_per_s']:.0f} tokens/s)")
+    for g, pred in (d.get("predicted") or {}).items():
+        line += (f"; predicted on {g}: {pred['prompt_us'] / 1e3:.2f} ms, "
+                 f"{pred['decode_step_us']:.0f} us, {pred['decode_tokens_per_s']:.0f} tokens/s")
     return line
 
 

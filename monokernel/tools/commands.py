@@ -2,7 +2,7 @@
 measured speed, and its timeline.
 
     monokernel plan  [--model DIR|FILE.gguf | --shape NAME] [--blocks 132] [--context 1024]
-                     [--predict h200|h100 [--design NAME] [--batch B] [--prompt P]]
+                     [--predict h200|h100|h200-fit [--design NAME] [--batch B] [--prompt P]]
     monokernel calibrate TRACE.json [--model DIR | --shape NAME] [--gpu h200] [--design v1]
     monokernel bench [--model DIR | --shape NAME[,NAME...]] [--backends LIST]
                      [--context 16,512,2048] [--steps N] [--warmup N] [--blocks N] [--out DIR]
@@ -45,7 +45,8 @@ def add_commands(sub) -> None:
                    help="context length for the KV-cache bytes (default 1024)")
     p.add_argument("--predict", default=None, metavar="GPU",
                    help="also predict the step's time with the cost model on this GPU "
-                        "(h200, h100); a prediction, not a measurement")
+                        "(h200, h100, or h200-fit: the H200 fitted to its measured decode "
+                        "steps); a prediction, not a measurement")
     p.add_argument("--design", default=None,
                    help=f"kernel design for --predict: {', '.join(DESIGNS)} (default: the "
                         "design the kernel implements now, costmodel.design_for; v5: the "

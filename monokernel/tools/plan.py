@@ -228,7 +228,8 @@ def predict_report(prog, gpu_name: str, design_name: str | None, context: int) -
     seen = cm.measured_decode(g.name, c, context)
     if seen and d.name == cm.design_for(prog).name:
         shape, at, us = seen
-        lines.append(f"measured on {g.name}: {us:.1f} us/token, {shape} at context {at} "
+        lines.append(f"measured on {g.name.removesuffix('-fit')}: {us:.1f} us/token, {shape} "
+                     f"at context {at} "
                      f"({cm.MEASURED_SOURCE}): {us / p.total_us:.2f}x this prediction "
                      "(benchmarks/NOTES.md, \"The first GPU run\")")
     lines.append(f"predicted on {g.name}: {p.total_us:.0f} us/token ({p.x_floor:.2f}x floor)")

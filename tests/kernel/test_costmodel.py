@@ -333,6 +333,28 @@ def test_plan_predict_ends_with_the_prediction(capsys):
     assert seen and abs(float(seen.group(1)) - 653.5 / p.total_us) < 0.0051, out[-600:]
 
 
+def test_h200_fit_reproduces_the_first_gpu_run():
+    """"h200-fit" (gpu.H200_FIT): the H200's table but for the four constants fitted to the six
+    decode steps the first GPU run measured (costmodel/measured.py), each of which it predicts
+    within 7 % (the fit left them within 5 %), on the programs the bench ran (640 positions,
+    132 blocks)."""
+    from monokernel.kernel.costmodel.gpu import H200_FIT
+    from monokernel.kernel.costmodel.measured import DECODE_US
+
+    table, fit = cm.gpu("h200"), cm.gpu("h200-fit")
+    moved = {f.name for f in dataclasses.fields(table)
+             if getattr(table, f.name) != getattr(fit, f.name)}
+    assert moved == set(H200_FIT) | {"name"}
+    for c in H200_FIT:
+        lo, hi = cm.constant_range("h200-fit", c)
+        assert lo <= H200_FIT[c] <= hi
+    for (gpu, shape), rows in DECODE_US.items():
+        prog = schedule(ModelConfig.from_name(shape), 132, 640)
+        for context, us in rows.items():
+            p = cm.predict(prog, "h200-fit", cm.design_for(prog), context)
+            assert 0.93 <= us / p.total_us <= 1.07, (shape, context, us, p.total_us)
+
+
 def test_plan_measured_only_where_it_was_measured(capsys):
     """The measurement line names the nearest measured context of the same architecture on the
     same GPU, and only under the design the GPU ran (not a design not built, not another GPU,

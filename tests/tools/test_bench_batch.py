@@ -75,7 +75,8 @@ def test_bench_batch_device_times(tmp_path, capsys):
     assert main(argv + ["--device-only"]) == 0
     text = capsys.readouterr().out
     assert "device time: a 9-token prompt in 3 steps of up to 4 rows" in text
-    assert "device times only" in text and "(predicted on h200: " in text
+    assert "device times only" in text and "; predicted on h200: " in text
+    assert "; predicted on h200-fit: " in text
     docs = [json.loads(p.read_text()) for p in sorted(out.glob("bench-batch-*.json"))]
     [both] = [d for d in docs if not d["command"].endswith("--device-only --out res")]
     [only] = [d for d in docs if d["command"].endswith("--device-only --out res")]
@@ -86,9 +87,12 @@ def test_bench_batch_device_times(tmp_path, capsys):
         assert dev["prompt_us"] == pytest.approx(sum(dev["prompt_chunks_us"]))
         assert dev["decode_steps"] == 10 and dev["decode_launches"] == 2
         assert dev["decode_tokens_per_s"] == pytest.approx(3 / dev["decode_step_us"] * 1e6)
-        pred = dev["predicted_h200"]
-        assert pred["design"].startswith("v6-mma") and len(pred["prompt_chunks_us"]) == 3
-        assert 0 < pred["decode_step_us"] < 1e4
+        assert list(dev["predicted"]) == ["h200", "h200-fit"]
+        for pred in dev["predicted"].values():
+            assert pred["design"].startswith("v6-mma") and len(pred["prompt_chunks_us"]) == 3
+            assert 0 < pred["decode_step_us"] < 1e4
+        # the fitted table's latencies are longer: every figure slower
+        assert dev["predicted"]["h200-fit"]["prompt_us"] > dev["predicted"]["h200"]["prompt_us"]
     assert both["results"][0]["generated"] == 3 * 10
     assert "generated" not in only["results"][0] and "ttft_ms" not in only["results"][0]
 

@@ -20,12 +20,12 @@ _ARCH = ("arch", "hidden_size", "intermediate_size", "num_layers", "num_heads", 
 
 def measured_decode(gpu_name: str, cfg, context: int) -> tuple[str, int, float] | None:
     """(shape, context, us) of the measurement nearest ``context`` for a model of the same
-    architecture as a measured shape on ``gpu_name``, or None."""
+    architecture as a measured shape on ``gpu_name`` (h200-fit: the H200's), or None."""
     from ...model.config import ModelConfig
 
     for (gpu, shape), rows in DECODE_US.items():
         ref = ModelConfig.from_name(shape)
-        if gpu == gpu_name.lower() and all(getattr(cfg, f) == getattr(ref, f) for f in _ARCH):
+        if gpu == gpu_name.lower().removesuffix("-fit") and all(getattr(cfg, f) == getattr(ref, f) for f in _ARCH):
             near = min(rows, key=lambda c: abs(c - context))
             return shape, near, rows[near]
     return None
