@@ -279,12 +279,13 @@ elif [ "$MODE" = tc ]; then
     tests/kernel/test_cuda_backend.py::test_gpu_tensor_cores_agree_with_the_bf16_reference_and_alone
   # device time of a 1024-token prompt's 8 chunk steps and of decode steps of 64 sequences
   # at context 1024 (device times only: the Engine's 64 prompts of 1024 took ~25 s a shape),
-  # then at context 16 with the Engine's served rates, beside the model's prediction
+  # then at context 16 with the Engine's served rates; their predictions are CPU work (~7 s a
+  # GPU and shape here) for `plan --predict h200 / h200-fit --batch 64 / --prompt 1024` after
   for P in 1024 16; do
     step "bench_tc_$P" 45 "$PY" -m monokernel bench \
       --shape "${SHAPES// /,}" --backends cuda --batch 64 --slots 64 --step-tokens 128 \
       --tensor-cores --prompt "$P" --new-tokens 16 --repeats 1 --max-seq "$MAX_SEQ" \
-      $([ "$P" -gt 16 ] && echo --device-only) --out "$WORK"
+      --no-predict $([ "$P" -gt 16 ] && echo --device-only) --out "$WORK"
   done
 else
   SHAPES="smollm2-135m qwen3-0.6b llama-3.2-1b"

@@ -40,7 +40,7 @@ def prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:
 
 def measure(backend: str, label: str, model: LoadedModel, batch: int, prompt: int,
             new_tokens: int, repeats: int, blocks: int | None, options: dict,
-            max_seq: int | None = None, device_only: bool = False) -> dict:
+            max_seq: int | None = None, device_only: bool = False, predict: bool = True) -> dict:
     """One row: the backend's time to first token and aggregate tokens/s at ``batch``, and
     for a kernel of slots its device times (``device_only``: those alone, no Engine run).
     ``max_seq``: the KV cache's length (default: the prompt and its tokens; the GPU check
@@ -60,7 +60,7 @@ def measure(backend: str, label: str, model: LoadedModel, batch: int, prompt: in
         row.update(served(ex, batch, prompt, new_tokens, repeats))
     if getattr(ex, "table", False):
         try:
-            row["device"] = device_times(ex, batch, prompt, new_tokens)
+            row["device"] = device_times(ex, batch, prompt, new_tokens, predict)
         except Exception as e:  # noqa: BLE001 - recorded in the row
             row["device_error"] = f"{type(e).__name__}: {e}"
     return row
@@ -109,7 +109,7 @@ def served(ex, batch: int, prompt: int, new_tokens: int, repeats: int) -> dict:
             "generated": made, "wall_s": wall, "tokens_per_s": made / wall}
 
 
-def device_times(ex, batch: int, prompt: int, steps: int) -> dict:
+def device_times(ex, batch: int, prompt: int, steps: int, predict: bool = True) -> dict:
     """Device time of a kernel of slots' own steps, the host outside the window: every slot's
     ``prompt``-token prompt in chunks of the kernel's step rows, each chunk one launch timed by
     ``device.time`` (its control words written before the start event; a cooperative launch's
@@ -120,7 +120,9 @@ def device_times(ex, batch: int, prompt: int, steps: int) -> dict:
     control words after each launch must show every step run, so a launch that did nothing
     cannot pass as fast. For a tensor-core kernel, ``predicted`` holds the cost model's
     figures for the same steps on "h200" (the physical table) and "h200-fit" (fitted to the
-    first GPU run's decode steps): plan --predict GPU --batch / --prompt."""
+    first GPU run's decode steps): plan --predict GPU --batch / --prompt (``predict``
+    False: left out; a 128-row program's take ~7 s a GPU on a CPU core, which the GPU check
+    leaves to plan afterwards)."""
     from ..kernel.base import DeviceSample, StepTable
 
     T, P = ex.max_step_rows, ex.page_size
@@ -169,7 +171,7 @@ def device_times(ex, batch: int, prompt: int, steps: int) -> dict:
            "chunk_rows": T, "prompt_chunks_us": chunk_us, "prompt_us": sum(chunk_us),
            "decode_context": prompt, "decode_steps": steps,
            "decode_step_us": t / steps * 1e6, "decode_tokens_per_s": batch * steps / t}
-    if ex.tensor_cores:
+    if ex.tensor_cores and predict:
         out["predicted"] = {g: predicted(ex.program, g, batch, prompt, steps)
                             for g in PREDICTED_ON}
     return out
@@ -195,7 +197,7 @@ def predicted(prog, gpu_name: str, batch: int, prompt: int, steps: int) -> dict:
 def run(models: list[tuple[str, LoadedModel]], backends: list[str], batch: int, prompt: int,
         new_tokens: int, repeats: int, blocks: int | None, options: dict, log=print,
         max_seq: int | None = None, device_only: bool = False, command: str = "",
-        out_dir: str | Path | None = None) -> dict:
+        out_dir: str | Path | None = None, predict: bool = True) -> dict:
     """Every (model, backend) row; with ``out_dir`` the JSON is rewritten after each row, so
     a run stopped at a time limit keeps the rows it finished."""
     from .bench import commit_info, device_name, git_commit
@@ -211,7 +213,8 @@ def run(models: list[tuple[str, LoadedModel]], backends: list[str], batch: int, 
             try:
                 opts = options if backend != "numpy" else {}
                 doc["results"].append(measure(backend, label, model, batch, prompt, new_tokens,
-                                              repeats, blocks, opts, max_seq, device_only))
+                                              repeats, blocks, opts, max_seq, device_only,
+                                              predict))
             except Exception as e:  # a row that fails is recorded, the run goes on
                 doc["results"].append({"backend": backend, "shape": label, "batch": batch,
                                        "prompt": prompt, "error": f"{type(e).__name__}: {e}"})

@@ -7,7 +7,7 @@ measured speed, and its timeline.
     monokernel bench [--model DIR | --shape NAME[,NAME...]] [--backends LIST]
                      [--context 16,512,2048] [--steps N] [--warmup N] [--blocks N] [--out DIR]
     monokernel bench ... --batch B [--prompt P] [--new-tokens N] [--repeats R] [--step-tokens T]
-                         [--slots S] [--tensor-cores]
+                         [--slots S] [--tensor-cores] [--device-only] [--no-predict]
                      (served rates: time to first token, aggregate tokens/s at batch B)
     monokernel trace [--model DIR | --shape NAME] [--backend emulator|cuda] [--blocks N]
                      [--context N] [--out DIR]
@@ -115,6 +115,9 @@ def add_commands(sub) -> None:
                    help="with --batch and --slots: only the kernel's device times (each prompt "
                         "chunk step, decode steps of B sequences) beside the H200 prediction, "
                         "no Engine run")
+    p.add_argument("--no-predict", action="store_true",
+                   help="with --batch: leave the device times' H200 predictions out (CPU work: "
+                        "plan --predict computes them afterwards)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("trace", help="timeline of one traced decode step (Perfetto JSON + PNG)")
@@ -300,11 +303,13 @@ def cmd_bench_batch(args) -> int:
         parts += ["--max-seq", str(max_seq)]
     if args.device_only:
         parts.append("--device-only")
+    if args.no_predict:
+        parts.append("--no-predict")
     shapes = [s.strip() for s in args.shape.split(",")] if args.shape else [None]
     models = [_load(args, s) for s in shapes]
     doc = bb.run(models, backends, batch, prompt, args.new_tokens, args.repeats, args.blocks,
                  options, log=lambda s: print(s, file=sys.stderr, flush=True), max_seq=max_seq,
-                 device_only=args.device_only,
+                 device_only=args.device_only, predict=not args.no_predict,
                  command=shlex.join(parts + ["--out", _safe_path(args.out)]), out_dir=args.out)
     print(bb.format_table(doc))
     print(f"wrote {bb.write(doc, args.out)}")

@@ -66,20 +66,21 @@ def test_bench_batch_device_times(tmp_path, capsys):
     """A kernel of slots' own steps on its device, beside the H200 prediction: a 9-token
     prompt's 3 chunk launches of up to 4 rows, 10 decode steps of 3 sequences in launches of
     up to 8 (the kernel's steps per launch: the first GPU run asked one launch for 16 and lost
-    the row); ``--device-only`` skips the Engine; the JSON is on disk after each row."""
+    the row); ``--device-only`` skips the Engine, ``--no-predict`` the cost model; the JSON is
+    on disk after each row."""
     out = tmp_path / "res"
     argv = ["bench", "--shape", "tiny", "--backends", "emulator", "--batch", "3", "--prompt",
             "9", "--new-tokens", "10", "--repeats", "1", "--blocks", "2", "--slots", "3",
             "--step-tokens", "4", "--tensor-cores", "--out", str(out)]
     assert main(argv) == 0
-    assert main(argv + ["--device-only"]) == 0
+    assert main(argv + ["--device-only", "--no-predict"]) == 0
     text = capsys.readouterr().out
     assert "device time: a 9-token prompt in 3 steps of up to 4 rows" in text
     assert "device times only" in text and "; predicted on h200: " in text
     assert "; predicted on h200-fit: " in text
     docs = [json.loads(p.read_text()) for p in sorted(out.glob("bench-batch-*.json"))]
-    [both] = [d for d in docs if not d["command"].endswith("--device-only --out res")]
-    [only] = [d for d in docs if d["command"].endswith("--device-only --out res")]
+    [both] = [d for d in docs if "--device-only" not in d["command"]]
+    [only] = [d for d in docs if d["command"].endswith("--device-only --no-predict --out res")]
     for doc in (both, only):
         [row] = doc["results"]
         dev = row["device"]
@@ -87,12 +88,14 @@ def test_bench_batch_device_times(tmp_path, capsys):
         assert dev["prompt_us"] == pytest.approx(sum(dev["prompt_chunks_us"]))
         assert dev["decode_steps"] == 10 and dev["decode_launches"] == 2
         assert dev["decode_tokens_per_s"] == pytest.approx(3 / dev["decode_step_us"] * 1e6)
-        assert list(dev["predicted"]) == ["h200", "h200-fit"]
-        for pred in dev["predicted"].values():
-            assert pred["design"].startswith("v6-mma") and len(pred["prompt_chunks_us"]) == 3
-            assert 0 < pred["decode_step_us"] < 1e4
-        # the fitted table's latencies are longer: every figure slower
-        assert dev["predicted"]["h200-fit"]["prompt_us"] > dev["predicted"]["h200"]["prompt_us"]
+    assert "predicted" not in only["results"][0]["device"]
+    pred = both["results"][0]["device"]["predicted"]
+    assert list(pred) == ["h200", "h200-fit"]
+    for p in pred.values():
+        assert p["design"].startswith("v6-mma") and len(p["prompt_chunks_us"]) == 3
+        assert 0 < p["decode_step_us"] < 1e4
+    # the fitted table's latencies are longer: every figure slower
+    assert pred["h200-fit"]["prompt_us"] > pred["h200"]["prompt_us"]
     assert both["results"][0]["generated"] == 3 * 10
     assert "generated" not in only["results"][0] and "ttft_ms" not in only["results"][0]
 
