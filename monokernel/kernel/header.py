@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..model.config import ModelConfig
 from . import ops
+from . import isa
 from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, KV_UNROLL, MATVEC_LOADS, MERGE_CHUNK,
                   MERGE_TICKET_WAYS, NUM_THREADS, PARAMS, PREFETCH_MAX_BYTES, ROW_WORDS,
                   SEG_KEYS, SEG_QUERIES, SEG_SUB, STATE_WORDS, T_TILE, TRACE_WORDS, WIDTH, Err,
@@ -32,6 +33,7 @@ def model_constants(cfg: ModelConfig, max_seq_len: int) -> dict[str, int | str]:
         "MK_SEG_QUERIES": SEG_QUERIES,
         "MK_MATVEC_LOADS": MATVEC_LOADS,
         "MK_KV_UNROLL": KV_UNROLL,
+        **{f"MK_{name}": getattr(isa, name) for name in isa.MMA_CONSTANTS},
         "MK_K_VEC": attn_k_vec(cfg.head_dim),
         "MK_MERGE_CHUNK": MERGE_CHUNK,
         "MK_MERGE_WAYS": merge_block_ways(cfg),
@@ -75,8 +77,10 @@ def dynamic_shared_bytes(cfg: ModelConfig, tokens: int, mma: bool = False) -> in
         tiles = 2 * T_TILE * (D + 8) * 2
         split = 16 * (T_TILE + 4) + T_TILE // 16 * 32 * 4 + T_TILE // SEG_SUB * 32 * 2 + 32 * 4
         queries = NUM_THREADS // 32 * 16 * (D + 8) * 2
-        # block_mma_rows' sums (steps of more than 32 tokens): [token tiles][warps][16][8] fp32
-        rows = min(8, -(-tokens // 8)) * NUM_THREADS // 32 * 16 * 8 * 4 if tokens > 32 else 0
+        # block_mma_rows' sums (steps of more than MMA_ROWS_SPLIT_ABOVE tokens): [token
+        # tiles][warps][16][8] fp32
+        tiles_ = min(isa.MMA_RT, -(-tokens // 8))
+        rows = tiles_ * NUM_THREADS // 32 * 16 * 8 * 4 if tokens > isa.MMA_ROWS_SPLIT_ABOVE else 0
         return max(tiles + split * 4 + queries, rows)
     if cfg.qk_norm:
         return tokens * cfg.head_dim * 2 if tokens > 1 else 0

@@ -261,6 +261,23 @@ SEG_QUERIES = 8
 # Mat-vecs (megakernel.cu RowShape<N>): 16-byte weight loads per lane a warp pass
 # keeps in flight where the row allows; see row_shape.
 MATVEC_LOADS = 8
+# Tensor-core mat-muls (megakernel.cu block_mma and block_mma_rows, MK_MMA; the header renders
+# each as MK_<name>, the cost model's design and tokens.py read them here):
+MMA_KC = 32  # input columns a chunk (a lane: 8 of them)
+MMA_RG = 2  # row groups of 16 a k-split pass: one input fragment feeds both
+MMA_UNROLL = 2  # chunks whose loads a lane issues before their mma (a dependent round)
+# token tiles (8 tokens each) a k-split pass multiplies by each chunk's weight fragments,
+# loaded once (8 spilled the megakernel: benchmarks/NOTES.md)
+MMA_NT = 4
+# a step (a block's share) of more than this many rows, at K <= MMA_ROWS_SPLIT_MAX_K, splits a
+# pass's rows over the warps (block_mma_rows): MMA_RT token tiles a pass, each warp walking
+# every k range, MMA_ROWS_UNROLL chunks' weights a lane loads together
+MMA_ROWS_SPLIT_ABOVE = 32
+MMA_ROWS_SPLIT_MAX_K = 2048
+MMA_RT = 8
+MMA_ROWS_UNROLL = 2
+MMA_CONSTANTS = ("MMA_KC", "MMA_RG", "MMA_UNROLL", "MMA_NT", "MMA_ROWS_SPLIT_ABOVE",
+                 "MMA_ROWS_SPLIT_MAX_K", "MMA_RT", "MMA_ROWS_UNROLL")
 
 
 def row_shape(n: int) -> tuple[int, int, int]:

@@ -415,13 +415,12 @@ __device__ __forceinline__ void* dynamic_smem() {
 //     shared memory and epi(q0, tok0, sum) adds them in warp order (sum(q, r, n): row r of
 //     group q0 + q, token tok0 + n). Neither split depends on ntok, and mma's columns are
 //     independent: a token's numbers never depend on the step's other tokens.
-#define MMA_KC 32     // input columns per chunk (a lane: 8 of them)
-#define MMA_RG 2      // row groups of 16 per pass: one input fragment feeds both
-#define MMA_UNROLL 2  // chunks whose loads a lane issues before their mma
+#define MMA_KC MK_MMA_KC          // isa.MMA_KC: input columns per chunk (a lane: 8 of them)
+#define MMA_RG MK_MMA_RG          // isa.MMA_RG: row groups of 16 per pass (one input fragment)
+#define MMA_UNROLL MK_MMA_UNROLL  // isa.MMA_UNROLL: chunks whose loads a lane issues at once
 // token tiles (8 tokens each) a pass multiplies by each chunk's weight fragments, loaded once:
-// a block reads its weight tile once per 32 of its step's tokens (once per 8, its loops token
-// tiles outermost, before 2026-12-04; 8 tiles spilled the megakernel: benchmarks/NOTES.md)
-#define MMA_NT cmin(4, (MK_T_MAX + 7) / 8)
+// a block reads its weight tile once per 8 x isa.MMA_NT of its step's tokens
+#define MMA_NT cmin(MK_MMA_NT, (MK_T_MAX + 7) / 8)
 
 struct MmaShared {
   float part[NWARPS][MMA_RG][16][8];  // the warps' partial sums of a pass's token tile
@@ -478,10 +477,10 @@ __device__ __forceinline__ void mma_tiles(float (&acc)[NT][4], const uint4 (&a)[
 // NWARPS row groups. The sums live in dynamic shared memory (registers: the megakernel
 // spilled), each lane's own words until the epilogue. A warp walks every chunk of k (C /
 // MMA_ROWS_UNROLL dependent rounds), so long k (DOWN's) and small steps keep the k split.
-#define MMA_ROWS_SPLIT_ABOVE 32
-#define MMA_ROWS_SPLIT_MAX_K 2048
-#define MMA_RT cmin(8, (MK_T_MAX + 7) / 8)
-#define MMA_ROWS_UNROLL 2  // chunks whose weights a lane loads together
+#define MMA_ROWS_SPLIT_ABOVE MK_MMA_ROWS_SPLIT_ABOVE  // isa.MMA_ROWS_SPLIT_ABOVE
+#define MMA_ROWS_SPLIT_MAX_K MK_MMA_ROWS_SPLIT_MAX_K  // isa.MMA_ROWS_SPLIT_MAX_K
+#define MMA_RT cmin(MK_MMA_RT, (MK_T_MAX + 7) / 8)    // isa.MMA_RT: token tiles a pass
+#define MMA_ROWS_UNROLL MK_MMA_ROWS_UNROLL  // isa.MMA_ROWS_UNROLL: chunks' weights loaded at once
 #if MK_MMA && MK_T_MAX > MMA_ROWS_SPLIT_ABOVE
 static_assert(MK_DYN_SMEM >= MMA_RT * NWARPS * 16 * 8 * 4, "block_mma_rows' sums");
 #endif

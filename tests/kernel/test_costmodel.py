@@ -55,19 +55,25 @@ def test_design_for_is_the_kernel_as_built():
     assert mma.replace(name="v6-mma", attn_segments=False, attn_stage_async=False,
                        mma_token_tiles=1, mma_rows_split_above=0,
                        mma_rows_split_max_k=cm.V6.mma_rows_split_max_k) == cm.DESIGNS["v6-mma"]
-    assert mma.mma_token_tiles == 4  # megakernel.cu MMA_NT (test_sass.py reads it off the SASS)
-    # block_mma_rows' constants, as megakernel.cu defines them
+    # block_mma's and block_mma_rows' constants: isa.py's, as the header renders them for
+    # megakernel.cu (which defines none of its own) and as the built design reads them
     import re
     from pathlib import Path
 
     import monokernel.kernel as kernel_pkg
+    from monokernel.kernel import isa
+    from monokernel.kernel.header import model_constants
 
+    assert (mma.mma_token_tiles, mma.mma_rows_split_above, mma.mma_rows_split_max_k,
+            mma.mma_rows_split_tiles, mma.mma_rows_split_unroll, mma.mma_pass_rows) == (
+        isa.MMA_NT, isa.MMA_ROWS_SPLIT_ABOVE, isa.MMA_ROWS_SPLIT_MAX_K, isa.MMA_RT,
+        isa.MMA_ROWS_UNROLL, 16 * isa.MMA_RG)
+    header = model_constants(prog.config, 64)
+    assert all(header[f"MK_{n}"] == getattr(isa, n) for n in isa.MMA_CONSTANTS)
     cu = (Path(kernel_pkg.__file__).parent / "megakernel.cu").read_text()
-    defined = dict(re.findall(r"#define (MMA_\w+) (?:cmin\()?(\d+)", cu))
-    assert (mma.mma_rows_split_above, mma.mma_rows_split_max_k, mma.mma_rows_split_tiles,
-            mma.mma_rows_split_unroll, mma.mma_token_tiles) == tuple(
-        int(defined[k]) for k in ("MMA_ROWS_SPLIT_ABOVE", "MMA_ROWS_SPLIT_MAX_K", "MMA_RT",
-                                  "MMA_ROWS_UNROLL", "MMA_NT"))
+    assert re.findall(r"#define (MMA_\w+) (?:cmin\()?(\d+)", cu) == []
+    for n in isa.MMA_CONSTANTS:
+        assert re.search(rf"#define {n} (cmin\()?MK_{n}\b", cu), n
     assert not (mma.tile_2d or mma.attn_tensor_cores) and mma.input_bytes == 4
     late = program("qwen3-0.6b", 8, 64, num_layers=1)
     assert cm.design_for(late, tensor_cores=True) is cm.DESIGNS["v6-mma-seg"]

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 
 from ...errors import CostModelError
 from .. import sass_facts
-from ..isa import NUM_THREADS
+from ..isa import (MMA_RG, MMA_ROWS_SPLIT_ABOVE, MMA_ROWS_SPLIT_MAX_K, MMA_ROWS_UNROLL, MMA_RT,
+                   NUM_THREADS)
+from ..isa import MMA_NT as MMA_NT_MAX
 
 # Steps a multi-step launch shares its overhead with: the 64 greedy tokens of issue 8's
 # generation (a longer prompt in the same launch only shares it further).
@@ -133,9 +135,9 @@ class KernelDesign:
     # on each row pass after the first. A guess, for a GPU to check: the 90-150 KB of L1 the
     # kernel's shared memory leaves an SM, with the weights (__ldg) streaming through it too
     l1_input_bytes: int = 64 * 1024
-    # the weight rows a block_mma pass multiplies (with mma_token_tiles): 32, MMA_RG row
+    # the weight rows a block_mma pass multiplies (with mma_token_tiles): isa.MMA_RG row
     # groups of 16 with the k-loop split over the warps
-    mma_pass_rows: int = 32
+    mma_pass_rows: int = 16 * MMA_RG
     # block_mma's passes in a step (a token group member's share) of more than this many
     # tokens split the rows over the warps instead of the k-loop: a row group of 16 a warp,
     # 8 token tiles, each warp every k range in turn (its partials added in warp order: the
@@ -145,8 +147,8 @@ class KernelDesign:
     # C / MMA_UNROLL dependent rounds: DOWN's long k stays split over the warps)
     mma_rows_split_max_k: int = 1 << 30
     # ... its token tiles a pass, and the chunks whose loads a lane issues together
-    mma_rows_split_tiles: int = 8
-    mma_rows_split_unroll: int = 2
+    mma_rows_split_tiles: int = MMA_RT
+    mma_rows_split_unroll: int = MMA_ROWS_UNROLL
     # steps of many rows (kernels of slots): row r's split s runs in its KV group's unit slot
     # (s + off_r) mod splits, off_r the used splits of the step's earlier rows (the step's
     # non-empty units dealt round-robin over the slots), and a unit with no positions is
@@ -288,12 +290,12 @@ V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rota
 # warps; with late q/k (Qwen3) the queries normed and roped into their query tiles and the
 # segment's keys into the K tile; K and V staged by cp.async (attn_stage_async). V6_MMA (rows
 # on CUDA cores) is no longer built.
-# A pass of block_mma multiplies each chunk's weights by up to 4 token tiles (mma_token_tiles;
-# 8 spilled the megakernel); in a step (a block's share) of more than 32 rows, at K <= 2048,
-# its passes split the rows over the warps (block_mma_rows: 8 token tiles, 128 rows a pass).
+# A pass of block_mma multiplies each chunk's weights by up to isa.MMA_NT token tiles
+# (mma_token_tiles); in a step (a block's share) of more than isa.MMA_ROWS_SPLIT_ABOVE rows, at
+# K <= isa.MMA_ROWS_SPLIT_MAX_K, its passes split the rows over the warps (block_mma_rows).
 V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_async=True,
-                            mma_token_tiles=4, mma_rows_split_above=32,
-                            mma_rows_split_max_k=2048)
+                            mma_token_tiles=MMA_NT_MAX, mma_rows_split_above=MMA_ROWS_SPLIT_ABOVE,
+                            mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg",)
 # Every design a prediction can name (`monokernel plan --design`).

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import CostModelError
+from ..isa import MMA_KC, MMA_UNROLL
 from . import levers
 from .parts import OpBatch, Phases
 
@@ -212,8 +213,6 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
                   compute, (c, s))
 
 
-MMA_KC = 32  # megakernel.cu block_mma: input columns a chunk
-MMA_UNROLL = 2  # ... chunks whose loads a lane issues together (a dependent round)
 
 
 def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = False
