@@ -67,7 +67,8 @@
 #   total              ~330 s  (the limits add up to 540 s; give the device call ~420 s and a
 #                              hung step costs the steps after it, never the summary)
 # --tensor-cores: prepare (lim 75) ~35 s, tc_tests (lim 75) ~35 s, bench_tc_1024 and
-# bench_tc_16 (lim 45 each) ~25 s each: ~120 s, limits 240 s.
+# bench_tc_16 (lim 45 each) ~25 s each, trace_qwen3-0.6b and trace_llama-3.2-1b (lim 20 each)
+# ~14 s each: ~150 s, limits 280 s.
 # The host side of all this is measured in CI (tests/tools/test_gpu_check_script.py on --fake-cupy,
 # NVRTC included) against these limits times MONOKERNEL_CHECK_LIMIT_SCALE (a 2-core CI host is
 # slower than the GPU machine). A failed step does not stop the later ones; the script exits
@@ -272,6 +273,7 @@ elif [ "$MODE" = tc ]; then
   SHAPES="smollm2-135m qwen3-0.6b llama-3.2-1b"
   BUILDS=(--build smollm2-135m:cuda:slots=4:tokens=64:mma)
   for SHAPE in $SHAPES; do BUILDS+=(--build "$SHAPE:cuda:slots=64:tokens=128:mma"); done
+  BUILDS+=(--build qwen3-0.6b:cuda:trace --build llama-3.2-1b:cuda:trace)
   step prepare 75 "$PY" -m monokernel.tools.prepare --max-seq "$MAX_SEQ" "${BUILDS[@]}"
   # the tensor-core step of SmolLM2 (its bound now the 30 layers', its alone check first)
   step tc_tests 75 env MONOKERNEL_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -v -s --tb=short -rs \
@@ -286,6 +288,12 @@ elif [ "$MODE" = tc ]; then
       --shape "${SHAPES// /,}" --backends cuda --batch 64 --slots 64 --step-tokens 128 \
       --tensor-cores --prompt "$P" --new-tokens 16 --repeats 1 --max-seq "$MAX_SEQ" \
       --no-predict $([ "$P" -gt 16 ] && echo --device-only) --out "$WORK"
+  done
+  # the one-token kernel's traces of the two shapes the first run did not trace, for the cost
+  # model's fit on all three (benchmarks/NOTES.md: the per-op cost it lacks)
+  for SHAPE in qwen3-0.6b llama-3.2-1b; do
+    step "trace_$SHAPE" 20 "$PY" -m monokernel trace --shape "$SHAPE" --backend cuda \
+      --max-seq "$MAX_SEQ" --out "$WORK"
   done
 else
   SHAPES="smollm2-135m qwen3-0.6b llama-3.2-1b"
