@@ -5,8 +5,7 @@ constants. Generated for every build; never written by hand."""
 from __future__ import annotations
 
 from ..model.config import ModelConfig
-from . import ops
-from . import isa
+from . import isa, ops
 from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, KV_UNROLL, MATVEC_LOADS, MERGE_CHUNK,
                   MERGE_TICKET_WAYS, NUM_THREADS, PARAMS, PREFETCH_MAX_BYTES, ROW_WORDS,
                   SEG_KEYS, SEG_QUERIES, SEG_SUB, STATE_WORDS, T_TILE, TRACE_WORDS, WIDTH, Err,
@@ -79,8 +78,9 @@ def dynamic_shared_bytes(cfg: ModelConfig, tokens: int, mma: bool = False) -> in
         queries = NUM_THREADS // 32 * 16 * (D + 8) * 2
         # block_mma_rows' sums (steps of more than MMA_ROWS_SPLIT_ABOVE tokens): [token
         # tiles][warps][16][8] fp32
-        tiles_ = min(isa.MMA_RT, -(-tokens // 8))
-        rows = tiles_ * NUM_THREADS // 32 * 16 * 8 * 4 if tokens > isa.MMA_ROWS_SPLIT_ABOVE else 0
+        row_tiles = min(isa.MMA_RT, -(-tokens // 8))
+        by_rows = tokens > isa.MMA_ROWS_SPLIT_ABOVE
+        rows = row_tiles * NUM_THREADS // 32 * 16 * 8 * 4 if by_rows else 0
         return max(tiles + split * 4 + queries, rows)
     if cfg.qk_norm:
         return tokens * cfg.head_dim * 2 if tokens > 1 else 0

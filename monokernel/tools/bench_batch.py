@@ -11,9 +11,10 @@ through the Engine as ``LLM.generate`` drives it.
 
 - Device time (a kernel backend built with slots): the same two things with the host outside
   the window (``device_times``): each prompt chunk step of a P-token prompt, timed alone, and
-  one launch of ``new_tokens`` decode steps of B sequences at context P; beside them, for a
-  tensor-core kernel, what the cost model predicts on an H200 for the same steps, so a GPU run
-  compares the two.
+  ``new_tokens`` decode steps of B sequences at context P in launches of the kernel's steps a
+  launch; beside them, for a tensor-core kernel, what the cost model predicts on an H200 for
+  the same steps (the physical table and the one fitted to the first GPU run), so a GPU run
+  compares them.
 
 A measurement of this machine (a CPU here); the H200's figures for the kernel's design of many
 tokens per step are predicted by ``monokernel plan --predict h200 --batch B / --prompt P``.

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 from ...errors import CostModelError
 from .. import sass_facts
-from ..isa import (MMA_RG, MMA_ROWS_SPLIT_ABOVE, MMA_ROWS_SPLIT_MAX_K, MMA_ROWS_UNROLL, MMA_RT,
-                   NUM_THREADS)
-from ..isa import MMA_NT as MMA_NT_MAX
+from ..isa import (MMA_NT, MMA_RG, MMA_ROWS_SPLIT_ABOVE, MMA_ROWS_SPLIT_MAX_K, MMA_ROWS_UNROLL,
+                   MMA_RT, NUM_THREADS)
 
 # Steps a multi-step launch shares its overhead with: the 64 greedy tokens of issue 8's
 # generation (a longer prompt in the same launch only shares it further).
@@ -294,7 +293,7 @@ V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rota
 # (mma_token_tiles); in a step (a block's share) of more than isa.MMA_ROWS_SPLIT_ABOVE rows, at
 # K <= isa.MMA_ROWS_SPLIT_MAX_K, its passes split the rows over the warps (block_mma_rows).
 V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_async=True,
-                            mma_token_tiles=MMA_NT_MAX, mma_rows_split_above=MMA_ROWS_SPLIT_ABOVE,
+                            mma_token_tiles=MMA_NT, mma_rows_split_above=MMA_ROWS_SPLIT_ABOVE,
                             mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg",)

@@ -23,9 +23,10 @@ def measured_decode(gpu_name: str, cfg, context: int) -> tuple[str, int, float] 
     architecture as a measured shape on ``gpu_name`` (h200-fit: the H200's), or None."""
     from ...model.config import ModelConfig
 
+    want = gpu_name.lower().removesuffix("-fit")
     for (gpu, shape), rows in DECODE_US.items():
         ref = ModelConfig.from_name(shape)
-        if gpu == gpu_name.lower().removesuffix("-fit") and all(getattr(cfg, f) == getattr(ref, f) for f in _ARCH):
+        if gpu == want and all(getattr(cfg, f) == getattr(ref, f) for f in _ARCH):
             near = min(rows, key=lambda c: abs(c - context))
             return shape, near, rows[near]
     return None

@@ -213,8 +213,6 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
                   compute, (c, s))
 
 
-
-
 def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = False
             ) -> tuple[np.ndarray, np.ndarray]:
     """(L2 us, dependent rounds) of block_mma's passes (``mma_token_tiles``): a block's
