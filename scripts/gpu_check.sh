@@ -66,9 +66,9 @@
 #                              serving 4 sequences (bench --batch), CUDA cores then tensor cores
 #   total              ~330 s  (the limits add up to 540 s; give the device call ~420 s and a
 #                              hung step costs the steps after it, never the summary)
-# --tensor-cores: prepare (lim 75) ~35 s, tc_tests (lim 75) ~35 s, bench_tc_1024 and
-# bench_tc_16 (lim 45 each) ~25 s each, trace_qwen3-0.6b and trace_llama-3.2-1b (lim 20 each)
-# ~14 s each: ~150 s, limits 280 s.
+# --tensor-cores: prepare (lim 75) ~40 s, bench_b1 (lim 45) ~20 s, tc_tests (lim 75) ~35 s,
+# bench_tc_1024 and bench_tc_16 (lim 45 each) ~25 s each, trace_qwen3-0.6b and
+# trace_llama-3.2-1b (lim 20 each) ~14 s each: ~175 s, limits 325 s.
 # The host side of all this is measured in CI (tests/tools/test_gpu_check_script.py on --fake-cupy,
 # NVRTC included) against these limits times MONOKERNEL_CHECK_LIMIT_SCALE (a 2-core CI host is
 # slower than the GPU machine). A failed step does not stop the later ones; the script exits
@@ -274,7 +274,13 @@ elif [ "$MODE" = tc ]; then
   BUILDS=(--build smollm2-135m:cuda:slots=4:tokens=64:mma)
   for SHAPE in $SHAPES; do BUILDS+=(--build "$SHAPE:cuda:slots=64:tokens=128:mma"); done
   BUILDS+=(--build qwen3-0.6b:cuda:trace --build llama-3.2-1b:cuda:trace)
+  for SHAPE in $SHAPES; do BUILDS+=(--build "$SHAPE:cuda"); done
   step prepare 75 "$PY" -m monokernel.tools.prepare --max-seq "$MAX_SEQ" "${BUILDS[@]}"
+  # one sequence's decode on the megakernel, first: the step's end read the host's flag in
+  # every block until 2026-12-04 (~1 us each, one after another: benchmarks/NOTES.md);
+  # predicted 653.5 -> 537, 871.1 -> 724, 1033.2 -> 914 us (h200-fit)
+  step bench_b1 45 "$PY" -m monokernel bench --shape "${SHAPES// /,}" --backends cuda \
+    --context 16 --steps 30 --warmup 5 --max-seq "$MAX_SEQ" --out "$WORK"
   # the tensor-core step of SmolLM2 (its bound now the 30 layers', its alone check first)
   step tc_tests 75 env MONOKERNEL_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -v -s --tb=short -rs \
     -p no:cacheprovider "${PER_TEST[@]}" \

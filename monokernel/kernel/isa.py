@@ -101,6 +101,10 @@ class State(IntEnum):
     # the step's tokens: positions POS..POS+NTOK-1 (> 1 only for a prompt chunk, in a program
     # built for steps of several tokens: Program.tokens); TOKEN is the first, feed[] the rest
     NTOK = 13
+    # the host's stop flag as the LM head's first tile (slot 0) read it this step: one PCIe read
+    # a step (132 blocks each reading it were served one after another, ~1 us each: NOTES);
+    # the block that draws the step's last ticket reads it here
+    HOST_STOP = 14
 
 
 STATE_WORDS = 16

@@ -2561,13 +2561,17 @@ __device__ __forceinline__ void warp_best_of(const float* part, int n, float& be
 // acquires (as a wait would: its L1 is invalidated) and reduces all partials with one warp, in
 // one round trip, while the other blocks go on. No hop, no serial walk over the partials.
 __device__ void lm_head_ticket(const Params& P, OpShared& s, const int* st, int ticket,
-                               int tickets, int host_stop) {
+                               int tickets, int slot, int host_stop) {
   __shared__ int s_last;
+  // the first tile's block passes the host's stop flag on (read_host_stop: one read a step)
+  if (slot == 0 && threadIdx.x == 0) P.state[S_HOST_STOP] = host_stop;
   __syncthreads();  // every thread's partial stores are issued
   if (threadIdx.x == 0)  // the last drawer acquires the other blocks' partials (ticket_add)
     s_last = ticket_add(&P.counters[ticket], 1) == tickets * (st[S_STEP] + 1) - 1;
   __syncthreads();
   if (!s_last) return;
+  // ... and the flag (thread 0 ends the step: finish_step)
+  if (threadIdx.x == 0) host_stop = P.state[S_HOST_STOP];
   const int lane = threadIdx.x & 31;
   float best;
   int best_id;
@@ -2725,7 +2729,7 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
                P.lm_part + slot * 2);
 #endif
   const int ticket = ins[A_RMS_LM_HEAD_TICKET], tickets = ins[A_RMS_LM_HEAD_TICKETS];
-  if (tickets > 0) lm_head_ticket(P, s, st, ticket, tickets, host_stop);
+  if (tickets > 0) lm_head_ticket(P, s, st, ticket, tickets, slot, host_stop);
 }
 
 // ================================================================================================
@@ -2882,8 +2886,11 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
     if (op == OP_RMS_QKV_ROPE) rms_load_weights(P.in_norm + (size_t)lay * H, g);
     else if (op == OP_RMS_GATE_UP) rms_load_weights(P.post_norm + (size_t)lay * H, g);
     else if (op == OP_RMS_LM_HEAD) rms_load_weights(P.final_norm, g);
-    // the host's stop flag for the block that will end the step: its PCIe trip under the wait
-    const int host_stop = op == OP_RMS_LM_HEAD && threadIdx.x == 0 ? read_host_stop(P) : 0;
+    // the host's stop flag, read by the LM head's first tile alone (its PCIe trip under the
+    // wait; every block reading it put 132 serialized round trips on the step's path)
+    const int host_stop =
+        op == OP_RMS_LM_HEAD && threadIdx.x == 0 && w[A_RMS_LM_HEAD_SLOT] == 0 ? read_host_stop(P)
+                                                                              : 0;
     if (w[W_WAIT_COUNTER] >= 0 &&
         !wait_counter(P, w[W_WAIT_COUNTER], w[W_WAIT_COUNT] * target_scale, i, op, deadline_ns))
       return false;

@@ -19,6 +19,7 @@ Every number this package prints is a prediction, not a measurement.
 from .design import (BUILT_MMA, DESIGNS, GENERATION_STEPS, V5, V6, KernelDesign, design,
                      design_for)
 from .gpu import CONSTANTS, GPU, constant_range, corner, gpu
+from .measured import KNOBS as MEASURED_KNOBS
 from .measured import SOURCE as MEASURED_SOURCE
 from .measured import measured_decode
 from .parts import OpBatch, Phases, block_sum_us, hop_latency, hop_parts, step_end_us
@@ -26,7 +27,7 @@ from .simulate import (Prediction, Static, busy_constants, busy_us, predict, pre
                        prefetch_issue_us, sensitivity)
 
 __all__ = ["BUILT_MMA", "CONSTANTS", "DESIGNS", "GENERATION_STEPS", "GPU", "KernelDesign",
-           "MEASURED_SOURCE", "OpBatch", "Phases", "Prediction", "Static", "V5", "V6",
+           "MEASURED_KNOBS", "MEASURED_SOURCE", "OpBatch", "Phases", "Prediction", "Static", "V5", "V6",
            "block_sum_us", "busy_constants", "busy_us", "constant_range", "corner", "design",
            "design_for", "gpu", "hop_latency", "hop_parts", "measured_decode", "predict",
            "predict_range", "prefetch_issue_us", "sensitivity", "step_end_us"]

@@ -90,6 +90,12 @@ class KernelDesign:
     # MEMBAR.SC.SYS after the token's store
     step_end_host_read: bool = False
     step_end_sys_fence: bool = False
+    # blocks that read the host's stop flag (mapped host memory) before the LM head's wait:
+    # the reads of one host word are served one after another (`pcie_serial` each), and a
+    # block's wait ends only when its read is back; 1 (the kernel since 2026-12-04: the first
+    # tile's block alone) hides it under that wait. The kernel the first GPU run measured
+    # (a5ee726) had every block read it (costmodel/measured.py)
+    host_flag_readers: int = 1
     # tickets cost the constant `ticket` (acq_rel as compiled: drain, round trip, L1
     # invalidate), every drawer; the last LM-head drawer's reduction and finish_step's loads end
     # the step (False: spread over the instructions)

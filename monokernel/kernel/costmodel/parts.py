@@ -84,8 +84,10 @@ def step_end_us(g: GPU, d: KernelDesign) -> float:
     """After the last LM-head instruction ends: with ticket_as_compiled its last drawer's
     reduction (one L2 round of the partials, a warp's shuffles) and finish_step (the fed token
     or the stop mask: one L2 round; the host flag over PCIe; the system fence). The step
-    counter's release is the next step's hop (its signal)."""
-    t = 0.0
+    counter's release is the next step's hop (its signal). More than one block reading the
+    host's flag before the LM head's wait: the last read back ``host_flag_readers`` x
+    ``pcie_serial`` after they start, the first one's trip hidden under the wait."""
+    t = max(0.0, d.host_flag_readers * g.pcie_serial - g.pcie_read)
     if d.ticket_as_compiled:
         t += 2 * g.l2_latency + 10 * g.shfl
     if d.step_end_host_read:
