@@ -2458,9 +2458,10 @@ __device__ __forceinline__ void best_of(float& v, int& id, float ov, int oid) {
 // sampled one, -1 if a logit was NaN) goes to out_tokens, where the host polls it, and to the
 // state with the next position and step and whether the launch goes on (StopReason). Then the
 // step counter moves (a release by the thread that wrote all of it: a signal), and a multi-step
-// launch's blocks acquire it before their next step. host_stop is the host's stop flag as read
-// before the LM head's wait (read_host_stop: its PCIe round trip off the step's path; a stop
-// asked later ends the launch one step later). The token's store to mapped host memory is a
+// launch's blocks acquire it before their next step. host_stop is the host's stop flag as the
+// LM head's first tile's block read it before its wait (read_host_stop: its PCIe round trip
+// off the step's path; lm_head_ticket passes it on; a stop asked later ends the launch one
+// step later). The token's store to mapped host memory is a
 // volatile (strong, system-scope) store with no fence after it: nothing on the GPU waits for
 // the host to see it, and the host polls until it does (a system fence here held the next step).
 // The stop mask of `slot` (a kernel of slots: one per slot; else slot 0, the one mask).
@@ -2696,7 +2697,8 @@ __device__ void lm_head_mma(const Params& P, MmaShared& sm, const int* st, int b
 }
 #endif
 
-// host_stop: read_host_stop() by thread 0 before the wait (only thread 0 ends a step).
+// host_stop: read_host_stop() by thread 0 of the first tile's block (slot 0) before the wait,
+// else 0 (lm_head_ticket hands it to the block that ends the step).
 __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, const int* st,
                                const float (&g)[RMS_PER], int host_stop) {
   const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], slot = ins[A_RMS_LM_HEAD_SLOT];
