@@ -2474,6 +2474,12 @@ __device__ __forceinline__ int read_host_stop(const Params& P) {
   return *reinterpret_cast<volatile int*>(P.host_flags + H_STOP);
 }
 
+// ... read before the LM head's wait by its first tile's block alone, else 0 (every block
+// reading it put 132 serialized round trips on the step's path); lm_head_ticket hands it on.
+__device__ __forceinline__ int lm_head_host_stop(const Params& P, const int* ins) {
+  return ins[A_RMS_LM_HEAD_SLOT] == 0 ? read_host_stop(P) : 0;
+}
+
 __device__ __forceinline__ void finish_step(const Params& P, const int* st, int token,
                                             int host_stop) {
 #if MK_SLOTS
@@ -2888,11 +2894,8 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
     if (op == OP_RMS_QKV_ROPE) rms_load_weights(P.in_norm + (size_t)lay * H, g);
     else if (op == OP_RMS_GATE_UP) rms_load_weights(P.post_norm + (size_t)lay * H, g);
     else if (op == OP_RMS_LM_HEAD) rms_load_weights(P.final_norm, g);
-    // the host's stop flag, read by the LM head's first tile alone (its PCIe trip under the
-    // wait; every block reading it put 132 serialized round trips on the step's path)
-    const int host_stop =
-        op == OP_RMS_LM_HEAD && threadIdx.x == 0 && w[A_RMS_LM_HEAD_SLOT] == 0 ? read_host_stop(P)
-                                                                              : 0;
+    // the host's stop flag for the block that will end the step: its PCIe trip under the wait
+    const int host_stop = op == OP_RMS_LM_HEAD && threadIdx.x == 0 ? lm_head_host_stop(P, w) : 0;
     if (w[W_WAIT_COUNTER] >= 0 &&
         !wait_counter(P, w[W_WAIT_COUNTER], w[W_WAIT_COUNT] * target_scale, i, op, deadline_ns))
       return false;
