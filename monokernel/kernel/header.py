@@ -67,24 +67,60 @@ def dynamic_shared_bytes(cfg: ModelConfig, tokens: int, mma: bool = False) -> in
     tiles, bf16, then its split mode's SegSplit (attention_segment: scores fp32 [16, T_TILE +
     4], probability fragments [T_TILE / 16, 32, 4] and corrections [T_TILE / SEG_SUB, 32, 2]
     words, the final (max, sum) [32, 4]), then a query tile a warp, bf16 [16, head_dim + 8]
-    (or, if more, a row-split mat-mul pass's sums, block_mma_rows, in steps of more than 32);
-    on CUDA cores, late q/k attention's chunk keys, bf16
-    [tokens, head_dim] (megakernel.cu chunk_keys), in a kernel of steps of many tokens; 0
-    otherwise. megakernel.cu asserts it is enough."""
+    (or, if more, a row-split mat-mul pass's sums, block_mma_rows, in steps of more than 32,
+    then the RMS ops' staged inputs, rms_stage_rows); on CUDA cores, late q/k attention's
+    chunk keys, bf16 [tokens, head_dim] (megakernel.cu chunk_keys), in a kernel of steps of
+    many tokens; 0 otherwise. megakernel.cu asserts it is enough."""
     if mma:
-        D = cfg.head_dim
-        tiles = 2 * T_TILE * (D + 8) * 2
-        split = 16 * (T_TILE + 4) + T_TILE // 16 * 32 * 4 + T_TILE // SEG_SUB * 32 * 2 + 32 * 4
-        queries = NUM_THREADS // 32 * 16 * (D + 8) * 2
-        # block_mma_rows' sums (steps of more than MMA_ROWS_SPLIT_ABOVE tokens): [token
-        # tiles][warps][16][8] fp32
-        row_tiles = min(isa.MMA_RT, -(-tokens // 8))
-        by_rows = tokens > isa.MMA_ROWS_SPLIT_ABOVE
-        rows = row_tiles * NUM_THREADS // 32 * 16 * 8 * 4 if by_rows else 0
-        return max(tiles + split * 4 + queries, rows)
+        stage = rms_stage_rows(cfg, tokens, mma) * 2 * rms_stage_ld(cfg.hidden_size)
+        return max(_segment_bytes(cfg), row_split_sums_bytes(tokens) + stage)
     if cfg.qk_norm:
         return tokens * cfg.head_dim * 2 if tokens > 1 else 0
     return 0
+
+
+def _segment_bytes(cfg: ModelConfig) -> int:
+    """attention_segment's dynamic shared memory (dynamic_shared_bytes)."""
+    D = cfg.head_dim
+    tiles = 2 * T_TILE * (D + 8) * 2
+    split = 16 * (T_TILE + 4) + T_TILE // 16 * 32 * 4 + T_TILE // SEG_SUB * 32 * 2 + 32 * 4
+    queries = NUM_THREADS // 32 * 16 * (D + 8) * 2
+    return tiles + split * 4 + queries
+
+
+def row_split_sums_bytes(tokens: int) -> int:
+    """block_mma_rows' sums at the start of dynamic shared memory (a kernel of steps of more
+    than isa.MMA_ROWS_SPLIT_ABOVE tokens): [token tiles][warps][16][8] fp32; 0 otherwise."""
+    if tokens <= isa.MMA_ROWS_SPLIT_ABOVE:
+        return 0
+    return min(isa.MMA_RT, -(-tokens // 8)) * NUM_THREADS // 32 * 16 * 8 * 4
+
+
+def rms_stage_ld(hidden: int) -> int:
+    """bf16 elements a row of the RMS ops' staged inputs takes (megakernel.cu mma_rms): its 2H
+    bytes rounded up to 128, plus 64, so the two rows a quarter warp's 16-byte fragment loads
+    read (lanes (g, t) for g of two rows) lie 64 bytes apart modulo 128: 32 distinct banks."""
+    return (-(-2 * hidden // 128) * 128 + 64) // 2
+
+
+# Dynamic shared memory grows for the RMS ops' staged rows (rms_stage_rows, at most
+# isa.RMS_STAGE_MAX_ROWS) to at most this: with the kernel's ~27 KB of static shared memory,
+# an SM keeps ~60 KB of L1 (its 256 KB less the 196 KB carveout)
+DYN_SMEM_CAP = 168 * 1024
+
+
+def rms_stage_rows(cfg: ModelConfig, tokens: int, mma: bool = False) -> int:
+    """How many rows (a block's share of a step's tokens) of an RMS op's normed bf16 inputs
+    the tensor-core kernel stages in dynamic shared memory, after block_mma_rows' sums
+    (MK_RMS_STAGE_FIT; megakernel.cu mma_rms stages a share of at most that many rows, and
+    block_mma's passes read its inputs there): up to isa.RMS_STAGE_MAX_ROWS and the step's
+    tokens, as many as DYN_SMEM_CAP (or attention's larger need) holds; 0 without tensor
+    cores."""
+    if not mma:
+        return 0
+    room = max(_segment_bytes(cfg), DYN_SMEM_CAP) - row_split_sums_bytes(tokens)
+    fit = room // (2 * rms_stage_ld(cfg.hidden_size))
+    return max(0, min(tokens, isa.RMS_STAGE_MAX_ROWS, fit))
 
 
 def render_header(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: int = 0,
@@ -129,6 +165,9 @@ def render_header(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: in
     out.append(f"#define MK_TRACE_WORDS {TRACE_WORDS}")
     out.append(f"#define MK_T_MAX {tokens}")
     out.append(f"#define MK_DYN_SMEM {dynamic_shared_bytes(cfg, tokens, mma)}")
+    out.append(f"#define MK_RMS_STAGE_FIT {rms_stage_rows(cfg, tokens, mma)}")
+    out.append(f"#define MK_RMS_STAGE_LD {rms_stage_ld(cfg.hidden_size)}")
+    out.append(f"#define MK_RMS_STAGE_AT {row_split_sums_bytes(tokens) if mma else 0}")
     out.append(f"#define MK_ROW_WORDS {ROW_WORDS}")
     out.append(f"#define MK_SLOTS {slots}")
     out.append(f"#define MK_MMA {int(bool(mma))}")

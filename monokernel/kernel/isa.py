@@ -280,6 +280,9 @@ MMA_ROWS_SPLIT_ABOVE = 32
 MMA_ROWS_SPLIT_MAX_K = 2048
 MMA_RT = 8
 MMA_ROWS_UNROLL = 2
+# the RMS ops stage a block's share of a step of up to this many rows in shared memory (a
+# prompt chunk of 128 in token groups of two, the LM head of 64 sequences; header.rms_stage_rows)
+RMS_STAGE_MAX_ROWS = 64
 MMA_CONSTANTS = ("MMA_KC", "MMA_RG", "MMA_UNROLL", "MMA_NT", "MMA_ROWS_SPLIT_ABOVE",
                  "MMA_ROWS_SPLIT_MAX_K", "MMA_RT", "MMA_ROWS_UNROLL")
 

@@ -612,21 +612,6 @@ __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, Lo
   }
 }
 
-// Each input row's 1 / rms (as rms_apply computes it, a warp per row): x row i at
-// x + row(i) * H for i < n.
-template <class Row>
-__device__ void mma_rms(MmaShared& sm, const float* x, int n, Row row) {
-  const int lane = threadIdx.x & 31;
-  for (int i = threadIdx.x >> 5; i < n; i += NWARPS) {
-    const float* v = x + (size_t)row(i) * H;
-    float ss = 0.f;
-    for (int k = lane; k < H; k += 32) ss += v[k] * v[k];
-    ss = warp_sum(ss);
-    if (lane == 0) sm.rms[i] = 1.0f / sqrtf(ss / (float)H + MK_RMS_EPS);
-  }
-  __syncthreads();
-}
-
 // x = bf16 of rmsnorm(v)[col..col + 8) * w, two a word (v: the row's residual, r: its 1 / rms)
 __device__ __forceinline__ void rms_bf16_x8(const float* v, float r, const unsigned short* w,
                                             int col, unsigned (&x)[4]) {
@@ -644,6 +629,60 @@ __device__ __forceinline__ void rms_bf16_x8(const float* v, float r, const unsig
 __device__ __forceinline__ void load_bf16_x8(const unsigned short* v, int col, unsigned (&x)[4]) {
   const uint4 a = *reinterpret_cast<const uint4*>(v + col);
   x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+}
+
+// The RMS ops' staged inputs (mma_rms): row i of a step share at rms_stage() + i *
+// RMS_STAGE_LD bf16, in dynamic shared memory after block_mma_rows' sums (header.py
+// rms_stage_rows: MK_RMS_STAGE_FIT rows fit; a build may stage fewer, -DMK_RMS_STAGE_ROWS)
+#ifndef MK_RMS_STAGE_ROWS
+#define MK_RMS_STAGE_ROWS MK_RMS_STAGE_FIT
+#endif
+#define RMS_STAGE_LD MK_RMS_STAGE_LD  // header.rms_stage_ld: fragment loads free of conflicts
+static_assert(MK_RMS_STAGE_ROWS <= MK_RMS_STAGE_FIT, "more staged rows than fit");
+static_assert(MK_RMS_STAGE_AT + MK_RMS_STAGE_FIT * RMS_STAGE_LD * 2 <= MK_DYN_SMEM,
+              "the staged rows past dynamic shared memory");
+__device__ __forceinline__ unsigned short* rms_stage() {
+  return reinterpret_cast<unsigned short*>(static_cast<char*>(dynamic_smem()) + MK_RMS_STAGE_AT);
+}
+
+// Each input row's 1 / rms (as rms_apply computes it, a warp per row): x row i at
+// x + row(i) * H for i < n. A share of at most MK_RMS_STAGE_ROWS rows is normed here once
+// too: the warp reads its row again right after its sum (from L1) and stores the bf16 inputs
+// block_mma would build from it (rms_bf16_x8 with the norm weights w) in rms_stage(), so the
+// residual comes from L2 once and every pass reads shared memory (rms_load_x). Returns
+// whether it staged them; the numbers are the same either way.
+template <class Row>
+__device__ bool mma_rms(MmaShared& sm, const float* x, int n, Row row, const unsigned short* w) {
+  const int lane = threadIdx.x & 31;
+  const bool staged = n <= MK_RMS_STAGE_ROWS;
+  for (int i = threadIdx.x >> 5; i < n; i += NWARPS) {
+    const float* v = x + (size_t)row(i) * H;
+    float ss = 0.f;
+    for (int k = lane; k < H; k += 32) ss += v[k] * v[k];
+    ss = warp_sum(ss);  // (a butterfly: every lane holds the same sum)
+    const float r = 1.0f / sqrtf(ss / (float)H + MK_RMS_EPS);
+    if (lane == 0) sm.rms[i] = r;
+    if (staged) {
+      unsigned short* out = rms_stage() + (size_t)i * RMS_STAGE_LD;
+      for (int col = 8 * lane; col < H; col += 8 * 32) {
+        unsigned b[4];
+        rms_bf16_x8(v, r, w, col, b);
+        *reinterpret_cast<uint4*>(out + col) = make_uint4(b[0], b[1], b[2], b[3]);
+      }
+    }
+  }
+  __syncthreads();
+  return staged;
+}
+
+// block_mma's load_x of an RMS op: input row i's bf16 columns col..col + 7 from the staged
+// rows, or normed from its fp32 residual row v (r: its 1 / rms, w: the norm weights)
+__device__ __forceinline__ void rms_load_x(bool staged, int i, const float* v, float r,
+                                           const unsigned short* w, int col, unsigned (&x)[4]) {
+  if (staged)
+    load_bf16_x8(rms_stage() + (size_t)i * RMS_STAGE_LD, col, x);
+  else
+    rms_bf16_x8(v, r, w, col, x);
 }
 
 // block_mma's rows of a tile of n consecutive weight rows (W: the tile's first, ld elements
@@ -1024,7 +1063,7 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
   if (b >= e || n <= 0) return;
   const unsigned short* W = P.wqkv + (size_t)layer * MK_QKV_DIM * H;
   const unsigned short* norm = P.in_norm + (size_t)layer * H;
-  mma_rms(s.mma, P.residual, n, [&](int i) { return t0 + i; });
+  const bool staged = mma_rms(s.mma, P.residual, n, [&](int i) { return t0 + i; }, norm);
   block_mma<H>(
       s.mma, (e - b + 7) / 8, n,
       [&](int q, int r) -> const unsigned short* {
@@ -1033,7 +1072,8 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
                      : nullptr;
       },
       [&](int tok, int col, unsigned (&x)[4]) {
-        rms_bf16_x8(P.residual + (size_t)(t0 + tok) * H, s.mma.rms[tok], norm, col, x);
+        rms_load_x(staged, tok, P.residual + (size_t)(t0 + tok) * H, s.mma.rms[tok], norm, col,
+                   x);
       },
       [&](int q0, int tok0, auto sum) {
         for (int i = threadIdx.x; i < MMA_RG * 64; i += MK_THREADS) {
@@ -2365,7 +2405,7 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
   const size_t off = ((size_t)layer * MK_FFN + b) * H;
   const unsigned short* norm = P.post_norm + (size_t)layer * H;
   const int n = e - b;
-  mma_rms(s.mma, P.residual, nt, [&](int i) { return t0 + i; });
+  const bool staged = mma_rms(s.mma, P.residual, nt, [&](int i) { return t0 + i; }, norm);
   block_mma<H>(
       s.mma, (n + 7) / 8, nt,
       [&](int q, int r) -> const unsigned short* {
@@ -2373,7 +2413,8 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
         return k < n ? (r < 8 ? P.wg : P.wu) + off + (size_t)k * H : nullptr;
       },
       [&](int tok, int col, unsigned (&x)[4]) {
-        rms_bf16_x8(P.residual + (size_t)(t0 + tok) * H, s.mma.rms[tok], norm, col, x);
+        rms_load_x(staged, tok, P.residual + (size_t)(t0 + tok) * H, s.mma.rms[tok], norm, col,
+                   x);
       },
       [&](int q0, int tok0, auto sum) {
         for (int i = threadIdx.x; i < MMA_RG * 64; i += MK_THREADS) {
@@ -2658,12 +2699,14 @@ __device__ void lm_head_mma(const Params& P, MmaShared& sm, const int* st, int b
     sm.best[i] = NEG_INF;
     sm.best_id[i] = -1;
   }
-  mma_rms(sm, P.residual, m, [&](int i) { return sm.rows[i]; });  // (its barrier: best too)
+  const bool staged = mma_rms(sm, P.residual, m, [&](int i) { return sm.rows[i]; },
+                              P.final_norm);  // (its barrier: best too)
   if (b < e) {
     block_mma<H>(
         sm, (e - b + 15) / 16, m, tile_rows(P.lm_head + (size_t)b * H, e - b, H),
         [&](int i, int col, unsigned (&x)[4]) {
-          rms_bf16_x8(P.residual + (size_t)sm.rows[i] * H, sm.rms[i], P.final_norm, col, x);
+          rms_load_x(staged, i, P.residual + (size_t)sm.rows[i] * H, sm.rms[i], P.final_norm,
+                     col, x);
         },
         [&](int q0, int tok0, auto sum) {
           for (int i = threadIdx.x; i < MMA_RG * 128; i += MK_THREADS) {

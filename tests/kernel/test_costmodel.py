@@ -54,7 +54,8 @@ def test_design_for_is_the_kernel_as_built():
     assert mma.attn_segments and mma.attn_stage_async
     assert mma.replace(name="v6-mma", attn_segments=False, attn_stage_async=False,
                        mma_token_tiles=1, mma_rows_split_above=0,
-                       mma_rows_split_max_k=cm.V6.mma_rows_split_max_k) == cm.DESIGNS["v6-mma"]
+                       mma_rows_split_max_k=cm.V6.mma_rows_split_max_k,
+                       rms_stage_rows=0) == cm.DESIGNS["v6-mma"]
     # block_mma's and block_mma_rows' constants: isa.py's, as the header renders them for
     # megakernel.cu (which defines none of its own) and as the built design reads them
     import re
@@ -68,6 +69,9 @@ def test_design_for_is_the_kernel_as_built():
             mma.mma_rows_split_tiles, mma.mma_rows_split_unroll, mma.mma_pass_rows) == (
         isa.MMA_NT, isa.MMA_ROWS_SPLIT_ABOVE, isa.MMA_ROWS_SPLIT_MAX_K, isa.MMA_RT,
         isa.MMA_ROWS_UNROLL, 16 * isa.MMA_RG)
+    # the RMS ops' staged rows (mma_rms): all a step's share can have where the shape's rows
+    # fit (header.rms_stage_rows; design_for names fewer where they do not)
+    assert mma.rms_stage_rows == isa.RMS_STAGE_MAX_ROWS
     header = model_constants(prog.config, 64)
     assert all(header[f"MK_{n}"] == getattr(isa, n) for n in isa.MMA_CONSTANTS)
     cu = (Path(kernel_pkg.__file__).parent / "megakernel.cu").read_text()

@@ -144,6 +144,43 @@ def test_stored_bf16_inputs_halve_o_proj_and_downs_broadcast_only():
         cm.predict(prog, g, fp32, shape=shape).total_us
 
 
+def test_staged_rms_inputs_are_read_from_l2_once():
+    """The RMS ops read their rows in mma_rms first: unstaged, block_mma's first pass reads
+    them again (past l1_input_bytes) and every row pass after it; staged (a share of at most
+    rms_stage_rows rows, megakernel.cu mma_rms), only mma_rms's one read is left. At batch 64
+    on row tiles (every block's share: 64 rows x 576 fp32, past L1) staging cuts each RMS
+    instruction's time from L2 by at least one read of its share and changes nothing else; a
+    share larger than the rows staged is charged as unstaged."""
+    from monokernel.kernel.schedule import schedule
+    from monokernel.model.config import ModelConfig
+
+    cfg = ModelConfig.from_name("smollm2-135m").replace(num_layers=3)
+    prog = schedule(cfg, 32, 300, merge_ticket_min=1, tokens=64)
+    g = cm.gpu("h200")
+    built = cm.design("v6-mma-seg")
+    assert built.rms_stage_rows == 64 == cm.design_for(prog, tensor_cores=True).rms_stage_rows
+    shape = StepShape.decode(64, 16)
+    st = {rows: cm.Static(prog, 0, g, built.replace(rms_stage_rows=rows), shape)
+          for rows in (0, 8, 64)}
+    one_read = 64 * cfg.hidden_size * 4 / (g.l2_bw / g.sms)
+    rms = (Op.RMS_QKV_ROPE, Op.RMS_GATE_UP, Op.RMS_LM_HEAD)
+    cut_any = False
+    for blk, q in enumerate(prog.queues):
+        for i, ins in enumerate(q):
+            unstaged, staged = st[0].fields["other"][blk, i], st[64].fields["other"][blk, i]
+            assert st[8].fields["other"][blk, i] == unstaged, ins.op  # shares of 64 > 8
+            if ins.op in rms and ins.tile[1] > ins.tile[0]:
+                assert unstaged - staged >= one_read * (1 - 1e-9), ins.op
+                cut_any = True
+            else:
+                assert unstaged == staged, ins.op
+            for f in ("l2", "hbm", "rounds", "bytes", "compute"):
+                assert st[0].fields[f][blk, i] == st[64].fields[f][blk, i], (ins.op, f)
+    assert cut_any
+    assert cm.predict(prog, g, built, shape=shape).total_us < \
+        cm.predict(prog, g, built.replace(rms_stage_rows=0), shape=shape).total_us
+
+
 def test_row_tickets_spread_the_merge_over_a_groups_blocks():
     """v6-mma(-seg) draws a ticket per row (megakernel.cu attention_row_tickets): at batch 64,
     context 1024, the rows' merges spread over each KV group's blocks, so the busiest

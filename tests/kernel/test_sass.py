@@ -254,9 +254,11 @@ def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, stored, to
     rows also has block_mma_rows (K <= 2048: SmolLM2's four mat-muls): 2 chunks x 2 halves of
     one row group, 4 loads for 2 x 8 x 2 HMMA (8 token tiles). O_PROJ's and DOWN's inputs
     (bf16, isa.BF16_INPUTS) are one 16-byte load per chunk and token tile; GATE_UP (the
-    negative control, the RMS ops read the fp32 residual) needs two, and reads its norm
-    weights beside them (read-only too). Counted over the op's kernel (op_<OP>): the plain
-    LDG.E.128 are the k-loop's input loads."""
+    negative control, the RMS ops read the fp32 residual) needs two where its share is not
+    staged, and reads its norm weights beside them (read-only too), and its staged share
+    (mma_rms) is one 16-byte shared-memory load per chunk and token tile, normed once by a
+    loop of two 16-byte residual loads and one of norm weights. Counted over the op's kernel
+    (op_<OP>): the plain LDG.E.128 are the k-loop's input loads and the staging's."""
     import re
 
     try:
@@ -264,7 +266,8 @@ def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, stored, to
                                mma=True)
     except SassToolMissing as e:
         pytest.skip(str(e))
-    ops = [m.group(0) for t in sf._texts(sass) for m in [re.search(r"\b(LDG|HMMA)\S*", t)] if m]
+    ops = [m.group(0) for t in sf._texts(sass) for m in [re.search(r"\b(LDG|HMMA|LDS)\S*", t)]
+           if m]
     d = cm.design("v6-mma-seg")
     paths = [(2 * 2 * 2, d.mma_token_tiles)]  # (weight loads, token tiles) of each pass
     if tokens > d.mma_rows_split_above:
@@ -273,11 +276,15 @@ def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, stored, to
     per = 1 if stored else 2  # input loads a chunk and token tile
     unroll = (2, d.mma_rows_split_unroll)
     weights = sum(w for w, _ in paths)
-    norms = 0 if stored else sum(u * tiles for u, (_, tiles) in zip(unroll, paths))
-    assert ops.count("LDG.E.128.CONSTANT") == weights + norms, ops
+    loads = sum(u * tiles for u, (_, tiles) in zip(unroll, paths))  # a chunk and token tile
+    norms = 0 if stored else loads
+    stage = 0 if stored else 1  # mma_rms's staging loop (its body once)
+    assert ops.count("LDG.E.128.CONSTANT") == weights + norms + stage, ops
     assert sum(o.startswith("HMMA.16816.F32.BF16") for o in ops) == \
         sum(w * tiles for w, tiles in paths), ops
-    assert ops.count("LDG.E.128") == per * sum(u * tiles for u, (_, tiles) in zip(unroll, paths))
+    assert ops.count("LDG.E.128") == per * loads + 2 * stage
+    if not stored:  # the staged rows, as a stored input's loads
+        assert ops.count("LDS.128") == loads
     assert d.stored_bf16_inputs
 
 

@@ -287,6 +287,91 @@ def test_a_big_steps_row_split_passes_leave_every_logit_bitwise(synth_model):
     assert any(not np.array_equal(mutant[k], want[k]) for k in want)
 
 
+_STAGE_STORE = "rms_bf16_x8(v, r, w, col, b);"
+
+
+def _staged_logits(model, stage_rows: int | None = None, mutant: bool = False) -> dict:
+    """Every row's logits of three prompts (40, 30, 20) on a kernel of 128 tokens a step in
+    token groups: one step of 85 prompt rows (35, 30, 20), one of the first prompt's last 5
+    rows beside the others' first decode rows, then two decode steps of the three; built
+    with MK_RMS_STAGE_ROWS = ``stage_rows`` (None: the rows that fit), or with the staged rows
+    normed by a wrong 1 / rms (``mutant``)."""
+    from helpers.batch import Batch
+    from monokernel.kernel.executor import KERNEL_NAMES
+
+    ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=3, page_size=PAGE, tensor_cores=True,
+                        step_tokens=MAX_STEP_TOKENS)
+    source, defines = ex.source, {"MK_PREFETCH": "1"}
+    if stage_rows is not None:
+        defines["MK_RMS_STAGE_ROWS"] = str(stage_rows)
+    if mutant:
+        assert source.count(_STAGE_STORE) == 1, "mma_rms is not as this test expects"
+        source = source.replace(_STAGE_STORE, "rms_bf16_x8(v, 1.5f * r, w, col, b);")
+    if stage_rows is not None or mutant:
+        ex.module = ex.device.compile(source, KERNEL_NAMES, defines)
+    ex.poison()
+    b = Batch(ex)
+    for slot, (n, seed) in enumerate(((40, 7), (30, 8), (20, 9))):
+        b.join(slot, prompt_of(model, n, seed))
+    for step in ({0: 35, 1: 30, 2: 20}, {0: 5, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1},
+                 {0: 1, 1: 1, 2: 1}):
+        b.step(step)
+    return {(s, pos): lg for s, q in b.seqs.items() for pos, lg in q["logits"].items()}
+
+
+def test_staged_rms_inputs_leave_every_logit_bitwise(synth_model):
+    """The RMS ops (QKV, GATE_UP, the LM head) norm a block's share of a step of at most
+    MK_RMS_STAGE_ROWS rows into shared memory once (mma_rms) and read their inputs there;
+    a larger share norms them from the fp32 residual in every pass: the same bf16 inputs.
+    The kernel as built (64 rows fit the tiny shape: the first step's shares of its 85 rows
+    both ways, the LM head's 85 unstaged, every share of the small steps staged), one built
+    to stage none, and one to stage shares of up to 8 rows give every row's logits bit for
+    bit. Negative control: staged rows normed by a wrong 1 / rms change the logits of the
+    first step and of the decode steps (so each took the staged path)."""
+    from monokernel.kernel.header import rms_stage_rows
+    from monokernel.kernel.isa import RMS_STAGE_MAX_ROWS
+
+    model = synth_model("llama3-tiny")
+    assert rms_stage_rows(model.config, MAX_STEP_TOKENS, True) == RMS_STAGE_MAX_ROWS == 64
+    want = _staged_logits(model)
+    assert len(want) == 85 + 7 + 3 + 3
+    for rows in (0, 8):
+        got = _staged_logits(model, rows)
+        bad = [k for k in want if not np.array_equal(got[k], want[k])]
+        assert not bad, f"MK_RMS_STAGE_ROWS={rows}: rows {bad[:5]} differ"
+    mutant = _staged_logits(model, mutant=True)
+    assert not np.array_equal(mutant[(0, 10)], want[(0, 10)])  # the first step
+    assert not np.array_equal(mutant[(1, 30)], want[(1, 30)])  # the second step
+    assert not np.array_equal(mutant[(2, 21)], want[(2, 21)])  # a decode step of three
+
+
+def test_staged_rows_fit_and_load_without_bank_conflicts():
+    """header.rms_stage_ld: a staged row's bytes are 64 past a multiple of 128, so the two
+    rows of a quarter warp's 16-byte fragment loads (lanes (g, t), t = 0..3, for rows g and g
+    + 1) cover the 32 banks once; the rows staged fit dynamic shared memory after
+    block_mma_rows' sums, up to DYN_SMEM_CAP (for the shapes it is grown for) and 64 rows."""
+    from monokernel.kernel.header import (DYN_SMEM_CAP, dynamic_shared_bytes, rms_stage_ld,
+                                          rms_stage_rows, row_split_sums_bytes)
+    from monokernel.kernel.isa import RMS_STAGE_MAX_ROWS
+    from monokernel.model.config import ModelConfig
+
+    for hidden in (96, 104, 576, 896, 1024, 1536, 2048):
+        ld = 2 * rms_stage_ld(hidden)
+        assert ld >= 2 * hidden and ld % 128 == 64, hidden
+        banks = {(g * ld + 16 * t) % 128 // 4 + w for g in (0, 1) for t in range(4)
+                 for w in range(4)}
+        assert banks == set(range(32)), hidden
+    want = {"smollm2-135m": 64, "qwen3-0.6b": 64, "llama-3.2-1b": 33}
+    for name, rows in want.items():
+        cfg = ModelConfig.from_name(name)
+        for tokens in (64, MAX_STEP_TOKENS):
+            assert rms_stage_rows(cfg, tokens, True) == min(rows, RMS_STAGE_MAX_ROWS), name
+            dyn = dynamic_shared_bytes(cfg, tokens, True)
+            assert row_split_sums_bytes(tokens) + rows * 2 * rms_stage_ld(cfg.hidden_size) \
+                <= dyn <= DYN_SMEM_CAP, name
+        assert rms_stage_rows(cfg, 8, True) == 8 and rms_stage_rows(cfg, 8) == 0
+
+
 def test_o_proj_and_down_read_bf16_inputs_their_producers_store(synth_model):
     """A tensor-core build stores attn and ffn_h as bf16 (isa.BF16_INPUTS: the precision
     block_mma rounds them to, half the bytes O_PROJ and DOWN read): buffers of 2 bytes an

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ...errors import CostModelError
 from .. import sass_facts
 from ..isa import (MMA_NT, MMA_RG, MMA_ROWS_SPLIT_ABOVE, MMA_ROWS_SPLIT_MAX_K, MMA_ROWS_UNROLL,
-                   MMA_RT, NUM_THREADS)
+                   MMA_RT, NUM_THREADS, RMS_STAGE_MAX_ROWS)
 
 # Steps a multi-step launch shares its overhead with: the 64 greedy tokens of issue 8's
 # generation (a longer prompt in the same launch only shares it further).
@@ -154,6 +154,13 @@ class KernelDesign:
     # ... its token tiles a pass, and the chunks whose loads a lane issues together
     mma_rows_split_tiles: int = MMA_RT
     mma_rows_split_unroll: int = MMA_ROWS_UNROLL
+    # the RMS ops (QKV, GATE_UP, the LM head) whose block's share of a step is at most this
+    # many rows stage their normed bf16 inputs in shared memory (megakernel.cu mma_rms: each
+    # row read from L2 once, for its sum of squares, then again from L1 by the same warp to
+    # norm it), and block_mma's passes read them there; a larger share reads the fp32 residual
+    # again in every pass (the first from L2 too where its rows are past l1_input_bytes).
+    # header.rms_stage_rows: what fits beside block_mma_rows' sums
+    rms_stage_rows: int = 0
     # steps of many rows (kernels of slots): row r's split s runs in its KV group's unit slot
     # (s + off_r) mod splits, off_r the used splits of the step's earlier rows (the step's
     # non-empty units dealt round-robin over the slots), and a unit with no positions is
@@ -298,9 +305,12 @@ V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rota
 # A pass of block_mma multiplies each chunk's weights by up to isa.MMA_NT token tiles
 # (mma_token_tiles); in a step (a block's share) of more than isa.MMA_ROWS_SPLIT_ABOVE rows, at
 # K <= isa.MMA_ROWS_SPLIT_MAX_K, its passes split the rows over the warps (block_mma_rows).
+# The RMS ops stage a share of up to isa.RMS_STAGE_MAX_ROWS rows in shared memory (mma_rms;
+# design_for: fewer where the shape's rows do not fit, Llama-3.2-1B's 33).
 V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_async=True,
                             mma_token_tiles=MMA_NT, mma_rows_split_above=MMA_ROWS_SPLIT_ABOVE,
-                            mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K)
+                            mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K,
+                            rms_stage_rows=RMS_STAGE_MAX_ROWS)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg",)
 # Every design a prediction can name (`monokernel plan --design`).
@@ -317,8 +327,14 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
     the token loop and prompts in chunks of T; ``tensor_cores`` (a kernel of slots built with
     them, MK_MMA): V6_MMA_SEG. A kernel change updates these in the same commit."""
     if tensor_cores:
+        from ..header import rms_stage_rows
+
         tokens = getattr(program, "tokens", 1)
-        return V6_MMA_SEG if tokens <= 1 else V6_MMA_SEG.replace(prefill_chunk=tokens)
+        cfg = getattr(program, "config", None)
+        d = V6_MMA_SEG if tokens <= 1 else V6_MMA_SEG.replace(prefill_chunk=tokens)
+        rows = d.rms_stage_rows if cfg is None else rms_stage_rows(cfg, tokens, True)
+        # fewer rows than a step's share can have where the shape's rows are too long
+        return d if rows >= min(tokens, d.rms_stage_rows) else d.replace(rms_stage_rows=rows)
     d = V6
     if sync < 2:
         d = d.replace(signal_sc_fence=True, poll_loads=2, poll_sleep=True)

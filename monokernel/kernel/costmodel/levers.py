@@ -71,6 +71,21 @@ def input_bytes(b: OpBatch, d: KernelDesign) -> int:
     return d.input_bytes
 
 
+_RMS_MATMULS = (Op.RMS_QKV_ROPE, Op.RMS_GATE_UP, Op.RMS_LM_HEAD)
+
+
+def rms_input(b: OpBatch) -> bool:
+    """Whether the op's input is the residual its mma_rms norms (it reads the rows first)."""
+    return len(b.instructions) > 0 and b.instructions[0].op in _RMS_MATMULS
+
+
+def rms_staged(b: OpBatch, d: KernelDesign, tokens) -> np.ndarray:
+    """Per instruction, whether an RMS op's share of ``tokens`` rows is staged in shared
+    memory as bf16 (``rms_stage_rows``)."""
+    tokens = np.asarray(tokens)
+    return (tokens <= d.rms_stage_rows) & rms_input(b)
+
+
 def fused_down(b: OpBatch, d: KernelDesign) -> bool:
     return d.fused_ffn and len(b.instructions) > 0 and b.instructions[0].op == Op.DOWN_RESIDUAL
 

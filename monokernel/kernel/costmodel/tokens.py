@@ -202,7 +202,8 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
         mm_rows, mm_tokens = _group_mma_shape(b, rows, T)
     compute = mma_us(mm_rows, k, mm_tokens, g) + (ph.compute if ph.compute is not None else 0.0)
     t_again, rounds = _passes(mm_rows, k / s, mm_tokens, g, d, levers.input_bytes(b, d),
-                              local_input=fused)
+                              local_input=fused, rms=levers.rms_input(b),
+                              staged=levers.rms_staged(b, d, mm_tokens))
     if fused:  # its partial of every residual row for its T / c tokens, by atomics
         epilogue = busy * levers.atomic_us(b.program.config.hidden_size, T / c, g)
     else:  # the tile's outputs per token: written once (the residual's rows read and written)
@@ -213,8 +214,8 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
                   compute, (c, s))
 
 
-def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = False
-            ) -> tuple[np.ndarray, np.ndarray]:
+def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = False,
+            rms: bool = False, staged=False) -> tuple[np.ndarray, np.ndarray]:
     """(L2 us, dependent rounds) of block_mma's passes (``mma_token_tiles``): a block's
     ``rows`` x k weights again for every pass over its ``tokens`` after the first (the first
     is the op's HBM stream), and with more than one row pass the token pass's inputs again on
@@ -224,7 +225,10 @@ def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = Fal
     ``mma_rows_split_above`` tokens, the rows (a row group of 16 a warp,
     ``mma_rows_split_tiles`` token tiles, each warp every k range in turn: C /
     ``mma_rows_split_unroll`` rounds). (0, 0) where the design reads each
-    once (``mma_token_tiles`` 0)."""
+    once (``mma_token_tiles`` 0). An RMS op's (``rms``) mma_rms reads its rows first (the
+    one read the caller charges): its ``staged`` instructions read nothing more (their passes
+    read shared memory); the others' first pass reads them again, from L2 where they are past
+    ``l1_input_bytes``."""
     rows = np.asarray(rows, np.float64)
     tokens = np.asarray(tokens, np.float64)
     if not d.mma_token_tiles:
@@ -241,9 +245,12 @@ def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = Fal
     weights = np.maximum(token_passes - 1, 0) * rows * k * 2.0 / l2_share
     row_passes = np.ceil(rows / pass_rows)
     pass_in = np.minimum(tokens, per_pass) * k * in_bytes
-    again = (row_passes > 1) & (pass_in > d.l1_input_bytes) & (not local_input)
-    inputs = np.where(again, (row_passes - 1) * tokens * k * in_bytes * levers.flag_factor(d)
-                      / levers.input_rate(g, d), 0.0)
+    staged = np.asarray(staged, bool) & rms
+    again = (row_passes > 1) & (pass_in > d.l1_input_bytes) & (not local_input) & ~staged
+    reads = np.where(again, row_passes - 1, 0.0)
+    if rms:  # mma_rms read them first: the first pass again, unless L1 still holds them
+        reads = reads + ((tokens * k * in_bytes > d.l1_input_bytes) & ~staged)
+    inputs = reads * tokens * k * in_bytes * levers.flag_factor(d) / levers.input_rate(g, d)
     rounds = np.where(split & by_rows, row_passes * token_passes * walk, 0.0)
     busy = rows > 0
     return np.where(busy, weights + inputs, 0.0), np.where(busy, rounds, 0.0)
