@@ -12,12 +12,14 @@ whichever block runs them, and mma's token columns are independent (megakernel.c
 token_group), so a sequence's logits stay bitwise what they are in row tiles.
 
 How many members (``choose``): both costs are L2 bytes a block moves, so the choice needs no
-GPU table: per input column T b / c (the input, b bytes an element as the blocks read it) +
-2 (c - 1) n (the other members' weight rows, n the op's busiest tile's), the cheapest power of
-two c <= MAX_MEMBERS with at least MIN_SHARE tokens a member (the mma's 8-token side). A step
-runs in groups when it has at least ``min_tokens`` tokens, the fewest for which c beats row
-tiles (T b (1 - 1 / c) > 2 (c - 1) n: T > 2 n c / b) and MIN_SHARE c; a smaller step, one
-token among them, runs in row tiles as before. The last group of an op whose instructions do
+GPU table: per input column r T b / c (the input, b bytes an element as the blocks read it, r
+times: ``input_reads``, once a row pass of block_mma and once more in an RMS op's mma_rms
+unless its share is staged in shared memory) + 2 (c - 1) n (the other members' weight rows, n
+the op's busiest tile's), the cheapest power of two c <= MAX_MEMBERS with at least MIN_SHARE
+tokens a member (the mma's 8-token side). A step runs in groups when it has at least
+``min_tokens`` tokens, the fewest from which c beats row tiles at every step size up to the
+program's (with r = 1: T b (1 - 1 / c) > 2 (c - 1) n, T > 2 n c / b) and MIN_SHARE c; a
+smaller step, one token among them, runs in row tiles as before. The last group of an op whose instructions do
 not divide by c has fewer members (a group of one: its own tile, every token).
 
 Only a tensor-core kernel of slots runs them (schedule(token_groups=True): the executor's
@@ -34,7 +36,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import ProgramError
-from .isa import Op
+from .isa import MMA_RG, MMA_ROWS_SPLIT_ABOVE, MMA_ROWS_SPLIT_MAX_K, NUM_THREADS, Op
 from .program import ANY_TOKENS, TOKEN_SHARES, Instruction, Tokens, TokenGroup
 
 GROUPED_OPS = (Op.RMS_QKV_ROPE, Op.O_PROJ_RESIDUAL, Op.RMS_GATE_UP, Op.DOWN_RESIDUAL)
@@ -42,19 +44,44 @@ MIN_SHARE = 8  # tokens a member takes at least (mma m16n8k16: 8 tokens a fragme
 MAX_MEMBERS = 8  # (TOKEN_SHARES divides by every group size up to it)
 
 
-def choose(tokens: int, input_bytes: int, rows: int, blocks: int) -> tuple[int, int]:
+def input_reads(share: int, rows: int, k: int, staged: int | None = None) -> int:
+    """How many times a block reads its share of ``share`` tokens' input (megakernel.cu
+    block_mma) multiplying ``rows`` weight rows of ``k`` columns: once a row pass (the k
+    split's passes take 16 x MMA_RG rows; the row split's, in a share of more than
+    MMA_ROWS_SPLIT_ABOVE rows at k <= MMA_ROWS_SPLIT_MAX_K, 16 a warp); an RMS op (``staged``
+    not None) reads them first in mma_rms, and a share of at most ``staged`` rows there only
+    (its passes read shared memory). What L1 keeps between passes is not counted."""
+    if staged is not None and share <= staged:
+        return 1
+    by_rows = share > MMA_ROWS_SPLIT_ABOVE and k <= MMA_ROWS_SPLIT_MAX_K
+    passes = -(-rows // (16 * (NUM_THREADS // 32 if by_rows else MMA_RG)))
+    return passes + (staged is not None)
+
+
+def choose(tokens: int, input_bytes: int, rows: int, blocks: int, k: int | None = None,
+           staged: int | None = None) -> tuple[int, int]:
     """(members c, min_tokens) of an op whose busiest tile has ``rows`` weight rows, for a
-    program of ``tokens`` tokens a step; (1, 0): row tiles always."""
-    best, best_cost = 1, float(tokens * input_bytes)
+    program of ``tokens`` tokens a step; (1, 0): row tiles always. With ``k`` (the op's input
+    columns) a member's input is charged ``input_reads`` times (``staged``: an RMS op's
+    staged rows), else once; min_tokens is the fewest tokens from which the groups cost less
+    than row tiles at every step size up to the program's."""
+    def cost(c: int, t: int) -> float:
+        share = -(-t // c)
+        reads = 1 if k is None else input_reads(share, c * rows, k, staged)
+        return reads * t * input_bytes / c + 2.0 * (c - 1) * rows
+
+    best, best_cost = 1, cost(1, tokens)
     c = 2
     while c <= min(MAX_MEMBERS, blocks) and tokens >= MIN_SHARE * c:
-        cost = tokens * input_bytes / c + 2.0 * (c - 1) * rows
-        if cost < best_cost:
-            best, best_cost = c, cost
+        if cost(c, tokens) < best_cost:
+            best, best_cost = c, cost(c, tokens)
         c *= 2
     if best == 1:
         return 1, 0
-    return best, max(MIN_SHARE * best, 2 * rows * best // input_bytes + 1)
+    t = tokens
+    while t - 1 >= MIN_SHARE * best and cost(best, t - 1) < cost(1, t - 1):
+        t -= 1
+    return best, t
 
 
 def _tagged(regions, tokens: Tokens) -> list:
@@ -70,7 +97,13 @@ def apply(plan, module, layer: int, tiles: list[Instruction],
     busiest = max((hi - lo for lo, hi in (i.tile for i in tiles)), default=0)
     rows = busiest * module.WEIGHT_ROWS
     if members is None:
-        c, min_tokens = choose(plan.tokens, module.INPUT_BYTES, rows, len(tiles))
+        staged = None
+        if module.OP in (Op.RMS_QKV_ROPE, Op.RMS_GATE_UP):  # mma_rms's staged rows
+            from .header import rms_stage_rows
+
+            staged = rms_stage_rows(plan.config, plan.tokens, True)
+        c, min_tokens = choose(plan.tokens, module.INPUT_BYTES, rows, len(tiles),
+                               module.input_columns(plan.config), staged)
     else:
         c, min_tokens = members if isinstance(members, tuple) else (members,
                                                                     MIN_SHARE * members)

@@ -53,11 +53,42 @@ def test_members_minimise_the_input_and_the_shared_weights():
         assert m * b * (1 - 1 / c) > 2 * (c - 1) * rows and m >= 8 * c
 
 
+def test_members_count_the_inputs_reads():
+    """With the op's input columns, a member's input is charged once a row pass (32 weight
+    rows a k-split pass; 128 a row-split pass, in a share of more than 32 rows at k <= 2048)
+    and an RMS op's once more in mma_rms unless its share is staged (then once). Llama's
+    GATE_UP (126 weight rows a tile, 2048 columns, 33 rows staged): at 64 tokens row tiles
+    read the 64-row share twice (8 t bytes a column), groups of 2 their 32-row shares once (2 t
+    + 252): groups from 43 tokens, where the input read once chose row tiles."""
+    assert tg.input_reads(64, 126, 2048, 33) == 2   # mma_rms + one row-split pass
+    assert tg.input_reads(64, 252, 2048, 33) == 3   # ... two row-split passes
+    assert tg.input_reads(32, 252, 2048, 33) == 1   # staged
+    assert tg.input_reads(32, 252, 2048) == 8       # k split, 32 rows a pass, stored input
+    assert tg.input_reads(64, 252, 8192) == 8       # past MMA_ROWS_SPLIT_MAX_K: the k split
+    assert tg.input_reads(64, 252, 2048) == 2       # the row split
+    assert tg.choose(64, 4, 126, 132) == (1, 0)
+    assert tg.choose(64, 4, 126, 132, 2048, 33) == (2, 43)
+    # at 128 tokens: groups of 4 (32-row shares staged) over 2 (64-row shares, three reads)
+    assert tg.choose(128, 4, 126, 132, 2048, 33) == (4, 109)
+    for tokens, rows, staged in [(64, 126, 33), (128, 126, 33), (64, 10, 64), (128, 24, 64)]:
+        c, m = tg.choose(tokens, 4, rows, 132, 2048, staged)
+
+        def cost(k, t):
+            return tg.input_reads(-(-t // k), k * rows, 2048, staged) * t * 4 / k + \
+                2 * (k - 1) * rows
+
+        assert all(cost(c, tokens) <= cost(k, tokens) for k in (1, 2, 4, 8)
+                   if tokens >= 8 * k)
+        if c > 1:  # groups win at every step size from min_tokens, not just below it
+            assert all(cost(c, t) < cost(1, t) for t in range(m, tokens + 1))
+            assert m == 8 * c or cost(c, m - 1) >= cost(1, m - 1)
+
+
 def test_the_programs_of_the_three_shapes():
     """On 132 blocks, 64 tokens a step: the members the NOTES prediction names."""
     want = {"smollm2-135m": {Op.RMS_QKV_ROPE: 4, Op.O_PROJ_RESIDUAL: 4, Op.RMS_GATE_UP: 2,
                              Op.DOWN_RESIDUAL: 4},
-            "llama-3.2-1b": {Op.RMS_QKV_ROPE: 2, Op.O_PROJ_RESIDUAL: 2, Op.RMS_GATE_UP: 1,
+            "llama-3.2-1b": {Op.RMS_QKV_ROPE: 2, Op.O_PROJ_RESIDUAL: 2, Op.RMS_GATE_UP: 2,
                              Op.DOWN_RESIDUAL: 2}}
     for shape, members in want.items():
         cfg = ModelConfig.from_name(shape)

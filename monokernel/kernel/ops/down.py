@@ -19,6 +19,11 @@ INPUT_BYTES = 2
 WEIGHT_ROWS = 1
 
 
+def input_columns(config) -> int:
+    """The mat-mul's input columns (token_groups.input_reads)."""
+    return config.intermediate_size
+
+
 def tile_rows(plan) -> int:
     return plan.config.hidden_size
 

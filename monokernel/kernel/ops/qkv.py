@@ -23,6 +23,11 @@ INPUT_BYTES = 4
 WEIGHT_ROWS = 2
 
 
+def input_columns(config) -> int:
+    """The mat-mul's input columns (token_groups.input_reads)."""
+    return config.hidden_size
+
+
 def tile_rows(plan) -> int:
     c = plan.config
     return (c.num_heads + 2 * c.num_kv_heads) * (c.head_dim // 2)
