@@ -19,8 +19,9 @@ the op's busiest tile's), the cheapest power of two c <= MAX_MEMBERS with at lea
 tokens a member (the mma's 8-token side). A step runs in groups when it has at least
 ``min_tokens`` tokens, the fewest from which c beats row tiles at every step size up to the
 program's (with r = 1: T b (1 - 1 / c) > 2 (c - 1) n, T > 2 n c / b) and MIN_SHARE c; a
-smaller step, one token among them, runs in row tiles as before. The last group of an op whose instructions do
-not divide by c has fewer members (a group of one: its own tile, every token).
+smaller step, one token among them, runs in row tiles as before. The last group of an op
+whose instructions do not divide by c has fewer members (a group of one: its own tile, every
+token).
 
 Only a tensor-core kernel of slots runs them (schedule(token_groups=True): the executor's
 tensor_cores programs); its mat-mul ops are RMS_QKV_ROPE, O_PROJ_RESIDUAL, RMS_GATE_UP and
