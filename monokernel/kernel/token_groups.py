@@ -99,7 +99,7 @@ def apply(plan, module, layer: int, tiles: list[Instruction],
     rows = busiest * module.WEIGHT_ROWS
     if members is None:
         staged = None
-        if module.OP in (Op.RMS_QKV_ROPE, Op.RMS_GATE_UP):  # mma_rms's staged rows
+        if getattr(module, "RMS_INPUT", False):  # mma_rms's staged rows
             from .header import rms_stage_rows
 
             staged = rms_stage_rows(plan.config, plan.tokens, True)

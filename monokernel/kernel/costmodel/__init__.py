@@ -27,7 +27,8 @@ from .simulate import (Prediction, Static, busy_constants, busy_us, predict, pre
                        prefetch_issue_us, sensitivity)
 
 __all__ = ["BUILT_MMA", "CONSTANTS", "DESIGNS", "GENERATION_STEPS", "GPU", "KernelDesign",
-           "MEASURED_KNOBS", "MEASURED_SOURCE", "OpBatch", "Phases", "Prediction", "Static", "V5", "V6",
+           "MEASURED_KNOBS", "MEASURED_SOURCE", "OpBatch", "Phases", "Prediction", "Static", "V5",
+           "V6",
            "block_sum_us", "busy_constants", "busy_us", "constant_range", "corner", "design",
            "design_for", "gpu", "hop_latency", "hop_parts", "measured_decode", "predict",
            "predict_range", "prefetch_issue_us", "sensitivity", "step_end_us"]

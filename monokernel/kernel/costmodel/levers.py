@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import ops
 from ..isa import Op
 from .design import KernelDesign
 from .parts import OpBatch, Phases
@@ -71,12 +72,11 @@ def input_bytes(b: OpBatch, d: KernelDesign) -> int:
     return d.input_bytes
 
 
-_RMS_MATMULS = (Op.RMS_QKV_ROPE, Op.RMS_GATE_UP, Op.RMS_LM_HEAD)
-
-
 def rms_input(b: OpBatch) -> bool:
-    """Whether the op's input is the residual its mma_rms norms (it reads the rows first)."""
-    return len(b.instructions) > 0 and b.instructions[0].op in _RMS_MATMULS
+    """Whether the op's input is the residual its mma_rms norms (it reads the rows first): the
+    op module's RMS_INPUT."""
+    return len(b.instructions) > 0 and \
+        getattr(ops.module(b.instructions[0].op), "RMS_INPUT", False)
 
 
 def rms_staged(b: OpBatch, d: KernelDesign, tokens) -> np.ndarray:

@@ -14,6 +14,9 @@ from ..isa import STATE_WORDS, Args, Op
 from ..program import Instruction, split_even
 
 OP = Op.RMS_LM_HEAD
+# its input is the residual, normed by the op (tensor cores: megakernel.cu mma_rms, which
+# reads the rows first and stages a small share in shared memory; costmodel levers.py)
+RMS_INPUT = True
 ARGS = Args("slot",  # this block's partial (best score, token) in lm_part
             "ticket",  # the step's ticket counter
             "tickets")  # tickets per step (every block draws one)

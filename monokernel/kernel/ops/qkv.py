@@ -15,6 +15,9 @@ from ..isa import Args, Op
 from ..program import Instruction, Region, split_even
 
 OP = Op.RMS_QKV_ROPE
+# its input is the residual, normed by the op (tensor cores: megakernel.cu mma_rms, which
+# reads the rows first and stages a small share in shared memory; costmodel levers.py)
+RMS_INPUT = True
 ARGS = Args()
 SIGNALS = True
 # token groups (token_groups.py): the input (the fp32 residual) bytes an element, the weight
