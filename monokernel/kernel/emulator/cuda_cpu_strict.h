@@ -55,7 +55,8 @@ struct Block : BarrierState {
   std::condition_variable cv;
   int live = 0, exited = 0;
   void* dyn_smem = nullptr;
-  std::size_t dyn_smem_bytes = 0;
+  std::size_t dyn_smem_bytes = 0;  // written once, before dyn_smem_ready's release
+  std::atomic<void*> dyn_smem_ready{nullptr};  // dyn_smem, once allocated (dynamic_shared)
   std::uint64_t serial = 0;  // next_block_serial(): this block of this launch
   std::mutex poison_mu;      // the first of the block's threads to reach a __shared__ poisons it
   ~Block() { std::free(dyn_smem); }
@@ -299,10 +300,17 @@ inline int atom_add_acq_rel(int* p, int v) {
   return std::atomic_ref<int>(*p).fetch_add(v, std::memory_order_acq_rel);
 }
 
-// Per-block buffer for dynamic shared memory; the size may not grow within a launch.
+// Per-block buffer for dynamic shared memory; the size may not grow within a launch. Only the
+// first call takes the block's lock (it allocates, then releases `dyn_smem_ready`); later calls
+// acquire that one store and nothing else. A lock on every call would order each caller's
+// earlier accesses before every later caller's: the kernel calls dynamic_smem() between a
+// fill and its reads, so a missing barrier there went unreported whenever the writers happened
+// to call it first (issue 17, a flaky negative control in CI).
 inline void* dynamic_shared(std::size_t bytes) {
   detail::Thread* t = detail::current_thread();
   detail::Block* b = t->block;
+  if (void* p = b->dyn_smem_ready.load(std::memory_order_acquire); p != nullptr && bytes <= b->dyn_smem_bytes)
+    return p;
   std::unique_lock<std::mutex> lk(b->mu);
   if (bytes > b->dyn_smem_bytes) {
     if (b->dyn_smem != nullptr)
@@ -311,6 +319,7 @@ inline void* dynamic_shared(std::size_t bytes) {
     b->dyn_smem_bytes = (bytes + 127) & ~std::size_t{127};
     b->dyn_smem = std::aligned_alloc(128, b->dyn_smem_bytes);
     std::memset(b->dyn_smem, 0, b->dyn_smem_bytes);
+    b->dyn_smem_ready.store(b->dyn_smem, std::memory_order_release);
   }
   return b->dyn_smem;
 }
