@@ -388,18 +388,31 @@ def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny, tensor
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
 def test_negative_control_a_segments_keys_without_their_barrier_is_reported(synth_dir):
-    """Late q/k (Qwen3) with slot 1's segment starting at row 1: its second row scores the
-    first row's key from shared memory (chunk_keys, dynamic shared memory filled per unit
-    from the segment's k_raw rows). Without the barrier after the fill, other warps read keys
-    still being written: TSan must see it (and the kernel as built is race-free on the same
-    table)."""
+    """Late q/k (Qwen3), slot 1's segment of three rows: its later rows score the earlier
+    rows' keys from shared memory (chunk_keys, dynamic shared memory filled per unit from the
+    segment's k_raw rows, a warp a key). Without the barrier after the fill, warps read keys
+    other warps still write: TSan must see it (and the kernel as built is race-free on the
+    same step).
+
+    On one block: TSan's runtime tracks 255 threads at once (strict.py's docstring);
+    past that, threads take turns on its slots, and a slot handed from a writer to a reader
+    orders them, so 2 blocks of 256 threads once hid this race in CI on a loaded machine.
+    (The strict runtime's dynamic_shared() also took the block's lock on every call then,
+    ordering the fill before the reads whenever the writers called it first; it no longer
+    does: test_dynamic_shared_memory_orders_no_accesses.)"""
     from monokernel.kernel.base import StepTable
 
     model = load_model(synth_dir("qwen3-tiny"), progress=False)
-    ex = table_executor(model)
+
+    def one_block() -> KernelExecutor:
+        ex = KernelExecutor(model, MAX_SEQ, blocks=1, slots=2, step_tokens=3, page_size=2)
+        ex.poison()
+        return ex
+
+    ex = one_block()
     pages = list(ex.add_pages(4))
-    table = StepTable.of([(5, 0, 0, True, True), (17, 1, 0, True, True),
-                          (999, 1, 1, True, True)], {0: [pages[0]], 1: [pages[3]]})
+    table = StepTable.of([(17, 1, 0, True, True), (999, 1, 1, True, True),
+                          (5, 1, 2, True, True)], {1: [pages[3], pages[1]]})
     source = ex.source
     old = (" kc[(p - pos0) * D + d] = f32_to_bf16(tmp[d]);\n        }\n"
            "        __syncthreads();\n")
@@ -407,17 +420,12 @@ def test_negative_control_a_segments_keys_without_their_barrier_is_reported(synt
     _, _, report = run_strict(ex, [], table=table)
     assert report == ""
     mutated = source.replace(old, old.replace("        __syncthreads();\n", ""))
-    # This race once went unreported in CI on a loaded machine: the strict runtime's
-    # dynamic_shared() took the block's lock on every call, and attention_scores calls
-    # chunk_keys() between the fill and the reads, so whenever the writers called it before the
-    # readers their writes were ordered before the reads. It now synchronises nothing after its
-    # first call (test_dynamic_shared_memory_orders_no_accesses): one run must see the race.
-    ex = table_executor(model)
+    ex = one_block()
     ex.add_pages(4)
     with pytest.raises(DataRaceError) as info:
         run_strict(ex, [], table=table, source=mutated)
-    report = info.value.report
-    assert re.search(r"op_attention|attention_scores|load_kv_rows", report), report[:4000]
+    assert re.search(r"op_attention|attention_scores|load_kv_rows", info.value.report), \
+        info.value.report[:4000]
 
 
 def decode_launch(ex: KernelExecutor):

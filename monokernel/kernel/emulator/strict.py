@@ -14,6 +14,14 @@ so the strict build rewrites each ``__shared__ T name[dims];`` declaration into
 reference ``name`` to this block's element. Only that declaration form is supported (no
 ``extern __shared__``, no attributes); anything else stays ``__shared__``, which a strict build
 rejects with a compile error naming the line.
+
+TSan's runtime (LLVM 14 on, GCC 12's libtsan.so.2) tracks at most 255 threads at once
+(tsan_defs.h kThreadSlotCount - 1). A launch of more (2 blocks of 256 CUDA threads, plus the
+driver's) makes its threads take turns on the slots, and a slot handed from one thread to the
+next orders the first one's accesses before the second one's: a race between them can go
+unreported, depending on the scheduling. A negative control of a race within a block runs on
+one block (257 threads: few hand-overs); one between blocks needs two, and relies on its race
+repeating over many accesses.
 """
 
 from __future__ import annotations
