@@ -366,6 +366,28 @@ def row_rotations(used: list[int], splits: int) -> list[int]:
     return out
 
 
+def segment_parts(used: int, rows: int, splits: int, group: int, most_mtiles: int) -> int:
+    """(design attn_row_parts, predicted; not built) The parts a segment's rows split into for
+    its attention: part p of ``parts`` takes the rows segment_part_rows(p, parts, rows) and
+    runs split s of them in the unit slot of split s + p x used (rotated as row_rotations), so
+    a prompt chunk's units fill the KV group's slots its used splits leave empty; a row's
+    partials are its own whichever part holds it. The fewest parts whose largest holds at most
+    ``most_mtiles`` m-tiles of 16 (row, head) queries, at most the slots hold (splits //
+    used); 1 with most_mtiles 0 (off), for a decode row, or where the slots hold one."""
+    if most_mtiles <= 0 or used <= 0:
+        return 1
+    most = max(1, min(splits // used, rows))
+    for parts in range(1, most + 1):
+        if -(-(-(-rows // parts)) * group // 16) <= most_mtiles:
+            return parts
+    return most
+
+
+def segment_part_rows(part: int, parts: int, rows: int) -> tuple[int, int]:
+    """(first, end) of part ``part``'s rows among a segment's ``rows`` (segment_parts)."""
+    return part * rows // parts, (part + 1) * rows // parts
+
+
 def unit_finishes(used: int, least: int) -> bool:
     """megakernel.cu unit_finishes: a row of one used split whose step merges by ticket
     (merge_ticket_min 1: the tensor-core kernel; a kernel of slots, the only one the executor

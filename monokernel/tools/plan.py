@@ -80,14 +80,14 @@ def _built(d, prog) -> str:
 def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | None,
                     tokens: int):
     """The program a step of many tokens is predicted on: for the built tensor-core design
-    (design_for(tensor_cores=True)), the one its executor of steps of up to ``tokens`` rows
-    runs (splits fixed by absolute position, every step's attention merged by ticket, the
+    (design_for(tensor_cores=True)) and the designs on its segments (attn_segments), the one
+    its executor of steps of up to ``tokens`` rows runs (splits fixed by absolute position, every step's attention merged by ticket, the
     mat-muls' token groups chosen for that many tokens a step: a smaller step runs in row
     tiles where groups would not pay); a design not built yet takes the default program."""
     from ..kernel import costmodel as cm
     from ..kernel.schedule import schedule, tensor_core_splits
 
-    if design_name is not None and cm.design(design_name).name not in cm.BUILT_MMA:
+    if design_name is not None and not cm.design(design_name).attn_segments:
         return prog
     splits, min_chunk = tensor_core_splits(cfg, blocks, max_seq)
     return schedule(cfg, blocks, max_seq, splits, min_chunk, merge_ticket_min=1,
@@ -97,7 +97,8 @@ def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | Non
 def _tokens_design(design_name: str | None, prog):
     """The design a step of many tokens is predicted on: the one named, which must have
     tensor cores, or the one built (design_for the tensor-core program ``prog``: prompts in
-    chunks of its tokens a step)."""
+    chunks of its tokens a step, the RMS ops' staged rows its shape fits); a named design on
+    the built one's segments (attn_segments) takes the same chunks and staged rows."""
     from ..kernel import costmodel as cm
 
     built = cm.design_for(prog, tensor_cores=True)
@@ -107,6 +108,9 @@ def _tokens_design(design_name: str | None, prog):
         raise SystemExit(f"monokernel: error: design {d.name} runs one token per step; "
                          "--batch and --prompt predict a design with many tokens per step "
                          f"({', '.join(n for n, x in cm.DESIGNS.items() if x.tensor_cores)})")
+    if d is not built and d.attn_segments:  # another design on its segments: its shape's fit
+        d = d.replace(prefill_chunk=built.prefill_chunk,
+                      rms_stage_rows=min(d.rms_stage_rows, built.rms_stage_rows))
     return d
 
 

@@ -292,6 +292,64 @@ def test_segments_read_a_units_kv_once_for_all_their_rows():
     assert x.fields["bytes"][attn].sum() == pytest.approx(y.fields["bytes"][attn].sum())
 
 
+def test_segment_parts_split_a_chunks_rows_into_the_slots_its_splits_leave():
+    """isa.segment_parts (design attn_row_parts, predicted): a chunk's rows in the fewest
+    parts of at most most_mtiles m-tiles each, as many as its KV group's slots hold (splits
+    // used) at most; one part when off, for a decode row, or when the slots hold one; the
+    parts' rows cover the segment's once, in order."""
+    from monokernel.kernel.isa import segment_part_rows, segment_parts
+
+    assert segment_parts(5, 128, 44, 3, 0) == 1  # off
+    # SmolLM2 (3 queries a KV head): 24 m-tiles; 3 parts of 43 rows would hold 9
+    assert segment_parts(5, 128, 44, 3, 8) == 4
+    assert segment_parts(5, 128, 44, 3, 1) == 8  # 44 // 5 slots
+    assert segment_parts(8, 128, 16, 2, 1) == 2  # Qwen3 at context 1024: 16 // 8
+    assert segment_parts(16, 128, 16, 2, 1) == 1  # every slot used
+    assert segment_parts(1, 1, 44, 3, 1) == 1  # a decode row: one m-tile
+    assert segment_parts(1, 5, 44, 16, 1) == 5  # no part without rows
+    for parts, rows in ((3, 128), (8, 128), (5, 5), (7, 100)):
+        got = [segment_part_rows(p, parts, rows) for p in range(parts)]
+        assert got[0][0] == 0 and got[-1][1] == rows
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
+        assert all(end - first >= rows // parts for first, end in got)
+
+
+def test_row_parts_put_a_chunks_attention_on_more_blocks():
+    """attn_row_parts (predicted): a late prompt chunk of SmolLM2 (3 KV heads, 44 slots a
+    group, 5 used splits) runs its attention units on 7x the blocks (parts of at most 4
+    m-tiles: 19 rows), so its busiest ATTENTION
+    instruction and the step get faster while the K/V it reads grows by the parts' re-reads
+    only (each part reads its splits' K/V up to its last row); a decode step (segments of one
+    row) is predicted as before, bit for bit."""
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    cfg = ModelConfig.from_name("smollm2-135m").replace(num_layers=2)
+    splits, min_chunk = tensor_core_splits(cfg, 132, 1100)
+    prog = schedule(cfg, 132, 1100, splits, min_chunk, merge_ticket_min=1, tokens=128)
+    g = cm.gpu("h200")
+    built = cm.design_for(prog, tensor_cores=True)
+    parts = built.replace(attn_row_parts=cm.design("v6-mma-parts").attn_row_parts)
+    assert built.attn_row_parts == 0 and parts.attn_row_parts == 4
+    attn = np.array([[ins.op == Op.ATTENTION for ins in q] for q in prog.queues])
+    chunk = StepShape.chunk(512, 128, True)
+    a, b = cm.Static(prog, 0, g, built, chunk), cm.Static(prog, 0, g, parts, chunk)
+    busy = lambda st: (st.fields["bytes"][attn] > 0).sum()  # noqa: E731
+    assert busy(b) == 7 * busy(a)
+    kv_a, kv_b = a.fields["bytes"][attn].sum(), b.fields["bytes"][attn].sum()
+    assert kv_a < kv_b < 7 * kv_a
+    fast, slow = cm.predict(prog, g, parts, shape=chunk), cm.predict(prog, g, built, shape=chunk)
+
+    def attention(p):
+        return next(r for r in p.op_rows() if r["op"] == "ATTENTION")
+
+    assert attention(fast)["busy_max_us"] < 0.5 * attention(slow)["busy_max_us"]
+    assert fast.total_us < slow.total_us
+    decode = StepShape.decode(16, 700)
+    assert cm.predict(prog, g, parts, shape=decode).total_us == \
+        cm.predict(prog, g, built, shape=decode).total_us
+
+
 def test_a_segments_staging_of_v_transposed_pays_its_bank_conflicts():
     """attn_stage_async (built): K and V staged by cp.async as rows. The kernel before it
     transposed V through registers with 2-byte stores whose HEAD_DIM / 8 chunks of a row all

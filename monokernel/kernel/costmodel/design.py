@@ -196,6 +196,12 @@ class KernelDesign:
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
     attn_units_in_flight: int = 1
+    # (with attn_segments; predicted, not built) a segment's rows split into parts that run
+    # its splits in the unit slots its used splits leave empty (isa.segment_parts): a prompt
+    # chunk's attention on up to splits // used blocks a KV group instead of used, the fewest
+    # parts of at most this many m-tiles each; 0: off, every row of a segment in its split's
+    # one unit
+    attn_row_parts: int = 0
     # ATTENTION's scores and values on tensor cores (every step, one token too: a sequence's
     # numbers must not depend on the step's other tokens); False: CUDA-core FMA as built
     attn_tensor_cores: bool = False
@@ -311,11 +317,17 @@ V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_as
                             mma_token_tiles=MMA_NT, mma_rows_split_above=MMA_ROWS_SPLIT_ABOVE,
                             mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K,
                             rms_stage_rows=RMS_STAGE_MAX_ROWS)
+# (predicted, not built) the tensor-core kernel with a prompt chunk's attention on more
+# blocks: its rows in parts of at most 4 m-tiles (a pass on half the warps, the SM's 4 tensor
+# cores busy) in the slots its used splits leave empty (attn_row_parts; benchmarks/NOTES.md,
+# 8 and 16 predicted slower).
+V6_MMA_PARTS = V6_MMA_SEG.replace(name="v6-mma-parts", attn_row_parts=4)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg",)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
-                                    "v6-mma-seg": V6_MMA_SEG, "v7": V7, "v7-rows": V7_ROWS,
+                                    "v6-mma-seg": V6_MMA_SEG, "v6-mma-parts": V6_MMA_PARTS,
+                                    "v7": V7, "v7-rows": V7_ROWS,
                                     "v8": V8, "v8-cluster": V8_CLUSTER}
 
 

@@ -20,7 +20,7 @@ from ..costmodel.tokens import mma_us, widen_attention
 from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, SEG_KEYS,
                    SEG_QUERIES, SEG_SUB, T_TILE, Args, Op, attn_k_vec, attn_round_positions,
                    merge_by_ticket, merge_row_lanes, merge_ways, row_finishes, row_rotations,
-                   split_chunk, splits_used, unit_finishes)
+                   segment_part_rows, segment_parts, split_chunk, splits_used, unit_finishes)
 from ..program import Instruction, Region, split_even
 
 OP = Op.ATTENTION
@@ -241,7 +241,9 @@ def _rotated(b: OpBatch, g, d) -> Phases:
     """ATTENTION of a step of many rows with the rows' units rotated over each KV group's
     slots (isa.row_rotations) and a unit with no positions skipped: an instruction runs, for every
     row, the splits that land in its slots. Costs per unit from the one-token model (a unit
-    is a block-wide pass, the same arithmetic whichever block runs it)."""
+    is a block-wide pass, the same arithmetic whichever block runs it). With attn_row_parts,
+    a segment's rows in parts (isa.segment_parts), each a unit run of every split its last
+    row uses, in the slots after the previous part's."""
     prog = b.program
     S = prog.attn_splits
     # what runs a unit: a row, or with attn_segments a segment's rows (its last row's context)
@@ -250,22 +252,28 @@ def _rotated(b: OpBatch, g, d) -> Phases:
     else:
         rows = [(s.context + i, 1) for s in b.shape.segments for i in range(s.tokens)]
     used = [used_splits(prog, ctx + 1) for ctx, _ in rows]
-    offs = row_rotations(used, S)
+    parts = _segment_parts(b, d, rows, used)
+    offs = row_rotations([u * p for u, p in zip(used, parts)], S)
     probe = np.arange(S)
     keys = ("l2", "hbm", "other", "rounds", "bytes", "pref")
     per_slot = {k: np.zeros(S) for k in keys}
     cache: dict[tuple[int, int], dict] = {}
-    row_bytes, row_pref = [], []  # per row, its units' bytes and prefetchable bytes by slot
-    for r, ((ctx, n), u, off) in enumerate(zip(rows, used, offs)):
-        if (ctx, n) not in cache:
-            one = _unit_costs(OpBatch(prog, ctx, np.zeros(S, np.int64), probe, probe + 1,
-                                      np.zeros(S), []), g, d, n)
-            cache[ctx, n] = {k: np.where(probe < u, v, 0.0) for k, v in one.items()}
-        for k in keys:
-            if k != "pref" or r == 0:  # prefetch_weights: the step's first row's units only
-                per_slot[k] += np.roll(cache[ctx, n][k], off)
-        row_bytes.append(np.roll(cache[ctx, n]["bytes"], off))
-        row_pref.append(np.roll(cache[ctx, n]["pref"], off))
+    row_bytes, row_pref = [], []  # per row (part), its units' bytes and prefetchable bytes by slot
+    for r, ((ctx, n), u, parts_r, off) in enumerate(zip(rows, used, parts, offs)):
+        for p in range(parts_r):
+            first, end = segment_part_rows(p, parts_r, n)
+            ctx_p, n_p = ctx - n + end, end - first  # the part's last row, its rows
+            if (ctx_p, n_p) not in cache:
+                one = _unit_costs(OpBatch(prog, ctx_p, np.zeros(S, np.int64), probe, probe + 1,
+                                          np.zeros(S), []), g, d, n_p)
+                u_p = used_splits(prog, ctx_p + 1)
+                cache[ctx_p, n_p] = {k: np.where(probe < u_p, v, 0.0) for k, v in one.items()}
+            at = (off + p * u) % S
+            for k in keys:
+                if k != "pref" or r == 0:  # prefetch_weights: the step's first row's units only
+                    per_slot[k] += np.roll(cache[ctx_p, n_p][k], at)
+            row_bytes.append(np.roll(cache[ctx_p, n_p]["bytes"], at))
+            row_pref.append(np.roll(cache[ctx_p, n_p]["pref"], at))
     # instruction i: its units [lo, hi) of g * S + slot, every group alike
     kv = prog.config.num_kv_heads
     out = {}
@@ -298,15 +306,33 @@ def _rolling_prefetch(b: OpBatch, S: int, kv: int, row_bytes: list[np.ndarray],
     return out
 
 
+def _segment_parts(b: OpBatch, d, rows: list[tuple[int, int]], used: list[int]) -> list[int]:
+    """Each unit-running row's (segment's) parts: isa.segment_parts with attn_row_parts, else
+    1."""
+    if not (d.attn_segments and d.attn_row_parts):
+        return [1] * len(rows)
+    G = b.program.config.group_size
+    return [segment_parts(u, n, b.program.attn_splits, G, d.attn_row_parts)
+            for (_, n), u in zip(rows, used)]
+
+
 def _row_offsets(b: OpBatch, d, used: list[int]) -> list[int]:
     """Each row's rotation (isa.row_rotations): its own, or with attn_segments its segment's,
-    the used splits of the step's earlier segments' last rows."""
+    the used splits of the step's earlier segments' last rows (times their parts), and with
+    attn_row_parts its part's slots after it."""
     S = b.program.attn_splits
     if not d.attn_segments:
         return row_rotations(used, S)
     ends = np.cumsum([s.tokens for s in b.shape.segments]) - 1
-    seg = row_rotations([used[e] for e in ends], S)
-    return [off for s, off in zip(b.shape.segments, seg) for _ in range(s.tokens)]
+    seg_used = [used[e] for e in ends]
+    parts = _segment_parts(b, d, [(0, s.tokens) for s in b.shape.segments], seg_used)
+    seg = row_rotations([u * p for u, p in zip(seg_used, parts)], S)
+    out = []
+    for s, off, u, n_parts in zip(b.shape.segments, seg, seg_used, parts):
+        for p in range(n_parts):
+            first, end = segment_part_rows(p, n_parts, s.tokens)
+            out += [(off + p * u) % S] * (end - first)
+    return out
 
 
 def _merge_row_bytes(c, used: int) -> float:
