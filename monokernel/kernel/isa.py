@@ -283,8 +283,12 @@ MMA_ROWS_UNROLL = 2
 # the RMS ops stage a block's share of a step of up to this many rows in shared memory (a
 # prompt chunk of 128 in token groups of two, the LM head of 64 sequences; header.rms_stage_rows)
 RMS_STAGE_MAX_ROWS = 64
+# The most m-tiles of 16 (row, head) queries a part of a segment's rows holds (segment_parts;
+# megakernel.cu op_attention_segments; -DMK_ROW_PARTS overrides it, 0: no parts): a pass on
+# half the warps, the SM's 4 tensor cores busy (benchmarks/NOTES.md: 8 and 16 predicted slower).
+ROW_PART_MTILES = 4
 MMA_CONSTANTS = ("MMA_KC", "MMA_RG", "MMA_UNROLL", "MMA_NT", "MMA_ROWS_SPLIT_ABOVE",
-                 "MMA_ROWS_SPLIT_MAX_K", "MMA_RT", "MMA_ROWS_UNROLL")
+                 "MMA_ROWS_SPLIT_MAX_K", "MMA_RT", "MMA_ROWS_UNROLL", "ROW_PART_MTILES")
 
 
 def row_shape(n: int) -> tuple[int, int, int]:
@@ -367,8 +371,8 @@ def row_rotations(used: list[int], splits: int) -> list[int]:
 
 
 def segment_parts(used: int, rows: int, splits: int, group: int, most_mtiles: int) -> int:
-    """(design attn_row_parts, predicted; not built) The parts a segment's rows split into for
-    its attention: part p of ``parts`` takes the rows segment_part_rows(p, parts, rows) and
+    """(design attn_row_parts; megakernel.cu segment_parts) The parts a segment's rows split
+    into for its attention: part p of ``parts`` takes the rows segment_part_rows(p, parts, rows) and
     runs split s of them in the unit slot of split s + p x used (rotated as row_rotations), so
     a prompt chunk's units fill the KV group's slots its used splits leave empty; a row's
     partials are its own whichever part holds it. The fewest parts whose largest holds at most

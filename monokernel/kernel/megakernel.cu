@@ -1370,6 +1370,28 @@ __device__ __forceinline__ int unit_rows_end(const int* st, int tok, int ntok) {
 #endif
 }
 
+// A segment's rows in parts (isa.segment_parts; costmodel design attn_row_parts): part p of
+// `parts` runs split s of its rows (segment_part_rows) in the unit slot of split s + p x used,
+// rotated, so a prompt chunk's units fill the KV group's slots its used splits leave empty. A
+// row's partials are its own whichever part holds it, and its merge reads them at its part's
+// rotation (rot + p x used). MK_ROW_PARTS: the most m-tiles a part holds (0: one part).
+#define ROW_PART_MTILES MK_ROW_PART_MTILES  // isa.ROW_PART_MTILES
+#ifndef MK_ROW_PARTS
+#define MK_ROW_PARTS (SEG_ATTN ? ROW_PART_MTILES : 0)
+#endif
+__device__ __forceinline__ int segment_parts(int used, int rows, int splits) {
+  if (MK_ROW_PARTS <= 0 || used <= 0) return 1;
+  const int most = max(1, min(splits / used, rows));
+  for (int parts = 1; parts < most; ++parts)
+    if (((rows + parts - 1) / parts * MK_GROUP + 15) / 16 <= MK_ROW_PARTS) return parts;
+  return most;
+}
+// row i's part among a segment's `rows` in `parts` (segment_part_rows: [p rows / parts,
+// (p + 1) rows / parts))
+__device__ __forceinline__ int segment_part_of(int i, int parts, int rows) {
+  return ((i + 1) * parts - 1) / rows;
+}
+
 // ---- The split merge (O_PROJ_RESIDUAL's, or by ticket at ATTENTION's end) ------------------
 // The merge of the splits in one or two rounds. A thread owns 8 consecutive output
 // elements of one (KV group, query head) and loads, for MERGE_CHUNK splits at once, their
@@ -1649,9 +1671,11 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
   for (; c.tok < ntok; c.u = b) {
     const int last = unit_rows_end(st, c.tok, ntok) - 1;  // the rows that run c.tok's units
     const int n_pos = row_pos(st, last) + 1, used = splits_used(n_pos, splits, min_chunk);
+    const int parts = segment_parts(used, last + 1 - c.tok, splits);
     for (; c.u < e; ++c.u) {
-      const int j = c.u % splits, split = j >= c.rot ? j - c.rot : j - c.rot + splits;
-      if (split >= used) continue;
+      const int j = c.u % splits, v = j >= c.rot ? j - c.rot : j - c.rot + splits;
+      if (v >= used * parts) continue;
+      const int split = v % used;  // (a part's positions end earlier: its prefetch reads more)
       const int chunk = split_chunk(n_pos, splits, min_chunk);
       const int t0 = split * chunk, slot = row_slot(st, c.tok);
       const int t1 = before ? min(min(row_pos(st, row_seg(st, c.tok)), t0 + chunk),
@@ -1666,7 +1690,7 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
       ++c.u;  // the next call looks past it
       return;
     }
-    c.rot = next_rotation(c.rot, used, splits);
+    c.rot = next_rotation(c.rot, used * parts, splits);
     c.tok = last + 1;
   }
 }
@@ -2079,18 +2103,20 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
   }
 }
 
-// Unit slot j (split `split`) of KV group gk for the segment of nrows rows from row seg: the
-// partials of each row that reaches it at its slot j, or (row_finishes) its normalised output
-// into P.attn; its (row, head) queries in passes of NWARPS m-tiles, or one m-tile split over
-// the warps (segment_pass).
+// Unit slot j (split `split`) of KV group gk for rows [first, end) (a part: segment_parts) of
+// the segment of nrows rows from row seg, rotated by rot: the partials of each of those rows
+// that reaches it at its slot j, or (row_finishes) its normalised output into P.attn; its
+// (row, head) queries in passes of NWARPS m-tiles, or one m-tile split over the warps
+// (segment_pass).
 __device__ void attention_segment(const Params& P, const int* st, int layer, int gk, int j,
-                                  int split, int seg, int nrows, int splits, int min_chunk,
-                                  int least, int rot, float scale) {
+                                  int split, int seg, int nrows, int first, int end, int splits,
+                                  int min_chunk, int least, int rot, float scale) {
   const int pos0 = row_pos(st, seg);
   const int chunk = split_chunk(pos0 + nrows, splits, min_chunk);
-  const int t0 = split * chunk, t1 = min(pos0 + nrows, t0 + chunk);
-  const int r0 = max(0, t0 - pos0);       // the segment's first row reaching t0
-  const int M = (nrows - r0) * MK_GROUP;  // their (row, head) queries
+  const int t0 = split * chunk, t1 = min(pos0 + end, t0 + chunk);
+  const int r0 = max(first, t0 - pos0);  // the part's first row reaching t0
+  const int M = (end - r0) * MK_GROUP;   // their (row, head) queries
+  if (M <= 0) return;  // (block-uniform) no row of the part reaches the split
   const int mtiles = (M + 15) / 16;
   if (mtiles == 1) {  // the split mode (block-uniform)
     segment_pass<true>(P, st, layer, gk, j, seg, r0, M, 0, t0, t1, splits, min_chunk, least,
@@ -2117,32 +2143,36 @@ __device__ void op_attention_segments(const Params& P, const int* ins, const int
   for (int seg = 0; seg < ntok;) {
     const int end = unit_rows_end(st, seg, ntok), nrows = end - seg;
     const int used = splits_used(row_pos(st, end - 1) + 1, splits, min_chunk);
+    const int parts = segment_parts(used, nrows, splits);
     for (int u = b; u < e; ++u) {
       const int g = u / splits, j = u % splits;
-      const int split = j >= rot ? j - rot : j - rot + splits;
-      if (split >= used) continue;  // no positions: no queries, no partials
+      const int v = j >= rot ? j - rot : j - rot + splits;  // the segment's v-th slot
+      if (v >= used * parts) continue;  // no positions: no queries, no partials
+      const int part = v / used, split = v - part * used;
       attention_prefetch_next(P, st, next, seg, u, rot, layer, b, e, splits, min_chunk, ntok);
-      attention_segment(P, st, layer, g, j, split, seg, nrows, splits, min_chunk, least, rot,
-                        scale);
+      attention_segment(P, st, layer, g, j, split, seg, nrows, part * nrows / parts,
+                        (part + 1) * nrows / parts, splits, min_chunk, least,
+                        split_slot(part * used, rot, splits), scale);
     }
     // each row's draw: this instruction's units of it (a row uses the splits below its own
-    // used ones), as op_attention's row loop counts them
+    // used ones, at its part's rotation), as op_attention's row loop counts them
     for (int tok = seg; tok < end; ++tok) {
       const int u_tok = splits_used(row_pos(st, tok) + 1, splits, min_chunk);
+      const int prot = split_slot(segment_part_of(tok - seg, parts, nrows) * used, rot, splits);
       int ran = 0;
       for (int u = b; u < e; ++u) {
         const int j = u % splits;
-        ran += (j >= rot ? j - rot : j - rot + splits) < u_tok;
+        ran += (j >= prot ? j - prot : j - prot + splits) < u_tok;
       }
-      const bool draws = merge_by_ticket(u_tok, least) && !row_finishes(u_tok, least, rot) &&
+      const bool draws = merge_by_ticket(u_tok, least) && !row_finishes(u_tok, least, prot) &&
                          ran > 0;
       merges |= draws;
       if (threadIdx.x == tok) {
         my_draw = draws ? ran | u_tok << 16 : 0;
-        my_rot = rot;
+        my_rot = prot;
       }
     }
-    rot = next_rotation(rot, used, splits);
+    rot = next_rotation(rot, used * parts, splits);
     seg = end;
   }
   if (ins[A_ATTENTION_TICKETS] > 0 && least > 0 && merges)

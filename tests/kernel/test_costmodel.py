@@ -44,8 +44,8 @@ def test_design_for_is_the_kernel_as_built():
 
     for knob, value in sass_facts.compiled_knobs().items():
         assert getattr(cm.V6, knob) == value, knob
-    assert set(cm.DESIGNS) == {"v5", "v6", "v6-mma", "v6-mma-seg", "v6-mma-parts", "v7",
-                               "v7-rows", "v8", "v8-cluster"}
+    assert set(cm.DESIGNS) == {"v5", "v6", "v6-mma", "v6-mma-seg", "v7", "v7-rows", "v8",
+                               "v8-cluster"}
     # a kernel of slots with tensor cores (slice 6a): mma with row tiles; attention per
     # segment on mma (SEG_ATTN), late q/k too
     mma = cm.design_for(prog, tensor_cores=True)
@@ -55,7 +55,7 @@ def test_design_for_is_the_kernel_as_built():
     assert mma.replace(name="v6-mma", attn_segments=False, attn_stage_async=False,
                        mma_token_tiles=1, mma_rows_split_above=0,
                        mma_rows_split_max_k=cm.V6.mma_rows_split_max_k,
-                       rms_stage_rows=0) == cm.DESIGNS["v6-mma"]
+                       rms_stage_rows=0, attn_row_parts=0) == cm.DESIGNS["v6-mma"]
     # block_mma's and block_mma_rows' constants: isa.py's, as the header renders them for
     # megakernel.cu (which defines none of its own) and as the built design reads them
     import re
@@ -72,6 +72,7 @@ def test_design_for_is_the_kernel_as_built():
     # the RMS ops' staged rows (mma_rms): all a step's share can have where the shape's rows
     # fit (header.rms_stage_rows; design_for names fewer where they do not)
     assert mma.rms_stage_rows == isa.RMS_STAGE_MAX_ROWS
+    assert mma.attn_row_parts == isa.ROW_PART_MTILES  # megakernel.cu segment_parts
     header = model_constants(prog.config, 64)
     assert all(header[f"MK_{n}"] == getattr(isa, n) for n in isa.MMA_CONSTANTS)
     cu = (Path(kernel_pkg.__file__).parent / "megakernel.cu").read_text()

@@ -270,7 +270,9 @@ def test_segments_read_a_units_kv_once_for_all_their_rows():
     splits, min_chunk = tensor_core_splits(cfg, 132, 1100)
     prog = schedule(cfg, 132, 1100, splits, min_chunk, merge_ticket_min=1, tokens=128)
     g = cm.gpu("h200")
-    seg = cm.design_for(prog, tensor_cores=True)  # as built: megakernel.cu SEG_ATTN
+    # as built (megakernel.cu SEG_ATTN), without the rows in parts (their K/V re-reads:
+    # test_row_parts_put_a_chunks_attention_on_more_blocks)
+    seg = cm.design_for(prog, tensor_cores=True).replace(attn_row_parts=0)
     assert seg.attn_segments
     rows = seg.replace(attn_segments=False)  # a row's own pass, rotating rows (late q/k)
     attn = np.array([[ins.op == Op.ATTENTION for ins in q] for q in prog.queues])
@@ -315,12 +317,13 @@ def test_segment_parts_split_a_chunks_rows_into_the_slots_its_splits_leave():
 
 
 def test_row_parts_put_a_chunks_attention_on_more_blocks():
-    """attn_row_parts (predicted): a late prompt chunk of SmolLM2 (3 KV heads, 44 slots a
-    group, 5 used splits) runs its attention units on 7x the blocks (parts of at most 4
-    m-tiles: 19 rows), so its busiest ATTENTION
-    instruction and the step get faster while the K/V it reads grows by the parts' re-reads
-    only (each part reads its splits' K/V up to its last row); a decode step (segments of one
-    row) is predicted as before, bit for bit."""
+    """attn_row_parts (built: megakernel.cu segment_parts): a late prompt chunk of SmolLM2 (3
+    KV heads, 44 slots a group, 5 used splits) runs its attention units on 7x the blocks
+    (parts of at most 4 m-tiles: 19 rows), so its busiest ATTENTION instruction and the step
+    get faster while the K/V it reads grows by the parts' re-reads only (each part reads its
+    splits' K/V up to its last row); a decode step (segments of one row) is predicted as
+    without parts, bit for bit."""
+    from monokernel.kernel.isa import ROW_PART_MTILES
     from monokernel.kernel.schedule import schedule, tensor_core_splits
     from monokernel.model.config import ModelConfig
 
@@ -328,9 +331,9 @@ def test_row_parts_put_a_chunks_attention_on_more_blocks():
     splits, min_chunk = tensor_core_splits(cfg, 132, 1100)
     prog = schedule(cfg, 132, 1100, splits, min_chunk, merge_ticket_min=1, tokens=128)
     g = cm.gpu("h200")
-    built = cm.design_for(prog, tensor_cores=True)
-    parts = built.replace(attn_row_parts=cm.design("v6-mma-parts").attn_row_parts)
-    assert built.attn_row_parts == 0 and parts.attn_row_parts == 4
+    parts = cm.design_for(prog, tensor_cores=True)
+    built = parts.replace(attn_row_parts=0)
+    assert parts.attn_row_parts == ROW_PART_MTILES == 4
     attn = np.array([[ins.op == Op.ATTENTION for ins in q] for q in prog.queues])
     chunk = StepShape.chunk(512, 128, True)
     a, b = cm.Static(prog, 0, g, built, chunk), cm.Static(prog, 0, g, parts, chunk)

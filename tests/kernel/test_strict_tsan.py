@@ -527,6 +527,31 @@ def test_strict_tsan_segments_on_tensor_cores_no_race_match_the_mirror(segment_m
     assert err.max() <= 4e-3, err
 
 
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+def test_strict_tsan_a_segments_rows_in_parts_no_race_match_the_mirror(tiny):
+    """A segment's rows in parts (megakernel.cu segment_parts) built with MK_ROW_PARTS = 1:
+    the chunk of 7 rows in 2 parts of one m-tile, one a block (a KV group's 2 unit slots), the
+    second part's rows at rotation 1 merged by their tickets across the blocks: race-free, and
+    every row's logits the bf16-inputs reference's."""
+    from monokernel.kernel.isa import segment_parts
+
+    ex = segment_executor(tiny)
+    n = SEGMENT_ROWS["tiny"]
+    assert ex.program.attn_splits == BLOCKS
+    assert segment_parts(1, n, BLOCKS, tiny.config.group_size, 1) == 2
+    _, logits, report = run_strict(ex, [], table=segment_step(ex), defines={"MK_ROW_PARTS": "1"})
+    assert report == ""
+    rows = logits[0].reshape(ex.program.tokens, -1)
+    ref = ReferenceModel(tiny.config, tiny.weights, 2 * MAX_SEQ, bf16_inputs=True,
+                         attn_chunk=ex.program.attn_min_chunk)
+    chunk = ref.forward([5 + 3 * i for i in range(n)], 0)
+    ref.reset()
+    want = np.concatenate([chunk, ref.forward([17], 0)])
+    err = np.abs(rows[:n + 1] - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert err.max() <= 4e-3, err
+
+
 _KEYS = "      if (base + cnt > pos0) segment_keys(P, layer, gk, seg, pos0, base, cnt, Ks);\n"
 _STAGED = "#endif\n      __syncthreads();  // the tiles (and the query tiles) are in\n"
 SEGMENT_BARRIERS = {

@@ -290,25 +290,29 @@ def test_a_big_steps_row_split_passes_leave_every_logit_bitwise(synth_model):
 _STAGE_STORE = "rms_bf16_x8(v, r, w, col, b);"
 
 
-def _staged_logits(model, stage_rows: int | None = None, mutant: bool = False) -> dict:
+def _staged_logits(model, stage_rows: int | None = None, mutant: bool = False,
+                   defines: dict[str, str] | None = None, edit=None) -> dict:
     """Every row's logits of three prompts (40, 30, 20) on a kernel of 128 tokens a step in
     token groups: one step of 85 prompt rows (35, 30, 20), one of the first prompt's last 5
     rows beside the others' first decode rows, then two decode steps of the three; built
     with MK_RMS_STAGE_ROWS = ``stage_rows`` (None: the rows that fit), or with the staged rows
-    normed by a wrong 1 / rms (``mutant``)."""
+    normed by a wrong 1 / rms (``mutant``), with more ``defines``, or with the source changed
+    by ``edit``."""
     from helpers.batch import Batch
     from monokernel.kernel.executor import KERNEL_NAMES
 
     ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=3, page_size=PAGE, tensor_cores=True,
                         step_tokens=MAX_STEP_TOKENS)
-    source, defines = ex.source, {"MK_PREFETCH": "1"}
+    source, build = ex.source, {"MK_PREFETCH": "1", **(defines or {})}
     if stage_rows is not None:
-        defines["MK_RMS_STAGE_ROWS"] = str(stage_rows)
+        build["MK_RMS_STAGE_ROWS"] = str(stage_rows)
     if mutant:
         assert source.count(_STAGE_STORE) == 1, "mma_rms is not as this test expects"
         source = source.replace(_STAGE_STORE, "rms_bf16_x8(v, 1.5f * r, w, col, b);")
-    if stage_rows is not None or mutant:
-        ex.module = ex.device.compile(source, KERNEL_NAMES, defines)
+    if edit is not None:
+        source = edit(source)
+    if stage_rows is not None or mutant or defines or edit is not None:
+        ex.module = ex.device.compile(source, KERNEL_NAMES, build)
     ex.poison()
     b = Batch(ex)
     for slot, (n, seed) in enumerate(((40, 7), (30, 8), (20, 9))):
@@ -343,6 +347,37 @@ def test_staged_rms_inputs_leave_every_logit_bitwise(synth_model):
     assert not np.array_equal(mutant[(0, 10)], want[(0, 10)])  # the first step
     assert not np.array_equal(mutant[(1, 30)], want[(1, 30)])  # the second step
     assert not np.array_equal(mutant[(2, 21)], want[(2, 21)])  # a decode step of three
+
+
+@pytest.mark.parametrize("name", ["llama3-tiny", "qwen3-tiny"])
+def test_row_parts_leave_every_logit_bitwise(synth_model, name):
+    """A segment's rows in parts (megakernel.cu segment_parts, isa.segment_parts): on 3 blocks
+    (3 unit slots a KV group, every row of one split) the first step's prompt chunks of 35 and
+    30 rows (7 and 6 m-tiles of 3 queries) run in 2 parts of at most 4 m-tiles, the chunk of 20
+    (4) in one; built with MK_ROW_PARTS = 1 (3 parts each, 1 m-tile a part where it fits) or
+    0 (no parts), every row's logits are the same bit for bit, late q/k (qwen3-tiny) too.
+    Negative control: the rows' merges read at the segment's rotation instead of their part's
+    change the first step's logits (its parts ran)."""
+    from monokernel.kernel.isa import ROW_PART_MTILES, segment_parts
+
+    model = synth_model(name)
+    G = model.config.group_size
+    assert ROW_PART_MTILES == 4 and G == 3
+    assert [segment_parts(1, n, 3, G, ROW_PART_MTILES) for n in (35, 30, 20)] == [2, 2, 1]
+    want = _staged_logits(model)
+    assert len(want) == 85 + 7 + 3 + 3
+    for parts in ("1", "0"):
+        got = _staged_logits(model, defines={"MK_ROW_PARTS": parts})
+        bad = [k for k in want if not np.array_equal(got[k], want[k])]
+        assert not bad, f"MK_ROW_PARTS={parts}: rows {bad[:5]} differ"
+    old = "        my_rot = prot;\n"
+
+    def segment_rotation(source: str) -> str:
+        assert source.count(old) == 1, "op_attention_segments is not as this test expects"
+        return source.replace(old, "        my_rot = rot;\n")
+
+    mutant = _staged_logits(model, edit=segment_rotation)
+    assert not np.array_equal(mutant[(0, 30)], want[(0, 30)])  # the first chunk's second part
 
 
 def test_staged_rows_fit_and_load_without_bank_conflicts():

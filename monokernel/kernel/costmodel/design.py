@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ...errors import CostModelError
 from .. import sass_facts
 from ..isa import (MMA_NT, MMA_RG, MMA_ROWS_SPLIT_ABOVE, MMA_ROWS_SPLIT_MAX_K, MMA_ROWS_UNROLL,
-                   MMA_RT, NUM_THREADS, RMS_STAGE_MAX_ROWS)
+                   MMA_RT, NUM_THREADS, RMS_STAGE_MAX_ROWS, ROW_PART_MTILES)
 
 # Steps a multi-step launch shares its overhead with: the 64 greedy tokens of issue 8's
 # generation (a longer prompt in the same launch only shares it further).
@@ -196,10 +196,10 @@ class KernelDesign:
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
     attn_units_in_flight: int = 1
-    # (with attn_segments; predicted, not built) a segment's rows split into parts that run
-    # its splits in the unit slots its used splits leave empty (isa.segment_parts): a prompt
-    # chunk's attention on up to splits // used blocks a KV group instead of used, the fewest
-    # parts of at most this many m-tiles each; 0: off, every row of a segment in its split's
+    # (with attn_segments) a segment's rows split into parts that run its splits in the unit
+    # slots its used splits leave empty (isa.segment_parts, megakernel.cu segment_parts): a
+    # prompt chunk's attention on up to splits // used blocks a KV group instead of used, the
+    # fewest parts of at most this many m-tiles each; 0: every row of a segment in its split's
     # one unit
     attn_row_parts: int = 0
     # ATTENTION's scores and values on tensor cores (every step, one token too: a sequence's
@@ -312,22 +312,17 @@ V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rota
 # (mma_token_tiles); in a step (a block's share) of more than isa.MMA_ROWS_SPLIT_ABOVE rows, at
 # K <= isa.MMA_ROWS_SPLIT_MAX_K, its passes split the rows over the warps (block_mma_rows).
 # The RMS ops stage a share of up to isa.RMS_STAGE_MAX_ROWS rows in shared memory (mma_rms;
-# design_for: fewer where the shape's rows do not fit, Llama-3.2-1B's 33).
+# design_for: fewer where the shape's rows do not fit, Llama-3.2-1B's 33). A segment's rows
+# run its attention in parts of at most isa.ROW_PART_MTILES m-tiles (attn_row_parts).
 V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_async=True,
                             mma_token_tiles=MMA_NT, mma_rows_split_above=MMA_ROWS_SPLIT_ABOVE,
                             mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K,
-                            rms_stage_rows=RMS_STAGE_MAX_ROWS)
-# (predicted, not built) the tensor-core kernel with a prompt chunk's attention on more
-# blocks: its rows in parts of at most 4 m-tiles (a pass on half the warps, the SM's 4 tensor
-# cores busy) in the slots its used splits leave empty (attn_row_parts; benchmarks/NOTES.md,
-# 8 and 16 predicted slower).
-V6_MMA_PARTS = V6_MMA_SEG.replace(name="v6-mma-parts", attn_row_parts=4)
+                            rms_stage_rows=RMS_STAGE_MAX_ROWS, attn_row_parts=ROW_PART_MTILES)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg",)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
-                                    "v6-mma-seg": V6_MMA_SEG, "v6-mma-parts": V6_MMA_PARTS,
-                                    "v7": V7, "v7-rows": V7_ROWS,
+                                    "v6-mma-seg": V6_MMA_SEG, "v7": V7, "v7-rows": V7_ROWS,
                                     "v8": V8, "v8-cluster": V8_CLUSTER}
 
 
