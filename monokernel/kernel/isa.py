@@ -372,12 +372,13 @@ def row_rotations(used: list[int], splits: int) -> list[int]:
 
 def segment_parts(used: int, rows: int, splits: int, group: int, most_mtiles: int) -> int:
     """(design attn_row_parts; megakernel.cu segment_parts) The parts a segment's rows split
-    into for its attention: part p of ``parts`` takes the rows segment_part_rows(p, parts, rows) and
-    runs split s of them in the unit slot of split s + p x used (rotated as row_rotations), so
-    a prompt chunk's units fill the KV group's slots its used splits leave empty; a row's
-    partials are its own whichever part holds it. The fewest parts whose largest holds at most
-    ``most_mtiles`` m-tiles of 16 (row, head) queries, at most the slots hold (splits //
-    used); 1 with most_mtiles 0 (off), for a decode row, or where the slots hold one."""
+    into for its attention: part p of ``parts`` takes the rows segment_part_rows(p, parts,
+    rows) and runs split s of them in the unit slot of split s + p x used (rotated as
+    row_rotations), so a prompt chunk's units fill the KV group's slots its used splits leave
+    empty; a row's partials are its own whichever part holds it. The fewest parts whose
+    largest holds at most ``most_mtiles`` m-tiles of 16 (row, head) queries, at most the slots
+    hold (splits // used); 1 with most_mtiles 0 (off), for a decode row, or where the slots
+    hold one."""
     if most_mtiles <= 0 or used <= 0:
         return 1
     most = max(1, min(splits // used, rows))

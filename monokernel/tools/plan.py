@@ -81,9 +81,10 @@ def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | Non
                     tokens: int):
     """The program a step of many tokens is predicted on: for the built tensor-core design
     (design_for(tensor_cores=True)) and the designs on its segments (attn_segments), the one
-    its executor of steps of up to ``tokens`` rows runs (splits fixed by absolute position, every step's attention merged by ticket, the
-    mat-muls' token groups chosen for that many tokens a step: a smaller step runs in row
-    tiles where groups would not pay); a design not built yet takes the default program."""
+    its executor of steps of up to ``tokens`` rows runs (splits fixed by absolute position,
+    every step's attention merged by ticket, the mat-muls' token groups chosen for that many
+    tokens a step: a smaller step runs in row tiles where groups would not pay); another
+    design takes the default program."""
     from ..kernel import costmodel as cm
     from ..kernel.schedule import schedule, tensor_core_splits
 
