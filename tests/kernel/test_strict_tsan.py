@@ -495,6 +495,20 @@ def segment_executor(model, arch: str = "tiny") -> KernelExecutor:
     return ex
 
 
+def assert_segment_step_matches_the_mirror(model, ex: KernelExecutor, logits) -> None:
+    """segment_step's rows (slot 0's chunk, slot 1's first row) against the bf16-inputs
+    reference (its mirror of the attention's rounding), test_tensor_cores.py's tolerance."""
+    n = ex.program.tokens - 1
+    rows = logits[0].reshape(ex.program.tokens, -1)
+    ref = ReferenceModel(model.config, model.weights, 2 * MAX_SEQ, bf16_inputs=True,
+                         attn_chunk=ex.program.attn_min_chunk)
+    chunk = ref.forward([5 + 3 * i for i in range(n)], 0)
+    ref.reset()
+    want = np.concatenate([chunk, ref.forward([17], 0)])
+    err = np.abs(rows[:n + 1] - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert err.max() <= 4e-3, err
+
+
 @pytest.fixture
 def segment_model(request, tiny, synth_dir):
     """(arch, model) for the segment tests: the session's tiny, or a synthetic late q/k one."""
@@ -516,15 +530,7 @@ def test_strict_tsan_segments_on_tensor_cores_no_race_match_the_mirror(segment_m
     ex = segment_executor(model, arch)
     _, logits, report = run_strict(ex, [], table=segment_step(ex))
     assert report == ""
-    n = SEGMENT_ROWS[arch]
-    rows = logits[0].reshape(ex.program.tokens, -1)
-    ref = ReferenceModel(model.config, model.weights, 2 * MAX_SEQ, bf16_inputs=True,
-                         attn_chunk=ex.program.attn_min_chunk)
-    chunk = ref.forward([5 + 3 * i for i in range(n)], 0)
-    ref.reset()
-    want = np.concatenate([chunk, ref.forward([17], 0)])
-    err = np.abs(rows[:n + 1] - want).max(axis=1) / np.abs(want).max(axis=1)
-    assert err.max() <= 4e-3, err
+    assert_segment_step_matches_the_mirror(model, ex, logits)
 
 
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
@@ -542,14 +548,7 @@ def test_strict_tsan_a_segments_rows_in_parts_no_race_match_the_mirror(tiny):
     assert segment_parts(1, n, BLOCKS, tiny.config.group_size, 1) == 2
     _, logits, report = run_strict(ex, [], table=segment_step(ex), defines={"MK_ROW_PARTS": "1"})
     assert report == ""
-    rows = logits[0].reshape(ex.program.tokens, -1)
-    ref = ReferenceModel(tiny.config, tiny.weights, 2 * MAX_SEQ, bf16_inputs=True,
-                         attn_chunk=ex.program.attn_min_chunk)
-    chunk = ref.forward([5 + 3 * i for i in range(n)], 0)
-    ref.reset()
-    want = np.concatenate([chunk, ref.forward([17], 0)])
-    err = np.abs(rows[:n + 1] - want).max(axis=1) / np.abs(want).max(axis=1)
-    assert err.max() <= 4e-3, err
+    assert_segment_step_matches_the_mirror(tiny, ex, logits)
 
 
 _KEYS = "      if (base + cnt > pos0) segment_keys(P, layer, gk, seg, pos0, base, cnt, Ks);\n"
