@@ -10,6 +10,7 @@ consumer's acquire removed (textual mutations of the generated source) must be r
 from __future__ import annotations
 
 import functools
+import os
 import re
 import subprocess
 
@@ -133,6 +134,11 @@ int main() {
 """
 
 
+def _pin_to_one_cpu() -> None:
+    """preexec_fn: the child runs on the first CPU this process may use."""
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
+
+
 @needs_tsan
 @pytest.mark.parametrize("barrier", [0, 1])
 def test_dynamic_shared_memory_orders_no_accesses(tmp_path, barrier):
@@ -140,19 +146,27 @@ def test_dynamic_shared_memory_orders_no_accesses(tmp_path, barrier):
     took the block's lock on every call, which hid a missing barrier after a fill whenever the
     writers called it before the readers): a read of another thread's write with no barrier
     between them is reported even when the write came first in time, and the same program with
-    the barrier is clean."""
+    the barrier is clean.
+
+    Each way is run 8 times, 4 of them on one CPU, since the runtime once hid this race in
+    timing-dependent ways: thread 0 ran to its end before thread 1 was created (every run on
+    one CPU; the start gate of run_host_threads now prevents it), or thread 1 waited for the
+    allocation lock while thread 0 exited under that same lock (about half the runs on two
+    CPUs; the allocation now has its own lock)."""
     from monokernel.kernel.emulator.build import compile_unit
     from monokernel.kernel.emulator.strict import STRICT_FLAGS, TSAN_FLAGS
 
     exe = tmp_path / "dyn_strict"
     compile_unit(DYN_KERNEL, [*STRICT_FLAGS, *TSAN_FLAGS, f"-DBARRIER={barrier}"], exe,
                  "the dynamic shared memory test", executable=True)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "42", out.stdout + out.stderr[-4000:]
-    raced = "WARNING: ThreadSanitizer: data race" in out.stderr
-    assert raced == (not barrier), out.stderr[-4000:]
-    if raced:
-        assert "dyn_fill_then_read" in out.stderr, out.stderr[-4000:]
+    for run in range(8):
+        pin = _pin_to_one_cpu if run % 2 else None
+        out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, preexec_fn=pin)
+        assert out.stdout.strip() == "42", out.stdout + out.stderr[-4000:]
+        raced = "WARNING: ThreadSanitizer: data race" in out.stderr
+        assert raced == (not barrier), f"run {run} (one CPU: {pin is not None})\n" + out.stderr[-4000:]
+        if raced:
+            assert "dyn_fill_then_read" in out.stderr, out.stderr[-4000:]
 
 
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast

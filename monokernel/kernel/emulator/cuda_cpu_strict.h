@@ -57,8 +57,8 @@ struct Block : BarrierState {
   void* dyn_smem = nullptr;
   std::size_t dyn_smem_bytes = 0;  // written once, before dyn_smem_ready's release
   std::atomic<void*> dyn_smem_ready{nullptr};  // dyn_smem, once allocated (dynamic_shared)
+  std::mutex dyn_mu;  // dynamic_shared's allocation, and nothing else
   std::uint64_t serial = 0;  // next_block_serial(): this block of this launch
-  std::mutex poison_mu;      // the first of the block's threads to reach a __shared__ poisons it
   ~Block() { std::free(dyn_smem); }
 };
 
@@ -253,18 +253,20 @@ inline void run_thread(Launch* L, Block* b, unsigned int tid) {
 // static storage needs no guard (T has no constructor, as __shared__ variables may not), so no
 // lock is taken on first use, which would order blocks that the kernel does not order. The
 // first of a block's threads to reach the declaration fills the slot with kSharedPoison, under
-// the block's own poison lock; the others see its release of `serial` (acquire) and skip it, so
-// the poisoning happens before their accesses and is no race, while their accesses to the slot
-// stay unordered by it.
+// the slot's own lock; the others see its release of `serial` (acquire) and skip it, so the
+// poisoning happens before their accesses and is no race, while their accesses to the slot
+// stay unordered by it. The lock is the slot's, not the block's: a thread waiting for it could
+// otherwise acquire what the poisoner did after, up to its poisoning of the next __shared__.
 template <class T>
 struct PerBlock {
   T slot[kMaxBlocks];
   std::atomic<std::uint64_t> serial[kMaxBlocks];
+  std::mutex poison[kMaxBlocks];
   T& get() {
     Block* b = current_thread()->block;
     const unsigned i = b->idx.x;
     if (serial[i].load(std::memory_order_acquire) != b->serial) {
-      std::lock_guard<std::mutex> lk(b->poison_mu);
+      std::lock_guard<std::mutex> lk(poison[i]);
       if (serial[i].load(std::memory_order_relaxed) != b->serial) {
         std::memset(static_cast<void*>(&slot[i]), kSharedPoison, sizeof(T));
         serial[i].store(b->serial, std::memory_order_release);
@@ -301,17 +303,19 @@ inline int atom_add_acq_rel(int* p, int v) {
 }
 
 // Per-block buffer for dynamic shared memory; the size may not grow within a launch. Only the
-// first call takes the block's lock (it allocates, then releases `dyn_smem_ready`); later calls
-// acquire that one store and nothing else. A lock on every call would order each caller's
-// earlier accesses before every later caller's: the kernel calls dynamic_smem() between a
-// fill and its reads, so a missing barrier there went unreported whenever the writers happened
-// to call it first (issue 17, a flaky negative control in CI).
+// first calls take a lock, the block's allocation lock `dyn_mu` (the first allocates, then
+// releases `dyn_smem_ready`); later calls acquire that one store and nothing else. A lock on
+// every call would order each caller's earlier accesses before every later caller's: the kernel
+// calls dynamic_smem() between a fill and its reads, so a missing barrier there went unreported
+// whenever the writers happened to call it first (issue 17, a flaky negative control in CI).
+// Nor may the lock be the block's `mu`: a thread waiting for it could acquire another thread's
+// exit or barrier arrival, everything that thread did before, and hide a race with it.
 inline void* dynamic_shared(std::size_t bytes) {
   detail::Thread* t = detail::current_thread();
   detail::Block* b = t->block;
   if (void* p = b->dyn_smem_ready.load(std::memory_order_acquire); p != nullptr && bytes <= b->dyn_smem_bytes)
     return p;
-  std::unique_lock<std::mutex> lk(b->mu);
+  std::unique_lock<std::mutex> lk(b->dyn_mu);
   if (bytes > b->dyn_smem_bytes) {
     if (b->dyn_smem != nullptr)
       detail::fail_here(lk, kBadLaunch, detail::fmt("block %u thread %u: dynamic shared memory grew from %zu to %zu "
