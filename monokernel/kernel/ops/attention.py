@@ -252,28 +252,24 @@ def _rotated(b: OpBatch, g, d) -> Phases:
     else:
         rows = [(s.context + i, 1) for s in b.shape.segments for i in range(s.tokens)]
     used = [used_splits(prog, ctx + 1) for ctx, _ in rows]
-    parts = _segment_parts(b, d, rows, used)
-    offs = row_rotations([u * p for u, p in zip(used, parts)], S)
     probe = np.arange(S)
     keys = ("l2", "hbm", "other", "rounds", "bytes", "pref")
     per_slot = {k: np.zeros(S) for k in keys}
     cache: dict[tuple[int, int], dict] = {}
     row_bytes, row_pref = [], []  # per row (part), its units' bytes and prefetchable bytes by slot
-    for r, ((ctx, n), u, parts_r, off) in enumerate(zip(rows, used, parts, offs)):
-        for p in range(parts_r):
-            first, end = segment_part_rows(p, parts_r, n)
-            ctx_p, n_p = ctx - n + end, end - first  # the part's last row, its rows
-            if (ctx_p, n_p) not in cache:
-                one = _unit_costs(OpBatch(prog, ctx_p, np.zeros(S, np.int64), probe, probe + 1,
-                                          np.zeros(S), []), g, d, n_p)
-                u_p = used_splits(prog, ctx_p + 1)
-                cache[ctx_p, n_p] = {k: np.where(probe < u_p, v, 0.0) for k, v in one.items()}
-            at = (off + p * u) % S
-            for k in keys:
-                if k != "pref" or r == 0:  # prefetch_weights: the step's first row's units only
-                    per_slot[k] += np.roll(cache[ctx_p, n_p][k], at)
-            row_bytes.append(np.roll(cache[ctx_p, n_p]["bytes"], at))
-            row_pref.append(np.roll(cache[ctx_p, n_p]["pref"], at))
+    for r, first, end, at in _part_units(b, d, rows, used):
+        ctx, n = rows[r]
+        ctx_p, n_p = ctx - n + end, end - first  # the part's last row, its rows
+        if (ctx_p, n_p) not in cache:
+            one = _unit_costs(OpBatch(prog, ctx_p, np.zeros(S, np.int64), probe, probe + 1,
+                                      np.zeros(S), []), g, d, n_p)
+            u_p = used_splits(prog, ctx_p + 1)
+            cache[ctx_p, n_p] = {k: np.where(probe < u_p, v, 0.0) for k, v in one.items()}
+        for k in keys:
+            if k != "pref" or r == 0:  # prefetch_weights: the step's first row's units only
+                per_slot[k] += np.roll(cache[ctx_p, n_p][k], at)
+        row_bytes.append(np.roll(cache[ctx_p, n_p]["bytes"], at))
+        row_pref.append(np.roll(cache[ctx_p, n_p]["pref"], at))
     # instruction i: its units [lo, hi) of g * S + slot, every group alike
     kv = prog.config.num_kv_heads
     out = {}
@@ -316,6 +312,20 @@ def _segment_parts(b: OpBatch, d, rows: list[tuple[int, int]], used: list[int]) 
             for (_, n), u in zip(rows, used)]
 
 
+def _part_units(b: OpBatch, d, rows: list[tuple[int, int]], used: list[int]):
+    """(r, first, end, slot) of each part of each unit-running row ``rows[r]`` (context, rows:
+    a row, or with attn_segments a segment) of ``used`` splits: the part's rows [first, end)
+    of its segment and the unit slot its split 0 runs in, the rotation (isa.row_rotations) of
+    the earlier rows' used splits times their parts, then ``used`` slots a part."""
+    S = b.program.attn_splits
+    parts = _segment_parts(b, d, rows, used)
+    offs = row_rotations([u * p for u, p in zip(used, parts)], S)
+    for r, ((_, n), u, n_parts, off) in enumerate(zip(rows, used, parts, offs)):
+        for p in range(n_parts):
+            first, end = segment_part_rows(p, n_parts, n)
+            yield r, first, end, (off + p * u) % S
+
+
 def _row_offsets(b: OpBatch, d, used: list[int]) -> list[int]:
     """Each row's rotation (isa.row_rotations): its own, or with attn_segments its segment's,
     the used splits of the step's earlier segments' last rows (times their parts), and with
@@ -324,14 +334,10 @@ def _row_offsets(b: OpBatch, d, used: list[int]) -> list[int]:
     if not d.attn_segments:
         return row_rotations(used, S)
     ends = np.cumsum([s.tokens for s in b.shape.segments]) - 1
-    seg_used = [used[e] for e in ends]
-    parts = _segment_parts(b, d, [(0, s.tokens) for s in b.shape.segments], seg_used)
-    seg = row_rotations([u * p for u, p in zip(seg_used, parts)], S)
     out = []
-    for s, off, u, n_parts in zip(b.shape.segments, seg, seg_used, parts):
-        for p in range(n_parts):
-            first, end = segment_part_rows(p, n_parts, s.tokens)
-            out += [(off + p * u) % S] * (end - first)
+    for _, first, end, slot in _part_units(b, d, [(0, s.tokens) for s in b.shape.segments],
+                                           [used[e] for e in ends]):
+        out += [slot] * (end - first)
     return out
 
 
