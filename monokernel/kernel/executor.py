@@ -34,8 +34,8 @@ from .schedule import MAX_STEP_TOKENS, schedule, tensor_core_splits
 SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
 # Buffers the kernel writes during a step; poisoned with NaN by tests.
-ACTIVATIONS = ("residual", "q", "k_raw", "attn_o", "attn_ml", "attn", "ffn_h", "logits",
-               "lm_part")
+ACTIVATIONS = ("residual", "residual_in", "q", "k_raw", "attn_o", "attn_ml", "attn", "ffn_h",
+               "logits", "lm_part")
 # bf16 quiet NaN: the poison of a bf16 buffer (isa.BF16_INPUTS), a NaN once read as float32
 BF16_NAN = 0x7FC0
 # out_tokens before the kernel writes them: the host's poll tells "not yet" from any token (-1
@@ -291,7 +291,10 @@ class KernelExecutor(Executor):
         # state and error record share one buffer, so a step reads back both in one copy
         b["control"] = dev.alloc((STATE_WORDS + ERROR_WORDS,), np.int32)
         b["trace"] = dev.alloc((p.num_blocks, p.max_len, TRACE_WORDS), np.uint64)
-        for name, n in p.buffer_sizes().items():
+        sizes = p.buffer_sizes()
+        if self.tensor_cores:  # the residual's bf16 copy (isa PARAMS residual_in): the program
+            sizes["residual_in"] = sizes["residual"]  # declares the residual for both
+        for name, n in sizes.items():
             if name == "out_tokens":  # the host polls it while a launch runs
                 b[name] = dev.alloc_mapped((n * (self.slots + 1 if self.table else 1),),
                                            np.int32)

@@ -192,10 +192,12 @@ class TraceWord(IntEnum):
 
 TRACE_WORDS = 7
 
-# The buffers O_PROJ and DOWN take their input from: a tensor-core build (MK_MMA) stores them as
+# The buffers the mat-muls take their input from: a tensor-core build (MK_MMA) stores them as
 # bf16 (C type mk_in_t), the precision block_mma rounds its input to, so those mat-muls read
-# half the bytes and get the same numbers; fp32 in every other build.
-BF16_INPUTS = ("attn", "ffn_h")
+# half the bytes: O_PROJ's and DOWN's (attn, ffn_h) the same numbers, the RMS ops' copy of the
+# residual (residual_in) the residual rounded before its norm (the reference's bf16_inputs mode
+# mirrors it); fp32 in every other build, where residual_in is not used.
+BF16_INPUTS = ("attn", "ffn_h", "residual_in")
 
 # The kernel's argument struct, in order: (name, C type, shape comment). The Python side packs
 # the same list (kernel/executor.py); every buffer carries its shape.
@@ -206,6 +208,8 @@ PARAMS: list[tuple[str, str, str]] = [
     ("error", "int*", "[ERROR_WORDS]"),
     ("trace", "unsigned long long*", "[blocks, max_len, TRACE_WORDS] (MK_TRACE builds)"),
     ("residual", "float*", "[H] the residual stream"),
+    ("residual_in", "mk_in_t*", "[H] the residual as bf16, stored beside it by every write of it "
+     "(EMBED, O_PROJ, DOWN): the RMS ops' input in a tensor-core build (BF16_INPUTS)"),
     ("q", "float*", "[Q_DIM] roped (and normed) queries; raw with QK_NORM (late q/k)"),
     ("k_raw", "float*", "[KV_DIM] the step's keys before q/k-norm and RoPE (QK_NORM)"),
     ("attn_o", "float*", "[KV_HEADS, max_splits, GROUP, HEAD_DIM] unnormalised partial outputs"),

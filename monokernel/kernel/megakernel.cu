@@ -612,16 +612,16 @@ __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, Lo
   }
 }
 
-// x = bf16 of rmsnorm(v)[col..col + 8) * w, two a word (v: the row's residual, r: its 1 / rms)
-__device__ __forceinline__ void rms_bf16_x8(const float* v, float r, const unsigned short* w,
-                                            int col, unsigned (&x)[4]) {
-  const float4 a = *reinterpret_cast<const float4*>(v + col);
-  const float4 b = *reinterpret_cast<const float4*>(v + col + 4);
+// x = bf16 of rmsnorm(v)[col..col + 8) * w, two a word (v: the row's residual as bf16,
+// residual_in; r: its 1 / rms)
+__device__ __forceinline__ void rms_bf16_x8(const unsigned short* v, float r,
+                                            const unsigned short* w, int col, unsigned (&x)[4]) {
+  const uint4 a = *reinterpret_cast<const uint4*>(v + col);
   const uint4 gw = __ldg(reinterpret_cast<const uint4*>(w + col));
-  x[0] = bf16_pack(a.x * r * bf_lo(gw.x), a.y * r * bf_hi(gw.x));
-  x[1] = bf16_pack(a.z * r * bf_lo(gw.y), a.w * r * bf_hi(gw.y));
-  x[2] = bf16_pack(b.x * r * bf_lo(gw.z), b.y * r * bf_hi(gw.z));
-  x[3] = bf16_pack(b.z * r * bf_lo(gw.w), b.w * r * bf_hi(gw.w));
+  x[0] = bf16_pack(bf_lo(a.x) * r * bf_lo(gw.x), bf_hi(a.x) * r * bf_hi(gw.x));
+  x[1] = bf16_pack(bf_lo(a.y) * r * bf_lo(gw.y), bf_hi(a.y) * r * bf_hi(gw.y));
+  x[2] = bf16_pack(bf_lo(a.z) * r * bf_lo(gw.z), bf_hi(a.z) * r * bf_hi(gw.z));
+  x[3] = bf16_pack(bf_lo(a.w) * r * bf_lo(gw.w), bf_hi(a.w) * r * bf_hi(gw.w));
 }
 
 // x = the bf16 elements v[col..col + 8), two a word (one 16-byte load): attn and ffn_h as a
@@ -645,20 +645,25 @@ __device__ __forceinline__ unsigned short* rms_stage() {
   return reinterpret_cast<unsigned short*>(static_cast<char*>(dynamic_smem()) + MK_RMS_STAGE_AT);
 }
 
-// Each input row's 1 / rms (as rms_apply computes it, a warp per row): x row i at
-// x + row(i) * H for i < n. A share of at most MK_RMS_STAGE_ROWS rows is normed here once
-// too: the warp reads its row again right after its sum (from L1) and stores the bf16 inputs
-// block_mma would build from it (rms_bf16_x8 with the norm weights w) in rms_stage(), so the
-// residual comes from L2 once and every pass reads shared memory (rms_load_x). Returns
+// Each input row's 1 / rms (as rms_apply computes it, a warp per row, of the row as bf16): x
+// (residual_in) row i at x + row(i) * H for i < n. A share of at most MK_RMS_STAGE_ROWS rows
+// is normed here once too: the warp reads its row again right after its sum (from L1) and
+// stores the bf16 inputs block_mma would build from it (rms_bf16_x8 with the norm weights w)
+// in rms_stage(), so the residual comes from L2 once and every pass reads shared memory
+// (rms_load_x). Returns
 // whether it staged them; the numbers are the same either way.
 template <class Row>
-__device__ bool mma_rms(MmaShared& sm, const float* x, int n, Row row, const unsigned short* w) {
+__device__ bool mma_rms(MmaShared& sm, const unsigned short* x, int n, Row row,
+                        const unsigned short* w) {
   const int lane = threadIdx.x & 31;
   const bool staged = n <= MK_RMS_STAGE_ROWS;
   for (int i = threadIdx.x >> 5; i < n; i += NWARPS) {
-    const float* v = x + (size_t)row(i) * H;
+    const unsigned short* v = x + (size_t)row(i) * H;
     float ss = 0.f;
-    for (int k = lane; k < H; k += 32) ss += v[k] * v[k];
+    for (int k = lane; k < H; k += 32) {
+      const float a = bf16_to_f32(v[k]);
+      ss += a * a;
+    }
     ss = warp_sum(ss);  // (a butterfly: every lane holds the same sum)
     const float r = 1.0f / sqrtf(ss / (float)H + MK_RMS_EPS);
     if (lane == 0) sm.rms[i] = r;
@@ -677,7 +682,7 @@ __device__ bool mma_rms(MmaShared& sm, const float* x, int n, Row row, const uns
 
 // block_mma's load_x of an RMS op: input row i's bf16 columns col..col + 7 from the staged
 // rows, or normed from its fp32 residual row v (r: its 1 / rms, w: the norm weights)
-__device__ __forceinline__ void rms_load_x(bool staged, int i, const float* v, float r,
+__device__ __forceinline__ void rms_load_x(bool staged, int i, const unsigned short* v, float r,
                                            const unsigned short* w, int col, unsigned (&x)[4]) {
   if (staged)
     load_bf16_x8(rms_stage() + (size_t)i * RMS_STAGE_LD, col, x);
@@ -703,6 +708,18 @@ __device__ __forceinline__ void mma_add_rows(float* res, int b, int n, int ntok,
     const int q = i / 128, r = (i / 8) % 16, m = i % 8;
     const int k = (q0 + q) * 16 + r, tok = tok0 + m;
     if (k < n && tok < ntok) res[(size_t)tok * H + b + k] += sum(q, r, m);
+  }
+}
+
+// After O_PROJ's or DOWN's block_mma (its last barrier orders the epilogue's writes before
+// these reads): the bf16 copy the RMS ops read (residual_in) of the rows [b, e) of tokens
+// [t0, t0 + n) the epilogue added to. A pass of its own, not a store in the epilogue: there
+// the copy's address spilled Qwen3's kernel, at 255 registers in the DOWN pass.
+__device__ __forceinline__ void store_residual_in(const Params& P, int t0, int b, int e, int n) {
+  const int w = e - b;
+  for (int i = threadIdx.x; i < w * n; i += MK_THREADS) {
+    const size_t at = (size_t)(t0 + i / w) * H + b + i % w;
+    P.residual_in[at] = f32_to_bf16(P.residual[at]);
   }
 }
 
@@ -937,7 +954,16 @@ __device__ bool op_embed(const Params& P, const int* ins, const int* st, int ins
     }
     const unsigned short* row = P.embed + (size_t)token * H;
     float* res = P.residual + (size_t)tok * H;
+#if MK_MMA
+    mk_in_t* res_in = P.residual_in + (size_t)tok * H;  // its bf16 copy: the embedding's bits
+    for (int i = b + threadIdx.x; i < e; i += MK_THREADS) {
+      const unsigned short v = __ldg(row + i);
+      res[i] = bf16_to_f32(v);
+      res_in[i] = v;
+    }
+#else
     for (int i = b + threadIdx.x; i < e; i += MK_THREADS) res[i] = bf16_to_f32(__ldg(row + i));
+#endif
   }
   return true;
 }
@@ -1063,7 +1089,7 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
   if (b >= e || n <= 0) return;
   const unsigned short* W = P.wqkv + (size_t)layer * MK_QKV_DIM * H;
   const unsigned short* norm = P.in_norm + (size_t)layer * H;
-  const bool staged = mma_rms(s.mma, P.residual, n, [&](int i) { return t0 + i; }, norm);
+  const bool staged = mma_rms(s.mma, P.residual_in, n, [&](int i) { return t0 + i; }, norm);
   block_mma<H>(
       s.mma, (e - b + 7) / 8, n,
       [&](int q, int r) -> const unsigned short* {
@@ -1072,7 +1098,7 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
                      : nullptr;
       },
       [&](int tok, int col, unsigned (&x)[4]) {
-        rms_load_x(staged, tok, P.residual + (size_t)(t0 + tok) * H, s.mma.rms[tok], norm, col,
+        rms_load_x(staged, tok, P.residual_in + (size_t)(t0 + tok) * H, s.mma.rms[tok], norm, col,
                    x);
       },
       [&](int q0, int tok0, auto sum) {
@@ -2392,6 +2418,7 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
       [&](int q0, int tok0, auto sum) {
         mma_add_rows(P.residual + (size_t)t0 * H, b, e - b, n, q0, tok0, sum);
       });
+  store_residual_in(P, t0, b, e, n);
 #else
   if (b >= e) return;
   const unsigned short* W = P.wo + ((size_t)layer * H + b) * MK_Q_DIM;
@@ -2435,7 +2462,7 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
   const size_t off = ((size_t)layer * MK_FFN + b) * H;
   const unsigned short* norm = P.post_norm + (size_t)layer * H;
   const int n = e - b;
-  const bool staged = mma_rms(s.mma, P.residual, nt, [&](int i) { return t0 + i; }, norm);
+  const bool staged = mma_rms(s.mma, P.residual_in, nt, [&](int i) { return t0 + i; }, norm);
   block_mma<H>(
       s.mma, (n + 7) / 8, nt,
       [&](int q, int r) -> const unsigned short* {
@@ -2443,7 +2470,7 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
         return k < n ? (r < 8 ? P.wg : P.wu) + off + (size_t)k * H : nullptr;
       },
       [&](int tok, int col, unsigned (&x)[4]) {
-        rms_load_x(staged, tok, P.residual + (size_t)(t0 + tok) * H, s.mma.rms[tok], norm, col,
+        rms_load_x(staged, tok, P.residual_in + (size_t)(t0 + tok) * H, s.mma.rms[tok], norm, col,
                    x);
       },
       [&](int q0, int tok0, auto sum) {
@@ -2492,6 +2519,7 @@ __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, c
       [&](int q0, int tok0, auto sum) {
         mma_add_rows(P.residual + (size_t)t0 * H, b, e - b, n, q0, tok0, sum);
       });
+  store_residual_in(P, t0, b, e, n);
 #else
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   if (b >= e) return;
@@ -2729,13 +2757,13 @@ __device__ void lm_head_mma(const Params& P, MmaShared& sm, const int* st, int b
     sm.best[i] = NEG_INF;
     sm.best_id[i] = -1;
   }
-  const bool staged = mma_rms(sm, P.residual, m, [&](int i) { return sm.rows[i]; },
+  const bool staged = mma_rms(sm, P.residual_in, m, [&](int i) { return sm.rows[i]; },
                               P.final_norm);  // (its barrier: best too)
   if (b < e) {
     block_mma<H>(
         sm, (e - b + 15) / 16, m, tile_rows(P.lm_head + (size_t)b * H, e - b, H),
         [&](int i, int col, unsigned (&x)[4]) {
-          rms_load_x(staged, i, P.residual + (size_t)sm.rows[i] * H, sm.rms[i], P.final_norm,
+          rms_load_x(staged, i, P.residual_in + (size_t)sm.rows[i] * H, sm.rms[i], P.final_norm,
                      col, x);
         },
         [&](int q0, int tok0, auto sum) {

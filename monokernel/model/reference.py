@@ -18,6 +18,15 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float32).astype(BF16).astype(np.float32)
 
 
+def bf16_near_midpoint(x: np.ndarray, window: float = 1e-3) -> np.ndarray:
+    """Where x lies within ``window`` of a bf16 ulp of a rounding midpoint: values whose bf16
+    rounding the last fp32 bits decide (an oracle that sums in another order than the kernel
+    may round them to the other neighbour)."""
+    w = np.abs(np.asarray(x, np.float32)).astype(np.float64)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(w, 1e-30))) - 7)
+    return np.abs((w / ulp) % 1 - 0.5) < window
+
+
 def as_float32(a, out: np.ndarray | None = None) -> np.ndarray:
     """The float32 values of a weight, written into ``out`` if given. bf16 -> float32 is exact:
     the bf16 bits are the float32's high half, so it is a shift of the bits (what ml_dtypes'
@@ -91,8 +100,9 @@ class ReferenceModel:
                  max_seq_len: int | None = None, page_size: int = 16,
                  bf16_inputs: bool = False, attn_chunk: int | None = None):
         """``bf16_inputs``: every matrix product's input (the normed residual, attention's
-        output, the FFN's h) rounded to bf16 first, as a kernel built with tensor cores
-        (``tensor_cores=1``) feeds them to mma; its judge. That kernel runs attention on mma
+        output, the FFN's h) rounded to bf16 first, and the residual itself before each RMS
+        norm (the norms read its bf16 copy, residual_in), as a kernel built with tensor
+        cores (``tensor_cores=1``) feeds them to mma; its judge. That kernel runs attention on mma
         too (megakernel.cu attention_segment): the query (normed and roped first, with late
         q/k) is rounded to bf16, and the probabilities, exp(score - the running max) over
         SEG_SUB positions at a time within each split of ``attn_chunk`` positions (the
@@ -196,6 +206,10 @@ class ReferenceModel:
                 return 1
             return max(rows, self.MIN_ROWS)
 
+        def norm_in(x: np.ndarray) -> np.ndarray:
+            """An RMS op's input: the residual, as bf16 in bf16_inputs mode (residual_in)."""
+            return bf16_round(x) if self.bf16_inputs else x
+
         def linear(h: np.ndarray, w: np.ndarray) -> np.ndarray:
             if self.bf16_inputs:
                 h = bf16_round(h)
@@ -215,7 +229,7 @@ class ReferenceModel:
         scale = np.float32(1.0 / np.sqrt(c.head_dim))
         attn = np.empty((n, c.num_kv_heads, c.group_size, c.head_dim), np.float32)
         for li, L in enumerate(self.layers):
-            h = rms_norm(x, L["in_norm"], c.rms_norm_eps)
+            h = rms_norm(norm_in(x), L["in_norm"], c.rms_norm_eps)
             qkv = linear(h, L["wqkv"])
             if c.attention_bias:
                 qkv = qkv + L["bqkv"]
@@ -246,7 +260,7 @@ class ReferenceModel:
                     sc = sc / sc.sum(axis=-1, keepdims=True)
                     attn[r] = np.matmul(sc, V[:t].transpose(1, 0, 2))  # [kvh, g, d]
             x = x + linear(attn.reshape(n, c.q_dim), L["wo"])
-            h = rms_norm(x, L["post_norm"], c.rms_norm_eps)
+            h = rms_norm(norm_in(x), L["post_norm"], c.rms_norm_eps)
             x = x + linear(silu(linear(h, L["wg"])) * linear(h, L["wu"]), L["wd"])
         if logit_rows is not None:
             logit_rows = np.asarray(logit_rows, dtype=np.int64)
@@ -254,7 +268,7 @@ class ReferenceModel:
                 return None
             x = x[logit_rows]
             pad = padded(len(x))
-        h = rms_norm(x, self.final_norm, c.rms_norm_eps)
+        h = rms_norm(norm_in(x), self.final_norm, c.rms_norm_eps)
         return linear(h, self.lm_head).astype(np.float32)
 
 
@@ -264,10 +278,15 @@ SEG_SUB = 64
 
 
 def _attention_mma(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: np.float32,
-                   chunk: int) -> np.ndarray:
+                   chunk: int, ties: np.ndarray | None = None) -> np.ndarray:
     """One row's attention as the tensor-core kernel rounds it (ReferenceModel bf16_inputs
-    without late q/k): q [kvh, g, d] against its context's K, V [t, kvh, d]."""
+    without late q/k): q [kvh, g, d] against its context's K, V [t, kvh, d]. ``ties`` (bool
+    [kvh, g], the tests): set where a head's bf16 query or probabilities lie next to a
+    rounding midpoint (bf16_near_midpoint), so the kernel's own sums may round them the other
+    way and its output differ from this one's in more than the last bits."""
     t = len(K)
+    if ties is not None:
+        ties |= bf16_near_midpoint(q).any(axis=-1)
     sc = np.matmul(bf16_round(q), K.transpose(1, 2, 0)) * scale  # [kvh, g, t]
     parts = []
     for t0 in range(0, t, chunk):  # a split: running (max, sum, outputs) per SEG_SUB
@@ -280,6 +299,8 @@ def _attention_mma(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: np.float3
             mn = np.maximum(m, s.max(axis=-1, keepdims=True))
             corr = np.exp(m - mn)
             p = np.exp(s - mn)
+            if ties is not None:
+                ties |= bf16_near_midpoint(p).any(axis=-1)
             l = l * corr + p.sum(axis=-1, keepdims=True)
             o = o * corr + np.matmul(bf16_round(p), V[b0:b0 + s.shape[-1]].transpose(1, 0, 2))
             m = mn

@@ -55,7 +55,7 @@ def test_design_for_is_the_kernel_as_built():
     assert mma.replace(name="v6-mma", attn_segments=False, attn_stage_async=False,
                        mma_token_tiles=1, mma_rows_split_above=0,
                        mma_rows_split_max_k=cm.V6.mma_rows_split_max_k,
-                       rms_stage_rows=0, attn_row_parts=0) == cm.DESIGNS["v6-mma"]
+                       rms_stage_rows=0, attn_row_parts=0, input_bytes=4) == cm.DESIGNS["v6-mma"]
     # block_mma's and block_mma_rows' constants: isa.py's, as the header renders them for
     # megakernel.cu (which defines none of its own) and as the built design reads them
     import re
@@ -79,7 +79,8 @@ def test_design_for_is_the_kernel_as_built():
     assert re.findall(r"#define (MMA_\w+) (?:cmin\()?(\d+)", cu) == []
     for n in isa.MMA_CONSTANTS:
         assert re.search(rf"#define {n} (cmin\()?MK_{n}\b", cu), n
-    assert not (mma.tile_2d or mma.attn_tensor_cores) and mma.input_bytes == 4
+    # every input bf16 (residual_in for the RMS ops): input_bytes 2, on row tiles
+    assert not (mma.tile_2d or mma.attn_tensor_cores) and mma.input_bytes == 2
     late = program("qwen3-0.6b", 8, 64, num_layers=1)
     assert cm.design_for(late, tensor_cores=True) is cm.DESIGNS["v6-mma-seg"]
     assert cm.BUILT_MMA == ("v6-mma-seg",)

@@ -114,10 +114,12 @@ def test_the_lm_head_runs_only_for_tokens_that_need_logits():
     assert sum(last.fields["bytes"][b, i] for b, i in head) > 0
 
 
-def test_stored_bf16_inputs_halve_o_proj_and_downs_broadcast_only():
-    """v6-mma(-seg)'s O_PROJ and DOWN read the bf16 their producers store (megakernel.cu store_in,
-    isa.BF16_INPUTS): at batch 64 their input's time from L2 halves; the RMS ops, which read
-    the fp32 residual, and the step's other phases are what they were."""
+def test_bf16_inputs_halve_the_mat_muls_broadcasts_only():
+    """v6-mma-seg's mat-muls read bf16 inputs: O_PROJ and DOWN the bf16 their producers store
+    (stored_bf16_inputs: megakernel.cu store_in, isa.BF16_INPUTS): at batch 64 their input's
+    time from L2 halves against fp32, and the step's other phases are what they were; the RMS
+    ops the residual's bf16 copy (residual_in: input_bytes 2): their input's time drops, and
+    only theirs."""
     from monokernel.kernel.schedule import schedule
     from monokernel.model.config import ModelConfig
 
@@ -125,32 +127,38 @@ def test_stored_bf16_inputs_halve_o_proj_and_downs_broadcast_only():
     prog = schedule(cfg, 32, 300, merge_ticket_min=1, tokens=64)
     g = cm.gpu("h200")
     built = cm.design("v6-mma-seg")
-    assert built.stored_bf16_inputs and built.input_bytes == 4
-    fp32 = built.replace(stored_bf16_inputs=False)
+    assert built.stored_bf16_inputs and built.input_bytes == 2
+    rms_fp32 = built.replace(input_bytes=4)  # the RMS ops on the fp32 residual
+    fp32 = rms_fp32.replace(stored_bf16_inputs=False)  # and O_PROJ and DOWN on fp32 inputs
     shape = StepShape.decode(64, 16)
-    a, b = cm.Static(prog, 0, g, fp32, shape), cm.Static(prog, 0, g, built, shape)
+    a, b, c = (cm.Static(prog, 0, g, d, shape) for d in (fp32, rms_fp32, built))
     K = {Op.O_PROJ_RESIDUAL: prog.config.q_dim, Op.DOWN_RESIDUAL: prog.config.intermediate_size}
+    rms = (Op.RMS_QKV_ROPE, Op.RMS_GATE_UP, Op.RMS_LM_HEAD)
     for blk, q in enumerate(prog.queues):
         for i, ins in enumerate(q):
             cut = a.fields["other"][blk, i] - b.fields["other"][blk, i]
-            if ins.op in K and ins.tile[1] > ins.tile[0]:
+            rms_cut = b.fields["other"][blk, i] - c.fields["other"][blk, i]
+            busy = ins.tile[1] > ins.tile[0]
+            if ins.op in K and busy:
                 # 64 rows x K elements, 2 bytes fewer each, at the SM's share of L2
                 assert cut == pytest.approx(64 * K[ins.op] * 2 / (g.l2_bw / g.sms)), ins.op
             else:
                 assert cut == 0, ins.op
+            assert rms_cut > 0 if ins.op in rms and busy else rms_cut == 0, ins.op
             for f in ("l2", "hbm", "rounds", "bytes", "compute"):
-                assert a.fields[f][blk, i] == b.fields[f][blk, i], (ins.op, f)
-    assert cm.predict(prog, g, built, shape=shape).total_us < \
-        cm.predict(prog, g, fp32, shape=shape).total_us
+                assert a.fields[f][blk, i] == b.fields[f][blk, i] == c.fields[f][blk, i], \
+                    (ins.op, f)
+    totals = [cm.predict(prog, g, d, shape=shape).total_us for d in (fp32, rms_fp32, built)]
+    assert totals[0] > totals[1] > totals[2], totals
 
 
 def test_staged_rms_inputs_are_read_from_l2_once():
     """The RMS ops read their rows in mma_rms first: unstaged, block_mma's first pass reads
     them again (past l1_input_bytes) and every row pass after it; staged (a share of at most
     rms_stage_rows rows, megakernel.cu mma_rms), only mma_rms's one read is left. At batch 64
-    on row tiles (every block's share: 64 rows x 576 fp32, past L1) staging cuts each RMS
-    instruction's time from L2 by at least one read of its share and changes nothing else; a
-    share larger than the rows staged is charged as unstaged."""
+    on row tiles (every block's share: 64 rows x 576 bf16 of residual_in, 74 KB, past L1's
+    64 KB) staging cuts each RMS instruction's time from L2 by at least one read of its share
+    and changes nothing else; a share larger than the rows staged is charged as unstaged."""
     from monokernel.kernel.schedule import schedule
     from monokernel.model.config import ModelConfig
 
@@ -162,7 +170,8 @@ def test_staged_rms_inputs_are_read_from_l2_once():
     shape = StepShape.decode(64, 16)
     st = {rows: cm.Static(prog, 0, g, built.replace(rms_stage_rows=rows), shape)
           for rows in (0, 8, 64)}
-    one_read = 64 * cfg.hidden_size * 4 / (g.l2_bw / g.sms)
+    assert 64 * cfg.hidden_size * built.input_bytes > built.l1_input_bytes
+    one_read = 64 * cfg.hidden_size * built.input_bytes / (g.l2_bw / g.sms)
     rms = (Op.RMS_QKV_ROPE, Op.RMS_GATE_UP, Op.RMS_LM_HEAD)
     cut_any = False
     for blk, q in enumerate(prog.queues):

@@ -243,22 +243,23 @@ def test_the_tensor_core_kernels_segment_staging_is_one_round_of_copies(shape):
 
 
 @pytest.mark.parametrize("tokens", [32, 64])
-@pytest.mark.parametrize("op,stored", [("O_PROJ_RESIDUAL", True), ("DOWN_RESIDUAL", True),
-                                       ("RMS_GATE_UP", False)])
-def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, stored, tokens):
-    """v6-mma's stored_bf16_inputs, mma_token_tiles and the row split, read off the SASS: the
-    k split's pass loads MMA_UNROLL (2) chunks' weight fragments, MMA_RG (2) row groups x 2
-    halves of 16 rows, with 16-byte read-only loads, once, and multiplies them by MMA_NT (4)
-    token tiles: 2 x 4 x 2 x 2 HMMA for 8 weight loads (one load per HMMA would be the
-    weights re-read per token tile, as before 2026-12-04). A kernel of steps of more than 32
-    rows also has block_mma_rows (K <= 2048: SmolLM2's four mat-muls): 2 chunks x 2 halves of
-    one row group, 4 loads for 2 x 8 x 2 HMMA (8 token tiles). O_PROJ's and DOWN's inputs
-    (bf16, isa.BF16_INPUTS) are one 16-byte load per chunk and token tile; GATE_UP (the
-    negative control, the RMS ops read the fp32 residual) needs two where its share is not
-    staged, and reads its norm weights beside them (read-only too), and its staged share
-    (mma_rms) is one 16-byte shared-memory load per chunk and token tile, normed once by a
-    loop of two 16-byte residual loads and one of norm weights. Counted over the op's kernel
-    (op_<OP>): the plain LDG.E.128 are the k-loop's input loads and the staging's."""
+@pytest.mark.parametrize("op,rms", [("O_PROJ_RESIDUAL", False), ("DOWN_RESIDUAL", False),
+                                    ("RMS_GATE_UP", True)])
+def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, rms, tokens):
+    """v6-mma's stored_bf16_inputs and input_bytes 2, mma_token_tiles and the row split, read
+    off the SASS: the k split's pass loads MMA_UNROLL (2) chunks' weight fragments, MMA_RG (2)
+    row groups x 2 halves of 16 rows, with 16-byte read-only loads, once, and multiplies them
+    by MMA_NT (4) token tiles: 2 x 4 x 2 x 2 HMMA for 8 weight loads (one load per HMMA would
+    be the weights re-read per token tile, as before 2026-12-04). A kernel of steps of more
+    than 32 rows also has block_mma_rows (K <= 2048: SmolLM2's four mat-muls): 2 chunks x 2
+    halves of one row group, 4 loads for 2 x 8 x 2 HMMA (8 token tiles). Every input is bf16
+    (isa.BF16_INPUTS: O_PROJ's and DOWN's as their producers store them, an RMS op's the
+    residual's copy residual_in): one 16-byte load per chunk and token tile (the fp32
+    residual took two); an RMS op (GATE_UP) reads its norm weights beside them (read-only
+    too), and its staged share (mma_rms) is one 16-byte shared-memory load per chunk and
+    token tile, normed once by a loop of one 16-byte load of residual_in and one of norm
+    weights. Counted over the op's kernel (op_<OP>): the plain LDG.E.128 are the k-loop's
+    input loads and the staging's."""
     import re
 
     try:
@@ -273,19 +274,18 @@ def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, stored, to
     if tokens > d.mma_rows_split_above:
         paths.append((d.mma_rows_split_unroll * 2, d.mma_rows_split_tiles))
     assert (d.mma_token_tiles, d.mma_rows_split_tiles) == (4, 8)
-    per = 1 if stored else 2  # input loads a chunk and token tile
     unroll = (2, d.mma_rows_split_unroll)
     weights = sum(w for w, _ in paths)
     loads = sum(u * tiles for u, (_, tiles) in zip(unroll, paths))  # a chunk and token tile
-    norms = 0 if stored else loads
-    stage = 0 if stored else 1  # mma_rms's staging loop (its body once)
+    norms = loads if rms else 0
+    stage = 1 if rms else 0  # mma_rms's staging loop (its body once)
     assert ops.count("LDG.E.128.CONSTANT") == weights + norms + stage, ops
     assert sum(o.startswith("HMMA.16816.F32.BF16") for o in ops) == \
         sum(w * tiles for w, tiles in paths), ops
-    assert ops.count("LDG.E.128") == per * loads + 2 * stage
-    if not stored:  # the staged rows, as a stored input's loads
+    assert ops.count("LDG.E.128") == loads + stage, ops
+    if rms:  # the staged rows, as a stored input's loads
         assert ops.count("LDS.128") == loads
-    assert d.stored_bf16_inputs
+    assert d.stored_bf16_inputs and d.input_bytes == 2
 
 
 def test_a_kernel_of_slots_draws_each_rows_ticket_on_a_thread_of_its_own():

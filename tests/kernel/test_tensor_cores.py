@@ -28,7 +28,7 @@ from monokernel.errors import KernelError
 from monokernel.kernel.base import DeviceSample, StepTable
 from monokernel.kernel.executor import KernelExecutor
 from monokernel.kernel.schedule import MAX_STEP_TOKENS
-from monokernel.model.reference import ReferenceModel
+from monokernel.model.reference import ReferenceModel, bf16_round
 from monokernel.runtime import Engine
 from monokernel.sampling import Sampler, SamplingParams
 
@@ -108,13 +108,10 @@ def bf16_mirror_mismatches(got: np.ndarray, want: np.ndarray, window: float = 1e
     """Elements where ``got`` (bf16 values) is not the bf16 rounding of ``want`` (fp32), and
     how many of those lie within ``window`` of a bf16 ulp of a rounding midpoint (where the
     last fp32 bits, summed in another order, decide the neighbour)."""
-    from monokernel.model.reference import bf16_round
+    from monokernel.model.reference import bf16_near_midpoint
 
     bad = np.flatnonzero(got != bf16_round(want))
-    w = np.abs(want[bad]).astype(np.float64)
-    ulp = 2.0 ** (np.floor(np.log2(np.maximum(w, 1e-30))) - 7)
-    near = np.abs((w / ulp) % 1 - 0.5) < window
-    return bad, int(near.sum())
+    return bad, int(bf16_near_midpoint(want[bad], window).sum())
 
 
 def kernel_qk_norm_rope(x: np.ndarray, w: np.ndarray, cos: np.ndarray, sin: np.ndarray,
@@ -155,15 +152,17 @@ def test_segment_attention_is_its_bf16_mirror_on_the_kernels_inputs(synth_model,
     """Attention on tensor cores (megakernel.cu attention_segment), judged on its own inputs:
     the last layer's queries (fp32, as RMS_QKV_ROPE stored them; with late q/k raw, normed and
     roped here by kernel_qk_norm_rope, the kernel's own arithmetic) and K/V (the cache's bf16,
-    through the slots' pages) of a step of three prompts, through the reference's mirror of its rounding (model/reference.py _attention_mma: bf16 queries,
-    bf16 probabilities per SEG_SUB positions of each split, fp32 sums and merge). Every
-    element of the step's attention output (bf16: a row finished by its unit, or merged by
-    ticket) is the bf16 rounding of the mirror's, but where the mirror's value lies within
-    1e-3 of a ulp of a rounding midpoint (fp32 sums in another order decide those; none
-    expected at these sizes). The end-to-end logits drift further (a query's bf16 rounding
-    flips where the kernel's fp32 query and the reference's differ in the last bits, and the
-    synthetic models amplify a flip through the later rows): that is what the row tolerance
-    of the mixed steps above bounds."""
+    through the slots' pages) of a step of three prompts, through the reference's mirror of
+    its rounding (model/reference.py _attention_mma: bf16 queries, bf16 probabilities per
+    SEG_SUB positions of each split, fp32 sums and merge). Every element of the step's
+    attention output (bf16: a row finished by its unit, or merged by ticket) is the bf16
+    rounding of the mirror's, but where the last fp32 bits decide a rounding, which fp32 sums
+    in another order may round the other way: the output's own value within 1e-3 of a ulp of
+    a rounding midpoint, or a head whose bf16 query or probabilities have one there (the
+    mirror's ties; at most two heads of a step). The end-to-end logits drift further (a
+    query's bf16 rounding flips where the kernel's fp32 query and the reference's differ in
+    the last bits, and the synthetic models amplify a flip through the later rows): that is
+    what the row tolerance of the mixed steps above bounds."""
     from monokernel.kernel.isa import SEG_SUB
     from monokernel.model import reference
     from monokernel.model.reference import _attention_mma
@@ -195,14 +194,19 @@ def test_segment_attention_is_its_bf16_mirror_on_the_kernels_inputs(synth_model,
                       for r, (_, _, pos, _, _) in enumerate(rows)])
     scale = np.float32(1.0 / np.sqrt(D))
     want = np.empty_like(got)
+    ties = np.zeros((T, c.num_kv_heads, c.group_size), bool)  # per row and head
     for r, (_, s, pos, _, _) in enumerate(rows):
         at = [pages[s][p // PAGE] * PAGE + p % PAGE for p in range(pos + 1)]
         want[r] = _attention_mma(q[r].reshape(c.num_kv_heads, c.group_size, D), K[at], V[at],
-                                 scale, ex.program.attn_min_chunk).reshape(-1)
+                                 scale, ex.program.attn_min_chunk, ties[r]).reshape(-1)
     bad, near = bf16_mirror_mismatches(got.reshape(-1), want.reshape(-1))
-    assert len(bad) == near, (f"{arch}: {len(bad)} elements not the mirror's rounding, "
-                              f"{near} of them next to a midpoint")
-    assert len(bad) <= 2, bad
+    heads = {(int(i) // c.q_dim, int(i) % c.q_dim // D) for i in bad}
+    tied = {(r, h) for r, h in heads if ties[r].reshape(-1)[h]}
+    untied = [int(i) for i in bad if (int(i) // c.q_dim, int(i) % c.q_dim // D) not in tied]
+    _, untied_near = bf16_mirror_mismatches(got.reshape(-1)[untied], want.reshape(-1)[untied])
+    assert len(untied) == untied_near, (f"{arch}: {len(untied)} elements not the mirror's "
+                                        f"rounding, {untied_near} of them next to a midpoint")
+    assert len(tied) <= 2 and len(untied) <= 2, (sorted(tied), untied)
     # the negative control: the same inputs through fp32 attention are not this
     fp32 = np.empty_like(got)
     for r, (_, s, pos, _, _) in enumerate(rows):
@@ -407,19 +411,20 @@ def test_staged_rows_fit_and_load_without_bank_conflicts():
         assert rms_stage_rows(cfg, 8, True) == 8 and rms_stage_rows(cfg, 8) == 0
 
 
-def test_o_proj_and_down_read_bf16_inputs_their_producers_store(synth_model):
-    """A tensor-core build stores attn and ffn_h as bf16 (isa.BF16_INPUTS: the precision
-    block_mma rounds them to, half the bytes O_PROJ and DOWN read): buffers of 2 bytes an
-    element; after a step of 19 rows (rows of one split finished by their unit and rows of
-    up to three merged by ticket) every element of the step's rows is written and none of the
-    rows past it (the poison, bf16 NaN, stays). The numbers themselves are held by the mixed
-    steps above against the reference."""
+def test_mat_muls_read_bf16_inputs_their_producers_store(synth_model):
+    """A tensor-core build stores attn and ffn_h, and the residual's copy the RMS ops read
+    (residual_in), as bf16 (isa.BF16_INPUTS: the precision block_mma rounds them to, half the
+    bytes the mat-muls read): buffers of 2 bytes an element; after a step of 19 rows (rows of
+    one split finished by their unit and rows of up to three merged by ticket) every element
+    of the step's rows is written and none of the rows past it (the poison, bf16 NaN, stays),
+    and residual_in is the bf16 rounding of the residual. The numbers themselves are held by
+    the mixed steps above against the reference."""
     from monokernel.kernel.executor import BF16_INPUTS
 
     model = synth_model("llama3-tiny")
     ex = tc_executor(model, slots=3, step_tokens=24, attn_splits=12)
     c = model.config
-    width = {"attn": c.q_dim, "ffn_h": c.intermediate_size}
+    width = {"attn": c.q_dim, "ffn_h": c.intermediate_size, "residual_in": c.hidden_size}
     assert set(BF16_INPUTS) == set(width)
     for name, n in width.items():
         assert ex.buffers[name].dtype == np.uint16 and ex.buffers[name].size == 24 * n, name
@@ -430,10 +435,14 @@ def test_o_proj_and_down_read_bf16_inputs_their_producers_store(synth_model):
         got = ex.read_buffer(name).reshape(24, n)
         assert np.isfinite(got[:19]).all(), f"{name}: a step's element was not written"
         assert np.isnan(got[19:]).all(), f"{name}: a row past the step's was written"
-    # a build without tensor cores keeps them fp32
+    residual = ex.read_buffer("residual").reshape(24, c.hidden_size)[:19]
+    assert np.array_equal(ex.read_buffer("residual_in").reshape(24, c.hidden_size)[:19],
+                          bf16_round(residual))
+    # a build without tensor cores keeps attn and ffn_h fp32, and its norms read the residual
     plain = KernelExecutor(model, MAX_SEQ, blocks=3, slots=3, page_size=PAGE, step_tokens=24,
                            merge_ticket_min=1)
-    assert all(plain.buffers[name].dtype == np.float32 for name in width)
+    assert all(plain.buffers[name].dtype == np.float32 for name in ("attn", "ffn_h"))
+    assert "residual_in" not in plain.buffers
 
 
 def test_awkward_sizes_agree_with_the_bf16_reference(tmp_path):

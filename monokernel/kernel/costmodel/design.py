@@ -313,11 +313,13 @@ V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rota
 # K <= isa.MMA_ROWS_SPLIT_MAX_K, its passes split the rows over the warps (block_mma_rows).
 # The RMS ops stage a share of up to isa.RMS_STAGE_MAX_ROWS rows in shared memory (mma_rms;
 # design_for: fewer where the shape's rows do not fit, Llama-3.2-1B's 33). A segment's rows
-# run its attention in parts of at most isa.ROW_PART_MTILES m-tiles (attn_row_parts).
+# run its attention in parts of at most isa.ROW_PART_MTILES m-tiles (attn_row_parts). The RMS
+# ops read the residual's bf16 copy its writers store beside it (residual_in: input_bytes 2).
 V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_async=True,
                             mma_token_tiles=MMA_NT, mma_rows_split_above=MMA_ROWS_SPLIT_ABOVE,
                             mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K,
-                            rms_stage_rows=RMS_STAGE_MAX_ROWS, attn_row_parts=ROW_PART_MTILES)
+                            rms_stage_rows=RMS_STAGE_MAX_ROWS, attn_row_parts=ROW_PART_MTILES,
+                            input_bytes=2)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg",)
 # Every design a prediction can name (`monokernel plan --design`).
