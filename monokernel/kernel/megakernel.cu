@@ -139,8 +139,9 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
   return (unsigned short)(u >> 16);
 }
 
-// An element of attn or ffn_h as its producer stores it (mk_in_t, isa.BF16_INPUTS): fp32, or in
-// a tensor-core build the bf16 block_mma would round it to; a float* is shared memory.
+// An element of attn or ffn_h as its producer stores it (mk_in_t, isa.BF16_INPUTS; residual_in
+// has its own writers): fp32, or in a tensor-core build the bf16 block_mma would round it to;
+// a float* is shared memory.
 __device__ __forceinline__ void store_in(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_in(unsigned short* p, float v) { *p = f32_to_bf16(v); }
 
@@ -406,9 +407,10 @@ __device__ __forceinline__ void* dynamic_smem() {
 //     2t+8+{0,1} are columns 8t+4j+{0,1} and 8t+4j+2+{0,1}, and the input fragment permutes
 //     its columns alike (a product over k is any order of k, the same for every row and token).
 //   - The input comes through load_x(tok, col, b[4]) as the bf16 of its columns col..col + 7,
-//     two a word (the low half the even column): the RMS ops round their normed fp32 residual
-//     (rms_bf16_x8; the reference's bf16_inputs mode mirrors it); O_PROJ's and DOWN's inputs
-//     are stored as bf16 by their producers (isa.BF16_INPUTS) and loaded as they are.
+//     two a word (the low half the even column): the RMS ops round their normed residual,
+//     itself read as bf16 (residual_in; rms_bf16_x8; the reference's bf16_inputs mode mirrors
+//     both); O_PROJ's and DOWN's inputs are stored as bf16 by their producers
+//     (isa.BF16_INPUTS) and loaded as they are.
 //   - A pass takes a pair of row groups and up to MMA_NT token tiles: each chunk's weight
 //     fragments are loaded once and multiplied by every token tile of the pass.
 //   - The k-loop is split over the block's warps in fixed chunk ranges; their partials go to
@@ -650,8 +652,7 @@ __device__ __forceinline__ unsigned short* rms_stage() {
 // is normed here once too: the warp reads its row again right after its sum (from L1) and
 // stores the bf16 inputs block_mma would build from it (rms_bf16_x8 with the norm weights w)
 // in rms_stage(), so the residual comes from L2 once and every pass reads shared memory
-// (rms_load_x). Returns
-// whether it staged them; the numbers are the same either way.
+// (rms_load_x). Returns whether it staged them; the numbers are the same either way.
 template <class Row>
 __device__ bool mma_rms(MmaShared& sm, const unsigned short* x, int n, Row row,
                         const unsigned short* w) {
@@ -681,7 +682,7 @@ __device__ bool mma_rms(MmaShared& sm, const unsigned short* x, int n, Row row,
 }
 
 // block_mma's load_x of an RMS op: input row i's bf16 columns col..col + 7 from the staged
-// rows, or normed from its fp32 residual row v (r: its 1 / rms, w: the norm weights)
+// rows, or normed from its residual_in row v (r: its 1 / rms, w: the norm weights)
 __device__ __forceinline__ void rms_load_x(bool staged, int i, const unsigned short* v, float r,
                                            const unsigned short* w, int col, unsigned (&x)[4]) {
   if (staged)
