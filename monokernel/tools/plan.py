@@ -120,6 +120,18 @@ def _tiles(st) -> str:
         or "row tiles"
 
 
+def _floor_line(prog, g, shapes, fmt) -> str:
+    """The floor of ``shapes``' steps (costmodel/floor.py) with the tiling built and with the
+    input split, formatted by ``fmt`` (us -> text)."""
+    from ..kernel.costmodel.floor import step_floor
+
+    built, split = (sum(step_floor(prog.config, s, g, prog.num_blocks, split)[0] for s in shapes)
+                    for split in (False, True))
+    return (f"floor on {g.name} (no hops, no fixed work: the mat-muls' L2, HBM and mma, "
+            f"attention's K/V; costmodel/floor.py): {fmt(built)} with the tiling built (row "
+            f"tiles, token groups), {fmt(split)} with the input split")
+
+
 def batch_report(prog, gpu_name: str, design_name: str | None, context: int,
                  batch: int) -> str:
     """A decode step of ``batch`` sequences at ``context``: per op, the 2D tiles, and last
@@ -147,6 +159,8 @@ def batch_report(prog, gpu_name: str, design_name: str | None, context: int,
               "(every constant at its slow / table / fast end at once)",
               f"as built ({one.design.name}, one token per step): {one.total_us:.0f} us/token, "
               f"{one.tokens_per_s:.0f} tokens/s whatever the batch",
+              _floor_line(prog, g, [shape], lambda us: f"{us:.0f} us/step "
+                          f"({shape.tokens * 1e6 / us:.0f} tokens/s)"),
               f"predicted on {g.name}: {p.total_us:.0f} us/step, {p.tokens_per_s:.0f} tokens/s "
               f"at batch {batch}"]
     return "\n".join(lines)
@@ -171,6 +185,7 @@ def prompt_report(prog, gpu_name: str, design_name: str | None, prompt: int,
              "steps (us): " + ", ".join(f"{p.step_us:.0f}" for p in steps),
              f"as built ({one.design.name}, one token per step): about "
              f"{prompt * one.step_us / 1e3:.0f} ms (its step at the prompt's mean context)",
+             _floor_line(prog, g, prefill_shapes(prompt, chunk), lambda us: f"{us / 1e3:.2f} ms"),
              f"predicted time to first token on {g.name}: {total / 1e3:.2f} ms"]
     return "\n".join(lines)
 

@@ -10,7 +10,9 @@ Split by concern, each in one place:
 - ``parts``: the costs the ops share and the types of an op's cost entry;
 - each op's own entry: ``cost`` in kernel/ops/<op>.py, beside its tiling;
 - ``tokens``: steps of many tokens (designs v7, v8); ``levers``: what the throughput levers
-  of the many-token design charge (design v8's knobs);
+  of the many-token design charge (design v8's knobs); ``floor``: what no kernel tiling its
+  mat-muls as the built one does can beat (the L2 bytes of a mat-mul's busiest block, the
+  weights and K/V from HBM, the mma), and the floor with the input split;
 - ``simulate``: the discrete-event simulation of the per-block queues, ``predict``.
 
 Every number this package prints is a prediction, not a measurement.
