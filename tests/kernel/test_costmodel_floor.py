@@ -122,3 +122,33 @@ def test_plan_prints_the_floor_of_the_batch_and_of_the_prompt(capsys):
     # the floor is printed before the prediction, which stays the last line of its report
     assert out.index(lines[1]) < out.index("predicted time to first token")
     assert np.isfinite(us).all()
+
+
+def test_the_spread_split_cuts_o_proj_and_down_only_and_beats_the_last_drawers_reduction():
+    """Design v6-mma-split (predicted): O_PROJ's and DOWN's input split where it pays, the
+    reduction spread over the row group; the RMS ops keep their rows whole (their norm), and
+    the same split reduced by one last drawer (tile_2d's) would cost more."""
+    from monokernel.kernel.costmodel.tokens import _tile_us
+
+    prog, built = _tc_program("qwen3-0.6b")
+    split = built.replace(input_slices_spread=True)
+    g = cm.gpu("h200")
+    shape = StepShape.decode(64, 16)
+    st = cm.Static(prog, 17, g, split, shape)
+    assert st.tiles["RMS_QKV_ROPE"][1] == st.tiles["RMS_GATE_UP"][1] == 1
+    assert st.tiles["DOWN_RESIDUAL"][1] > 1  # K = 3072 (O_PROJ's K = 2048 splits in 2x groups)
+    assert st.tiles["DOWN_RESIDUAL"][0] == cm.Static(prog, 17, g, built, shape).tiles[
+        "DOWN_RESIDUAL"][0]  # the program's token groups kept
+    before = cm.predict(prog, g, built, static=cm.Static(prog, 17, g, built, shape))
+    after = cm.predict(prog, g, split, static=st)
+    busy = [{r["op"]: r["busy_mean_us"] for r in p.op_rows()} for p in (before, after)]
+    assert busy[1]["DOWN_RESIDUAL"] < 0.95 * busy[0]["DOWN_RESIDUAL"]
+    assert busy[1]["RMS_GATE_UP"] == busy[0]["RMS_GATE_UP"]
+    assert after.step_us < before.step_us
+    for s in (2, 4, 8):
+        spread = _tile_us(8, 3072, 64, 2, s, g, split)
+        drawer = _tile_us(8, 3072, 64, 2, s, g, built)
+        assert spread[0] == drawer[0] and spread[2] < drawer[2]
+        # the spread charges the group's other rows whole (c - 1) x n x K, not over K / s
+        assert spread[1] == pytest.approx(8 * 3072 * 2.0 / (g.l2_bw / g.sms))
+    assert cm.design("v6-mma-split").input_slices_spread

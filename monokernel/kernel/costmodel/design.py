@@ -120,6 +120,14 @@ class KernelDesign:
     # 2D tiles: a mat-mul's input split over S blocks (tokens.input_splits), the partial sums
     # added in a fixed order
     tile_2d: bool = False
+    # the input split with the token groups as built (PREDICTED, not built): O_PROJ's and
+    # DOWN's input over s blocks where it pays (an RMS op's norm needs its rows whole) (s a power of two up to 16, chosen per op by
+    # tokens._tile_us for its busiest tile, the program's token groups kept); the reduction
+    # spread over the row group's c x s blocks: each writes its fp32 partials, waits on the
+    # group's counter (a hop), and sums the s partials of its own share of the group's
+    # outputs in a fixed order (costmodel/floor.py's split). tile_2d's reduction is one last
+    # drawer's
+    input_slices_spread: bool = False
     # bytes per element of a mat-mul's input as the blocks read it: 4, the fp32 residual (or
     # attention output, FFN h) as today; 2, a bf16 copy its producer writes beside it (the
     # tensor cores take bf16; RMSNorm's weight folded into the weights at load, its 1/rms per
@@ -320,11 +328,16 @@ V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_as
                             mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K,
                             rms_stage_rows=RMS_STAGE_MAX_ROWS, attn_row_parts=ROW_PART_MTILES,
                             input_bytes=2)
+# V6-MMA-SPLIT (PREDICTED, not built): the built design with O_PROJ's and DOWN's input split
+# over the blocks where it pays, the partials reduced spread over each row group's blocks
+# (input_slices_spread; benchmarks/NOTES.md "The floor of a step of many tokens").
+V6_MMA_SPLIT = V6_MMA_SEG.replace(name="v6-mma-split", input_slices_spread=True)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg",)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
-                                    "v6-mma-seg": V6_MMA_SEG, "v7": V7, "v7-rows": V7_ROWS,
+                                    "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
+                                    "v7": V7, "v7-rows": V7_ROWS,
                                     "v8": V8, "v8-cluster": V8_CLUSTER}
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from ...errors import CostModelError
 from ..isa import MMA_KC, MMA_UNROLL
 from . import levers
-from .parts import OpBatch, Phases
+from .parts import OpBatch, Phases, hop_latency
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,13 @@ def _tile_us(n: int, k: int, tokens: int, c: int, s: int, g, d, local_input: boo
         (tokens / c) * (k / s) * in_bytes * levers.flag_factor(d) / levers.input_rate(g, d)
     t_w = (c - 1) * n * (k / s) * 2.0 / l2_share if c > 1 else 0.0
     t_red = 0.0
-    if s > 1:
+    if s > 1 and d.input_slices_spread:
+        # a block: the group's c x s x n rows over K / s for its T / c tokens (its own n x K
+        # bytes from HBM, the rest of c x n x K from L2), its s n T fp32 partials written, then
+        # after the group's counter (a hop) n T outputs' s partials read and summed
+        t_w = (c - 1) * n * k * 2.0 / l2_share
+        t_red = hop_latency(g, d) + 8.0 * s * n * tokens / l2_share
+    elif s > 1:
         group_rows = n * c * s  # a row group: s blocks of c x n rows over K / s each
         t_red = g.ticket + g.l2_latency + (s + 1) * (tokens / c) * group_rows * 4.0 / l2_share
     return t_in, t_w, t_red
@@ -154,6 +160,19 @@ def tile_split(rows, k: int, tokens: int, g, d, in_bytes: int | None = None
             t = sum(_tile_us(n, k, tokens, c, s, g, d, in_bytes=in_bytes))
             if best_t is None or t < best_t:
                 best, best_t = (c, s), t
+    return best
+
+
+def _spread_slices(n: int, k: int, tokens: int, c: int, g, d, in_bytes: int) -> int:
+    """input_slices_spread: the input slices s (a power of two up to 16 dividing ``k`` into
+    16-column chunks) that cost the least with ``c`` token groups, by _tile_us."""
+    best, best_t = 1, None
+    for s in (1, 2, 4, 8, 16):
+        if k % (16 * s):
+            break
+        t = sum(_tile_us(n, k, tokens, c, s, g, d, in_bytes=in_bytes))
+        if best_t is None or t < best_t:
+            best, best_t = s, t
     return best
 
 
@@ -195,12 +214,16 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
         c, s = tile_split(rows, k, T, g, d, levers.input_bytes(b, d))
     else:
         c, s = program_groups(b, T), 1
+        if d.input_slices_spread and not levers.rms_input(b):  # (an RMS op norms whole rows)
+            s = _spread_slices(n, k, T, c, g, d, levers.input_bytes(b, d))
     t_in, t_w, t_red = _tile_us(n, k, T, c, s, g, d, local_input=fused,
                                 in_bytes=levers.input_bytes(b, d))
     mm_rows, mm_tokens = rows, np.full(len(rows), T)
     if c > 1 and not (fused or d.tile_2d):  # a member multiplies its group's rows by its share
         mm_rows, mm_tokens = _group_mma_shape(b, rows, T)
     compute = mma_us(mm_rows, k, mm_tokens, g) + (ph.compute if ph.compute is not None else 0.0)
+    if d.input_slices_spread:  # a block's rows: its group's s row tiles' over K / s
+        mm_rows = mm_rows * s
     t_again, rounds = _passes(mm_rows, k / s, mm_tokens, g, d, levers.input_bytes(b, d),
                               local_input=fused, rms=levers.rms_input(b),
                               staged=levers.rms_staged(b, d, mm_tokens))
