@@ -245,12 +245,20 @@ class KernelExecutor(Executor):
         self.program = program or schedule(c, blocks, max_seq_len, attn_splits,
                                            attn_min_chunk=attn_min_chunk,
                                            merge_ticket_min=merge_ticket_min,
-                                           tokens=step_tokens, token_groups=bool(tensor_cores))
+                                           tokens=step_tokens, token_groups=bool(tensor_cores),
+                                           tensor_cores=bool(tensor_cores))
         if not tensor_cores and any(i.group is not None for q in self.program.queues
                                     for i in q):
             raise KernelError("a program with token groups (schedule(token_groups=...)) is for "
                               "a tensor-core kernel (tensor_cores=True): the CUDA-core kernels "
                               "run row tiles only")
+        if bool(tensor_cores) != self.program.tensor_cores:
+            raise KernelError(
+                "a tensor-core kernel (tensor_cores=True) stores the residual's bf16 copy "
+                "(residual_in) for its RMS ops, and its program must declare it: schedule(..., "
+                "tensor_cores=True) for it, and only for it" if tensor_cores else
+                "this program is for a tensor-core kernel (schedule(tensor_cores=True)): "
+                "pass tensor_cores=True, or schedule it without")
         if tensor_cores and self.program.merge_ticket_min != 1:
             raise KernelError(
                 f"tensor_cores=True needs a program whose ATTENTION merges every step by ticket "
@@ -292,8 +300,6 @@ class KernelExecutor(Executor):
         b["control"] = dev.alloc((STATE_WORDS + ERROR_WORDS,), np.int32)
         b["trace"] = dev.alloc((p.num_blocks, p.max_len, TRACE_WORDS), np.uint64)
         sizes = p.buffer_sizes()
-        if self.tensor_cores:  # the residual's bf16 copy (isa PARAMS residual_in): the program
-            sizes["residual_in"] = sizes["residual"]  # declares the residual for both
         for name, n in sizes.items():
             if name == "out_tokens":  # the host polls it while a launch runs
                 b[name] = dev.alloc_mapped((n * (self.slots + 1 if self.table else 1),),

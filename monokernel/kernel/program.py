@@ -166,6 +166,9 @@ class Program:
     # token's row but through a counter (K/V of the chunk's positions: RMS_QKV_ROPE ->
     # ATTENTION; the LM head reads the last row), so verify() of the queues proves every row.
     tokens: int = 1
+    # for a tensor-core kernel (MK_MMA): its regions include the residual's bf16 copy
+    # (residual_in), written beside the residual and read by the RMS ops
+    tensor_cores: bool = False
 
     @property
     def max_len(self) -> int:
@@ -208,6 +211,7 @@ class Program:
             "ffn_h": T * c.intermediate_size, "logits": c.vocab_size,
             "lm_part": self.lm_partials * 2, "out_tokens": self.max_seq_len,
             **({"k_raw": T * c.kv_dim} if c.qk_norm else {}),
+            **({"residual_in": T * c.hidden_size} if self.tensor_cores else {}),
         }
 
     # ---- verification ---------------------------------------------------------------------
@@ -217,7 +221,7 @@ class Program:
         h = hashlib.sha256()
         h.update(f"verify v{VERIFY_VERSION}".encode())  # a new check invalidates old proofs
         h.update(repr((self.num_blocks, self.max_seq_len, self.counter_names,
-                       self.tokens)).encode())
+                       self.tokens, self.tensor_cores)).encode())
         h.update(self.words().tobytes())
         for q in self.queues:
             for ins in q:

@@ -66,7 +66,21 @@ class Plan:
     # the mat-muls' token groups (token_groups.py): False none, True chosen per op; the tests:
     # an int, that many members in every mat-mul op, or (members, min_tokens)
     token_groups: bool | int | tuple[int, int] = False
+    # a tensor-core kernel's program (MK_MMA): the residual's writers also store its bf16 copy
+    # residual_in, which the RMS ops read instead of the residual (Program.tensor_cores)
+    tensor_cores: bool = False
     counters: list[str] = field(default_factory=list)
+
+    def residual_writes(self, lo: int, hi: int) -> list:
+        """The regions of a write of residual columns [lo, hi): with tensor_cores, its bf16
+        copy's too (megakernel.cu op_embed, store_residual_in)."""
+        if hi <= lo:
+            return []
+        return [("residual", lo, hi)] + ([("residual_in", lo, hi)] if self.tensor_cores else [])
+
+    def rms_input(self) -> str:
+        """The buffer an RMS op norms: the residual, or with tensor_cores its bf16 copy."""
+        return "residual_in" if self.tensor_cores else "residual"
 
     def counter(self, name: str) -> int:
         self.counters.append(name)
@@ -105,7 +119,8 @@ def tensor_core_splits(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
 def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
              attn_splits: int | None = None, attn_min_chunk: int | None = None,
              merge_ticket_min: int | None = None, tokens: int = 1,
-             token_groups: bool | int | tuple[int, int] = False) -> Program:
+             token_groups: bool | int | tuple[int, int] = False,
+             tensor_cores: bool = False) -> Program:
     """Build and verify the decode-step program for ``num_blocks`` persistent blocks.
 
     ``attn_splits``: position splits per KV head (default: ``default_attn_splits``);
@@ -120,6 +135,9 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     for ``tokens`` (none where the attention cannot be merged by ticket); the tests: an int,
     that many members in every mat-mul op in steps of at least 8 a member, or (members,
     min_tokens); False, row tiles.
+    ``tensor_cores``: the program of a tensor-core kernel (MK_MMA), which keeps the residual's
+    bf16 copy residual_in for its RMS ops: its regions say so (Plan.residual_writes,
+    Plan.rms_input) and verify() orders them.
 
     Memoised: the same arguments return the same (shared) Program. Never edit a returned
     Program in place; ``copy.deepcopy`` it first (the tests that break programs do)."""
@@ -135,11 +153,11 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     if not 1 <= tokens <= MAX_STEP_TOKENS:
         raise ProgramError(f"tokens per step must be in [1, {MAX_STEP_TOKENS}], got {tokens}")
     key = (cfg, num_blocks, max_seq_len, splits, attn_min_chunk, merge_ticket_min, tokens,
-           token_groups)
+           token_groups, tensor_cores)
     prog = _VERIFIED.get(key)
     if prog is None:
         plan = Plan(cfg, num_blocks, max_seq_len, splits, attn_min_chunk, tokens=tokens,
-                    token_groups=token_groups)
+                    token_groups=token_groups, tensor_cores=bool(tensor_cores))
         plan.merge_min = ops.attention.merge_min(plan, merge_ticket_min)
         if token_groups is not False and plan.merge_min != 1:
             if token_groups is not True:
@@ -189,4 +207,4 @@ def build(plan: Plan) -> Program:
     return Program(config=plan.config, num_blocks=B, max_seq_len=plan.max_seq_len,
                    queues=queues, counter_names=plan.counters, attn_splits=plan.attn_splits,
                    lm_partials=B, attn_min_chunk=plan.min_chunk, merge_ticket_min=plan.merge_min,
-                   tokens=plan.tokens)
+                   tokens=plan.tokens, tensor_cores=plan.tensor_cores)

@@ -92,7 +92,7 @@ def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | Non
         return prog
     splits, min_chunk = tensor_core_splits(cfg, blocks, max_seq)
     return schedule(cfg, blocks, max_seq, splits, min_chunk, merge_ticket_min=1,
-                    tokens=tokens, token_groups=True)
+                    tokens=tokens, token_groups=True, tensor_cores=True)
 
 
 def _tokens_design(design_name: str | None, prog):

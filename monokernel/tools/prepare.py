@@ -108,9 +108,10 @@ def _verify(label: str, cfg, max_seq: int, options: dict) -> tuple[str, float]:
     t0 = time.perf_counter()
     options = dict(options)
     blocks = CupyDevice().num_sms
-    if options.pop("tensor_cores", False):  # the splits the tensor-core executor fixes
+    if options.pop("tensor_cores", False):  # the program the tensor-core executor schedules
         options["attn_splits"], options["attn_min_chunk"] = tensor_core_splits(
             cfg, blocks, max_seq, options.get("attn_splits"), options.get("attn_min_chunk"))
+        options.update(token_groups=True, tensor_cores=True)
     schedule(cfg, blocks, max_seq, **options)
     return label, time.perf_counter() - t0
 

@@ -372,7 +372,7 @@ def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny, tensor
     if groups:
         s, c = tensor_core_splits(tiny.config, BLOCKS, MAX_SEQ)
         kw = {"program": schedule(tiny.config, BLOCKS, MAX_SEQ, s, c, merge_ticket_min=1,
-                                  tokens=3, token_groups=(2, 2))}
+                                  tokens=3, token_groups=(2, 2), tensor_cores=True)}
     ex = table_executor(tiny, tensor_cores, **kw)
     if splits:
         assert ex.program.attn_min_chunk == 2  # MAX_SEQ / splits
@@ -627,7 +627,7 @@ def row_split_executor(model) -> KernelExecutor:
     seq = 2 * ROW_SPLIT_ROWS
     splits, min_chunk = tensor_core_splits(model.config, BLOCKS, seq)
     prog = schedule(model.config, BLOCKS, seq, splits, min_chunk, merge_ticket_min=1,
-                    tokens=2 * ROW_SPLIT_ROWS, token_groups=False)
+                    tokens=2 * ROW_SPLIT_ROWS, token_groups=False, tensor_cores=True)
     ex = KernelExecutor(model, seq, blocks=BLOCKS, slots=2, step_tokens=2 * ROW_SPLIT_ROWS,
                         page_size=2, tensor_cores=True, program=prog)
     ex.poison()
@@ -695,7 +695,7 @@ def test_negative_control_token_group_members_on_the_same_share_are_reported(tin
 
     s, c = tensor_core_splits(tiny.config, BLOCKS, MAX_SEQ)
     prog = schedule(tiny.config, BLOCKS, MAX_SEQ, s, c, merge_ticket_min=1, tokens=3,
-                    token_groups=(2, 2))
+                    token_groups=(2, 2), tensor_cores=True)
     ex = table_executor(tiny, tensor_cores=True, program=prog)
     old = "j * ntok / c,\n            (j + 1) * ntok / c};"
     assert ex.source.count(old) == 1, "token_group's shares are not where this test expects"

@@ -250,7 +250,7 @@ def _row_split_logits(model, step_tokens: int, plan: list[dict[int, int]], promp
 
     splits, min_chunk = tensor_core_splits(model.config, 3, MAX_SEQ)
     prog = schedule(model.config, 3, MAX_SEQ, splits, min_chunk, merge_ticket_min=1,
-                    tokens=step_tokens, token_groups=False)
+                    tokens=step_tokens, token_groups=False, tensor_cores=True)
     ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=len(prompts), page_size=PAGE,
                         tensor_cores=True, program=prog, step_tokens=step_tokens)
     if source_edit is not None:

@@ -28,7 +28,7 @@ TOKENS = 32
 def tc_program(config, blocks: int, token_groups, tokens: int = TOKENS):
     splits, min_chunk = tensor_core_splits(config, blocks, MAX_SEQ)
     return schedule(config, blocks, MAX_SEQ, splits, min_chunk, merge_ticket_min=1,
-                    tokens=tokens, token_groups=token_groups)
+                    tokens=tokens, token_groups=token_groups, tensor_cores=True)
 
 
 # ---- the choice -----------------------------------------------------------------------------

@@ -192,6 +192,48 @@ def test_schedule_down_without_its_wait_is_a_war_hazard(tiny3):
     assert label(1, i, Op.DOWN_RESIDUAL) in msg and "RMS_GATE_UP(layer 0" in msg
 
 
+def _regions(ins, name):
+    return [r[1:3] for r in ins.reads + ins.writes if r[0] == name]
+
+
+def test_a_tensor_core_program_declares_the_residuals_bf16_copy():
+    """A tensor-core kernel (MK_MMA) stores the residual's bf16 copy (residual_in) wherever
+    it writes the residual (EMBED, O_PROJ's and DOWN's store_residual_in) and its RMS ops
+    norm that copy: its program says so, column for column, so verify() orders the copy
+    itself; a CUDA-core program has no copy."""
+    plain, tc = schedule(TINY, 3, 64, attn_splits=3), schedule(TINY, 3, 64, attn_splits=3,
+                                                               tensor_cores=True)
+    assert tc.tensor_cores and not plain.tensor_cores
+    assert tc.buffer_sizes()["residual_in"] == tc.buffer_sizes()["residual"]
+    assert "residual_in" not in plain.buffer_sizes()
+    for q_plain, q_tc in zip(plain.queues, tc.queues):
+        for a, b in zip(q_plain, q_tc):
+            assert not _regions(a, "residual_in")
+            if a.op in (Op.EMBED, Op.O_PROJ_RESIDUAL, Op.DOWN_RESIDUAL):
+                written = [r[1:3] for r in b.writes if r[0] == "residual"]
+                assert [r[1:3] for r in b.writes if r[0] == "residual_in"] == written
+            if a.op in (Op.RMS_QKV_ROPE, Op.RMS_GATE_UP, Op.RMS_LM_HEAD):
+                assert _regions(b, "residual_in") == _regions(a, "residual")
+                assert not _regions(b, "residual")  # the copy only
+
+
+def test_a_tensor_core_schedule_orders_the_bf16_copy_itself():
+    """Negative control: DOWN without its wait overwrites the copy other blocks' RMS_GATE_UP
+    still norms; the verifier names residual_in (the residual itself is no longer read
+    there)."""
+    prog = copy.deepcopy(schedule(TINY, 3, 64, attn_splits=3, tensor_cores=True))
+    prog.verify()
+    i = find(prog, 1, Op.DOWN_RESIDUAL, 0)
+    prog.queues[1][i].wait = None
+    msg = hazard(prog)
+    assert "residual_in" in msg.split(":")[0] or "ffn_h" in msg.split(":")[0], msg
+    # with ffn_h's read ordered some other way, the copy's hazard is what is left
+    prog.queues[1][i].reads = [r for r in prog.queues[1][i].reads if r[0] != "ffn_h"]
+    msg = hazard(prog)
+    assert msg.startswith("WAR hazard on residual_in"), msg
+    assert label(1, i, Op.DOWN_RESIDUAL) in msg and "RMS_GATE_UP(layer 0" in msg
+
+
 def test_schedule_with_a_wait_count_too_high(tiny3):
     prog = copy.deepcopy(tiny3)
     i = find(prog, 2, Op.O_PROJ_RESIDUAL, 0)

@@ -33,7 +33,7 @@ def row_accesses(plan, layer: int, lo: int, hi: int) -> tuple[list, list]:
     if hi <= lo:
         return [], []
     return ([("ffn_h", 0, plan.config.intermediate_size), ("residual", lo, hi)],
-            [("residual", lo, hi)])
+            plan.residual_writes(lo, hi))
 
 
 def tile(plan, layer: int) -> list[Instruction]:

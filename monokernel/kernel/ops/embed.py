@@ -19,7 +19,7 @@ def tile(plan, layer: int) -> list[Instruction]:
     out = []
     for lo, hi in split_even(plan.config.hidden_size, plan.num_blocks):
         out.append(Instruction(OP, 0, (lo, hi), reads=[("state", 0, STATE_WORDS)],
-                               writes=[("residual", lo, hi)] if hi > lo else [],
+                               writes=plan.residual_writes(lo, hi),
                                weight_bytes=2 * (hi - lo)))
     return out
 

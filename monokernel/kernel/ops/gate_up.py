@@ -38,7 +38,7 @@ def row_accesses(plan, layer: int, lo: int, hi: int) -> tuple[list, list]:
     """(reads, writes) of FFN rows [lo, hi) for a token."""
     if hi <= lo:
         return [], []
-    return [("residual", 0, plan.config.hidden_size)], [("ffn_h", lo, hi)]
+    return [(plan.rms_input(), 0, plan.config.hidden_size)], [("ffn_h", lo, hi)]
 
 
 def tile(plan, layer: int) -> list[Instruction]:

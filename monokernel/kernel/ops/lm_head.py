@@ -33,7 +33,7 @@ def tile(plan, layer: int) -> list[Instruction]:
     for b, (lo, hi) in enumerate(split_even(c.vocab_size, B)):
         ins = Instruction(OP, 0, (lo, hi), args=ARGS.pack({"slot": b, "ticket": ticket,
                                                            "tickets": B}),
-                          reads=[("residual", 0, H)] if hi > lo else [],
+                          reads=[(plan.rms_input(), 0, H)] if hi > lo else [],
                           writes=([("logits", lo, hi)] if hi > lo else [])
                           + [("lm_part", 2 * b, 2 * b + 2)],
                           weight_bytes=2 * (hi - lo) * H + (2 * H if hi > lo else 0))

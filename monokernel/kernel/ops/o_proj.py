@@ -43,7 +43,7 @@ def row_accesses(plan, layer: int, lo: int, hi: int) -> tuple[list, list]:
     if hi <= lo:
         return [], []
     c = plan.config
-    return [("residual", lo, hi), ("attn", 0, c.q_dim)], [("residual", lo, hi)]
+    return [("residual", lo, hi), ("attn", 0, c.q_dim)], plan.residual_writes(lo, hi)
 
 
 def tile(plan, layer: int) -> list[Instruction]:
@@ -68,7 +68,8 @@ def tile(plan, layer: int) -> list[Instruction]:
             reads=[("attn_o", 0, c.num_kv_heads * S * gd),
                    ("attn_ml", 0, c.num_kv_heads * S * c.group_size * 2),
                    ("residual", lo, hi)] + cache[:1] + merged,
-            writes=[("residual", lo, hi)] + cache[1:], weight_bytes=2 * (hi - lo) * c.q_dim))
+            writes=plan.residual_writes(lo, hi) + cache[1:],
+            weight_bytes=2 * (hi - lo) * c.q_dim))
     return out
 
 

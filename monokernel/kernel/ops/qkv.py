@@ -55,7 +55,7 @@ def row_accesses(plan, layer: int, lo: int, hi: int) -> tuple[list[Region], list
         else:
             buf, base = "v_cache", layer * c.kv_dim + (head - c.num_heads - c.num_kv_heads) * D
         writes += [(buf, base + j0, base + j1), (buf, base + half + j0, base + half + j1)]
-    return ([("residual", 0, c.hidden_size)] if hi > lo else []), writes
+    return ([(plan.rms_input(), 0, c.hidden_size)] if hi > lo else []), writes
 
 
 def tile(plan, layer: int) -> list[Instruction]:
