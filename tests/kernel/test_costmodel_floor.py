@@ -152,3 +152,20 @@ def test_the_spread_split_cuts_o_proj_and_down_only_and_beats_the_last_drawers_r
         # the spread charges the group's other rows whole (c - 1) x n x K, not over K / s
         assert spread[1] == pytest.approx(8 * 3072 * 2.0 / (g.l2_bw / g.sms))
     assert cm.design("v6-mma-split").input_slices_spread
+
+
+def test_the_residual_copy_pass_is_charged_to_o_proj_and_down_only():
+    """The built design charges store_residual_in (megakernel.cu): one more round and 6 bytes
+    an output of O_PROJ and DOWN; nothing else changes."""
+    prog, built = _tc_program("smollm2-135m")
+    g = cm.gpu("h200")
+    shape = StepShape.decode(64, 16)
+    assert built.residual_copy_pass
+    without = built.replace(residual_copy_pass=False)
+    busy = [{r["op"]: r["busy_mean_us"] for r in cm.predict(
+        prog, g, d, static=cm.Static(prog, 17, g, d, shape)).op_rows()} for d in (without, built)]
+    for op in busy[0]:
+        if op in ("O_PROJ_RESIDUAL", "DOWN_RESIDUAL"):
+            assert busy[1][op] > busy[0][op] + g.l2_latency * 0.9, op
+        else:
+            assert busy[1][op] == pytest.approx(busy[0][op]), op

@@ -137,6 +137,10 @@ class KernelDesign:
     # producer stored (what the tensor cores round it to: a token's numbers unchanged), 2 bytes
     # an element whatever input_bytes says; the RMS ops still read the residual at input_bytes
     stored_bf16_inputs: bool = False
+    # O_PROJ and DOWN store the residual's bf16 copy (residual_in) in a pass after their
+    # mat-mul (megakernel.cu store_residual_in): one more dependent round, each output of the
+    # epilogue read back (4 bytes) and its copy written (2)
+    residual_copy_pass: bool = False
     # n-tiles (8 tokens each) a tensor-core mat-mul pass multiplies per load of its weights
     # (megakernel.cu block_mma: a pass holds a 32-row group pair's fragments of a k chunk in
     # registers and runs them against this many token tiles): a block's tile re-reads its
@@ -327,7 +331,7 @@ V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_as
                             mma_token_tiles=MMA_NT, mma_rows_split_above=MMA_ROWS_SPLIT_ABOVE,
                             mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K,
                             rms_stage_rows=RMS_STAGE_MAX_ROWS, attn_row_parts=ROW_PART_MTILES,
-                            input_bytes=2)
+                            input_bytes=2, residual_copy_pass=True)
 # V6-MMA-SPLIT (PREDICTED, not built): the built design with O_PROJ's and DOWN's input split
 # over the blocks where it pays, the partials reduced spread over each row group's blocks
 # (input_slices_spread; benchmarks/NOTES.md "The floor of a step of many tokens").

@@ -72,6 +72,16 @@ def input_bytes(b: OpBatch, d: KernelDesign) -> int:
     return d.input_bytes
 
 
+def residual_copy(b: OpBatch, d: KernelDesign) -> tuple[int, float]:
+    """(dependent L2 rounds, bytes an output) of the op's pass storing the residual's bf16
+    copy after its mat-mul (``residual_copy_pass``: O_PROJ and DOWN, the residual's writers in
+    a step of many tokens); (0, 0) for every other op or design."""
+    if d.residual_copy_pass and b.instructions and \
+            b.instructions[0].op in (Op.O_PROJ_RESIDUAL, Op.DOWN_RESIDUAL):
+        return 1, 6.0
+    return 0, 0.0
+
+
 def rms_input(b: OpBatch) -> bool:
     """Whether the op's input is the residual its mma_rms norms (it reads the rows first): the
     op module's RMS_INPUT."""

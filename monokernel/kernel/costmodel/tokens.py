@@ -231,7 +231,9 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
         epilogue = busy * levers.atomic_us(b.program.config.hidden_size, T / c, g)
     else:  # the tile's outputs per token: written once (the residual's rows read and written)
         epilogue = busy * T * rows * out_bytes * levers.output_factor(b, d) / (g.l2_bw / g.sms)
-    return Phases(ph.l2_trips, ph.hbm_trips,
+    copy_rounds, copy_bytes = levers.residual_copy(b, d)
+    epilogue = epilogue + busy * T * rows * copy_bytes / (g.l2_bw / g.sms)
+    return Phases(ph.l2_trips + busy * copy_rounds, ph.hbm_trips,
                   ph.other_us + busy * (t_in + t_w + t_red) + t_again + epilogue,
                   np.maximum(ph.rounds, rounds), ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue,
                   compute, (c, s))
