@@ -205,6 +205,12 @@ class KernelDesign:
     # a row's HEAD_DIM / 8 chunks on one bank (T_TILE + 8 bf16 a V^T row: 544 words, a
     # multiple of 32 banks), so each warp store is HEAD_DIM / 8 shared-memory wavefronts
     attn_stage_async: bool = False
+    # (with attn_segments) a pass issues its first tile's K and V copies (cp.async) before it
+    # builds its query tile, so the queries' L2 trip runs under the tile's round; with late q/k
+    # the segment's keys go to the last warps first, so where a decode row's one m-tile leaves
+    # them free of queries, a key's trip and work run beside the queries' (megakernel.cu
+    # segment_pass, segment_keys); False: query tile, then the tile's copies and keys, in turn
+    attn_stage_first: bool = False
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
     attn_units_in_flight: int = 1

@@ -436,6 +436,10 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
     unit_other = full * of + ol + 2 * g.bar_sync  # the unit's set-up and end barriers
     if d.attn_segments:  # fp32 queries in, fp32 partials (or a row's bf16 output) out
         unit_other += reach * G * (D * 4 + (D + 2) * 4) / (g.l2_bw / g.sms)
+    if d.attn_segments and d.attn_stage_first:
+        # the first tile's K and V copies issued before the query tile: the queries' trip
+        # runs under the tile's round (charged as the round: an L2 trip is no longer)
+        unit_l2 -= (cnt > 0) * float(d.trips["ATTENTION"][0])
     if c.qk_norm and d.attn_segments:
         # late q/k in a segment's unit (megakernel.cu segment_q_tile, segment_keys): a pass's
         # queries normed and roped into its query tiles, SEG_QUERIES a warp a round (the split
@@ -447,13 +451,18 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
         passes = np.ceil(mt / d.warps)
         per_warp = np.where(mt == 1, -(-16 // d.warps), SEG_QUERIES)
         q_rounds = np.where(mt == 1, 1, -(-16 // SEG_QUERIES))
-        unit_l2 += passes * (q_rounds - 1)
-        unit_other += passes * q_rounds * (5 * g.shfl + issue_us(g, d, per_warp * D // 32 * 12))
+        q_other = passes * q_rounds * (5 * g.shfl + issue_us(g, d, per_warp * D // 32 * 12))
         keys = np.clip(np.minimum(t0 + cnt, b.context + 1) - np.maximum(t0, b.context + 1 - rows),
                        0, None)
         key_rounds = np.ceil(keys / (d.warps * SEG_KEYS))
-        unit_l2 += key_rounds
-        unit_other += key_rounds * (5 * g.shfl + issue_us(g, d, SEG_KEYS * D // 32 * 12))
+        k_other = key_rounds * (5 * g.shfl + issue_us(g, d, SEG_KEYS * D // 32 * 12))
+        # attn_stage_first: the keys from the last warp down; a decode row's one m-tile holds
+        # queries on its first min(M, warps) warps only, so where the keys' warps are others,
+        # their trip and work run beside the queries' (one trip, the longer work)
+        beside = d.attn_stage_first & (mt == 1) & \
+            (np.minimum(reach * G, d.warps) + np.ceil(keys / SEG_KEYS) <= d.warps)
+        unit_l2 += passes * (q_rounds - 1) + np.where(beside, 0.0, key_rounds)
+        unit_other += np.where(beside, np.maximum(q_other, k_other), q_other + k_other)
     elif c.qk_norm:
         # warp_qk_norm_rope per query head and the key, after the queries' L2 trip: the
         # warp_sum, then the q/k-norm weights and the RoPE row, a barrier; the unit holding the
