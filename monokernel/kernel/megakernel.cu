@@ -1752,8 +1752,8 @@ static_assert(D % 16 == 0 && T_TILE % SEG_SUB == 0 && SEG_SUB % 16 == 0,
 // Positions [base, base + cnt) of the unit's K and V (slot's cache rows at Kg / Vg) into Ks and
 // Vs by cp.async, a 16-byte chunk a copy (no registers, no transposition); positions [cnt, cnt
 // rounded up to 16) are zeros. K rows from k_end on are left to segment_keys (late q/k: the
-// segment's own keys, not cached yet). The copies have landed when it returns
-// (cp_async_wait); the caller's barrier shows them to the block.
+// segment's own keys, not cached yet). The copies are in flight when it returns: the caller
+// lands them (cp_async_wait) before the barrier that shows them to the block.
 __device__ void segment_stage(const Params& P, int slot, const unsigned short* Kg,
                               const unsigned short* Vg, int base, int cnt, int k_end,
                               unsigned short* Ks, unsigned short* Vs) {
@@ -1774,7 +1774,6 @@ __device__ void segment_stage(const Params& P, int slot, const unsigned short* K
       *reinterpret_cast<uint4*>(Vs + at) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
-  cp_async_wait();
 }
 
 // One SEG_SUB step of the online softmax of a warp's m-tile (both modes of attention_segment
@@ -1916,10 +1915,11 @@ __device__ __forceinline__ void segment_q_tile(const Params& P, const int* st, i
 // Late q/k: the segment's own keys in the tile's positions [max(base, pos0), base + cnt) (row
 // seg + p - pos0 of k_raw; the cache gets them after the layer's attention), normed and roped
 // as O_PROJ caches them (warp_qk_norm_rope_n: the same bf16 value), into Ks; SEG_KEYS keys a
-// warp at once.
+// warp at once, from the last warp down (a decode row's queries sit on the first warps:
+// segment_pass builds them beside its key).
 __device__ void segment_keys(const Params& P, int layer, int gk, int seg, int pos0, int base,
                              int cnt, unsigned short* Ks) {
-  const int warp = threadIdx.x >> 5, hi = base + cnt;
+  const int warp = NWARPS - 1 - (int)(threadIdx.x >> 5), hi = base + cnt;
   for (int p0 = max(base, pos0) + warp * SEG_KEYS; p0 < hi; p0 += NWARPS * SEG_KEYS)
     warp_qk_norm_rope_n<SEG_KEYS>(
         P, [&](int n) { return P.k_raw + (size_t)(seg + p0 + n - pos0) * MK_KV_DIM + gk * D; },
@@ -1928,6 +1928,29 @@ __device__ void segment_keys(const Params& P, int layer, int gk, int seg, int po
         [&](int n, int j, float v) { Ks[(p0 + n - base) * SEG_KV_LD + j] = f32_to_bf16(v); });
 }
 #endif
+
+// The K rows of tile [base, base + cnt) that segment_stage copies: all of them, or with late
+// q/k those before the segment's own keys (pos0 on), which segment_keys_in norms into Ks.
+__device__ __forceinline__ int segment_k_end(int pos0, int base, int cnt) {
+  return LATE_QK ? pos0 - base : cnt;
+}
+
+__device__ __forceinline__ void segment_keys_in(const Params& P, int layer, int gk, int seg,
+                                                int pos0, int base, int cnt,
+                                                unsigned short* Ks) {
+#if LATE_QK
+  if (base + cnt > pos0) segment_keys(P, layer, gk, seg, pos0, base, cnt, Ks);
+#else
+  (void)P;
+  (void)layer;
+  (void)gk;
+  (void)seg;
+  (void)pos0;
+  (void)base;
+  (void)cnt;
+  (void)Ks;
+#endif
+}
 
 // The split mode's shared memory after the K and V tiles (one m-tile): its scores, then the
 // softmax warp's probability fragments and corrections per lane, its final (max, sum).
@@ -1984,6 +2007,10 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
   const bool stage = mt0 == 0 || ntiles > 1;
   if (stage) __syncthreads();  // the previous unit's (or pass's) readers of the tiles are done
   else __syncwarp();           // this warp's previous pass read its query tile
+  // the first tile's copies in flight while the query tile is built (its trip under theirs);
+  // late q/k issues them after it (before it, Qwen3-0.6B's kernel of 128 slots spills)
+  const int cnt0 = min(T_TILE, t1 - t0);
+  if (stage && !LATE_QK) segment_stage(P, slot, Kg, Vg, t0, cnt0, cnt0, Ks, Vs);
   // the query tile (before the outputs are live): the split mode's by all warps, two rows each
   if (live)
     segment_q_tile<ONE ? (16 + NWARPS - 1) / NWARPS : SEG_QUERIES>(
@@ -1995,14 +2022,15 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
     for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
   for (int tile = 0; tile < ntiles; ++tile) {
     const int base = t0 + tile * T_TILE, cnt = min(T_TILE, t1 - base);
-    if (stage && tile > 0) __syncthreads();  // the previous tile's readers are done
+    if (stage && (tile > 0 || LATE_QK)) {
+      if (tile > 0) __syncthreads();  // the previous tile's readers are done
+      segment_stage(P, slot, Kg, Vg, base, cnt, segment_k_end(pos0, base, cnt), Ks, Vs);
+    }
     if (stage) {
-#if LATE_QK
-      segment_stage(P, slot, Kg, Vg, base, cnt, pos0 - base, Ks, Vs);
-      if (base + cnt > pos0) segment_keys(P, layer, gk, seg, pos0, base, cnt, Ks);
-#else
-      segment_stage(P, slot, Kg, Vg, base, cnt, cnt, Ks, Vs);
-#endif
+      // the tile's keys under its copies (from the last warp: a decode row's beside the
+      // warps of its queries)
+      segment_keys_in(P, layer, gk, seg, pos0, base, cnt, Ks);
+      cp_async_wait();
       __syncthreads();  // the tiles (and the query tiles) are in
     } else {
       __syncwarp();  // this warp's query tile is in

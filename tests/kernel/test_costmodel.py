@@ -56,7 +56,7 @@ def test_design_for_is_the_kernel_as_built():
                        mma_token_tiles=1, mma_rows_split_above=0,
                        mma_rows_split_max_k=cm.V6.mma_rows_split_max_k,
                        rms_stage_rows=0, attn_row_parts=0, input_bytes=4,
-                       residual_copy_pass=False) == cm.DESIGNS["v6-mma"]
+                       residual_copy_pass=False, attn_stage_first=False) == cm.DESIGNS["v6-mma"]
     # block_mma's and block_mma_rows' constants: isa.py's, as the header renders them for
     # megakernel.cu (which defines none of its own) and as the built design reads them
     import re

@@ -236,10 +236,52 @@ def test_the_tensor_core_kernels_segment_staging_is_one_round_of_copies(shape):
     staged = [n for n, use in sf._plain_load_groups(sass)
               if sf._opcode(use).startswith(("SEL", "STS", "SHF", "PRMT"))]
     print(f"cp.async copies: {len(copies)}; plain 16-byte loads into shared memory: {staged}")
-    assert len(copies) == 2 * 2 * per  # K and V, in the split mode's and the m-tiles' staging
+    # K and V, in the split mode's and the m-tiles' staging; without late q/k each mode stages
+    # its first tile before its query tile and the later tiles in its loop (attn_stage_first):
+    # two sites, each one round a tile
+    sites = 1 if ModelConfig.from_name(shape).qk_norm else 2
+    assert len(copies) == 2 * 2 * per * sites
     assert staged == []
     assert any(re.search(r"\bLDSM\.16\.MT88\.2\b", t) for t in texts)
     assert cm.design("v6-mma-seg").attn_segments and cm.design("v6-mma-seg").attn_stage_async
+
+
+def copies_waited_beside_loads(texts: list[str]) -> int:
+    """How many of the SASS's cp.async waits (LDGDEPBAR) have a global load (LDG) between them
+    and the copies (LDGSTS) before them: loads issued while the copies are in flight."""
+    import re
+
+    n, copying, beside = 0, False, False
+    for t in texts:
+        if re.search(r"\bLDGSTS\b", t):
+            copying = True
+        elif copying and re.search(r"\bLDG\.", t):
+            beside = True
+        elif re.search(r"\bLDGDEPBAR\b", t):
+            n += copying and beside
+            copying = beside = False
+    return n
+
+
+@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-0.6b"])
+def test_a_segment_pass_builds_its_queries_under_its_first_tiles_copies(shape):
+    """attn_stage_first (built): each of segment_pass's two modes issues its first tile's K/V
+    copies (LDGSTS) before it loads its queries (late q/k, Qwen3: before the keys' loads), and
+    waits for the copies (LDGDEPBAR) after them, so that trip runs under the tile's round.
+    Before it, segment_stage waited right after its copies: no load between a copy and its
+    wait. The detector's negative control: the copies waited at once."""
+    try:
+        sass = sf.compile_sass(shape, function="op_ATTENTION", tokens=16, slots=4, mma=True)
+    except SassToolMissing as e:
+        pytest.skip(str(e))
+    texts = sf._texts(sass)
+    assert copies_waited_beside_loads(texts) >= 2  # the split mode's pass and the m-tiles'
+    assert cm.design("v6-mma-seg").attn_stage_first
+    at_once = ["LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", "LDGDEPBAR",
+               "LDG.E.64 R4, desc[UR4][R6.64]", "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
+               "LDGDEPBAR"]
+    assert copies_waited_beside_loads(at_once) == 0
+    assert copies_waited_beside_loads([at_once[0], at_once[2], at_once[1]]) == 1
 
 
 @pytest.mark.parametrize("tokens", [32, 64])

@@ -565,18 +565,18 @@ def test_strict_tsan_a_segments_rows_in_parts_no_race_match_the_mirror(tiny):
     assert_segment_step_matches_the_mirror(tiny, ex, logits)
 
 
-_KEYS = "      if (base + cnt > pos0) segment_keys(P, layer, gk, seg, pos0, base, cnt, Ks);\n"
-_STAGED = "#endif\n      __syncthreads();  // the tiles (and the query tiles) are in\n"
+_KEYS = "      segment_keys_in(P, layer, gk, seg, pos0, base, cnt, Ks);\n"
+_STAGED = ("      cp_async_wait();\n"
+           "      __syncthreads();  // the tiles (and the query tiles) are in\n")
 SEGMENT_BARRIERS = {
     # the staged tile (and the query tiles) read before every thread has stored its share
-    "staging": ("tiny", [(_STAGED, "#endif\n")]),
+    "staging": ("tiny", [(_STAGED, "      cp_async_wait();\n")]),
     # the split mode's softmax reading scores other warps are still storing
     "split-scores": ("tiny", [("      __syncthreads();\n      if (warp == 0) {  // the softmax",
                                "      if (warp == 0) {  // the softmax")]),
     # late q/k: the segment's keys normed into the K tile after the barrier, as other warps
     # read it
-    "late-keys": ("qwen3-gqa-tiny", [(_KEYS, ""), (_STAGED, _STAGED + "      if (stage) "
-                                                  + _KEYS.lstrip())]),
+    "late-keys": ("qwen3-gqa-tiny", [(_KEYS, ""), (_STAGED, _STAGED + _KEYS)]),
 }
 
 

@@ -207,9 +207,10 @@ class KernelDesign:
     attn_stage_async: bool = False
     # (with attn_segments) a pass issues its first tile's K and V copies (cp.async) before it
     # builds its query tile, so the queries' L2 trip runs under the tile's round; with late q/k
-    # the segment's keys go to the last warps first, so where a decode row's one m-tile leaves
-    # them free of queries, a key's trip and work run beside the queries' (megakernel.cu
-    # segment_pass, segment_keys); False: query tile, then the tile's copies and keys, in turn
+    # (whose 128-slot Qwen3 kernel spills so) after it, the segment's keys normed under the
+    # copies from the last warp down, so where a decode row's one m-tile leaves those warps
+    # free of queries, a key's trip and work run beside the queries' (megakernel.cu
+    # segment_pass, segment_keys); False: query tile, then the tile's copies, then keys
     attn_stage_first: bool = False
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
@@ -333,11 +334,13 @@ V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rota
 # design_for: fewer where the shape's rows do not fit, Llama-3.2-1B's 33). A segment's rows
 # run its attention in parts of at most isa.ROW_PART_MTILES m-tiles (attn_row_parts). The RMS
 # ops read the residual's bf16 copy its writers store beside it (residual_in: input_bytes 2).
+# A segment pass issues its first K/V copies before its query tile, a decode row's key on the
+# last warps beside its queries (attn_stage_first).
 V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_async=True,
                             mma_token_tiles=MMA_NT, mma_rows_split_above=MMA_ROWS_SPLIT_ABOVE,
                             mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K,
                             rms_stage_rows=RMS_STAGE_MAX_ROWS, attn_row_parts=ROW_PART_MTILES,
-                            input_bytes=2, residual_copy_pass=True)
+                            input_bytes=2, residual_copy_pass=True, attn_stage_first=True)
 # V6-MMA-SPLIT (PREDICTED, not built): the built design with O_PROJ's and DOWN's input split
 # over the blocks where it pays, the partials reduced spread over each row group's blocks
 # (input_slices_spread; benchmarks/NOTES.md "The floor of a step of many tokens").

@@ -436,9 +436,10 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
     unit_other = full * of + ol + 2 * g.bar_sync  # the unit's set-up and end barriers
     if d.attn_segments:  # fp32 queries in, fp32 partials (or a row's bf16 output) out
         unit_other += reach * G * (D * 4 + (D + 2) * 4) / (g.l2_bw / g.sms)
-    if d.attn_segments and d.attn_stage_first:
+    if d.attn_segments and d.attn_stage_first and not c.qk_norm:
         # the first tile's K and V copies issued before the query tile: the queries' trip
-        # runs under the tile's round (charged as the round: an L2 trip is no longer)
+        # runs under the tile's round (charged as the round: an L2 trip is no longer). Late
+        # q/k issues them after the query tile (megakernel.cu segment_pass: registers)
         unit_l2 -= (cnt > 0) * float(d.trips["ATTENTION"][0])
     if c.qk_norm and d.attn_segments:
         # late q/k in a segment's unit (megakernel.cu segment_q_tile, segment_keys): a pass's
@@ -456,9 +457,10 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
                        0, None)
         key_rounds = np.ceil(keys / (d.warps * SEG_KEYS))
         k_other = key_rounds * (5 * g.shfl + issue_us(g, d, SEG_KEYS * D // 32 * 12))
-        # attn_stage_first: the keys from the last warp down; a decode row's one m-tile holds
-        # queries on its first min(M, warps) warps only, so where the keys' warps are others,
-        # their trip and work run beside the queries' (one trip, the longer work)
+        # attn_stage_first: the keys from the last warp down, under the tile's copies; a decode
+        # row's one m-tile holds queries on its first min(M, warps) warps only, so where the
+        # keys' warps are others, their trip and work run beside the queries' (one trip, the
+        # longer work: over by the round the queries' warps wait after theirs)
         beside = d.attn_stage_first & (mt == 1) & \
             (np.minimum(reach * G, d.warps) + np.ceil(keys / SEG_KEYS) <= d.warps)
         unit_l2 += passes * (q_rounds - 1) + np.where(beside, 0.0, key_rounds)
