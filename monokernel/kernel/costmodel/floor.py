@@ -34,9 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# bytes an input element as the tensor-core mat-muls read it: bf16 (residual_in, attention's
-# merged output, FFN h: megakernel.cu)
-INPUT_BYTES = 2
+from .design import BUILT_MMA, DESIGNS
+
+# bytes an input element as the built tensor-core design's mat-muls read it (bf16: residual_in,
+# attention's merged output, FFN h)
+INPUT_BYTES = DESIGNS[BUILT_MMA[0]].input_bytes
 MAX_SLICES = 16
 
 

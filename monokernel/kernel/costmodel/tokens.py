@@ -29,6 +29,7 @@ leaves every phase exactly as the one-token model computes it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 import numpy as np
 
@@ -124,13 +125,16 @@ def _tile_us(n: int, k: int, tokens: int, c: int, s: int, g, d, local_input: boo
     in_bytes = d.input_bytes if in_bytes is None else in_bytes
     t_in = 0.0 if local_input else \
         (tokens / c) * (k / s) * in_bytes * levers.flag_factor(d) / levers.input_rate(g, d)
-    t_w = (c - 1) * n * (k / s) * 2.0 / l2_share if c > 1 else 0.0
+    # the weights its c - 1 other token groups also read, from L2. With the spread split a
+    # block multiplies its group's c x s x n rows over K / s for its T / c tokens: its own n x
+    # K bytes from HBM, the other (c - 1) n K from L2 whatever s. tile_2d (v7) charges them
+    # (c - 1) n K / s, as it was predicted: optimistic (benchmarks/NOTES.md, "The input split,
+    # spread")
+    t_w = (c - 1) * n * (k if d.input_slices_spread else k / s) * 2.0 / l2_share
     t_red = 0.0
     if s > 1 and d.input_slices_spread:
-        # a block: the group's c x s x n rows over K / s for its T / c tokens (its own n x K
-        # bytes from HBM, the rest of c x n x K from L2), its s n T fp32 partials written, then
-        # after the group's counter (a hop) n T outputs' s partials read and summed
-        t_w = (c - 1) * n * k * 2.0 / l2_share
+        # its s n T fp32 partials written, then after the group's counter (a hop) n T outputs'
+        # s partials read and summed
         t_red = hop_latency(g, d) + 8.0 * s * n * tokens / l2_share
     elif s > 1:
         group_rows = n * c * s  # a row group: s blocks of c x n rows over K / s each
@@ -149,30 +153,33 @@ def tile_split(rows, k: int, tokens: int, g, d, in_bytes: int | None = None
     if not d.tile_2d or tokens <= 1:
         return 1, 1
     n = int(np.max(rows)) if np.size(rows) else 0
-    best, best_t = (1, 1), None
-    blocks = len(rows)
-    for c in (2 ** i for i in range(8)):
-        if c > 1 and tokens / c < 8:
-            break
-        for s in (2 ** i for i in range(8)):
-            if c * s > blocks:
-                break
-            t = sum(_tile_us(n, k, tokens, c, s, g, d, in_bytes=in_bytes))
-            if best_t is None or t < best_t:
-                best, best_t = (c, s), t
-    return best
+
+    def grid():  # c x s at most the blocks, token groups of 8 or more
+        for c in (2 ** i for i in range(8)):
+            if c > 1 and tokens / c < 8:
+                return
+            yield from ((c, s) for s in takewhile(lambda s: c * s <= len(rows),
+                                                  (2 ** i for i in range(8))))
+
+    return _cheapest(n, k, tokens, g, d, in_bytes, grid())
 
 
 def _spread_slices(n: int, k: int, tokens: int, c: int, g, d, in_bytes: int) -> int:
     """input_slices_spread: the input slices s (a power of two up to 16 dividing ``k`` into
     16-column chunks) that cost the least with ``c`` token groups, by _tile_us."""
-    best, best_t = 1, None
-    for s in (1, 2, 4, 8, 16):
-        if k % (16 * s):
-            break
+    slices = (1, *takewhile(lambda s: k % (16 * s) == 0, (2, 4, 8, 16)))
+    return _cheapest(n, k, tokens, g, d, in_bytes, ((c, s) for s in slices))[1]
+
+
+def _cheapest(n: int, k: int, tokens: int, g, d, in_bytes: int | None,
+              tiles) -> tuple[int, int]:
+    """Of ``tiles`` ((c, s) pairs), the one whose _tile_us costs least (the first of equals;
+    (1, 1) of none)."""
+    best, best_t = (1, 1), None
+    for c, s in tiles:
         t = sum(_tile_us(n, k, tokens, c, s, g, d, in_bytes=in_bytes))
         if best_t is None or t < best_t:
-            best, best_t = s, t
+            best, best_t = (c, s), t
     return best
 
 

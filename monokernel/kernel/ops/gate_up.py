@@ -19,8 +19,8 @@ SIGNALS = True
 # token groups (token_groups.py): the input bytes an element choose charges, the weight rows
 # a tile row (gate and up), the tile rows of the op. 4, though the op reads residual_in's bf16
 # since 2026-12-04: at 2, choose picks groups the cost model predicts slower (benchmarks/
-# NOTES.md, "bf16 copies of the residual"), so the groups chosen for the fp32 residual stay
-# until choose agrees with the model.
+# NOTES.md, "bf16 copies of the residual"); at 4 its picks are the model's best per op to
+# within ~1 % (NOTES.md, "Token groups against the full model").
 INPUT_BYTES = 4
 WEIGHT_ROWS = 2
 
