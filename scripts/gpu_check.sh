@@ -53,8 +53,10 @@
 #                              programs, and run the references (25-28 s each, beside the
 #                              compiles: they slowed the MK_MMA build past 45 s); no later step
 #                              runs NVRTC
-#   smoke     (lim 40) 10 s    timer tick, block placement (%smid), watchdog first, then one step
-#                              of each shape vs the reference; smoke.json after every check
+#   smoke     (lim 40) 10 s    timer tick, L2 read rates (one SM, every SM, every SM the same
+#                              lines: ~10 ms of GPU), block placement (%smid), watchdog first,
+#                              then one step of each shape vs the reference; smoke.json after
+#                              every check
 #   gpu_tests (lim 150) ~120 s [90] pytest -m gpu -v --tb=short, MONOKERNEL_REQUIRE_GPU=1, 30 s
 #                              per test (pytest-timeout); the tensor-core test alone took 28 s
 #   bench_<shape> (lim 60 each) ~30-45 s [30] one step per shape, rows in the order that

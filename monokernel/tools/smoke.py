@@ -1,10 +1,12 @@
 """The GPU check's first GPU step (ARCHITECTURE section 9): in well under a minute, prove that
 the kernel compiles for every shape, that one step of each agrees with the NumPy reference, that
 it fits (registers, shared memory, no spills), that the watchdog names a stuck instruction, where
-the blocks run (%smid of every block) and how fine %globaltimer ticks. Nothing here is timed as
-a benchmark; it exists so that a broken build costs seconds of GPU time, not minutes.
+the blocks run (%smid of every block), how fine %globaltimer ticks and how fast L2 serves one
+SM, every SM and every SM the same lines (the cost model's l2_bw). Nothing here is a benchmark
+of the kernel; it exists so that a broken build costs seconds of GPU time, not minutes.
 
-The cheap probes come first (timer tick, block placement, watchdog: one shape, one step each),
+The cheap probes come first (timer tick, L2 read, block placement, watchdog: one shape, one
+step each),
 then one step of every shape, and DIR/smoke.json is rewritten after every check, so a step
 stopped at its time limit still says what it proved.
 
@@ -154,6 +156,17 @@ def timer_tick(backend: str) -> dict:
     return {"tick_ns": tick, "distinct_values_in_4096_reads": distinct}
 
 
+def l2_read(backend: str) -> dict:
+    """The L2 read rates of one SM, of every SM from its own lines and of every SM from the
+    same lines (CupyDevice.l2_read): what the cost model's l2_bw (the table's 7.0 TB/s) and its
+    token groups' shared inputs assume, measured."""
+    from ..kernel.devices.cuda import CupyDevice
+
+    if backend != "cuda":
+        return {"skipped": "the emulator has no L2"}
+    return CupyDevice().l2_read()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m monokernel.tools.smoke", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -190,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     checks.on_row = write
     # the cheap probes first: a GPU whose timer, placement or watchdog is off is known in seconds
     checks.run("timer tick", lambda: timer_tick(args.backend))
+    checks.run("l2 read", lambda: l2_read(args.backend))
     models = {}
 
     def load(shape: str) -> bool:

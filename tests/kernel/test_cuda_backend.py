@@ -324,6 +324,27 @@ def test_fake_cupy_host_wait_is_bounded(fake_cupy, tiny):
         dev.launch(ex.module, "megakernel", 2, ex.params, cooperative=True)
 
 
+def test_fake_cupy_l2_probe_launches_each_case_and_reports_its_rate(fake_cupy):
+    """CupyDevice.l2_read (smoke's "l2 read"): one block alone, a block on every SM on its own
+    lines, every SM's block on the same lines; each launched once to bring its lines into L2,
+    then timed three times; the rate is its bytes over the best time (the fake's events say
+    0.5 ms, its launches do nothing)."""
+    from monokernel.kernel.devices.cuda import CupyDevice
+
+    fake = fake_cupy(num_sms=3)
+    r = CupyDevice().l2_read(kib_per_block=16, reps=10, threads=256)
+    assert list(r) == ["one_sm", "every_sm_own_lines", "every_sm_same_lines"]
+    one = 16 * 1024 * 10  # a block's bytes: 16 KiB, 10 times
+    assert [(c["blocks"], c["bytes"]) for c in r.values()] == [(1, one), (3, 3 * one),
+                                                               (3, 3 * one)]
+    for c in r.values():
+        assert c["seconds"] == pytest.approx(0.5e-3)
+        assert c["GB_s"] == pytest.approx(c["bytes"] / 0.5e-3 / 1e9)
+        assert c["per_sm_GB_s"] == pytest.approx(c["GB_s"] / c["blocks"])
+    grids = [grid for name, grid, _ in fake.launches if name == "mk_l2_read"]
+    assert grids == [1] * 4 + [3] * 8
+
+
 def test_fake_cupy_compile_options_cache_and_resources(fake_cupy):
     from monokernel.model.config import ModelConfig
     from monokernel.kernel.devices.cuda import CupyDevice

@@ -369,18 +369,56 @@ class CupyDevice:
         self.launch_count += 1
 
     def _probes(self) -> CupyModule:
-        """probes.cu (hold and timer kernels), compiled on first use."""
+        """probes.cu (hold, timer and L2 kernels), compiled on first use."""
         if self._probe_module is None:
             src = '#line 1 "probes.cu"\n' + PROBES_PATH.read_text()
-            self._probe_module = self.compile(src, ["mk_hold", "mk_timer_tick"], {})
+            self._probe_module = self.compile(src, ["mk_hold", "mk_timer_tick", "mk_l2_read"],
+                                              {})
         return self._probe_module
 
-    def _launch_raw(self, kernel, args: list[np.ndarray]) -> None:
+    def _launch_raw(self, kernel, args: list[np.ndarray], blocks: int = 1,
+                    threads: int = 32) -> None:
         ptrs = np.array([a.ctypes.data for a in args], dtype=np.uintp)
         with self.device:
-            self.cp.cuda.driver.launchKernel(kernel.kernel.ptr, 1, 1, 1, 32, 1, 1, 0,
+            self.cp.cuda.driver.launchKernel(kernel.kernel.ptr, blocks, 1, 1, threads, 1, 1, 0,
                                              self.stream.ptr, ptrs.ctypes.data, 0)
         self.launch_count += 1
+
+    def l2_read(self, kib_per_block: int = 192, reps: int = 200,
+                threads: int = 1024) -> dict[str, dict]:
+        """The L2 read rate (probes.cu mk_l2_read) of one block alone, of a block on every SM
+        each reading its own ``kib_per_block`` KiB, and of every SM's block reading the same
+        KiB, each ``reps`` times (after one launch that brings the lines into L2): per case the
+        blocks, bytes, GPU seconds (the best of three) and GB/s in all and per SM. Every SM's
+        own lines total num_sms x kib_per_block KiB (25 MiB on an H200): inside its L2."""
+        cp = self.cp
+        words = kib_per_block * 1024 // 16
+        with self.device, self.stream:
+            buf = cp.zeros(self.num_sms * words * 16, cp.uint8)
+            sink = cp.zeros(self.num_sms * threads * 4, cp.uint8)
+        kernel = self._probes().kernels["mk_l2_read"]
+        out = {}
+        for name, blocks, stride in (("one_sm", 1, words), ("every_sm_own_lines", self.num_sms,
+                                                             words),
+                                     ("every_sm_same_lines", self.num_sms, 0)):
+            def launch(blocks=blocks, stride=stride):
+                self._launch_raw(kernel, [np.array([buf.data.ptr], np.uint64),
+                                          np.array([words], np.int64),
+                                          np.array([stride], np.int64),
+                                          np.array([reps], np.int32),
+                                          np.array([sink.data.ptr], np.uint64)],
+                                 blocks, threads)
+                self._in_flight.append(f"mk_l2_read({name})")
+
+            launch()  # the lines into L2
+            seconds = min(self.time(launch, repeat=3))
+            nbytes = blocks * words * 16 * reps
+            out[name] = {"blocks": blocks, "bytes": nbytes, "seconds": seconds,
+                         "GB_s": nbytes / seconds / 1e9 if seconds > 0 else None,
+                         "per_sm_GB_s": nbytes / seconds / 1e9 / blocks if seconds > 0
+                         else None}
+        self.wait("l2 read")
+        return out
 
     def hold(self, ns: int) -> None:
         """Queue a kernel that keeps the stream busy for ``ns`` nanoseconds."""
