@@ -6,6 +6,7 @@
 #   scripts/gpu_check.sh --emulator RESULTS_DIR   the same steps on the CPU emulator, tiny shape
 #   scripts/gpu_check.sh --tensor-cores RESULTS_DIR   NVIDIA GPU, the tensor-core follow-up: the
 #                                                 mma kernels compiled with time to spare, the
+#                                                 L2 read probes (smoke --probes-only), the
 #                                                 GPU tests of the tensor-core and prompt-chunk
 #                                                 paths, and bench --batch 64 on kernels of 64
 #                                                 slots x 128 rows (a 1024-token prompt's chunk
@@ -278,6 +279,10 @@ elif [ "$MODE" = tc ]; then
   BUILDS+=(--build qwen3-0.6b:cuda:trace --build llama-3.2-1b:cuda:trace)
   for SHAPE in $SHAPES; do BUILDS+=(--build "$SHAPE:cuda"); done
   step prepare 75 "$PY" -m monokernel.tools.prepare --max-seq "$MAX_SEQ" "${BUILDS[@]}"
+  # the L2 read rates (one SM, every SM, every SM the same lines; ~10 ms of GPU) the
+  # predictions below hang on (l2_bw: benchmarks/NOTES.md, "The L2 read probe"): smoke.json
+  step probes 20 "$PY" -m monokernel.tools.smoke --backend cuda --probes-only \
+    --max-seq "$MAX_SEQ" --out "$WORK"
   # one sequence's decode on the megakernel, first: the step's end read the host's flag in
   # every block until 2026-12-04 (~1 us each, one after another: benchmarks/NOTES.md);
   # predicted 653.5 -> 537, 871.1 -> 724, 1033.2 -> 914 us (h200-fit)

@@ -11,7 +11,10 @@ then one step of every shape, and DIR/smoke.json is rewritten after every check,
 stopped at its time limit still says what it proved.
 
     python -m monokernel.tools.smoke --out DIR [--backend cuda|emulator] [--shapes a,b,c]
-                                     [--max-seq N]
+                                     [--max-seq N] [--probes-only]
+
+--probes-only: the GPU's own probes (timer tick, L2 read) and nothing else (the tensor-core GPU
+check runs these alone).
 
 Writes DIR/smoke.json (every check, pass or fail, with its numbers) and exits 1 if one failed.
 """
@@ -180,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seq", type=int, default=MAX_SEQ,
                     help=f"KV-cache length of every executor (default {MAX_SEQ}; the GPU check "
                          "gives all its steps one length, so they share compiled kernels)")
+    ap.add_argument("--probes-only", action="store_true",
+                    help="only the GPU's own probes: timer tick and L2 read rates")
     args = ap.parse_args(argv)
     from ..model.loader import load_model
     from .commands import synthetic_dir
@@ -204,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     # the cheap probes first: a GPU whose timer, placement or watchdog is off is known in seconds
     checks.run("timer tick", lambda: timer_tick(args.backend))
     checks.run("l2 read", lambda: l2_read(args.backend))
+    if args.probes_only:
+        shapes = []
     models = {}
 
     def load(shape: str) -> bool:
@@ -211,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             shape, load_model(synthetic_dir(shape), progress=False)))
         return row["ok"]
 
-    first = shapes[0]
-    if load(first):
+    first = shapes[0] if shapes else None
+    if first is not None and load(first):
         m = models[first]
         checks.run(f"placement {first}", lambda: placement(args.backend, m, blocks, n))
         checks.run(f"watchdog {first}", lambda: watchdog(args.backend, m, blocks, n))

@@ -345,6 +345,23 @@ def test_fake_cupy_l2_probe_launches_each_case_and_reports_its_rate(fake_cupy):
     assert grids == [1] * 4 + [3] * 8
 
 
+def test_smoke_probes_only_writes_the_probes_and_nothing_else(fake_cupy, tmp_path):
+    """smoke --probes-only (the tensor-core GPU check's probes step): the timer tick and the L2
+    read rows in smoke.json, no model loaded, no step run."""
+    import json
+
+    from monokernel.tools import smoke
+
+    fake_cupy(num_sms=2)
+    assert smoke.main(["--out", str(tmp_path), "--probes-only"]) == 0
+    got = json.loads((tmp_path / "smoke.json").read_text())
+    assert got["ok"] and got["shapes"] == []
+    assert [r["check"] for r in got["checks"]] == ["timer tick", "l2 read"]
+    l2 = got["checks"][1]
+    assert {"one_sm", "every_sm_own_lines", "every_sm_same_lines"} <= set(l2), l2
+    assert l2["every_sm_same_lines"]["blocks"] == 2 and l2["one_sm"]["GB_s"] > 0
+
+
 def test_fake_cupy_compile_options_cache_and_resources(fake_cupy):
     from monokernel.model.config import ModelConfig
     from monokernel.kernel.devices.cuda import CupyDevice
