@@ -247,29 +247,36 @@ def test_the_tensor_core_kernels_segment_staging_is_one_round_of_copies(shape):
 
 
 def copies_waited_beside_loads(texts: list[str]) -> int:
-    """How many of the SASS's cp.async waits (LDGDEPBAR) have a global load (LDG) between them
-    and the copies (LDGSTS) before them: loads issued while the copies are in flight."""
+    """How many of the SASS's cp.async waits (LDGDEPBAR) have a query's or key's load between
+    them and the copies (LDGSTS) before them: loads issued while the copies are in flight. The
+    copies' own loop reads the slot's page table with plain 32-bit loads (LDG.E, kv_row); a
+    query tile's are 8-byte (LDG.E.64), a key's norm weights and RoPE rows read-only
+    (LDG.E...CONSTANT)."""
     import re
 
     n, copying, beside = 0, False, False
     for t in texts:
-        if re.search(r"\bLDGSTS\b", t):
+        op = re.search(r"\b(LDGSTS|LDGDEPBAR|LDG)(\.\S*)?", t)
+        if op is None:
+            continue
+        if op.group(1) == "LDGSTS":
             copying = True
-        elif copying and re.search(r"\bLDG\.", t):
-            beside = True
-        elif re.search(r"\bLDGDEPBAR\b", t):
+        elif op.group(1) == "LDGDEPBAR":
             n += copying and beside
             copying = beside = False
+        elif copying and op.group(0) != "LDG.E":
+            beside = True
     return n
 
 
 @pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-0.6b"])
 def test_a_segment_pass_builds_its_queries_under_its_first_tiles_copies(shape):
     """attn_stage_first (built): each of segment_pass's two modes issues its first tile's K/V
-    copies (LDGSTS) before it loads its queries (late q/k, Qwen3: before the keys' loads), and
+    copies (LDGSTS) before it loads its queries (late q/k, Qwen3: before its keys' loads), and
     waits for the copies (LDGDEPBAR) after them, so that trip runs under the tile's round.
-    Before it, segment_stage waited right after its copies: no load between a copy and its
-    wait. The detector's negative control: the copies waited at once."""
+    Before it (commit 43d4f5f), only the copies' page-table reads lay between a copy and its
+    wait, in both shapes: 0 here. The detector's negative controls: the copies waited at once,
+    and a page-table read between."""
     try:
         sass = sf.compile_sass(shape, function="op_ATTENTION", tokens=16, slots=4, mma=True)
     except SassToolMissing as e:
@@ -277,11 +284,10 @@ def test_a_segment_pass_builds_its_queries_under_its_first_tiles_copies(shape):
     texts = sf._texts(sass)
     assert copies_waited_beside_loads(texts) >= 2  # the split mode's pass and the m-tiles'
     assert cm.design("v6-mma-seg").attn_stage_first
-    at_once = ["LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", "LDGDEPBAR",
-               "LDG.E.64 R4, desc[UR4][R6.64]", "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",
-               "LDGDEPBAR"]
-    assert copies_waited_beside_loads(at_once) == 0
-    assert copies_waited_beside_loads([at_once[0], at_once[2], at_once[1]]) == 1
+    copy, wait = "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", "LDGDEPBAR"
+    query, table = "LDG.E.64 R4, desc[UR4][R6.64]", "LDG.E R5, desc[UR4][R8.64]"
+    assert copies_waited_beside_loads([copy, wait, query, copy, table, wait]) == 0
+    assert copies_waited_beside_loads([copy, table, query, wait]) == 1
 
 
 @pytest.mark.parametrize("tokens", [32, 64])
