@@ -10,10 +10,11 @@
 //   mk_l2_read(buf, words, stride, reps, sink)
 //                            every block reads `words` 16-byte words at buf + block x stride
 //                            (stride 0: every block the same words) `reps` times through L2
-//                            (ld.global.cg: never L1), folded into its threads' sink words: the
-//                            L2 read rate of one SM, of every SM from its own lines, and of every
-//                            SM from one shared set of lines (the cost model's l2_bw and the
-//                            broadcast that every token group's input is; CupyDevice.l2_read).
+//                            (ld.global.cg: never L1), folded into its threads' sink words, and
+//                            writes its SM (%smid) to smid[block]: the L2 read rate of one SM, of
+//                            every SM from its own lines, and of every SM from one shared set of
+//                            lines (the cost model's l2_bw and the broadcast that every token
+//                            group's input is; CupyDevice.l2_read).
 
 __device__ __forceinline__ unsigned long long probe_timer_ns() {
   unsigned long long t;
@@ -44,7 +45,7 @@ extern "C" __global__ void mk_timer_tick(unsigned long long* out, int n) {
 }
 
 extern "C" __global__ void mk_l2_read(const uint4* buf, long long words, long long stride,
-                                      int reps, unsigned* sink) {
+                                      int reps, unsigned* sink, unsigned* smid) {
   constexpr int IN_FLIGHT = 8;  // 16-byte loads a thread issues before it uses the first
   const uint4* p = buf + blockIdx.x * stride;
   const long long step = blockDim.x, group = IN_FLIGHT * step;
@@ -64,4 +65,9 @@ extern "C" __global__ void mk_l2_read(const uint4* buf, long long words, long lo
     }
   }
   sink[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+  if (threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    smid[blockIdx.x] = sm;
+  }
 }

@@ -6,9 +6,8 @@ SM, every SM and every SM the same lines (the cost model's l2_bw). Nothing here 
 of the kernel; it exists so that a broken build costs seconds of GPU time, not minutes.
 
 The cheap probes come first (timer tick, L2 read, block placement, watchdog: one shape, one
-step each),
-then one step of every shape, and DIR/smoke.json is rewritten after every check, so a step
-stopped at its time limit still says what it proved.
+step each), then one step of every shape, and DIR/smoke.json is rewritten after every check,
+so a step stopped at its time limit still says what it proved.
 
     python -m monokernel.tools.smoke --out DIR [--backend cuda|emulator] [--shapes a,b,c]
                                      [--max-seq N] [--probes-only]

@@ -337,6 +337,8 @@ def test_fake_cupy_l2_probe_launches_each_case_and_reports_its_rate(fake_cupy):
     one = 16 * 1024 * 10  # a block's bytes: 16 KiB, 10 times
     assert [(c["blocks"], c["bytes"]) for c in r.values()] == [(1, one), (3, 3 * one),
                                                                (3, 3 * one)]
+    # the blocks' %smid as the probe wrote it (the fake's launches write nothing: all SM 0)
+    assert [c["distinct_sms"] for c in r.values()] == [1, 1, 1]
     for c in r.values():
         assert c["seconds"] == pytest.approx(0.5e-3)
         assert c["GB_s"] == pytest.approx(c["bytes"] / 0.5e-3 / 1e9)

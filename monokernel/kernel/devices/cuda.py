@@ -389,13 +389,15 @@ class CupyDevice:
         """The L2 read rate (probes.cu mk_l2_read) of one block alone, of a block on every SM
         each reading its own ``kib_per_block`` KiB, and of every SM's block reading the same
         KiB, each ``reps`` times (after one launch that brings the lines into L2): per case the
-        blocks, bytes, GPU seconds (the best of three) and GB/s in all and per SM. Every SM's
-        own lines total num_sms x kib_per_block KiB (25 MiB on an H200): inside its L2."""
+        blocks, the distinct SMs they ran on (%smid: a rate per SM needs one block an SM),
+        bytes, GPU seconds (the best of three) and GB/s in all and per SM. Every SM's own lines
+        total num_sms x kib_per_block KiB (25 MiB on an H200): inside its L2."""
         cp = self.cp
         words = kib_per_block * 1024 // 16
         with self.device, self.stream:
             buf = cp.zeros(self.num_sms * words * 16, cp.uint8)
             sink = cp.zeros(self.num_sms * threads * 4, cp.uint8)
+            smid = cp.zeros(self.num_sms * 4, cp.uint8)
         kernel = self._probes().kernels["mk_l2_read"]
         out = {}
         for name, blocks, stride in (("one_sm", 1, words), ("every_sm_own_lines", self.num_sms,
@@ -406,14 +408,17 @@ class CupyDevice:
                                           np.array([words], np.int64),
                                           np.array([stride], np.int64),
                                           np.array([reps], np.int32),
-                                          np.array([sink.data.ptr], np.uint64)],
+                                          np.array([sink.data.ptr], np.uint64),
+                                          np.array([smid.data.ptr], np.uint64)],
                                  blocks, threads)
                 self._in_flight.append(f"mk_l2_read({name})")
 
             launch()  # the lines into L2
             seconds = min(self.time(launch, repeat=3))
             nbytes = blocks * words * 16 * reps
-            out[name] = {"blocks": blocks, "bytes": nbytes, "seconds": seconds,
+            sms = self.read(smid).view(np.uint32)[:blocks]
+            out[name] = {"blocks": blocks, "distinct_sms": len(set(sms.tolist())),
+                         "bytes": nbytes, "seconds": seconds,
                          "GB_s": nbytes / seconds / 1e9 if seconds > 0 else None,
                          "per_sm_GB_s": nbytes / seconds / 1e9 / blocks if seconds > 0
                          else None}

@@ -459,8 +459,9 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
         k_other = key_rounds * (5 * g.shfl + issue_us(g, d, SEG_KEYS * D // 32 * 12))
         # attn_stage_first: the keys from the last warp down, under the tile's copies; a decode
         # row's one m-tile holds queries on its first min(M, warps) warps only, so where the
-        # keys' warps are others, their trip and work run beside the queries' (one trip, the
-        # longer work: over by the round the queries' warps wait after theirs)
+        # keys' warps are others, their trip and work run beside the queries' (charged: one
+        # trip and the longer norm, then the round: where the key's norm is the longer, up to
+        # the round more than the queries' warps' trip, norm and round)
         beside = d.attn_stage_first & (mt == 1) & \
             (np.minimum(reach * G, d.warps) + np.ceil(keys / SEG_KEYS) <= d.warps)
         unit_l2 += passes * (q_rounds - 1) + np.where(beside, 0.0, key_rounds)
