@@ -153,7 +153,7 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     if not 1 <= tokens <= MAX_STEP_TOKENS:
         raise ProgramError(f"tokens per step must be in [1, {MAX_STEP_TOKENS}], got {tokens}")
     key = (cfg, num_blocks, max_seq_len, splits, attn_min_chunk, merge_ticket_min, tokens,
-           token_groups, tensor_cores)
+           token_groups, bool(tensor_cores))
     prog = _VERIFIED.get(key)
     if prog is None:
         plan = Plan(cfg, num_blocks, max_seq_len, splits, attn_min_chunk, tokens=tokens,

@@ -252,19 +252,16 @@ def copies_waited_beside_loads(texts: list[str]) -> int:
     copies' own loop reads the slot's page table with plain 32-bit loads (LDG.E, kv_row); a
     query tile's are 8-byte (LDG.E.64), a key's norm weights and RoPE rows read-only
     (LDG.E...CONSTANT)."""
-    import re
-
     n, copying, beside = 0, False, False
     for t in texts:
-        op = re.search(r"\b(LDGSTS|LDGDEPBAR|LDG)(\.\S*)?", t)
-        if op is None:
-            continue
-        if op.group(1) == "LDGSTS":
+        op = sf._opcode(t)
+        kind = op.split(".")[0]
+        if kind == "LDGSTS":
             copying = True
-        elif op.group(1) == "LDGDEPBAR":
+        elif kind == "LDGDEPBAR":
             n += copying and beside
             copying = beside = False
-        elif copying and op.group(0) != "LDG.E":
+        elif copying and kind == "LDG" and op != "LDG.E":
             beside = True
     return n
 
