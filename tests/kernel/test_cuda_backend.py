@@ -328,8 +328,10 @@ def test_fake_cupy_l2_probe_launches_each_case_and_reports_its_rate(fake_cupy):
     """CupyDevice.l2_read (smoke's "l2 read"): one block alone, a block on every SM on its own
     lines, every SM's block on the same lines; each launched once to bring its lines into L2,
     then timed three times; the rate is its bytes over the best time (the fake's events say
-    0.5 ms, its launches do nothing)."""
-    from monokernel.kernel.devices.cuda import CupyDevice
+    0.5 ms, its launches do nothing). Each launch asks more than half an SM's shared memory,
+    allowed first (the fake refuses a launch past 48 KB without the opt-in), so its blocks
+    run one an SM."""
+    from monokernel.kernel.devices.cuda import L2_PROBE_SHARED, CupyDevice
 
     fake = fake_cupy(num_sms=3)
     r = CupyDevice().l2_read(kib_per_block=16, reps=10, threads=256)
@@ -345,6 +347,9 @@ def test_fake_cupy_l2_probe_launches_each_case_and_reports_its_rate(fake_cupy):
         assert c["per_sm_GB_s"] == pytest.approx(c["GB_s"] / c["blocks"])
     grids = [grid for name, grid, _ in fake.launches if name == "mk_l2_read"]
     assert grids == [1] * 4 + [3] * 8
+    assert L2_PROBE_SHARED > 228 * 1024 // 2  # an H200 SM's 228 KB: one block an SM
+    assert [b for name, b in fake.launch_shared if name == "mk_l2_read"] == [L2_PROBE_SHARED] * 12
+    assert all(c["shared_bytes"] == L2_PROBE_SHARED for c in r.values())
 
 
 def test_smoke_probes_only_writes_the_probes_and_nothing_else(fake_cupy, tmp_path):

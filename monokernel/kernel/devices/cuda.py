@@ -38,6 +38,10 @@ HOLD_NS_MAX = 50_000_000
 PROBES_PATH = Path(__file__).parent.parent / "probes.cu"
 # cuFuncSetAttribute's CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (CUDA driver API)
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+# The L2 probe's dynamic shared memory a block (unused): more than half of an SM's (228 KB on
+# an H100 / H200, 164 KB on an A100), within a block's opt-in (227 / 163 KB), so that the
+# probe's blocks run one an SM and its per-SM rates mean what they say
+L2_PROBE_SHARED = 120 * 1024
 
 # Compiled modules of this process, keyed by (device, hash of source and options). CuPy also
 # caches the cubin on disk (~/.cupy/kernel_cache), so a new process skips NVRTC too.
@@ -377,11 +381,11 @@ class CupyDevice:
         return self._probe_module
 
     def _launch_raw(self, kernel, args: list[np.ndarray], blocks: int = 1,
-                    threads: int = 32) -> None:
+                    threads: int = 32, shared_bytes: int = 0) -> None:
         ptrs = np.array([a.ctypes.data for a in args], dtype=np.uintp)
         with self.device:
-            self.cp.cuda.driver.launchKernel(kernel.kernel.ptr, blocks, 1, 1, threads, 1, 1, 0,
-                                             self.stream.ptr, ptrs.ctypes.data, 0)
+            self.cp.cuda.driver.launchKernel(kernel.kernel.ptr, blocks, 1, 1, threads, 1, 1,
+                                             shared_bytes, self.stream.ptr, ptrs.ctypes.data, 0)
         self.launch_count += 1
 
     def l2_read(self, kib_per_block: int = 192, reps: int = 200,
@@ -391,14 +395,18 @@ class CupyDevice:
         KiB, each ``reps`` times (after one launch that brings the lines into L2): per case the
         blocks, the distinct SMs they ran on (%smid: a rate per SM needs one block an SM),
         bytes, GPU seconds (the best of three) and GB/s in all and per SM. Every SM's own lines
-        total num_sms x kib_per_block KiB (25 MiB on an H200): inside its L2."""
+        total num_sms x kib_per_block KiB (25 MiB on an H200): inside its L2. Each block asks
+        L2_PROBE_SHARED bytes of dynamic shared memory it does not use, more than half an SM's,
+        so no two blocks share an SM (distinct_sms then equals blocks on an idle GPU)."""
         cp = self.cp
         words = kib_per_block * 1024 // 16
         with self.device, self.stream:
             buf = cp.zeros(self.num_sms * words * 16, cp.uint8)
             sink = cp.zeros(self.num_sms * threads * 4, cp.uint8)
             smid = cp.zeros(self.num_sms * 4, cp.uint8)
-        kernel = self._probes().kernels["mk_l2_read"]
+        module = self._probes()
+        kernel = module.kernels["mk_l2_read"]
+        self._allow_dynamic_shared(module, "mk_l2_read", L2_PROBE_SHARED)
         out = {}
         for name, blocks, stride in (("one_sm", 1, words), ("every_sm_own_lines", self.num_sms,
                                                              words),
@@ -410,7 +418,7 @@ class CupyDevice:
                                           np.array([reps], np.int32),
                                           np.array([sink.data.ptr], np.uint64),
                                           np.array([smid.data.ptr], np.uint64)],
-                                 blocks, threads)
+                                 blocks, threads, L2_PROBE_SHARED)
                 self._in_flight.append(f"mk_l2_read({name})")
 
             launch()  # the lines into L2
@@ -418,6 +426,7 @@ class CupyDevice:
             nbytes = blocks * words * 16 * reps
             sms = self.read(smid).view(np.uint32)[:blocks]
             out[name] = {"blocks": blocks, "distinct_sms": len(set(sms.tolist())),
+                         "shared_bytes": L2_PROBE_SHARED,
                          "bytes": nbytes, "seconds": seconds,
                          "GB_s": nbytes / seconds / 1e9 if seconds > 0 else None,
                          "per_sm_GB_s": nbytes / seconds / 1e9 / blocks if seconds > 0
