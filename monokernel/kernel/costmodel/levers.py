@@ -74,10 +74,11 @@ def input_bytes(b: OpBatch, d: KernelDesign) -> int:
 
 def residual_copy(b: OpBatch, d: KernelDesign) -> tuple[int, float]:
     """(dependent L2 rounds, bytes an output) of the op's pass storing the residual's bf16
-    copy after its mat-mul (``residual_copy_pass``: O_PROJ and DOWN, the residual's writers in
-    a step of many tokens); (0, 0) for every other op or design."""
+    copy after its mat-mul (``residual_copy_pass``: the op modules whose RESIDUAL_COPY_PASS
+    says they run megakernel.cu's store_residual_in, the residual's mat-mul writers); (0, 0)
+    for every other op or design."""
     if d.residual_copy_pass and b.instructions and \
-            b.instructions[0].op in (Op.O_PROJ_RESIDUAL, Op.DOWN_RESIDUAL):
+            getattr(ops.module(b.instructions[0].op), "RESIDUAL_COPY_PASS", False):
         return 1, 6.0
     return 0, 0.0
 

@@ -17,6 +17,9 @@ SIGNALS = True
 # rows a tile row, the tile rows of the op
 INPUT_BYTES = 2
 WEIGHT_ROWS = 1
+# a tensor-core kernel stores the residual's bf16 copy (residual_in) in a pass after the
+# mat-mul's epilogue (megakernel.cu store_residual_in; the cost model's residual_copy_pass)
+RESIDUAL_COPY_PASS = True
 
 
 def input_columns(config) -> int:
