@@ -35,7 +35,7 @@ SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
 # Buffers the kernel writes during a step; poisoned with NaN by tests.
 ACTIVATIONS = ("residual", "residual_in", "q", "k_raw", "attn_o", "attn_ml", "attn", "ffn_h",
-               "logits", "lm_part")
+               "partials", "logits", "lm_part")
 # bf16 quiet NaN: the poison of a bf16 buffer (isa.BF16_INPUTS), a NaN once read as float32
 BF16_NAN = 0x7FC0
 # out_tokens before the kernel writes them: the host's poll tells "not yet" from any token (-1
@@ -58,13 +58,14 @@ def stop_mask(ids, vocab_size: int) -> np.ndarray:
 
 
 def kernel_source(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: int = 0,
-                  page_size: int = 0, pool_pages: int = 0, mma: bool = False) -> str:
+                  page_size: int = 0, pool_pages: int = 0, mma: bool = False,
+                  slices: tuple[int, int] = (1, 1)) -> str:
     """Generated header + megakernel.cu (its own quoted includes inlined), with #line so compiler
     errors point at real lines. ``tokens``: the program's most tokens per step; ``slots`` (> 0):
     steps of many sequences from the token table, K/V in pages of ``page_size`` positions,
     ``pool_pages`` of them for the slots (0: a context per slot); ``mma``: the mat-muls on
-    tensor cores (a kernel of slots)."""
-    return (render_header(cfg, max_seq_len, tokens, slots, page_size, pool_pages, mma)
+    tensor cores (a kernel of slots); ``slices``: O_PROJ's and DOWN's input slices."""
+    return (render_header(cfg, max_seq_len, tokens, slots, page_size, pool_pages, mma, slices)
             + '#line 1 "megakernel.cu"\n'
             + inline_includes(SOURCE_PATH.read_text(), SOURCE_PATH.parent, "megakernel.cu"))
 
@@ -73,7 +74,8 @@ def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True,
                  trace: bool = False, pdl: bool = False,
                  sync: int | None = None, tokens: int = 1, slots: int = 0,
                  page_size: int = 0, pool_pages: int = 0,
-                 mma: bool = False) -> tuple[str, dict[str, str]]:
+                 mma: bool = False, slices: tuple[int, int] = (1, 1)
+                 ) -> tuple[str, dict[str, str]]:
     """(source, -D defines) of the kernel an executor with these options compiles: the one
     place that decides them, so the GPU check's prepare step (tools/prepare.py) compiles
     exactly what the executors will ask for."""
@@ -84,7 +86,8 @@ def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True,
         defines["MK_PDL"] = "1"
     if sync is not None:  # the hop (megakernel.cu MK_SYNC; default 2: release/acquire)
         defines["MK_SYNC"] = str(sync)
-    return kernel_source(cfg, max_seq_len, tokens, slots, page_size, pool_pages, mma), defines
+    return (kernel_source(cfg, max_seq_len, tokens, slots, page_size, pool_pages, mma, slices),
+            defines)
 
 
 # kernel_weights() per live model: every executor of one model uploads the same stacked arrays
@@ -272,7 +275,9 @@ class KernelExecutor(Executor):
                                        slots=slots if self.table else 0,
                                        page_size=page_size if self.table else 0,
                                        pool_pages=self.max_pages if self.table else 0,
-                                       mma=self.tensor_cores)
+                                       mma=self.tensor_cores,
+                                       slices=(self.program.slices_of(Op.O_PROJ_RESIDUAL),
+                                               self.program.slices_of(Op.DOWN_RESIDUAL)))
         self.source = source  # as compiled, but for the -D defines (strict mode rebuilds it)
         self.module = self.device.compile(source, KERNEL_NAMES, defines)
         # every launch passes the kernel's dynamic shared memory (late q/k's chunk keys, the

@@ -48,6 +48,9 @@ class Word(IntEnum):
     # group's rows, begin | end << 16 (megakernel.cu token_group)
     GROUP = 12
     GROUP_TILE = 13
+    # an input slice of O_PROJ / DOWN (program.InputSlice; input_slices.py): slices | index <<
+    # 8 | the row group's counter << 16; 0: none
+    SLICE = 14
 
 
 WIDTH = len(Word)
@@ -217,6 +220,8 @@ PARAMS: list[tuple[str, str, str]] = [
     ("attn", "mk_in_t*", "[Q_DIM] the merged attention output (a step that merges by ticket); "
      "bf16 in a tensor-core build (BF16_INPUTS)"),
     ("ffn_h", "mk_in_t*", "[FFN] silu(gate) * up; bf16 in a tensor-core build (BF16_INPUTS)"),
+    ("partials", "float*", "[T_MAX, PARTIALS_LD] O_PROJ's / DOWN's input slices' fp32 sums: "
+     "slice j of residual row r at j H + r (kernel/input_slices.py)"),
     ("logits", "float*", "[VOCAB]"),
     ("lm_part", "float*", "[max_partials, 2] (best score, its token id as float bits)"),
     ("out_tokens", "int*", "[MAX_SEQ] token each step at pos chose for pos + 1 (host-mapped); "

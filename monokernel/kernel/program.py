@@ -79,6 +79,24 @@ class TokenGroup:
                 self.tile[0] | self.tile[1] << 16)
 
 
+@dataclass(frozen=True)
+class InputSlice:
+    """An instruction's input slice (kernel/input_slices.py): one of a row group's
+    ``members`` instructions (c token shares x ``slices`` input slices), its slice ``index``
+    of the op's input columns. It writes its fp32 partials, signals the group's ``counter``,
+    waits for the group's ``members`` signals and sums its own rows' partials in slice order
+    (Instruction.sum_reads / sum_writes)."""
+
+    slices: int
+    index: int
+    counter: int
+    members: int
+
+    def word(self) -> int:
+        """Word.SLICE."""
+        return self.slices | self.index << 8 | self.counter << 16
+
+
 @dataclass
 class Instruction:
     op: Op
@@ -103,6 +121,12 @@ class Instruction:
     ticket: tuple[int, int] | None = None
     tail_reads: list[Region] = field(default_factory=list)
     tail_writes: list[Region] = field(default_factory=list)
+    # An input slice (O_PROJ / DOWN of a program with input_slices): reads / writes say its
+    # partials' part, sum_reads / sum_writes what it does after the wait on its group's counter
+    # (verify() sees two parts, as a ticket's main part and tail; every member runs its sum)
+    split: InputSlice | None = None
+    sum_reads: list[Region] = field(default_factory=list)
+    sum_writes: list[Region] = field(default_factory=list)
     # for verify()'s expanded view: the queue index to report, the part, exclusive ticket
     at: int | None = None
     part: str = ""
@@ -119,6 +143,8 @@ class Instruction:
             w[Word.ARG0 + k] = a
         if self.group is not None:
             w[Word.GROUP], w[Word.GROUP_TILE] = self.group.words()
+        if self.split is not None:
+            w[Word.SLICE] = self.split.word()
         return w
 
     def arg(self, name: str) -> int:
@@ -212,7 +238,25 @@ class Program:
             "lm_part": self.lm_partials * 2, "out_tokens": self.max_seq_len,
             **({"k_raw": T * c.kv_dim} if c.qk_norm else {}),
             **({"residual_in": T * c.hidden_size} if self.tensor_cores else {}),
+            **({"partials": T * c.hidden_size * self.input_slices}
+               if self.input_slices > 1 else {}),
         }
+
+    def slices_of(self, op: Op) -> int:
+        """The input slices of ``op``'s instructions (input_slices.py; 1: none): one number
+        an op, which the kernel is compiled with (MK_O_PROJ_SLICES, MK_DOWN_SLICES)."""
+        got = {ins.split.slices for q in self.queues for ins in q
+               if ins.op == op and ins.split is not None}
+        if len(got) > 1:
+            raise ProgramError(f"{op.name} has instructions of {sorted(got)} input slices: "
+                               "the kernel is compiled with one number an op")
+        return got.pop() if got else 1
+
+    @property
+    def input_slices(self) -> int:
+        """The most input slices of any instruction (input_slices.py; 1: none)."""
+        return max((ins.split.slices for q in self.queues for ins in q
+                    if ins.split is not None), default=1)
 
     # ---- verification ---------------------------------------------------------------------
     def fingerprint(self) -> str:
@@ -226,7 +270,8 @@ class Program:
         for q in self.queues:
             for ins in q:
                 h.update(repr((ins.wait, ins.signal, ins.reads, ins.writes, ins.ticket,
-                               ins.tail_reads, ins.tail_writes)).encode())
+                               ins.tail_reads, ins.tail_writes, ins.split, ins.sum_reads,
+                               ins.sum_writes)).encode())
         return h.hexdigest()
 
     def verify(self, *, use_cache: bool = True) -> None:
@@ -255,11 +300,24 @@ class Program:
 
     def verification_queues(self) -> list[list[Instruction]]:
         """The queues as verify() sees them: a ticket instruction becomes its main part, which
-        signals the ticket counter, and its tail, which waits for every ticket."""
+        signals the ticket counter, and its tail, which waits for every ticket; an input
+        slice its partials' part, which signals the group's counter, and its sum, which waits
+        for the group's every signal and signals the instruction's own counter."""
         out = []
         for q in self.queues:
             vq = []
             for i, ins in enumerate(q):
+                if ins.split is not None:
+                    if ins.ticket is not None:
+                        raise ProgramError(f"{ins.label(len(out), i)} has both a ticket and "
+                                           "an input slice")
+                    sl = ins.split
+                    vq.append(replace(ins, signal=sl.counter, split=None, at=i,
+                                      part=" [slice partials]"))
+                    vq.append(replace(ins, wait=(sl.counter, sl.members), split=None, at=i,
+                                      reads=list(ins.sum_reads), writes=list(ins.sum_writes),
+                                      weight_bytes=0, part=" [slice sum]"))
+                    continue
                 if ins.ticket is None:
                     vq.append(ins)
                     continue

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ProgramError
 from ..model.config import ModelConfig
-from . import ops, token_groups as groups
+from . import input_slices as slices, ops, token_groups as groups
 from .isa import STATE_WORDS, Op, attn_round_positions, merge_ticket_min_splits
 from .program import Instruction, Program
 
@@ -69,6 +69,8 @@ class Plan:
     # a tensor-core kernel's program (MK_MMA): the residual's writers also store its bf16 copy
     # residual_in, which the RMS ops read instead of the residual (Program.tensor_cores)
     tensor_cores: bool = False
+    # O_PROJ's and DOWN's input columns cut in this many slices (input_slices.py; 1: none)
+    input_slices: int = 1
     counters: list[str] = field(default_factory=list)
 
     def residual_writes(self, lo: int, hi: int) -> list:
@@ -120,7 +122,7 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
              attn_splits: int | None = None, attn_min_chunk: int | None = None,
              merge_ticket_min: int | None = None, tokens: int = 1,
              token_groups: bool | int | tuple[int, int] = False,
-             tensor_cores: bool = False) -> Program:
+             tensor_cores: bool = False, input_slices: int = 1) -> Program:
     """Build and verify the decode-step program for ``num_blocks`` persistent blocks.
 
     ``attn_splits``: position splits per KV head (default: ``default_attn_splits``);
@@ -138,6 +140,8 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     ``tensor_cores``: the program of a tensor-core kernel (MK_MMA), which keeps the residual's
     bf16 copy residual_in for its RMS ops: its regions say so (Plan.residual_writes,
     Plan.rms_input) and verify() orders them.
+    ``input_slices``: O_PROJ's and DOWN's input columns cut in that many slices over each row
+    group (input_slices.py; a tensor-core program merged by ticket, with its token groups).
 
     Memoised: the same arguments return the same (shared) Program. Never edit a returned
     Program in place; ``copy.deepcopy`` it first (the tests that break programs do)."""
@@ -153,11 +157,12 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     if not 1 <= tokens <= MAX_STEP_TOKENS:
         raise ProgramError(f"tokens per step must be in [1, {MAX_STEP_TOKENS}], got {tokens}")
     key = (cfg, num_blocks, max_seq_len, splits, attn_min_chunk, merge_ticket_min, tokens,
-           token_groups, bool(tensor_cores))
+           token_groups, bool(tensor_cores), input_slices)
     prog = _VERIFIED.get(key)
     if prog is None:
         plan = Plan(cfg, num_blocks, max_seq_len, splits, attn_min_chunk, tokens=tokens,
-                    token_groups=token_groups, tensor_cores=bool(tensor_cores))
+                    token_groups=token_groups, tensor_cores=bool(tensor_cores),
+                    input_slices=input_slices)
         plan.merge_min = ops.attention.merge_min(plan, merge_ticket_min)
         if token_groups is not False and plan.merge_min != 1:
             if token_groups is not True:
@@ -165,6 +170,9 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
                                    "attention is merged by ticket every step (merge_ticket_min "
                                    "1)")
             plan.token_groups = False  # (the executor names why it cannot merge by ticket)
+        if input_slices != 1 and not (plan.tensor_cores and plan.merge_min == 1):
+            raise ProgramError("input slices are for a tensor-core kernel's program, whose "
+                               "attention is merged by ticket every step (merge_ticket_min 1)")
         prog = build(plan)
         prog.verify()
         if len(_VERIFIED) >= _VERIFIED_MAX:
@@ -191,9 +199,16 @@ def build(plan: Plan) -> Program:
         tiles = module.tile(plan, layer)
         if len(tiles) != B:
             raise ProgramError(f"{op.name} tiled {len(tiles)} instructions for {B} blocks")
-        if plan.token_groups is not False and op in groups.GROUPED_OPS:
-            tiles = groups.apply(plan, module, layer, tiles, None if plan.token_groups is True
-                                 else plan.token_groups)
+        asked = None if plan.token_groups is True else plan.token_groups
+        if plan.input_slices != 1 and op in slices.SLICED_OPS:
+            c, min_tokens = (1, 0) if plan.token_groups is False else \
+                groups.members_of(plan, module, tiles, asked)
+            if plan.tokens < min_tokens:
+                c, min_tokens = 1, 0
+            tiles = slices.apply(plan, module, layer, tiles, plan.input_slices, c, min_tokens,
+                                 plan.counter)
+        elif plan.token_groups is not False and op in groups.GROUPED_OPS:
+            tiles = groups.apply(plan, module, layer, tiles, asked)
         for q, ins in zip(queues, tiles):
             ins.wait = (prev, B) if prev is not None else None
             ins.signal = sig

@@ -85,16 +85,10 @@ def choose(tokens: int, input_bytes: int, rows: int, blocks: int, k: int | None 
     return best, t
 
 
-def _tagged(regions, tokens: Tokens) -> list:
-    return [(r[0], r[1], r[2], tokens) for r in regions]
-
-
-def apply(plan, module, layer: int, tiles: list[Instruction],
-          members: int | tuple[int, int] | None = None) -> list[Instruction]:
-    """``tiles`` (one op's instructions, tile k on block k) with their token groups: c by
-    ``choose`` for ``plan.tokens``; ``members`` (the tests): that many, in steps of at least
-    MIN_SHARE x that many tokens, or (members, min_tokens). Each instruction's regions in
-    both modes."""
+def members_of(plan, module, tiles: list[Instruction],
+               members: int | tuple[int, int] | None = None) -> tuple[int, int]:
+    """(members c, min_tokens) of the op's token groups (``apply``): by ``choose`` for
+    ``plan.tokens``, or as ``members`` asks (the tests)."""
     busiest = max((hi - lo for lo, hi in (i.tile for i in tiles)), default=0)
     rows = busiest * module.WEIGHT_ROWS
     if members is None:
@@ -112,6 +106,20 @@ def apply(plan, module, layer: int, tiles: list[Instruction],
             raise ProgramError(f"token groups of {c} members from {min_tokens} tokens: need "
                                f"1..{min(MAX_MEMBERS, len(tiles))} members (at most "
                                f"{MAX_MEMBERS}, at most the blocks) and at least a token each")
+    return c, min_tokens
+
+
+def _tagged(regions, tokens: Tokens) -> list:
+    return [(r[0], r[1], r[2], tokens) for r in regions]
+
+
+def apply(plan, module, layer: int, tiles: list[Instruction],
+          members: int | tuple[int, int] | None = None) -> list[Instruction]:
+    """``tiles`` (one op's instructions, tile k on block k) with their token groups: c by
+    ``choose`` for ``plan.tokens``; ``members`` (the tests): that many, in steps of at least
+    MIN_SHARE x that many tokens, or (members, min_tokens). Each instruction's regions in
+    both modes."""
+    c, min_tokens = members_of(plan, module, tiles, members)
     if c <= 1 or plan.tokens < min_tokens:
         return tiles
     rows_mode = Tokens(steps_hi=min_tokens)

@@ -29,6 +29,8 @@ WEIGHT_ROWS = 1
 # a tensor-core kernel stores the residual's bf16 copy (residual_in) in a pass after the
 # mat-mul's epilogue (megakernel.cu store_residual_in; the cost model's residual_copy_pass)
 RESIDUAL_COPY_PASS = True
+# an input split may cut its input columns (kernel/input_slices.py): the buffer it reads
+INPUT = "attn"
 
 
 def input_columns(config) -> int:

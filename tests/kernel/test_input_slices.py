@@ -1,0 +1,248 @@
+"""Input slices (kernel/input_slices.py): O_PROJ's and DOWN's input columns cut over a row
+group's blocks, the fp32 partials summed in slice order after the group's counter. The
+program's words and regions, the cover of every (token, row, slice) partial by exactly one
+member in each mode, the verifier's two parts of a sliced instruction (with negative
+controls), and what schedule refuses. (The kernel's side is the next slice: NOTES "The input
+split, built in slices".)"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+
+from monokernel.errors import ProgramError
+from monokernel.kernel import input_slices
+from monokernel.kernel.isa import Op, Word
+from monokernel.kernel.program import TOKEN_SHARES, InputSlice
+from monokernel.kernel.schedule import schedule, tensor_core_splits
+from monokernel.model.config import ModelConfig
+
+MAX_SEQ = 64
+TOKENS = 32
+
+
+def sliced(name: str, blocks: int, slices: int, token_groups=False, tokens: int = TOKENS):
+    cfg = ModelConfig.from_name(name)
+    splits, min_chunk = tensor_core_splits(cfg, blocks, MAX_SEQ)
+    return schedule(cfg, blocks, MAX_SEQ, splits, min_chunk, merge_ticket_min=1, tokens=tokens,
+                    token_groups=token_groups, tensor_cores=True, input_slices=slices)
+
+
+def op_slot(prog, op: Op, layer: int = 0) -> list:
+    k = next(i for i, ins in enumerate(prog.queues[0]) if ins.op == op and ins.layer == layer)
+    return [q[k] for q in prog.queues]
+
+
+def _span(regions, buf):
+    return [(r[1], r[2], r[3] if len(r) > 3 else None) for r in regions if r[0] == buf]
+
+
+@pytest.mark.parametrize("name,blocks,slices,groups", [
+    ("qwen3-tiny", 8, 2, False), ("qwen3-tiny", 12, 2, 2), ("llama3-tiny", 7, 2, False),
+    ("qwen3-gqa-tiny", 16, 2, 4)])
+def test_every_partial_has_one_writer_and_every_row_one_sum(name, blocks, slices, groups):
+    """In each mode (small steps: rows parts by every token; big steps: the group's rows by
+    token shares) every (row, slice, token share) of the op's partials is written by exactly
+    one member, and every residual row is summed by exactly one member from all s slices;
+    the words say slices | index << 8 | counter << 16, one counter a row group."""
+    prog = sliced(name, blocks, slices, groups)
+    cfg = prog.config
+    R = cfg.hidden_size
+    for op, K in ((Op.O_PROJ_RESIDUAL, cfg.q_dim), (Op.DOWN_RESIDUAL, cfg.intermediate_size)):
+        ins = op_slot(prog, op)
+        words = prog.words()
+        k = next(i for i, x in enumerate(prog.queues[0]) if x.op == op and x.layer == 0)
+        members = ins[0].split.members
+        c = members // slices
+        assert members == c * slices and c == (groups or 1)
+        small = np.zeros((slices, R), int)
+        big = np.zeros((slices, R, c), int)
+        summed = np.zeros(R, int)
+        counters = {}
+        for b, x in enumerate(ins):
+            if x.split is None:  # past the last whole group: nothing of the op's rows
+                assert b >= blocks // members * members and x.empty
+                continue
+            sl = x.split
+            assert words[b, k, Word.SLICE] == slices | sl.index << 8 | sl.counter << 16
+            counters.setdefault(b // members, set()).add(sl.counter)
+            for lo, hi, t in _span(x.writes, "partials"):
+                j, r0, r1 = lo // R, lo % R, lo % R + hi - lo
+                assert j == sl.index and r1 <= R
+                if t.steps_lo == 1:  # the small steps' rows part
+                    small[j, r0:r1] += 1
+                else:
+                    share = t.share_lo * c // TOKEN_SHARES
+                    assert share == x.group.index
+                    big[j, r0:r1, share] += 1
+            # its input: slice j's columns only
+            cols = {(lo, hi) for lo, hi, _ in _span(x.reads, op_input(op))}
+            assert cols == {(sl.index * K // slices, (sl.index + 1) * K // slices)}
+            summed[x.tile[0]:x.tile[1]] += 1
+            assert _span(x.sum_reads, "partials") == [
+                (j * R + x.tile[0], j * R + x.tile[1], None) for j in range(slices)] \
+                or x.empty
+        covered = summed > 0
+        assert (summed <= 1).all() and (small[:, covered] == 1).all() and \
+            (small[:, ~covered] == 0).all()
+        if c > 1:
+            assert (big[:, covered] == 1).all()
+        # one counter a row group, distinct across groups
+        assert all(len(v) == 1 for v in counters.values())
+        assert len({next(iter(v)) for v in counters.values()}) == len(counters)
+        # the rows summed: every residual row once, unless blocks were left over... never
+        assert covered.all()
+
+
+def op_input(op: Op) -> str:
+    return "attn" if op == Op.O_PROJ_RESIDUAL else "ffn_h"
+
+
+def test_the_partials_buffer_and_the_fingerprint():
+    prog = sliced("qwen3-tiny", 8, 2, 2)
+    assert prog.input_slices == 2
+    assert prog.buffer_sizes()["partials"] == TOKENS * prog.config.hidden_size * 2
+    plain = schedule(prog.config, 8, MAX_SEQ, *tensor_core_splits(prog.config, 8, MAX_SEQ),
+                     merge_ticket_min=1, tokens=TOKENS, token_groups=2, tensor_cores=True)
+    assert plain.input_slices == 1 and "partials" not in plain.buffer_sizes()
+    assert (plain.words()[:, :, Word.SLICE] == 0).all()
+    assert plain.fingerprint() != prog.fingerprint()
+
+
+def test_a_sliced_instruction_is_two_parts_to_the_verifier():
+    """Its partials' part signals the group's counter (not the op's), its sum waits for the
+    group's every member and then signals the op's counter."""
+    prog = sliced("qwen3-tiny", 8, 2, 2)
+    vq = prog.verification_queues()[0]
+    k = next(i for i, x in enumerate(prog.queues[0]) if x.op == Op.DOWN_RESIDUAL)
+    x = prog.queues[0][k]
+    parts = [v for v in vq if v.at == k and v.op == Op.DOWN_RESIDUAL]
+    assert [p.part for p in parts] == [" [slice partials]", " [slice sum]"]
+    assert parts[0].signal == x.split.counter and parts[0].wait == x.wait
+    assert parts[1].wait == (x.split.counter, x.split.members) and parts[1].signal == x.signal
+    assert parts[1].reads == x.sum_reads and parts[1].writes == x.sum_writes
+
+
+def _one_counter_each(prog):
+    """A copy whose members each signal and wait on a counter of their own: a sum no longer
+    waits for the other members' partials."""
+    bad = copy.deepcopy(prog)
+    for b, q in enumerate(bad.queues):
+        for i, ins in enumerate(q):
+            if ins.split is not None:
+                bad.counter_names.append(f"own{b}.{i}")
+                own = len(bad.counter_names) - 1
+                q[i] = dataclasses.replace(ins, split=InputSlice(ins.split.slices,
+                                                                 ins.split.index, own, 1))
+    return bad
+
+
+def _sum_next_group(prog):
+    """A copy whose first group's members sum the next group's rows, which another counter
+    orders."""
+    bad = copy.deepcopy(prog)
+    for q in bad.queues:
+        for i, ins in enumerate(q):
+            if ins.split is not None and ins.group.tile[0] == 0:
+                shift = ins.group.tile[1] - ins.group.tile[0]
+                q[i] = dataclasses.replace(ins, sum_reads=[
+                    (r[0], r[1] + shift, r[2] + shift) if r[0] == "partials" else r
+                    for r in ins.sum_reads])
+    return bad
+
+
+@pytest.mark.parametrize("groups", [False, 2])
+def test_the_verifier_rejects_a_sum_that_does_not_wait_for_its_group(groups):
+    prog = sliced("qwen3-tiny", 8, 2, groups)
+    prog.verify(use_cache=False)
+    with pytest.raises(ProgramError, match=r"hazard on partials\[.*slice (sum|partials)"):
+        _one_counter_each(prog).verify(use_cache=False)
+    with pytest.raises(ProgramError, match=r"hazard on partials\[.*slice (sum|partials)"):
+        _sum_next_group(prog).verify(use_cache=False)
+
+
+def test_schedule_refuses_slices_it_cannot_run():
+    cfg = ModelConfig.from_name("qwen3-tiny")  # q_dim 384, FFN 160
+    with pytest.raises(ProgramError, match="merge_ticket_min 1"):
+        schedule(cfg, 8, MAX_SEQ, tokens=TOKENS, input_slices=2)
+    with pytest.raises(ProgramError, match="power of two"):
+        sliced("qwen3-tiny", 8, 3)
+    with pytest.raises(ProgramError, match="whole 16-column chunks"):
+        sliced("qwen3-tiny", 8, 4)  # 160 / 4 = 40 columns
+    with pytest.raises(ProgramError, match="needs that many blocks"):
+        sliced("qwen3-tiny", 3, 2, 2)
+    with pytest.raises(ProgramError, match="a row group"):
+        input_slices.check(Op.DOWN_RESIDUAL, 64, 2, 3, 2)
+
+
+# ---- the kernel on the emulator ---------------------------------------------------------------
+def _run(model, prog, blocks: int, steps=None) -> dict:
+    from helpers.batch import Batch, prompt_of
+    from monokernel.kernel.executor import KernelExecutor
+
+    ex = KernelExecutor(model, MAX_SEQ, blocks=blocks, slots=6, page_size=8, tensor_cores=True,
+                        program=prog, step_tokens=TOKENS)
+    ex.poison()
+    b = Batch(ex)
+    for k in range(6):
+        b.join(k, prompt_of(model, 5 + 6 * k, k))
+    for step in steps or STEPS:
+        b.step(step)
+    logits = {(s, p): lg for s, q in b.seqs.items() for p, lg in q["logits"].items()}
+    partials = np.array(ex.buffers["partials"]) if "partials" in ex.buffers else None
+    return logits, partials
+
+
+# 32 rows (token groups of 2 from 16), 17, 13 (row mode), 32 with sequences straddling a share,
+# 4 decode rows
+STEPS = ({0: 5, 1: 11, 2: 16}, {0: 1, 1: 1, 3: 12, 4: 3}, {0: 1, 2: 1, 3: 11},
+         {0: 1, 1: 1, 2: 1, 3: 1, 4: 20, 5: 8}, {s: 1 for s in range(4)})
+
+
+def _program(cfg, blocks, groups, slices):
+    splits, min_chunk = tensor_core_splits(cfg, blocks, MAX_SEQ)
+    return schedule(cfg, blocks, MAX_SEQ, splits, min_chunk, merge_ticket_min=1, tokens=TOKENS,
+                    token_groups=groups, tensor_cores=True, input_slices=slices)
+
+
+@pytest.mark.parametrize("arch,blocks,groups", [("llama3-tiny", 4, False), ("llama3-tiny", 5, 2),
+                                                ("qwen3-gqa-tiny", 4, 2)])
+def test_sliced_logits_match_row_tiles_within_rounding(synth_model, arch, blocks, groups):
+    """Steps of 4 to 32 rows (both modes; 5 blocks: one left over, an empty tile) with O_PROJ's
+    and DOWN's input in 2 slices: every row's logits within rounding of the unsliced kernel's
+    (the same products summed in another order: fp32 partials of bf16 products, so the
+    differences are fp32 sums' rounding passed through the layers' bf16 inputs; the bound is
+    the bf16 input rounding's, 1e-2 of the largest logit, which the tensor-core kernel's test
+    against the reference uses) and every row written (no NaN of the poison)."""
+    model = synth_model(arch)
+    want, none = _run(model, _program(model.config, blocks, groups, 1), blocks)
+    got, partials = _run(model, _program(model.config, blocks, groups, 2), blocks)
+    assert none is None and len(got) == len(want) == 98
+    for k in want:
+        assert np.isfinite(got[k]).all(), k
+        scale = np.abs(want[k]).max()
+        assert np.abs(got[k] - want[k]).max() <= 1e-2 * scale, k
+    # the slices ran: every (token, slice, residual row) partial written (the buffer was
+    # poisoned with NaN; the first step has 32 rows, the kernel's most)
+    assert partials.size == TOKENS * 2 * model.config.hidden_size
+    assert np.isfinite(partials).all()
+
+
+@pytest.mark.parametrize("arch", ["llama3-tiny", "qwen3-gqa-tiny"])
+def test_a_sliced_sequence_is_bitwise_the_same_alone_and_in_a_batch(synth_model, arch):
+    """Batch invariance with input slices: sequence 0 alone (steps of 5 and 1 rows: row mode)
+    and beside the others of STEPS (steps of 32, 17, 13, 32 and 4 rows: token shares in the
+    big ones, its rows at other places in the step) has bit-for-bit the same logits: a
+    token's sum runs over the program's 2 slices in slice order, each partial the same
+    k-loop in either mode."""
+    model = synth_model(arch)
+    prog = _program(model.config, 5, 2, 2)
+    beside, _ = _run(model, prog, 5)
+    alone, _ = _run(model, prog, 5, steps=({0: 5}, {0: 1}, {0: 1}, {0: 1}, {0: 1}))
+    mine = sorted(k for k in beside if k[0] == 0)
+    assert mine == sorted(alone) and len(mine) == 9
+    bad = [k for k in mine if not np.array_equal(alone[k], beside[k])]
+    assert not bad, bad
