@@ -52,7 +52,8 @@ def apply(plan, module, layer: int, tiles: list[Instruction], slices: int, membe
           min_tokens: int, counter) -> list[Instruction]:
     """``tiles`` (one op's instructions, tile k on block k, row tiles) cut into row groups of
     ``members`` x ``slices``, token groups from ``min_tokens`` tokens a step (members 1: none);
-    ``counter(name)`` gives each row group its counter. Each instruction's partials' regions
+    ``counter(name)`` gives each row group its counter, called right after the op's own (the
+    kernel takes group g's as the op's signal + 1 + g). Each instruction's partials' regions
     (reads, writes) and its sum's (sum_reads, sum_writes) in both modes."""
     c, s, B = members, slices, len(tiles)
     cfg = plan.config

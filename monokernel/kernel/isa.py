@@ -44,13 +44,14 @@ class Word(IntEnum):
     ARG3 = 10
     ARG4 = 11
     # token groups of a mat-mul (kernels of slots on tensor cores; program.Instruction.group):
-    # members | index << 8 | the op's fewest step tokens for them << 16 (0: none), and the
-    # group's rows, begin | end << 16 (megakernel.cu token_group)
+    # members | index << 8 | the op's fewest step tokens for them << 16 (0: none; at most
+    # 255), with an input slice of O_PROJ / DOWN (program.InputSlice, input_slices.py) log2
+    # of the slices << 24 | the slice << 27 (0: none; its row group's counter is the op's
+    # signal + 1 + block / (members x slices): Program.verify checks it); and the group's
+    # rows, begin | end << 16 (megakernel.cu token_group, slice_mma). No word of its own: a
+    # 15th word spilled Qwen3's tensor-core kernel (its VM loop holds the words in registers)
     GROUP = 12
     GROUP_TILE = 13
-    # an input slice of O_PROJ / DOWN (program.InputSlice; input_slices.py): slices | index <<
-    # 8 | the row group's counter << 16; 0: none
-    SLICE = 14
 
 
 WIDTH = len(Word)

@@ -732,7 +732,7 @@ struct MmaTile {
   int b, e, t0, t1;
 };
 __device__ __forceinline__ MmaTile token_group(const int* ins, int ntok) {
-  const int g = ins[W_GROUP], c = g & 0xff, j = (g >> 8) & 0xff, min_tokens = g >> 16;
+  const int g = ins[W_GROUP], c = g & 0xff, j = (g >> 8) & 0xff, min_tokens = (g >> 16) & 0xff;
   if (c > 1 && ntok >= min_tokens)
     return {ins[W_GROUP_TILE] & 0xffff, ins[W_GROUP_TILE] >> 16, j * ntok / c,
             (j + 1) * ntok / c};
@@ -2403,49 +2403,58 @@ __device__ void op_attention(const Params& P, OpShared& s, const int* ins, const
 
 #if MK_MMA
 // ================================================================================================
-// An input slice of O_PROJ or DOWN (kernel/input_slices.py; isa Word.SLICE: slices | index j
-// << 8 | the row group's counter << 16): the row group's c x SLICES members share its rows
+// An input slice of O_PROJ or DOWN (kernel/input_slices.py; isa Word.GROUP: log2 SLICES << 24
+// | the slice j << 27; the row group's counter is the op's signal + 1 + the block's group,
+// blockIdx.x / (c x SLICES)): the row group's c x SLICES members share its rows
 // (Word.GROUP_TILE), member i SLICES + j over the input columns [j K / SLICES, (j + 1) K /
 // SLICES): in a step of at least the group's min_tokens tokens, the group's rows by token
 // share i; in a smaller one, rows part i of the group (its rows cut in c, as split_even) by
 // every token. Either way the partial of (token, row, j) is the same k-loop; it goes to
 // partials[token][j H + row] as fp32. Then the member signals the group's counter, waits for
 // its c x SLICES members and sums its own rows (the instruction's tile) for every token over
-// the slices in order, into the residual and its bf16 copy. False: the launch is aborted.
+// the slices in order, into the residual and its bf16 copy. If the wait fails (the watchdog,
+// or another block's error) it returns without its sum: the error is recorded, and every
+// later wait of the launch sees it and aborts.
 // (prefetch_weights fetches the tile's rows whole: the members' tiles together are the op's
 // rows, so every weight byte is still fetched once.)
 // ================================================================================================
-template <int K, int SLICES, class LoadIn>
-__device__ bool slice_mma(const Params& P, OpShared& s, const int* ins, const int* st,
-                          const unsigned short* W, LoadIn load_in, int instr,
-                          long long deadline_ns) {
+template <int K, int SLICES>
+__device__ void slice_mma(const Params& P, OpShared& s, const int* ins, const int* st,
+                          const unsigned short* W, const mk_in_t* X, int instr) {
   constexpr int KS = K / SLICES;
   static_assert(K % (16 * SLICES) == 0, "input_slices.check: whole 16-column chunks");
   const int ntok = step_tokens(st);
-  const int j = (ins[W_SLICE] >> 8) & 0xff, counter = ins[W_SLICE] >> 16;
-  const int g = ins[W_GROUP], c = g & 0xff, i = (g >> 8) & 0xff, min_tokens = g >> 16;
-  const int lo = ins[W_GROUP_TILE] & 0xffff, hi = ins[W_GROUP_TILE] >> 16;
-  const bool shares = c > 1 && ntok >= min_tokens;
-  const int b = shares ? lo : lo + i * (hi - lo) / c;
-  const int e = shares ? hi : lo + (i + 1) * (hi - lo) / c;
-  const int t0 = shares ? i * ntok / c : 0, n = (shares ? (i + 1) * ntok / c : ntok) - t0;
-  if (b < e && n > 0) {
-    const int k0 = j * KS;
-    float* part = P.partials + (size_t)t0 * MK_PARTIALS_LD + j * H + b;
-    block_mma<KS>(
-        s.mma, (e - b + 15) / 16, n, tile_rows(W + (size_t)b * K + k0, e - b, K),
-        [&](int tok, int col, unsigned (&x)[4]) { load_in(t0 + tok, k0 + col, x); },
-        [&](int q0, int tok0, auto sum) {
-          for (int x = threadIdx.x; x < MMA_RG * 128; x += MK_THREADS) {
-            const int q = x / 128, r = (x / 8) % 16, m = x % 8;
-            const int k = (q0 + q) * 16 + r, tok = tok0 + m;
-            if (k < e - b && tok < n) part[(size_t)tok * MK_PARTIALS_LD + k] = sum(q, r, m);
-          }
-        });
+  {
+    const int g = ins[W_GROUP], c = g & 0xff, i = (g >> 8) & 0xff, j = (g >> 27) & 15;
+    const int lo = ins[W_GROUP_TILE] & 0xffff, hi = ins[W_GROUP_TILE] >> 16;
+    const bool shares = c > 1 && ntok >= ((g >> 16) & 0xff);
+    const int b = shares ? lo : lo + i * (hi - lo) / c;
+    const int rows = (shares ? hi : lo + (i + 1) * (hi - lo) / c) - b;
+    const int t0 = shares ? i * ntok / c : 0, n = (shares ? (i + 1) * ntok / c : ntok) - t0;
+    if (rows > 0 && n > 0) {
+      // the slice's weights, input and partials from their first row, token and column
+      const mk_in_t* x_in = X + (size_t)t0 * K + j * KS;
+      float* part = P.partials + (size_t)t0 * MK_PARTIALS_LD + j * H + b;
+      block_mma<KS>(
+          s.mma, (rows + 15) / 16, n, tile_rows(W + (size_t)b * K + j * KS, rows, K),
+          [&](int tok, int col, unsigned (&x)[4]) { load_bf16_x8(x_in + (size_t)tok * K, col, x); },
+          [&](int q0, int tok0, auto sum) {
+            for (int x = threadIdx.x; x < MMA_RG * 128; x += MK_THREADS) {
+              const int q = x / 128, r = (x / 8) % 16, m = x % 8;
+              const int k = (q0 + q) * 16 + r, tok = tok0 + m;
+              if (k < rows && tok < n) part[(size_t)tok * MK_PARTIALS_LD + k] = sum(q, r, m);
+            }
+          });
+    }
   }
+  // the row group's counter: the op's signal + 1 + the group (its words read again here, not
+  // held through the mat-mul)
+  const int members = (ins[W_GROUP] & 0xff) * SLICES;
+  const int counter = ins[W_SIGNAL_COUNTER] + 1 + blockIdx.x / members;
   signal_counter(P, counter);  // (its barrier: every thread's partials are issued)
-  if (!wait_counter(P, counter, c * SLICES * (st[S_STEP] + 1), instr, ins[W_OP], deadline_ns))
-    return false;
+  if (!wait_counter(P, counter, members * (st[S_STEP] + 1), instr, ins[W_OP],
+                    (long long)st[S_WATCHDOG_MS] * 1000000LL))
+    return;
   const int x0 = ins[W_TILE_BEGIN], w = ins[W_TILE_END] - x0;
   for (int x = threadIdx.x; x < w * ntok; x += MK_THREADS) {
     const int tok = x / w, row = x0 + x % w;
@@ -2458,7 +2467,6 @@ __device__ bool slice_mma(const Params& P, OpShared& s, const int* ins, const in
     P.residual[at] = r;
     P.residual_in[at] = f32_to_bf16(r);
   }
-  return true;
 }
 #endif  // MK_MMA
 
@@ -2466,8 +2474,8 @@ __device__ bool slice_mma(const Params& P, OpShared& s, const int* ins, const in
 // Op: O_PROJ_RESIDUAL - merge the attention splits (every block, into shared memory), then
 // residual[r] += Wo[r] . attn for the tile's rows.
 // ================================================================================================
-__device__ bool op_o_proj_residual(const Params& P, OpShared& s, const int* ins, const int* st,
-                                   int instr, long long deadline_ns) {
+__device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins, const int* st,
+                                   int instr) {
   const int ntok = step_tokens(st);
 #if MK_MMA
   // the tile's rows [b, e) for tokens [t0, t0 + n) (token_group)
@@ -2499,17 +2507,14 @@ __device__ bool op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   // the row tiles) are read in the same round trip as the weights
 #if MK_MMA
 #if MK_O_PROJ_SLICES > 1
-  if (ins[W_SLICE] != 0)
-    return slice_mma<MK_Q_DIM, MK_O_PROJ_SLICES>(
-        P, s, ins, st, P.wo + (size_t)layer * H * MK_Q_DIM,
-        [&](int tok, int col, unsigned (&x)[4]) {
-          load_bf16_x8(P.attn + (size_t)tok * MK_Q_DIM, col, x);
-        },
-        instr, deadline_ns);
+  if ((ins[W_GROUP] >> 24) != 0) {
+    slice_mma<MK_Q_DIM, MK_O_PROJ_SLICES>(P, s, ins, st, P.wo + (size_t)layer * H * MK_Q_DIM,
+                                          P.attn, instr);
+    return;
+  }
 #endif
   (void)instr;
-  (void)deadline_ns;
-  if (b >= e || n <= 0) return true;
+  if (b >= e || n <= 0) return;
   const unsigned short* W = P.wo + ((size_t)layer * H + b) * MK_Q_DIM;
   // every row's attention was merged by ticket (tensor_cores: merge_ticket_min 1)
   block_mma<MK_Q_DIM>(
@@ -2523,8 +2528,7 @@ __device__ bool op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   store_residual_in(P, t0, b, e, n);
 #else
   (void)instr;
-  (void)deadline_ns;
-  if (b >= e) return true;
+  if (b >= e) return;
   const unsigned short* W = P.wo + ((size_t)layer * H + b) * MK_Q_DIM;
   int rot = 0;  // the row's rotation (split_slot): ATTENTION's, the rows' used splits before it
   for (int tok = 0; tok < ntok; ++tok) {
@@ -2548,7 +2552,6 @@ __device__ bool op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
     if (tok + 1 < ntok) __syncthreads();  // s.vec: the next token's input
   }
 #endif
-  return true;
 }
 
 // ================================================================================================
@@ -2609,24 +2612,21 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
 // Op: DOWN_RESIDUAL - residual[r] += Wd[r] . h (the block's own residual rows, read with the
 // weights)
 // ================================================================================================
-__device__ bool op_down_residual(const Params& P, OpShared& s, const int* ins, const int* st,
-                                 int instr, long long deadline_ns) {
+__device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, const int* st,
+                                 int instr) {
 #if MK_MMA
   // the tile's rows [b, e) for tokens [t0, t0 + n) (token_group)
   const MmaTile m = token_group(ins, step_tokens(st));
   const int layer = ins[W_LAYER], b = m.b, e = m.e, t0 = m.t0, n = m.t1 - m.t0;
 #if MK_DOWN_SLICES > 1
-  if (ins[W_SLICE] != 0)
-    return slice_mma<MK_FFN, MK_DOWN_SLICES>(
-        P, s, ins, st, P.wd + (size_t)layer * H * MK_FFN,
-        [&](int tok, int col, unsigned (&x)[4]) {
-          load_bf16_x8(P.ffn_h + (size_t)tok * MK_FFN, col, x);
-        },
-        instr, deadline_ns);
+  if ((ins[W_GROUP] >> 24) != 0) {
+    slice_mma<MK_FFN, MK_DOWN_SLICES>(P, s, ins, st, P.wd + (size_t)layer * H * MK_FFN, P.ffn_h,
+                                      instr);
+    return;
+  }
 #endif
   (void)instr;
-  (void)deadline_ns;
-  if (b >= e || n <= 0) return true;
+  if (b >= e || n <= 0) return;
   const unsigned short* W = P.wd + ((size_t)layer * H + b) * MK_FFN;
   block_mma<MK_FFN>(
       s.mma, (e - b + 15) / 16, n, tile_rows(W, e - b, MK_FFN),
@@ -2639,9 +2639,8 @@ __device__ bool op_down_residual(const Params& P, OpShared& s, const int* ins, c
   store_residual_in(P, t0, b, e, n);
 #else
   (void)instr;
-  (void)deadline_ns;
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
-  if (b >= e) return true;
+  if (b >= e) return;
   const int ntok = step_tokens(st);
   const unsigned short* W = P.wd + ((size_t)layer * H + b) * MK_FFN;
   for (int tok = 0; tok < ntok; ++tok) {
@@ -2655,7 +2654,6 @@ __device__ bool op_down_residual(const Params& P, OpShared& s, const int* ins, c
     if (tok + 1 < ntok) __syncthreads();  // s.vec: the next token's input
   }
 #endif
-  return true;
 }
 
 // ================================================================================================
@@ -3140,13 +3138,9 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
 #else
       case OP_ATTENTION: op_attention(P, s, w, st); break;
 #endif
-      case OP_O_PROJ_RESIDUAL:
-        if (!op_o_proj_residual(P, s, w, st, i, deadline_ns)) return false;
-        break;
+      case OP_O_PROJ_RESIDUAL: op_o_proj_residual(P, s, w, st, i); break;
       case OP_RMS_GATE_UP: op_rms_gate_up(P, s, w, st, g); break;
-      case OP_DOWN_RESIDUAL:
-        if (!op_down_residual(P, s, w, st, i, deadline_ns)) return false;
-        break;
+      case OP_DOWN_RESIDUAL: op_down_residual(P, s, w, st, i); break;
       case OP_RMS_LM_HEAD: op_rms_lm_head(P, s, w, st, g, host_stop); break;
       default:
         if (threadIdx.x == 0) record_error(P, ERR_BAD_OPCODE, i, op, -1, -1, op);

@@ -92,9 +92,9 @@ class InputSlice:
     counter: int
     members: int
 
-    def word(self) -> int:
-        """Word.SLICE."""
-        return self.slices | self.index << 8 | self.counter << 16
+    def bits(self) -> int:
+        """Its bits of Word.GROUP: log2 of the slices << 24 | the slice << 27."""
+        return (self.slices.bit_length() - 1) << 24 | self.index << 27
 
 
 @dataclass
@@ -144,7 +144,7 @@ class Instruction:
         if self.group is not None:
             w[Word.GROUP], w[Word.GROUP_TILE] = self.group.words()
         if self.split is not None:
-            w[Word.SLICE] = self.split.word()
+            w[Word.GROUP] |= self.split.bits()
         return w
 
     def arg(self, name: str) -> int:
@@ -332,6 +332,7 @@ class Program:
         return out
 
     def _verify(self) -> None:
+        self._check_slice_counters()
         queues = self.verification_queues()
         nodes = [(b, i) for b, q in enumerate(queues) for i in range(len(q))]
         index = {n: k for k, n in enumerate(nodes)}
@@ -367,6 +368,19 @@ class Program:
         anc = self._ancestors(order, len(nodes), preds, waits_on, signalers)
         self._check_hazards(nodes, index, anc, ins_of, label)
         self._check_step_end(nodes, anc, ins_of, label)
+
+    def _check_slice_counters(self) -> None:
+        """megakernel.cu slice_mma derives a row group's counter from the instruction's words
+        (no word of its own): the op's signal + 1 + block / members."""
+        for b, q in enumerate(self.queues):
+            for i, ins in enumerate(q):
+                sl = ins.split
+                if sl is not None and (ins.signal is None or
+                                       sl.counter != ins.signal + 1 + b // sl.members):
+                    raise ProgramError(
+                        f"{ins.label(b, i)}: its row group's counter {sl.counter} is not the "
+                        f"op's signal + 1 + block / members ({ins.signal} + 1 + {b} // "
+                        f"{sl.members}), which megakernel.cu slice_mma waits on")
 
     @staticmethod
     def _check_step_end(nodes, anc, ins_of, label) -> None:

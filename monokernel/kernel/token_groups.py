@@ -102,7 +102,7 @@ def members_of(plan, module, tiles: list[Instruction],
     else:
         c, min_tokens = members if isinstance(members, tuple) else (members,
                                                                     MIN_SHARE * members)
-        if not 1 <= c <= min(MAX_MEMBERS, len(tiles)) or not c <= min_tokens < 1 << 15:
+        if not 1 <= c <= min(MAX_MEMBERS, len(tiles)) or not c <= min_tokens < 1 << 8:
             raise ProgramError(f"token groups of {c} members from {min_tokens} tokens: need "
                                f"1..{min(MAX_MEMBERS, len(tiles))} members (at most "
                                f"{MAX_MEMBERS}, at most the blocks) and at least a token each")

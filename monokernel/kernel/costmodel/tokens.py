@@ -191,6 +191,32 @@ def program_groups(b: OpBatch, tokens: int) -> int:
                default=1)
 
 
+def program_slices(b: OpBatch) -> int:
+    """The input slices the program gives the op's instructions (kernel/input_slices.py; 1:
+    none)."""
+    return max([i.split.slices for i in b.instructions
+                if getattr(i, "split", None) is not None], default=1)
+
+
+def _slice_mma_shape(b: OpBatch, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, tokens) each instruction of a sliced op multiplies over its K / s columns in a
+    step of ``T`` tokens (megakernel.cu slice_mma): from the group's min_tokens, the row
+    group's rows by its share of the tokens; below, rows part i of the group (its rows cut
+    in c) by every token; a block past the last group nothing."""
+    mm_rows = np.zeros(len(b.instructions))
+    mm_tokens = np.full(len(b.instructions), T)
+    for i, ins in enumerate(b.instructions):
+        if getattr(ins, "split", None) is None:
+            continue
+        grp = ins.group
+        lo, hi, c, j = grp.tile[0], grp.tile[1], grp.members, grp.index
+        if c > 1 and T >= grp.min_tokens:
+            mm_rows[i], mm_tokens[i] = hi - lo, -(-T // c)
+        else:
+            mm_rows[i] = (j + 1) * (hi - lo) // c - j * (hi - lo) // c
+    return mm_rows, mm_tokens
+
+
 def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | None = None,
                  out_bytes: float = 8.0) -> Phases:
     """A mat-mul op's one-token phases for the step's tokens (b.shape): the same HBM weight
@@ -211,6 +237,9 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
         raise CostModelError(f"design {d.name} has no tensor cores nor a token loop: a step "
                              f"of {T} tokens is not modelled on it")
     busy = (rows > 0).astype(np.float64)
+    sliced = program_slices(b)
+    if sliced > 1:  # the program's input slices, as built (slice_mma): the spread split's costs
+        d = d.replace(input_slices_spread=True)
     fused = levers.fused_down(b, d)
     n = int(np.max(rows)) if len(rows) else 0
     if fused:  # the token groups of the block's GATE_UP, whose h rows it multiplies
@@ -220,16 +249,20 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
     elif d.tile_2d:
         c, s = tile_split(rows, k, T, g, d, levers.input_bytes(b, d))
     else:
-        c, s = program_groups(b, T), 1
-        if d.input_slices_spread and not levers.rms_input(b):  # (an RMS op norms whole rows)
+        c, s = program_groups(b, T), sliced
+        if sliced == 1 and d.input_slices_spread and not levers.rms_input(b):
+            # (an RMS op norms whole rows)
             s = _spread_slices(n, k, T, c, g, d, levers.input_bytes(b, d))
     t_in, t_w, t_red = _tile_us(n, k, T, c, s, g, d, local_input=fused,
                                 in_bytes=levers.input_bytes(b, d))
     mm_rows, mm_tokens = rows, np.full(len(rows), T)
-    if c > 1 and not (fused or d.tile_2d):  # a member multiplies its group's rows by its share
+    if sliced > 1:
+        mm_rows, mm_tokens = _slice_mma_shape(b, T)
+    elif c > 1 and not (fused or d.tile_2d):  # a member multiplies its group's rows by its share
         mm_rows, mm_tokens = _group_mma_shape(b, rows, T)
-    compute = mma_us(mm_rows, k, mm_tokens, g) + (ph.compute if ph.compute is not None else 0.0)
-    if d.input_slices_spread:  # a block's rows: its group's s row tiles' over K / s
+    compute = mma_us(mm_rows, k // sliced, mm_tokens, g) \
+        + (ph.compute if ph.compute is not None else 0.0)
+    if d.input_slices_spread and sliced == 1:  # a block's rows: its group's s row tiles' over K / s
         mm_rows = mm_rows * s
     t_again, rounds = _passes(mm_rows, k / s, mm_tokens, g, d, levers.input_bytes(b, d),
                               local_input=fused, rms=levers.rms_input(b),
@@ -239,6 +272,8 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
     else:  # the tile's outputs per token: written once (the residual's rows read and written)
         epilogue = busy * T * rows * out_bytes * levers.output_factor(b, d) / (g.l2_bw / g.sms)
     copy_rounds, copy_bytes = levers.residual_copy(b, d)
+    if sliced > 1:  # the sum stores residual_in in its own loop: 2 bytes an output, no pass
+        copy_rounds, copy_bytes = 0, 2.0
     epilogue = epilogue + busy * T * rows * copy_bytes / (g.l2_bw / g.sms)
     return Phases(ph.l2_trips + busy * copy_rounds, ph.hbm_trips,
                   ph.other_us + busy * (t_in + t_w + t_red) + t_again + epilogue,
