@@ -118,20 +118,32 @@ from monokernel.model.reference import ReferenceModel
 
 MAX_SEQ, PAGE = 11, 4
 m = load_model(sys.argv[1], progress=False)
-mode = sys.argv[2]  # full, short; mma, mma-short: the mat-muls on tensor cores
+mode = sys.argv[2]  # full, short; mma, mma-short: the mat-muls on tensor cores; mma-slices,
+# mma-slices-short: with O_PROJ's and DOWN's input in 2 slices (kernel/input_slices.py)
 tc = mode.startswith("mma")
+program = None
+if mode.startswith("mma-slices"):  # 3 blocks: a row group of 2, one block left over
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+
+    program = schedule(m.config, 3, MAX_SEQ, *tensor_core_splits(m.config, 3, MAX_SEQ),
+                       merge_ticket_min=1, tokens=8, tensor_cores=True, input_slices=2)
 # (mma-short: no L2 prefetch, whose one-byte read of the rows would be reported first)
 # (mma: 3 attention splits of 4 positions, fixed by absolute position, so the ticket's last
 # drawer merges rows of 2 and 3 splits in one pass beside rows of one that their units finish)
 ex = KernelExecutor(m, MAX_SEQ, blocks=3, slots=3, step_tokens=8, page_size=PAGE,
                     device=EmulatorDevice(sanitize="address"), tensor_cores=tc,
-                    prefetch=mode != "mma-short", attn_splits=3 if mode == "mma" else None)
+                    prefetch=mode != "mma-short", attn_splits=3 if mode == "mma" else None,
+                    program=program)
 pages = list(ex.add_pages(9))
 c = m.config
 if mode == "short":  # the K cache one page short: the pool's last page is past its end
     short = np.zeros(ex.buffers["k_cache"].size - PAGE * c.num_kv_heads * c.head_dim, np.uint16)
     ex.buffers["k_cache"] = short
     ex.params["k_cache"] = short.ctypes.data
+if mode == "mma-slices-short":  # the partials one element short: the last row's last slice
+    short = ex.buffers["partials"][:-1].copy()
+    ex.buffers["partials"] = short
+    ex.params["partials"] = short.ctypes.data
 if mode == "mma-short":  # Wd one row short: the last layer's last row is past its end
     short = ex.buffers["wd"].ravel()[:-c.intermediate_size].copy()
     ex.buffers["wd"] = short
@@ -213,3 +225,28 @@ def test_negative_control_tensor_core_weights_one_row_short(synth_dir):
     assert proc.returncode != 0 and "ok" not in proc.stdout
     assert "AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
     assert "block_mma" in proc.stderr and "op_down_residual" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_input_slices_under_address_sanitizer(synth_dir):
+    """The same full tables with O_PROJ's and DOWN's input in 2 slices (kernel/input_slices.py;
+    3 blocks: a row group of 2 and a block left over): the partials written and summed, no
+    report, the bf16-inputs reference's logits."""
+    proc = subprocess.run([sys.executable, "-c", TABLE_SCRIPT, str(synth_dir("llama3-tiny")),
+                           "mma-slices"], env=asan_preload_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert "AddressSanitizer" not in proc.stderr, proc.stderr[-6000:]
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.startswith("ok"), proc.stdout
+
+
+@pytest.mark.slow
+def test_negative_control_partials_one_element_short(synth_dir):
+    """The sliced run with the partials buffer one element short: ASan must name slice_mma's
+    access of the last token row's last slice."""
+    proc = subprocess.run([sys.executable, "-c", TABLE_SCRIPT, str(synth_dir("llama3-tiny")),
+                           "mma-slices-short"], env=asan_preload_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode != 0 and "ok" not in proc.stdout
+    assert "AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
+    assert "slice_mma" in proc.stderr, proc.stderr[-3000:]

@@ -350,9 +350,9 @@ def table_steps(ex: KernelExecutor):
 @needs_tsan
 @pytest.mark.parametrize("tensor_cores,splits,groups",
                          [(False, None, False), (True, None, False), (True, 4, False),
-                          (True, None, True)],
+                          (True, None, True), (True, None, "slices")],
                          ids=["cuda-cores", "tensor-cores", "tensor-cores-4-splits",
-                              "tensor-cores-token-groups"])
+                              "tensor-cores-token-groups", "tensor-cores-input-slices"])
 def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny, tensor_cores, splits,
                                                                     groups):
     """Steps of many sequences (issue 17 slice 3): the token table copied into shared memory
@@ -364,12 +364,19 @@ def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny, tensor
     (fixed by absolute position) the second step's rows at position 2 merge by ticket beside
     a row its unit finishes. With token groups (kernel/token_groups.py) of both blocks from 2
     tokens a step: each step's mat-muls split its 3 rows 1 + 2 over the blocks, each block
-    multiplying every row of the op (the other block's residual rows read and written)."""
+    multiplying every row of the op (the other block's residual rows read and written).
+    With input slices (kernel/input_slices.py) of O_PROJ and DOWN over both blocks: each
+    block's partials of every residual row, the row group's counter, then its own rows' sum
+    of the other block's partials."""
     from monokernel.kernel.schedule import schedule, tensor_core_splits
     from monokernel.sampling import Sampler, SamplingParams
 
     kw = {"attn_splits": splits}
-    if groups:
+    if groups == "slices":
+        s, c = tensor_core_splits(tiny.config, BLOCKS, MAX_SEQ)
+        kw = {"program": schedule(tiny.config, BLOCKS, MAX_SEQ, s, c, merge_ticket_min=1,
+                                  tokens=3, tensor_cores=True, input_slices=2)}
+    elif groups:
         s, c = tensor_core_splits(tiny.config, BLOCKS, MAX_SEQ)
         kw = {"program": schedule(tiny.config, BLOCKS, MAX_SEQ, s, c, merge_ticket_min=1,
                                   tokens=3, token_groups=(2, 2), tensor_cores=True)}
@@ -734,3 +741,26 @@ def test_negative_control_a_relaxed_row_ticket_is_reported(tiny):
     with pytest.raises(DataRaceError) as info:
         run_strict(ex, [], table=second, source=source)
     assert "merge_chunk" in info.value.report, info.value.report[:4000]
+
+
+_SLICE_WAIT = "  if (!wait_counter(P, counter, members * (st[S_STEP] + 1), instr, ins[W_OP],"
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+def test_negative_control_a_slice_sum_without_its_groups_wait_is_reported(tiny):
+    """slice_mma (kernel/input_slices.py) with its wait on the row group's counter gone: a
+    block sums its rows' partials while the other block may still write them. TSan must see
+    it (the kernel as built is race-free on the same steps: tensor-cores-input-slices)."""
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+
+    s, c = tensor_core_splits(tiny.config, BLOCKS, MAX_SEQ)
+    prog = schedule(tiny.config, BLOCKS, MAX_SEQ, s, c, merge_ticket_min=1, tokens=3,
+                    tensor_cores=True, input_slices=2)
+    ex = table_executor(tiny, tensor_cores=True, program=prog)
+    assert ex.source.count(_SLICE_WAIT) == 1, "slice_mma's wait is not where this test expects"
+    source = ex.source.replace(_SLICE_WAIT, "  if (false && !wait_counter(P, counter, members * "
+                                            "(st[S_STEP] + 1), instr, ins[W_OP],")
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, [], table=table_steps(ex)[0], source=source)
+    assert re.search(r"slice_mma", info.value.report), info.value.report[:4000]
