@@ -545,11 +545,11 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
   }
 }
 
-template <int K, bool ROWS = true, class RowPtr, class LoadX, class Epi>
+template <int K, class RowPtr, class LoadX, class Epi>
 __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, LoadX load_x,
                           Epi epi) {
   static_assert(K % 8 == 0, "a lane loads 8 columns at a time");
-  if (ROWS && MK_T_MAX > MMA_ROWS_SPLIT_ABOVE && K <= MMA_ROWS_SPLIT_MAX_K &&
+  if (MK_T_MAX > MMA_ROWS_SPLIT_ABOVE && K <= MMA_ROWS_SPLIT_MAX_K &&
       ntok > MMA_ROWS_SPLIT_ABOVE) {
     block_mma_rows<K>(groups, ntok, rowptr, load_x, epi);
     return;
@@ -2435,7 +2435,7 @@ __device__ void slice_mma(const Params& P, OpShared& s, const int* ins, const in
       // the slice's weights, input and partials from their first row, token and column
       const mk_in_t* x_in = X + (size_t)t0 * K + j * KS;
       float* part = P.partials + (size_t)t0 * MK_PARTIALS_LD + j * H + b;
-      block_mma<KS, false>(
+      block_mma<KS>(
           s.mma, (rows + 15) / 16, n, tile_rows(W + (size_t)b * K + j * KS, rows, K),
           [&](int tok, int col, unsigned (&x)[4]) { load_bf16_x8(x_in + (size_t)tok * K, col, x); },
           [&](int q0, int tok0, auto sum) {
