@@ -61,6 +61,10 @@ def add_commands(sub) -> None:
                         "prefilled in chunks (the design's prefill_chunk, or --chunk)")
     p.add_argument("--chunk", type=int, default=None, metavar="T",
                    help="with --prompt: tokens per prefill step (default: the design's)")
+    p.add_argument("--input-slices", type=int, default=1, metavar="S",
+                   help="with --batch or --prompt: O_PROJ's and DOWN's input in S slices (a "
+                        "power of two; kernel/input_slices.py: built, not the executor's "
+                        "default yet); default 1")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("calibrate", help="fit the cost model's constants to a GPU trace "

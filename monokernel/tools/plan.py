@@ -18,6 +18,15 @@ def cmd_plan(args) -> int:
     predict = getattr(args, "predict", None)
     batch, prompt = getattr(args, "batch", None), getattr(args, "prompt", None)
     chunk = getattr(args, "chunk", None)
+    slices = getattr(args, "input_slices", 1)
+    from ..kernel.input_slices import MAX_SLICES
+
+    if not 1 <= slices <= MAX_SLICES or slices & (slices - 1):
+        raise SystemExit(f"monokernel: error: --input-slices must be a power of two in [1, "
+                         f"{MAX_SLICES}], got {slices}")
+    if slices != 1 and (batch is None and prompt is None):
+        raise SystemExit("monokernel: error: --input-slices needs --batch B or --prompt P "
+                         "(and --predict GPU)")
     if predict:  # bad names and numbers fail now, not after scheduling
         cm.gpu(predict)
         if getattr(args, "design", None):
@@ -60,11 +69,12 @@ def cmd_plan(args) -> int:
         design = getattr(args, "design", None)
         if batch is not None:  # the program of a kernel of `batch` slots: steps of that many
             many = _tokens_program(cfg, args.blocks, max_seq, prog, design,
-                                   min(max(batch, 2), MAX_STEP_TOKENS))
+                                   min(max(batch, 2), MAX_STEP_TOKENS), slices)
             print()
             print(batch_report(many, args.predict, design, args.context, batch))
         if prompt is not None:  # prompt chunks of the most tokens a step carries
-            many = _tokens_program(cfg, args.blocks, max_seq, prog, design, MAX_STEP_TOKENS)
+            many = _tokens_program(cfg, args.blocks, max_seq, prog, design, MAX_STEP_TOKENS,
+                                   slices)
             print()
             print(prompt_report(many, args.predict, design, prompt, chunk))
     return 0
@@ -73,26 +83,39 @@ def cmd_plan(args) -> int:
 def _built(d, prog) -> str:
     from ..kernel import costmodel as cm
 
-    return ("built: backend option tensor_cores" if d.name == cm.design_for(
-        prog, tensor_cores=True).name else "not built yet")
+    if d.name != cm.design_for(prog, tensor_cores=True).name:
+        return "not built yet"
+    return "built: backend option tensor_cores" + (
+        f"; {prog.input_slices} input slices: built, not the executor's default yet"
+        if prog.input_slices > 1 else "")
 
 
 def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | None,
-                    tokens: int):
+                    tokens: int, input_slices: int = 1):
     """The program a step of many tokens is predicted on: for the built tensor-core design
     (design_for(tensor_cores=True)) and the designs on its segments (attn_segments), the one
     its executor of steps of up to ``tokens`` rows runs (splits fixed by absolute position,
     every step's attention merged by ticket, the mat-muls' token groups chosen for that many
-    tokens a step: a smaller step runs in row tiles where groups would not pay); another
-    design takes the default program."""
+    tokens a step: a smaller step runs in row tiles where groups would not pay; with
+    ``input_slices``, O_PROJ's and DOWN's input in that many slices); another design takes
+    the default program."""
     from ..kernel import costmodel as cm
     from ..kernel.schedule import schedule, tensor_core_splits
 
+    from ..errors import ProgramError
+
     if design_name is not None and not cm.design(design_name).attn_segments:
+        if input_slices != 1:
+            raise SystemExit(f"monokernel: error: --input-slices is for the tensor-core "
+                             f"program; design {design_name} predicts another")
         return prog
     splits, min_chunk = tensor_core_splits(cfg, blocks, max_seq)
-    return schedule(cfg, blocks, max_seq, splits, min_chunk, merge_ticket_min=1,
-                    tokens=tokens, token_groups=True, tensor_cores=True)
+    try:
+        return schedule(cfg, blocks, max_seq, splits, min_chunk, merge_ticket_min=1,
+                        tokens=tokens, token_groups=True, tensor_cores=True,
+                        input_slices=input_slices)
+    except ProgramError as e:
+        raise SystemExit(f"monokernel: error: --input-slices {input_slices}: {e}") from None
 
 
 def _tokens_design(design_name: str | None, prog):

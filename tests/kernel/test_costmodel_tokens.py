@@ -428,6 +428,9 @@ def test_plan_batch_and_prompt_end_with_their_predictions(capsys):
     (["--predict", "h200", "--batch", "0"], "--batch must be >= 1"),
     (["--predict", "h200", "--chunk", "64"], "--chunk needs --prompt"),
     (["--predict", "h200", "--design", "v6", "--batch", "4"], "runs one token per step"),
+    (["--predict", "h200", "--batch", "4", "--input-slices", "3"], "a power of two"),
+    (["--predict", "h200", "--input-slices", "2"], "--input-slices needs --batch"),
+    (["--predict", "h200", "--batch", "4", "--input-slices", "16"], "16-column chunks"),
 ])
 def test_plan_batch_refuses_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -462,3 +465,19 @@ def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsy
     default = cm.predict(schedule(cfg, 32, 2048), "h200", cm.design("v6-mma-seg"), 1024,
                          shape=StepShape.decode(16, 1024)).tokens_per_s
     assert got == pytest.approx(want, abs=0.5) and abs(want - default) > 1
+
+
+def test_plan_predicts_a_program_of_input_slices(capsys):
+    """`plan --input-slices S` predicts the tensor-core program with O_PROJ's and DOWN's input
+    in S slices (kernel/input_slices.py), says it is built but not the executor's default, and
+    shows the slices in the tiles line."""
+    argv = ["plan", "--shape", "smollm2-135m", "--blocks", "32", "--context", "16",
+            "--predict", "h200", "--batch", "32"]
+    assert main(argv + ["--input-slices", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 input slices: built, not the executor's default yet" in out
+    assert "O_PROJ_RESIDUAL 2x2" in out or "O_PROJ_RESIDUAL 1x2" in out, out
+    sliced = out.strip().splitlines()[-1]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out.strip().splitlines()[-1]
+    assert sliced.startswith("predicted on h200:") and sliced != plain
