@@ -48,6 +48,31 @@ def check(op: Op, k: int, slices: int, blocks: int, members: int = 1) -> None:
                            f"that many blocks; the program has {blocks}")
 
 
+# input_slices=True picks each op's slices with the cost model on this GPU's table and the
+# built design with the split (costmodel design v6-mma-split)
+CHOICE_GPU = "h200"
+CHOICE_DESIGN = "v6-mma-split"
+
+
+def choose(plan, module, tiles: list[Instruction], members: int) -> int:
+    """The input slices of ``module``'s op with ``members`` token groups: the cost model's
+    cheapest for a step of the program's tokens (costmodel.tokens.spread_slices: the input
+    read, the other members' weights, the partials written and summed after a hop), halved
+    until a row group of members x slices fits the blocks; 1 in a program of one token a step
+    (no input worth splitting)."""
+    from .costmodel import design, gpu
+    from .costmodel.tokens import spread_slices
+
+    if plan.tokens <= 1:
+        return 1
+    n = max((hi - lo for lo, hi in (i.tile for i in tiles)), default=0)
+    s = spread_slices(n, module.input_columns(plan.config), plan.tokens, members,
+                      gpu(CHOICE_GPU), design(CHOICE_DESIGN), module.INPUT_BYTES)
+    while s > 1 and members * s > len(tiles):
+        s //= 2
+    return s
+
+
 def apply(plan, module, layer: int, tiles: list[Instruction], slices: int, members: int,
           min_tokens: int, counter) -> list[Instruction]:
     """``tiles`` (one op's instructions, tile k on block k, row tiles) cut into row groups of

@@ -69,8 +69,9 @@ class Plan:
     # a tensor-core kernel's program (MK_MMA): the residual's writers also store its bf16 copy
     # residual_in, which the RMS ops read instead of the residual (Program.tensor_cores)
     tensor_cores: bool = False
-    # O_PROJ's and DOWN's input columns cut in this many slices (input_slices.py; 1: none)
-    input_slices: int = 1
+    # O_PROJ's and DOWN's input columns cut in this many slices (input_slices.py; 1: none;
+    # True: chosen per op, input_slices.choose)
+    input_slices: bool | int = 1
     counters: list[str] = field(default_factory=list)
 
     def residual_writes(self, lo: int, hi: int) -> list:
@@ -122,7 +123,7 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
              attn_splits: int | None = None, attn_min_chunk: int | None = None,
              merge_ticket_min: int | None = None, tokens: int = 1,
              token_groups: bool | int | tuple[int, int] = False,
-             tensor_cores: bool = False, input_slices: int = 1) -> Program:
+             tensor_cores: bool = False, input_slices: bool | int = 1) -> Program:
     """Build and verify the decode-step program for ``num_blocks`` persistent blocks.
 
     ``attn_splits``: position splits per KV head (default: ``default_attn_splits``);
@@ -141,7 +142,8 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     bf16 copy residual_in for its RMS ops: its regions say so (Plan.residual_writes,
     Plan.rms_input) and verify() orders them.
     ``input_slices``: O_PROJ's and DOWN's input columns cut in that many slices over each row
-    group (input_slices.py; a tensor-core program merged by ticket, with its token groups).
+    group (input_slices.py; a tensor-core program merged by ticket, with its token groups);
+    True: as many as input_slices.choose picks for each op.
 
     Memoised: the same arguments return the same (shared) Program. Never edit a returned
     Program in place; ``copy.deepcopy`` it first (the tests that break programs do)."""
@@ -170,7 +172,8 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
                                    "attention is merged by ticket every step (merge_ticket_min "
                                    "1)")
             plan.token_groups = False  # (the executor names why it cannot merge by ticket)
-        if input_slices != 1 and not (plan.tensor_cores and plan.merge_min == 1):
+        if (input_slices is True or input_slices > 1) and \
+                not (plan.tensor_cores and plan.merge_min == 1):
             raise ProgramError("input slices are for a tensor-core kernel's program, whose "
                                "attention is merged by ticket every step (merge_ticket_min 1)")
         prog = build(plan)
@@ -200,13 +203,16 @@ def build(plan: Plan) -> Program:
         if len(tiles) != B:
             raise ProgramError(f"{op.name} tiled {len(tiles)} instructions for {B} blocks")
         asked = None if plan.token_groups is True else plan.token_groups
-        if plan.input_slices != 1 and op in slices.SLICED_OPS:
+        want = plan.input_slices
+        s = 1
+        if op in slices.SLICED_OPS and (want is True or want > 1):
             c, min_tokens = (1, 0) if plan.token_groups is False else \
                 groups.members_of(plan, module, tiles, asked)
             if plan.tokens < min_tokens:
                 c, min_tokens = 1, 0
-            tiles = slices.apply(plan, module, layer, tiles, plan.input_slices, c, min_tokens,
-                                 plan.counter)
+            s = slices.choose(plan, module, tiles, c) if want is True else want
+        if s > 1:
+            tiles = slices.apply(plan, module, layer, tiles, s, c, min_tokens, plan.counter)
         elif plan.token_groups is not False and op in groups.GROUPED_OPS:
             tiles = groups.apply(plan, module, layer, tiles, asked)
         for q, ins in zip(queues, tiles):

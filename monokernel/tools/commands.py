@@ -33,6 +33,17 @@ GPU_DEFAULTS = {"backends": "cuda,cuda-multi,cuda-multi-graph,cuda-multi-graph-p
 CPU_DEFAULTS = {"backends": "numpy,emulator", "context": "16", "steps": 5, "warmup": 1}
 
 
+def _slices_arg(text: str) -> bool | int:
+    """--input-slices: "auto" (True: input_slices.choose per op) or a number."""
+    if text == "auto":
+        return True
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a power of two or auto, got {text!r}") \
+            from None
+
+
 def add_commands(sub) -> None:
     from ..kernel.costmodel import DESIGNS
     from .bench import BACKENDS as BENCH_BACKENDS
@@ -61,10 +72,11 @@ def add_commands(sub) -> None:
                         "prefilled in chunks (the design's prefill_chunk, or --chunk)")
     p.add_argument("--chunk", type=int, default=None, metavar="T",
                    help="with --prompt: tokens per prefill step (default: the design's)")
-    p.add_argument("--input-slices", type=int, default=1, metavar="S",
+    p.add_argument("--input-slices", type=_slices_arg, default=1, metavar="S",
                    help="with --batch or --prompt: O_PROJ's and DOWN's input in S slices (a "
-                        "power of two; kernel/input_slices.py: built, not the executor's "
-                        "default yet); default 1")
+                        "power of two, or auto: each op's by the cost model; "
+                        "kernel/input_slices.py: built, not the executor's default yet); "
+                        "default 1")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("calibrate", help="fit the cost model's constants to a GPU trace "

@@ -21,10 +21,10 @@ def cmd_plan(args) -> int:
     slices = getattr(args, "input_slices", 1)
     from ..kernel.input_slices import MAX_SLICES
 
-    if not 1 <= slices <= MAX_SLICES or slices & (slices - 1):
+    if slices is not True and (not 1 <= slices <= MAX_SLICES or slices & (slices - 1)):
         raise SystemExit(f"monokernel: error: --input-slices must be a power of two in [1, "
                          f"{MAX_SLICES}], got {slices}")
-    if slices != 1 and (batch is None and prompt is None):
+    if (slices is True or slices != 1) and (batch is None and prompt is None):
         raise SystemExit("monokernel: error: --input-slices needs --batch B or --prompt P "
                          "(and --predict GPU)")
     if predict:  # bad names and numbers fail now, not after scheduling
@@ -85,8 +85,11 @@ def _built(d, prog) -> str:
 
     if d.name != cm.design_for(prog, tensor_cores=True).name:
         return "not built yet"
+    from ..kernel.isa import Op
+
     return "built: backend option tensor_cores" + (
-        f"; {prog.input_slices} input slices: built, not the executor's default yet"
+        f"; input slices (O_PROJ {prog.slices_of(Op.O_PROJ_RESIDUAL)}, DOWN "
+        f"{prog.slices_of(Op.DOWN_RESIDUAL)}): built, not the executor's default yet"
         if prog.input_slices > 1 else "")
 
 
@@ -105,7 +108,7 @@ def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | Non
     from ..errors import ProgramError
 
     if design_name is not None and not cm.design(design_name).attn_segments:
-        if input_slices != 1:
+        if input_slices is True or input_slices != 1:
             raise SystemExit(f"monokernel: error: --input-slices is for the tensor-core "
                              f"program; design {design_name} predicts another")
         return prog

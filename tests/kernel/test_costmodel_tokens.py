@@ -470,14 +470,21 @@ def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsy
 def test_plan_predicts_a_program_of_input_slices(capsys):
     """`plan --input-slices S` predicts the tensor-core program with O_PROJ's and DOWN's input
     in S slices (kernel/input_slices.py), says it is built but not the executor's default, and
-    shows the slices in the tiles line."""
+    shows the slices in the tiles line; `auto` lets the cost model pick each op's."""
     argv = ["plan", "--shape", "smollm2-135m", "--blocks", "32", "--context", "16",
             "--predict", "h200", "--batch", "32"]
     assert main(argv + ["--input-slices", "2"]) == 0
     out = capsys.readouterr().out
-    assert "2 input slices: built, not the executor's default yet" in out
+    assert "input slices (O_PROJ 2, DOWN 2): built, not the executor's default yet" in out
     assert "O_PROJ_RESIDUAL 2x2" in out or "O_PROJ_RESIDUAL 1x2" in out, out
     sliced = out.strip().splitlines()[-1]
     assert main(argv) == 0
     plain = capsys.readouterr().out.strip().splitlines()[-1]
     assert sliced.startswith("predicted on h200:") and sliced != plain
+    # auto: each op's by the cost model (input_slices.choose); for SmolLM2 on 32 blocks at
+    # 32 tokens a step none pays, so the program (and its prediction) is the unsliced one
+    assert main(argv + ["--input-slices", "auto"]) == 0
+    auto = capsys.readouterr().out
+    assert "input slices (O_PROJ" not in auto and auto.strip().splitlines()[-1] == plain
+    with pytest.raises(SystemExit):
+        main(argv + ["--input-slices", "many"])

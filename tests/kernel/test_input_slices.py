@@ -281,3 +281,19 @@ def test_the_cost_model_charges_the_programs_slices():
         assert st.tiles["O_PROJ_RESIDUAL"] == st.tiles["DOWN_RESIDUAL"] == (2, s)
         assert st.tiles["RMS_GATE_UP"] == (2, 1)
     assert got[4] < 0.95 * got[1], got
+
+
+def test_input_slices_true_picks_each_ops_slices_with_the_cost_model():
+    """schedule(input_slices=True): each op's s from input_slices.choose, the cost model's
+    cheapest at the program's tokens (h200 table, design v6-mma-split): on Qwen3-0.6B at 64
+    tokens a step on 132 blocks, token groups of 2, O_PROJ 4 and DOWN 8 (NOTES, "Slice A as
+    built"); a row group never wider than the blocks; a program of one token a step none."""
+    cfg = ModelConfig.from_name("qwen3-0.6b")
+    prog = sliced("qwen3-0.6b", 132, True, True, tokens=64)
+    assert prog.slices_of(Op.O_PROJ_RESIDUAL) == 4 and prog.slices_of(Op.DOWN_RESIDUAL) == 8
+    assert op_slot(prog, Op.DOWN_RESIDUAL)[0].group.members == 2
+    assert prog.buffer_sizes()["partials"] == 64 * cfg.hidden_size * 8
+    small = sliced("qwen3-tiny", 3, True, False, tokens=32)
+    assert all(ins.split is None or ins.split.members <= 3 for q in small.queues for ins in q)
+    one = sliced("qwen3-0.6b", 132, True, False, tokens=1)
+    assert one.input_slices == 1

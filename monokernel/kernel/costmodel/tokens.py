@@ -164,7 +164,7 @@ def tile_split(rows, k: int, tokens: int, g, d, in_bytes: int | None = None
     return _cheapest(n, k, tokens, g, d, in_bytes, grid())
 
 
-def _spread_slices(n: int, k: int, tokens: int, c: int, g, d, in_bytes: int) -> int:
+def spread_slices(n: int, k: int, tokens: int, c: int, g, d, in_bytes: int) -> int:
     """input_slices_spread: the input slices s (a power of two up to 16 dividing ``k`` into
     16-column chunks) that cost the least with ``c`` token groups, by _tile_us."""
     slices = (1, *takewhile(lambda s: k % (16 * s) == 0, (2, 4, 8, 16)))
@@ -252,7 +252,7 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
         c, s = program_groups(b, T), sliced
         if sliced == 1 and d.input_slices_spread and not levers.rms_input(b):
             # (an RMS op norms whole rows)
-            s = _spread_slices(n, k, T, c, g, d, levers.input_bytes(b, d))
+            s = spread_slices(n, k, T, c, g, d, levers.input_bytes(b, d))
     t_in, t_w, t_red = _tile_us(n, k, T, c, s, g, d, local_input=fused,
                                 in_bytes=levers.input_bytes(b, d))
     mm_rows, mm_tokens = rows, np.full(len(rows), T)
