@@ -2507,11 +2507,13 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   // the row tiles) are read in the same round trip as the weights
 #if MK_MMA
 #if MK_O_PROJ_SLICES > 1
-  if ((ins[W_GROUP] >> 24) != 0) {
+  // every instruction of the op with rows is sliced (Program.slices_of); one past the last
+  // row group has none. The unsliced mat-mul is not compiled: a second block_mma beside the
+  // slice's spilled Qwen3's kernel of 128 slots
+  if ((ins[W_GROUP] >> 24) != 0)
     slice_mma<MK_Q_DIM, MK_O_PROJ_SLICES>(P, s, ins, st, P.wo + (size_t)layer * H * MK_Q_DIM,
                                           P.attn, instr);
-    return;
-  }
+  return;
 #endif
   (void)instr;
   if (b >= e || n <= 0) return;
@@ -2619,11 +2621,13 @@ __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, c
   const MmaTile m = token_group(ins, step_tokens(st));
   const int layer = ins[W_LAYER], b = m.b, e = m.e, t0 = m.t0, n = m.t1 - m.t0;
 #if MK_DOWN_SLICES > 1
-  if ((ins[W_GROUP] >> 24) != 0) {
+  // every instruction of the op with rows is sliced (Program.slices_of); one past the last
+  // row group has none. The unsliced mat-mul is not compiled: a second block_mma beside the
+  // slice's spilled Qwen3's kernel of 128 slots
+  if ((ins[W_GROUP] >> 24) != 0)
     slice_mma<MK_FFN, MK_DOWN_SLICES>(P, s, ins, st, P.wd + (size_t)layer * H * MK_FFN, P.ffn_h,
                                       instr);
-    return;
-  }
+  return;
 #endif
   (void)instr;
   if (b >= e || n <= 0) return;

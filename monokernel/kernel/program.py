@@ -245,11 +245,15 @@ class Program:
     def slices_of(self, op: Op) -> int:
         """The input slices of ``op``'s instructions (input_slices.py; 1: none): one number
         an op, which the kernel is compiled with (MK_O_PROJ_SLICES, MK_DOWN_SLICES)."""
-        got = {ins.split.slices for q in self.queues for ins in q
-               if ins.op == op and ins.split is not None}
+        mine = [ins for q in self.queues for ins in q if ins.op == op]
+        got = {ins.split.slices for ins in mine if ins.split is not None}
         if len(got) > 1:
             raise ProgramError(f"{op.name} has instructions of {sorted(got)} input slices: "
                                "the kernel is compiled with one number an op")
+        if got and any(ins.split is None and not ins.empty for ins in mine):
+            raise ProgramError(f"{op.name} has sliced instructions and unsliced ones with rows: "
+                               "a sliced kernel runs every instruction of the op with rows "
+                               "sliced (megakernel.cu slice_mma)")
         return got.pop() if got else 1
 
     @property

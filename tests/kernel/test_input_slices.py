@@ -117,6 +117,20 @@ def test_the_partials_buffer_and_the_fingerprint():
     assert plain.fingerprint() != prog.fingerprint()
 
 
+def test_a_sliced_op_has_no_unsliced_instruction_with_rows():
+    """The kernel compiles one number of slices an op and, sliced, no unsliced mat-mul of it
+    (megakernel.cu slice_mma): Program.slices_of refuses a program that would need both."""
+    prog = copy.deepcopy(sliced("qwen3-tiny", 8, 2, 2))
+    k = next(i for i, x in enumerate(prog.queues[0]) if x.op == Op.DOWN_RESIDUAL)
+    prog.queues[1][k] = dataclasses.replace(prog.queues[1][k], split=None)
+    with pytest.raises(ProgramError, match="unsliced ones with rows"):
+        prog.slices_of(Op.DOWN_RESIDUAL)
+    x = prog.queues[2][k]
+    prog.queues[2][k] = dataclasses.replace(x, split=dataclasses.replace(x.split, slices=4))
+    with pytest.raises(ProgramError, match="one number an op"):
+        prog.slices_of(Op.DOWN_RESIDUAL)
+
+
 def test_a_sliced_instruction_is_two_parts_to_the_verifier():
     """Its partials' part signals the group's counter (not the op's), its sum waits for the
     group's every member and then signals the op's counter."""
