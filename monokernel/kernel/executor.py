@@ -244,12 +244,14 @@ class KernelExecutor(Executor):
         self.trace_enabled = trace
         c = self.config
         # a tensor-core kernel's mat-muls share rows in token groups in big steps
-        # (token_groups.py); the CUDA-core kernels run row tiles only
+        # (token_groups.py) and split O_PROJ's and DOWN's input where the cost model says it
+        # pays (input_slices.py); the CUDA-core kernels run row tiles only
         self.program = program or schedule(c, blocks, max_seq_len, attn_splits,
                                            attn_min_chunk=attn_min_chunk,
                                            merge_ticket_min=merge_ticket_min,
                                            tokens=step_tokens, token_groups=bool(tensor_cores),
-                                           tensor_cores=bool(tensor_cores))
+                                           tensor_cores=bool(tensor_cores),
+                                           input_slices=bool(tensor_cores))
         if not tensor_cores and any(i.group is not None for q in self.program.queues
                                     for i in q):
             raise KernelError("a program with token groups (schedule(token_groups=...)) is for "

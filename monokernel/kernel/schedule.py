@@ -174,14 +174,46 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
             plan.token_groups = False  # (the executor names why it cannot merge by ticket)
         if (input_slices is True or input_slices > 1) and \
                 not (plan.tensor_cores and plan.merge_min == 1):
-            raise ProgramError("input slices are for a tensor-core kernel's program, whose "
-                               "attention is merged by ticket every step (merge_ticket_min 1)")
+            if input_slices is not True:
+                raise ProgramError("input slices are for a tensor-core kernel's program, whose "
+                                   "attention is merged by ticket every step "
+                                   "(merge_ticket_min 1)")
+            plan.input_slices = 1  # (the executor names why it cannot merge by ticket)
         prog = build(plan)
         prog.verify()
         if len(_VERIFIED) >= _VERIFIED_MAX:
             _VERIFIED.pop(next(iter(_VERIFIED)))
         _VERIFIED[key] = prog
     return prog
+
+
+def _slicing(plan: Plan, op: Op, module, tiles: list[Instruction]) -> tuple[int, int, int]:
+    """(input slices, token-group members, their min_tokens) of ``op`` in ``plan``: (1, 0, 0)
+    for an op without input slices (its token groups are token_groups.apply's)."""
+    want = plan.input_slices
+    if op not in slices.SLICED_OPS or not (want is True or want > 1):
+        return 1, 0, 0
+    c, min_tokens = (1, 0) if plan.token_groups is False else groups.members_of(
+        plan, module, tiles, None if plan.token_groups is True else plan.token_groups)
+    if plan.tokens < min_tokens:
+        c, min_tokens = 1, 0
+    return (slices.choose(plan, module, tiles, c) if want is True else want), c, min_tokens
+
+
+def tensor_core_slices(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
+                       tokens: int) -> tuple[int, int]:
+    """(O_PROJ's, DOWN's) input slices of the program a tensor-core executor builds by default
+    (schedule(..., token_groups=True, tensor_cores=True, input_slices=True)), without building
+    it: the kernel is compiled with them (MK_O_PROJ_SLICES, MK_DOWN_SLICES), and the GPU
+    check's prepare compiles that kernel before any executor."""
+    splits, min_chunk = tensor_core_splits(cfg, num_blocks, max_seq_len)
+    plan = Plan(cfg, num_blocks, max_seq_len, splits, min_chunk, tokens=tokens,
+                token_groups=True, tensor_cores=True, input_slices=True)
+    plan.merge_min = ops.attention.merge_min(plan, 1)
+    if plan.merge_min != 1:
+        return 1, 1
+    return tuple(_slicing(plan, op, ops.module(op), ops.module(op).tile(plan, 0))[0]
+                 for op in (Op.O_PROJ_RESIDUAL, Op.DOWN_RESIDUAL))
 
 
 def build(plan: Plan) -> Program:
@@ -202,19 +234,12 @@ def build(plan: Plan) -> Program:
         tiles = module.tile(plan, layer)
         if len(tiles) != B:
             raise ProgramError(f"{op.name} tiled {len(tiles)} instructions for {B} blocks")
-        asked = None if plan.token_groups is True else plan.token_groups
-        want = plan.input_slices
-        s = 1
-        if op in slices.SLICED_OPS and (want is True or want > 1):
-            c, min_tokens = (1, 0) if plan.token_groups is False else \
-                groups.members_of(plan, module, tiles, asked)
-            if plan.tokens < min_tokens:
-                c, min_tokens = 1, 0
-            s = slices.choose(plan, module, tiles, c) if want is True else want
+        s, c, min_tokens = _slicing(plan, op, module, tiles)
         if s > 1:
             tiles = slices.apply(plan, module, layer, tiles, s, c, min_tokens, plan.counter)
         elif plan.token_groups is not False and op in groups.GROUPED_OPS:
-            tiles = groups.apply(plan, module, layer, tiles, asked)
+            tiles = groups.apply(plan, module, layer, tiles,
+                                 None if plan.token_groups is True else plan.token_groups)
         for q, ins in zip(queues, tiles):
             ins.wait = (prev, B) if prev is not None else None
             ins.signal = sig

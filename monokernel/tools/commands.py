@@ -72,11 +72,10 @@ def add_commands(sub) -> None:
                         "prefilled in chunks (the design's prefill_chunk, or --chunk)")
     p.add_argument("--chunk", type=int, default=None, metavar="T",
                    help="with --prompt: tokens per prefill step (default: the design's)")
-    p.add_argument("--input-slices", type=_slices_arg, default=1, metavar="S",
+    p.add_argument("--input-slices", type=_slices_arg, default=True, metavar="S",
                    help="with --batch or --prompt: O_PROJ's and DOWN's input in S slices (a "
-                        "power of two, or auto: each op's by the cost model; "
-                        "kernel/input_slices.py: built, not the executor's default yet); "
-                        "default 1")
+                        "power of two; 1: none; kernel/input_slices.py); default auto, each "
+                        "op's by the cost model, as the tensor-core executor chooses")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("calibrate", help="fit the cost model's constants to a GPU trace "

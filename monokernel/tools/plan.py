@@ -18,13 +18,13 @@ def cmd_plan(args) -> int:
     predict = getattr(args, "predict", None)
     batch, prompt = getattr(args, "batch", None), getattr(args, "prompt", None)
     chunk = getattr(args, "chunk", None)
-    slices = getattr(args, "input_slices", 1)
+    slices = getattr(args, "input_slices", True)
     from ..kernel.input_slices import MAX_SLICES
 
     if slices is not True and (not 1 <= slices <= MAX_SLICES or slices & (slices - 1)):
         raise SystemExit(f"monokernel: error: --input-slices must be a power of two in [1, "
                          f"{MAX_SLICES}], got {slices}")
-    if (slices is True or slices != 1) and (batch is None and prompt is None):
+    if slices is not True and (batch is None and prompt is None):
         raise SystemExit("monokernel: error: --input-slices needs --batch B or --prompt P "
                          "(and --predict GPU)")
     if predict:  # bad names and numbers fail now, not after scheduling
@@ -88,27 +88,26 @@ def _built(d, prog) -> str:
     from ..kernel.isa import Op
 
     return "built: backend option tensor_cores" + (
-        f"; input slices (O_PROJ {prog.slices_of(Op.O_PROJ_RESIDUAL)}, DOWN "
-        f"{prog.slices_of(Op.DOWN_RESIDUAL)}): built, not the executor's default yet"
-        if prog.input_slices > 1 else "")
+        f"; input slices: O_PROJ {prog.slices_of(Op.O_PROJ_RESIDUAL)}, DOWN "
+        f"{prog.slices_of(Op.DOWN_RESIDUAL)}" if prog.input_slices > 1 else "")
 
 
 def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | None,
-                    tokens: int, input_slices: int = 1):
+                    tokens: int, input_slices: bool | int = True):
     """The program a step of many tokens is predicted on: for the built tensor-core design
     (design_for(tensor_cores=True)) and the designs on its segments (attn_segments), the one
     its executor of steps of up to ``tokens`` rows runs (splits fixed by absolute position,
     every step's attention merged by ticket, the mat-muls' token groups chosen for that many
     tokens a step: a smaller step runs in row tiles where groups would not pay; with
-    ``input_slices``, O_PROJ's and DOWN's input in that many slices); another design takes
-    the default program."""
+    O_PROJ's and DOWN's input slices chosen per op, as its executor does, or ``input_slices``
+    of each); another design takes the default program."""
     from ..kernel import costmodel as cm
     from ..kernel.schedule import schedule, tensor_core_splits
 
     from ..errors import ProgramError
 
     if design_name is not None and not cm.design(design_name).attn_segments:
-        if input_slices is True or input_slices != 1:
+        if input_slices is not True:
             raise SystemExit(f"monokernel: error: --input-slices is for the tensor-core "
                              f"program; design {design_name} predicts another")
         return prog

@@ -111,7 +111,7 @@ def _verify(label: str, cfg, max_seq: int, options: dict) -> tuple[str, float]:
     if options.pop("tensor_cores", False):  # the program the tensor-core executor schedules
         options["attn_splits"], options["attn_min_chunk"] = tensor_core_splits(
             cfg, blocks, max_seq, options.get("attn_splits"), options.get("attn_min_chunk"))
-        options.update(token_groups=True, tensor_cores=True)
+        options.update(token_groups=True, tensor_cores=True, input_slices=True)
     schedule(cfg, blocks, max_seq, **options)
     return label, time.perf_counter() - t0
 
@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from ..kernel.cuda_backend import BUILD_OPTIONS
     from ..kernel.executor import DEFAULT_PAGE_SIZE, kernel_build
+    from ..kernel.schedule import tensor_core_slices
     from ..model.config import ModelConfig
     from ..model.synth import synthetic_config
     from .commands import synthetic_dir
@@ -162,10 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     configs = {shape: synthetic_config(shape) for shape in shapes}
     compiles: dict[tuple, tuple[str, str, dict]] = {}  # one per distinct (source, defines)
     proofs: dict[tuple, tuple[str, object, int, dict]] = {}
+    blocks = None  # the GPU's SMs: a tensor-core kernel's input slices depend on the grid
     for shape, backend, trace, tokens, slots, mma in builds:
         opts = dict(BUILD_OPTIONS[backend], trace=trace, tokens=tokens)
         if slots > 1:
             opts.update(slots=slots, page_size=DEFAULT_PAGE_SIZE, mma=mma)
+        if mma:  # the slices of the program its executor schedules (input_slices=True)
+            if blocks is None:
+                from ..kernel.devices.cuda import CupyDevice
+
+                blocks = CupyDevice().num_sms
+            opts["slices"] = tensor_core_slices(configs[shape], blocks, args.max_seq, tokens)
         source, defines = kernel_build(configs[shape], args.max_seq, **opts)
         key = (source, tuple(sorted(defines.items())))
         label = f"{shape}:{backend}" + (":trace" if trace else "") \

@@ -448,7 +448,7 @@ def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsy
     assert main(["plan", "--shape", "qwen3-0.6b", "--blocks", "32", "--context", "1024",
                  "--predict", "h200", "--design", "v6-mma-seg", "--batch", "16"]) == 0
     out = capsys.readouterr().out
-    assert "design v6-mma-seg (built: backend option tensor_cores)" in out
+    assert "design v6-mma-seg (built: backend option tensor_cores" in out
     got = float(out.strip().splitlines()[-1].split(", ")[1].split()[0])
     cfg = ModelConfig.from_name("qwen3-0.6b")
     splits, chunk = tensor_core_splits(cfg, 32, 2048)
@@ -458,7 +458,8 @@ def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsy
     smol = ModelConfig.from_name("smollm2-135m")
     assert tensor_core_splits(smol, 132, 2048) == (44, 2048 // default_attn_splits(smol, 132,
                                                                                      2048))
-    built = schedule(cfg, 32, 2048, splits, chunk, merge_ticket_min=1)
+    built = schedule(cfg, 32, 2048, splits, chunk, merge_ticket_min=1, tokens=16,
+                     token_groups=True, tensor_cores=True, input_slices=True)
     assert built.merge_ticket_min == 1
     want = cm.predict(built, "h200", cm.design("v6-mma-seg"), 1024,
                       shape=StepShape.decode(16, 1024)).tokens_per_s
@@ -469,22 +470,21 @@ def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsy
 
 def test_plan_predicts_a_program_of_input_slices(capsys):
     """`plan --input-slices S` predicts the tensor-core program with O_PROJ's and DOWN's input
-    in S slices (kernel/input_slices.py), says it is built but not the executor's default, and
-    shows the slices in the tiles line; `auto` lets the cost model pick each op's."""
+    in S slices (kernel/input_slices.py), says so and shows them in the tiles line; by default
+    (auto) each op's as the executor chooses (input_slices.choose), 1 none."""
     argv = ["plan", "--shape", "smollm2-135m", "--blocks", "32", "--context", "16",
             "--predict", "h200", "--batch", "32"]
     assert main(argv + ["--input-slices", "2"]) == 0
     out = capsys.readouterr().out
-    assert "input slices (O_PROJ 2, DOWN 2): built, not the executor's default yet" in out
+    assert "(built: backend option tensor_cores; input slices: O_PROJ 2, DOWN 2)" in out
     assert "O_PROJ_RESIDUAL 2x2" in out or "O_PROJ_RESIDUAL 1x2" in out, out
     sliced = out.strip().splitlines()[-1]
-    assert main(argv) == 0
+    assert main(argv + ["--input-slices", "1"]) == 0
     plain = capsys.readouterr().out.strip().splitlines()[-1]
     assert sliced.startswith("predicted on h200:") and sliced != plain
-    # auto: each op's by the cost model (input_slices.choose); for SmolLM2 on 32 blocks at
-    # 32 tokens a step none pays, so the program (and its prediction) is the unsliced one
-    assert main(argv + ["--input-slices", "auto"]) == 0
+    # auto: for SmolLM2 on 32 blocks at 32 tokens a step none pays: the unsliced program
+    assert main(argv) == 0
     auto = capsys.readouterr().out
-    assert "input slices (O_PROJ" not in auto and auto.strip().splitlines()[-1] == plain
+    assert "input slices:" not in auto and auto.strip().splitlines()[-1] == plain
     with pytest.raises(SystemExit):
         main(argv + ["--input-slices", "many"])

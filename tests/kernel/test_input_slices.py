@@ -311,3 +311,17 @@ def test_input_slices_true_picks_each_ops_slices_with_the_cost_model():
     assert all(ins.split is None or ins.split.members <= 3 for q in small.queues for ins in q)
     one = sliced("qwen3-0.6b", 132, True, False, tokens=1)
     assert one.input_slices == 1
+
+
+@pytest.mark.parametrize("shape,tokens", [("qwen3-0.6b", 64), ("smollm2-135m", 128)])
+def test_the_kernels_slices_are_the_default_programs(shape, tokens):
+    """schedule.tensor_core_slices (what the GPU check's prepare compiles the tensor-core
+    kernel with) is the default tensor-core program's slices of each op, without building it
+    (Qwen3 at 64 tokens: 4 / 8; SmolLM2 at 128: 1 / 4, O_PROJ unsliced)."""
+    from monokernel.kernel.schedule import tensor_core_slices
+
+    cfg = ModelConfig.from_name(shape)
+    prog = sliced(shape, 132, True, True, tokens=tokens)
+    want = (prog.slices_of(Op.O_PROJ_RESIDUAL), prog.slices_of(Op.DOWN_RESIDUAL))
+    assert tensor_core_slices(cfg, 132, MAX_SEQ, tokens) == want
+    assert want == {"qwen3-0.6b": (4, 8), "smollm2-135m": (1, 4)}[shape]

@@ -428,10 +428,12 @@ def test_every_activation_element_is_written(model, reference, arch, blocks, spl
     # attn: the merged attention output, written only by a step that merges by ticket
     # (tests/kernel/test_merge_ticket.py; never in these tiny programs)
     # (residual_in, the residual's bf16 copy, exists in tensor-core builds only:
-    # test_tensor_cores.py test_mat_muls_read_bf16_inputs_their_producers_store)
+    # test_tensor_cores.py test_mat_muls_read_bf16_inputs_their_producers_store; partials,
+    # the input slices' sums, in sliced tensor-core programs only: test_input_slices.py)
     assert ex.program.merge_ticket_min == 0 and "residual_in" not in ex.buffers
+    assert "partials" not in ex.buffers
     assert set(expect) <= set(ACTIVATIONS)
-    assert set(ACTIVATIONS) - set(expect) <= {"k_raw", "attn", "residual_in"}
+    assert set(ACTIVATIONS) - set(expect) <= {"k_raw", "attn", "residual_in", "partials"}
     ex.reset()
     for pos, tok in enumerate(fed[:S + 3]):  # positions below, at and past the split count
         ex.poison()
