@@ -158,8 +158,11 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
         raise ProgramError(f"merge_ticket_min must be >= 0, got {merge_ticket_min}")
     if not 1 <= tokens <= MAX_STEP_TOKENS:
         raise ProgramError(f"tokens per step must be in [1, {MAX_STEP_TOKENS}], got {tokens}")
+    # (True == 1 and hash alike: the choices' keys say which they are)
     key = (cfg, num_blocks, max_seq_len, splits, attn_min_chunk, merge_ticket_min, tokens,
-           token_groups, bool(tensor_cores), input_slices)
+           ("chosen", None) if token_groups is True else ("asked", token_groups),
+           bool(tensor_cores),
+           ("chosen", None) if input_slices is True else ("asked", int(input_slices)))
     prog = _VERIFIED.get(key)
     if prog is None:
         plan = Plan(cfg, num_blocks, max_seq_len, splits, attn_min_chunk, tokens=tokens,

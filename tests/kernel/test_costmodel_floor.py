@@ -78,14 +78,14 @@ def test_the_step_floor_counts_every_layer_the_lm_heads_logits_and_the_kv():
     assert one_row == pytest.approx(cfg.vocab_size * cfg.hidden_size * 2 / g.hbm_bw)
 
 
-def _tc_program(name):
+def _tc_program(name, input_slices=True):
     """A 2-layer tensor-core program of the shape, as `plan` predicts it (132 blocks, 128
-    tokens a step)."""
+    tokens a step; its input slices as the executor chooses them, or ``input_slices``)."""
     from monokernel.kernel.schedule import MAX_STEP_TOKENS
     from monokernel.tools.plan import _tokens_design, _tokens_program
 
     cfg = ModelConfig.from_name(name).replace(num_layers=2)
-    prog = _tokens_program(cfg, 132, 2048, None, None, MAX_STEP_TOKENS)
+    prog = _tokens_program(cfg, 132, 2048, None, None, MAX_STEP_TOKENS, input_slices)
     return prog, _tokens_design(None, prog)
 
 
@@ -130,7 +130,7 @@ def test_the_spread_split_cuts_o_proj_and_down_only_and_beats_the_last_drawers_r
     the same split reduced by one last drawer (tile_2d's) would cost more."""
     from monokernel.kernel.costmodel.tokens import _tile_us
 
-    prog, built = _tc_program("qwen3-0.6b")
+    prog, built = _tc_program("qwen3-0.6b", input_slices=1)  # the design's own split on it
     split = built.replace(input_slices_spread=True)
     g = cm.gpu("h200")
     shape = StepShape.decode(64, 16)
@@ -156,8 +156,9 @@ def test_the_spread_split_cuts_o_proj_and_down_only_and_beats_the_last_drawers_r
 
 def test_the_residual_copy_pass_is_charged_to_o_proj_and_down_only():
     """The built design charges store_residual_in (megakernel.cu): one more round and 6 bytes
-    an output of O_PROJ and DOWN; nothing else changes."""
-    prog, built = _tc_program("smollm2-135m")
+    an output of O_PROJ and DOWN, unsliced (a sliced op stores it in its sum's loop); nothing
+    else changes."""
+    prog, built = _tc_program("smollm2-135m", input_slices=1)
     g = cm.gpu("h200")
     shape = StepShape.decode(64, 16)
     assert built.residual_copy_pass

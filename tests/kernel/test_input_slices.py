@@ -325,3 +325,13 @@ def test_the_kernels_slices_are_the_default_programs(shape, tokens):
     want = (prog.slices_of(Op.O_PROJ_RESIDUAL), prog.slices_of(Op.DOWN_RESIDUAL))
     assert tensor_core_slices(cfg, 132, MAX_SEQ, tokens) == want
     assert want == {"qwen3-0.6b": (4, 8), "smollm2-135m": (1, 4)}[shape]
+
+
+def test_schedule_memo_tells_chosen_slices_from_one():
+    """True == 1 in Python: schedule's memo must not hand the program of input_slices=True
+    (chosen) to a call asking 1 (none), nor token_groups=True to token_groups=1."""
+    chosen = sliced("qwen3-0.6b", 132, True, True, tokens=64)
+    none = sliced("qwen3-0.6b", 132, 1, True, tokens=64)
+    assert chosen.input_slices == 8 and none.input_slices == 1
+    one = sliced("qwen3-0.6b", 132, 1, 1, tokens=64)
+    assert all(ins.group is None for q in one.queues for ins in q)
