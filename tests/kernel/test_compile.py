@@ -259,6 +259,21 @@ def test_the_check_flags_an_activation_read_through_ldg(tmp_path):
         assert set().union(*bad.values()) == want, bad
 
 
+def test_the_check_flags_the_partials_read_through_ldg(tmp_path):
+    """The sliced ops' sum reads partials other blocks wrote (megakernel.cu slice_mma): a
+    mutant that reads them with __ldg must be flagged, and only them (the negative control of
+    test_steps_of_many_tokens_compile_without_spills's check on the sliced kernel)."""
+    text = kernel_source(ModelConfig.from_name("llama3-tiny"), 64, 8, 2, 4, mma=True,
+                         slices=(2, 2))
+    old = "    float v = p[0];"
+    assert text.count(old) == 1, "slice_mma's first partial load changed"
+    src = tmp_path / "partials.cu"
+    src.write_text(text.replace(old, "    float v = __ldg(p);"))
+    nvcc(src, src.with_suffix(".ptx"), "-ptx", "-arch=sm_90")
+    bad = nc_violations(src.with_suffix(".ptx").read_text())
+    assert set().union(*bad.values()) == {"partials"}, bad
+
+
 def test_object_file_builds(tmp_path):
     """`nvcc -c` compiles the host pass too: the emulator-only branches must stay out of it."""
     src = tmp_path / "qwen2-tiny.cu"
@@ -368,8 +383,9 @@ def test_steps_of_many_tokens_compile_without_spills(tmp_path, shape, tokens, sl
     memory), or with its mat-muls on tensor cores (``mma``: their DOWN reads h from global
     memory, so no h in shared memory), fits the static budget and keeps no stack and no
     spills; so does Qwen3's with O_PROJ's and DOWN's input in 4 and 8 slices (slice_mma in
-    place of their unsliced mat-mul, which beside it spilled). The tensor-core kernel's SASS
-    has the mma
+    place of their unsliced mat-mul, which beside it spilled), whose PTX reads the partials
+    (written by other blocks) through no read-only load. The tensor-core kernel's SASS has
+    the mma
     (HMMA.16816.F32.BF16) and reads its weights 16 bytes a load through the read-only path."""
     src = tmp_path / f"{shape}-t{tokens}-s{slots}.cu"
     src.write_text(kernel_source(ModelConfig.from_name(shape), MAX_SEQ, tokens, slots,
@@ -380,6 +396,10 @@ def test_steps_of_many_tokens_compile_without_spills(tmp_path, shape, tokens, sl
     bad = {f: p for f, p in props.items() if p != (0, 0, 0)}
     assert not bad, (f"{shape} T_MAX={tokens} slots={slots}: (stack frame, spill stores, spill "
                      f"loads): {bad}")
+    if slices != (1, 1):  # the partials another block wrote: never through the read-only path
+        ptx = tmp_path / "k.ptx"
+        nvcc(src, ptx, "-ptx", "-arch=sm_90")
+        assert not nc_violations(ptx.read_text()), nc_violations(ptx.read_text())
     if mma:
         from monokernel.kernel.sass_facts import SassToolMissing, cuobjdump
 
