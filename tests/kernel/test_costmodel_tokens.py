@@ -482,9 +482,16 @@ def test_plan_predicts_a_program_of_input_slices(capsys):
     assert main(argv + ["--input-slices", "1"]) == 0
     plain = capsys.readouterr().out.strip().splitlines()[-1]
     assert sliced.startswith("predicted on h200:") and sliced != plain
-    # auto: for SmolLM2 on 32 blocks at 32 tokens a step none pays: the unsliced program
+    # auto (the default): each op's as the executor's program has them
+    # (schedule.tensor_core_slices; for SmolLM2 on 32 blocks at 32 tokens a step DOWN only)
+    from monokernel.kernel.schedule import tensor_core_slices
+    from monokernel.model.config import ModelConfig
+
+    o, d = tensor_core_slices(ModelConfig.from_name("smollm2-135m"), 32, 2048, 32)
+    assert (o, d) == (1, 4)
     assert main(argv) == 0
     auto = capsys.readouterr().out
-    assert "input slices:" not in auto and auto.strip().splitlines()[-1] == plain
+    assert f"input slices: O_PROJ {o}, DOWN {d})" in auto
+    assert auto.strip().splitlines()[-1] not in (plain, sliced)
     with pytest.raises(SystemExit):
         main(argv + ["--input-slices", "many"])
