@@ -48,29 +48,39 @@ def check(op: Op, k: int, slices: int, blocks: int, members: int = 1) -> None:
                            f"that many blocks; the program has {blocks}")
 
 
-# input_slices=True picks each op's slices with the cost model on this GPU's table and the
-# built design with the split (costmodel design v6-mma-split)
-CHOICE_GPU = "h200"
-CHOICE_DESIGN = "v6-mma-split"
+# input_slices=True picks each op's slices by the cost model's spread split
+# (costmodel/tokens.py _tile_us, design v6-mma-split) in closed form, as token_groups.choose
+# does (this module must not import the cost model: it imports the scheduler). Every term is
+# L2 bytes a block moves: the input (T / c) (K / s) b, and with s > 1 the partials written and
+# read, 8 s n T, and the group counter's hop, HOP_BYTES: the h200 table's hop (0.645 us) at an
+# SM's share of its L2 (7.0 TB/s / 132). tests/kernel/test_input_slices.py checks both against
+# the cost model.
+HOP_BYTES = 34205
+CHOICE_GPU, CHOICE_DESIGN = "h200", "v6-mma-split"  # the model it stands for (the tests)
 
 
 def choose(plan, module, tiles: list[Instruction], members: int) -> int:
-    """The input slices of ``module``'s op with ``members`` token groups: the cost model's
-    cheapest for a step of the program's tokens (costmodel.tokens.spread_slices: the input
-    read, the other members' weights, the partials written and summed after a hop), halved
-    until a row group of members x slices fits the blocks; 1 in a program of one token a step
-    (no input worth splitting)."""
-    from .costmodel import design, gpu
-    from .costmodel.tokens import spread_slices
-
-    if plan.tokens <= 1:
+    """The input slices of ``module``'s op with ``members`` token groups: the s (a power of two
+    cutting K into whole 16-column chunks, a row group of members x s within the blocks) that
+    moves the fewest bytes in a step of the program's tokens, the first of equals; 1 in a
+    program of one token a step (no input worth splitting)."""
+    T, c = plan.tokens, members
+    if T <= 1:
         return 1
     n = max((hi - lo for lo, hi in (i.tile for i in tiles)), default=0)
-    s = spread_slices(n, module.input_columns(plan.config), plan.tokens, members,
-                      gpu(CHOICE_GPU), design(CHOICE_DESIGN), module.INPUT_BYTES)
-    while s > 1 and members * s > len(tiles):
-        s //= 2
-    return s
+    k = module.input_columns(plan.config)
+
+    def cost(s: int) -> float:
+        return (T / c) * (k / s) * module.INPUT_BYTES + (HOP_BYTES + 8.0 * s * n * T
+                                                          if s > 1 else 0.0)
+
+    best = 1
+    s = 2
+    while s <= MAX_SLICES and k % (SLICE_COLUMNS * s) == 0 and c * s <= len(tiles):
+        if cost(s) < cost(best):
+            best = s
+        s *= 2
+    return best
 
 
 def apply(plan, module, layer: int, tiles: list[Instruction], slices: int, members: int,

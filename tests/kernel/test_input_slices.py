@@ -335,3 +335,36 @@ def test_schedule_memo_tells_chosen_slices_from_one():
     assert chosen.input_slices == 8 and none.input_slices == 1
     one = sliced("qwen3-0.6b", 132, 1, 1, tokens=64)
     assert all(ins.group is None for q in one.queues for ins in q)
+
+
+def test_choose_is_the_cost_models_spread_split_in_closed_form():
+    """input_slices.choose (no cost-model import: that would be an import cycle) picks one of
+    the s costmodel.tokens.spread_slices finds cheapest on the h200 table with design
+    v6-mma-split (Llama's DOWN at 128 tokens ties 8 and 16 exactly), over the
+    shapes' ops, token groups and step sizes; HOP_BYTES is that table's hop at an SM's L2
+    share."""
+    from types import SimpleNamespace
+
+    from monokernel.kernel import costmodel as cm, input_slices, ops
+    from monokernel.kernel.costmodel.parts import hop_latency
+    from monokernel.kernel.costmodel.tokens import _tile_us, spread_slices
+    from monokernel.kernel.program import Instruction, split_even
+
+    g, d = cm.gpu(input_slices.CHOICE_GPU), cm.design(input_slices.CHOICE_DESIGN)
+    assert input_slices.HOP_BYTES == pytest.approx(hop_latency(g, d) * g.l2_bw / g.sms, abs=1)
+    for shape in ("smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"):
+        cfg = ModelConfig.from_name(shape)
+        for op in input_slices.SLICED_OPS:
+            module = ops.module(op)
+            tiles = [Instruction(op, 0, t) for t in split_even(cfg.hidden_size, 132)]
+            n = max(hi - lo for lo, hi in (i.tile for i in tiles))
+            k = module.input_columns(cfg)
+            for T in (8, 16, 32, 64, 128):
+                for c in (1, 2, 4):
+                    plan = SimpleNamespace(tokens=T, config=cfg)
+                    want = spread_slices(n, k, T, c, g, d, module.INPUT_BYTES)
+                    got = input_slices.choose(plan, module, tiles, c)
+                    # one of the model's cheapest (an exact tie may fall either way)
+                    cost = [sum(_tile_us(n, k, T, c, s, g, d, in_bytes=module.INPUT_BYTES))
+                            for s in (got, want)]
+                    assert cost[0] == pytest.approx(cost[1], rel=1e-12), (shape, op.name, T, c)
