@@ -2478,9 +2478,7 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
                                    int instr) {
   const int ntok = step_tokens(st);
 #if MK_MMA
-  // the tile's rows [b, e) for tokens [t0, t0 + n) (token_group)
-  const MmaTile m = token_group(ins, ntok);
-  const int layer = ins[W_LAYER], b = m.b, e = m.e, t0 = m.t0, n = m.t1 - m.t0;
+  const int layer = ins[W_LAYER];
 #else
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[A_O_PROJ_RESIDUAL_SPLITS];
@@ -2516,6 +2514,9 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   return;
 #endif
   (void)instr;
+  // the tile's rows [b, e) for tokens [t0, t0 + n) (token_group)
+  const MmaTile m = token_group(ins, ntok);
+  const int b = m.b, e = m.e, t0 = m.t0, n = m.t1 - m.t0;
   if (b >= e || n <= 0) return;
   const unsigned short* W = P.wo + ((size_t)layer * H + b) * MK_Q_DIM;
   // every row's attention was merged by ticket (tensor_cores: merge_ticket_min 1)
@@ -2617,9 +2618,7 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
 __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, const int* st,
                                  int instr) {
 #if MK_MMA
-  // the tile's rows [b, e) for tokens [t0, t0 + n) (token_group)
-  const MmaTile m = token_group(ins, step_tokens(st));
-  const int layer = ins[W_LAYER], b = m.b, e = m.e, t0 = m.t0, n = m.t1 - m.t0;
+  const int layer = ins[W_LAYER];
 #if MK_DOWN_SLICES > 1
   // every instruction of the op with rows is sliced (Program.slices_of); one past the last
   // row group has none. The unsliced mat-mul is not compiled: a second block_mma beside the
@@ -2630,6 +2629,9 @@ __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, c
   return;
 #endif
   (void)instr;
+  // the tile's rows [b, e) for tokens [t0, t0 + n) (token_group)
+  const MmaTile m = token_group(ins, step_tokens(st));
+  const int b = m.b, e = m.e, t0 = m.t0, n = m.t1 - m.t0;
   if (b >= e || n <= 0) return;
   const unsigned short* W = P.wd + ((size_t)layer * H + b) * MK_FFN;
   block_mma<MK_FFN>(

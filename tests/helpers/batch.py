@@ -77,3 +77,30 @@ def round_robin(its, each=None) -> list[list[int]]:
             if each is not None:
                 each()
     return got
+
+
+# Steps of 4 to 32 rows on a kernel of 32 tokens a step and 6 slots (the token groups' and
+# input slices' tests): 32 rows (token groups of 2 from 16), 17 (>= 16: shares of 8 and 9),
+# 13 (row tiles; the slices' row mode), 32 with sequences 4 and 5 straddling a share, 4 rows
+MIXED_STEPS = ({0: 5, 1: 11, 2: 16}, {0: 1, 1: 1, 3: 12, 4: 3}, {0: 1, 2: 1, 3: 11},
+               {0: 1, 1: 1, 2: 1, 3: 1, 4: 20, 5: 8}, {s: 1 for s in range(4)})
+
+
+def run_steps(model, prog, blocks: int, max_seq: int, tokens: int, steps=MIXED_STEPS,
+              buffer: str | None = None):
+    """Six sequences (prompts of 5, 11, .. 35 tokens) on a tensor-core kernel of ``prog``
+    (NaN-poisoned first), driven through ``steps``: every row's logits by (slot, position),
+    and with ``buffer`` that buffer's contents after the last step (None if the kernel has
+    none)."""
+    ex = KernelExecutor(model, max_seq, blocks=blocks, slots=6, page_size=PAGE,
+                        tensor_cores=True, program=prog, step_tokens=tokens)
+    ex.poison()
+    b = Batch(ex)
+    for k in range(6):
+        b.join(k, prompt_of(model, 5 + 6 * k, k))
+    for step in steps:
+        b.step(step)
+    logits = {(s, p): lg for s, q in b.seqs.items() for p, lg in q["logits"].items()}
+    if buffer is None:
+        return logits
+    return logits, (np.array(ex.buffers[buffer]) if buffer in ex.buffers else None)

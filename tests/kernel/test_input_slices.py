@@ -2,8 +2,8 @@
 group's blocks, the fp32 partials summed in slice order after the group's counter. The
 program's words and regions, the cover of every (token, row, slice) partial by exactly one
 member in each mode, the verifier's two parts of a sliced instruction (with negative
-controls), and what schedule refuses. (The kernel's side is the next slice: NOTES "The input
-split, built in slices".)"""
+controls), what schedule refuses, the kernel on the emulator against the unsliced kernel and
+alone vs beside others, and the cost model's reading of a program's slices."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from helpers.batch import MIXED_STEPS, run_steps
 from monokernel.errors import ProgramError
 from monokernel.kernel import input_slices
 from monokernel.kernel.isa import Op, Word
@@ -204,27 +205,8 @@ def test_schedule_refuses_slices_it_cannot_run():
 
 
 # ---- the kernel on the emulator ---------------------------------------------------------------
-def _run(model, prog, blocks: int, steps=None) -> dict:
-    from helpers.batch import Batch, prompt_of
-    from monokernel.kernel.executor import KernelExecutor
-
-    ex = KernelExecutor(model, MAX_SEQ, blocks=blocks, slots=6, page_size=8, tensor_cores=True,
-                        program=prog, step_tokens=TOKENS)
-    ex.poison()
-    b = Batch(ex)
-    for k in range(6):
-        b.join(k, prompt_of(model, 5 + 6 * k, k))
-    for step in steps or STEPS:
-        b.step(step)
-    logits = {(s, p): lg for s, q in b.seqs.items() for p, lg in q["logits"].items()}
-    partials = np.array(ex.buffers["partials"]) if "partials" in ex.buffers else None
-    return logits, partials
-
-
-# 32 rows (token groups of 2 from 16), 17, 13 (row mode), 32 with sequences straddling a share,
-# 4 decode rows
-STEPS = ({0: 5, 1: 11, 2: 16}, {0: 1, 1: 1, 3: 12, 4: 3}, {0: 1, 2: 1, 3: 11},
-         {0: 1, 1: 1, 2: 1, 3: 1, 4: 20, 5: 8}, {s: 1 for s in range(4)})
+def _run(model, prog, blocks: int, steps=MIXED_STEPS):
+    return run_steps(model, prog, blocks, MAX_SEQ, TOKENS, steps, buffer="partials")
 
 
 def _program(cfg, blocks, groups, slices):
@@ -259,7 +241,7 @@ def test_sliced_logits_match_row_tiles_within_rounding(synth_model, arch, blocks
 @pytest.mark.parametrize("arch", ["llama3-tiny", "qwen3-gqa-tiny"])
 def test_a_sliced_sequence_is_bitwise_the_same_alone_and_in_a_batch(synth_model, arch):
     """Batch invariance with input slices: sequence 0 alone (steps of 5 and 1 rows: row mode)
-    and beside the others of STEPS (steps of 32, 17, 13, 32 and 4 rows: token shares in the
+    and beside the others of MIXED_STEPS (steps of 32, 17, 13, 32 and 4 rows: token shares in the
     big ones, its rows at other places in the step) has bit-for-bit the same logits: a
     token's sum runs over the program's 2 slices in slice order, each partial the same
     k-loop in either mode."""

@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from helpers.batch import Batch, prompt_of
+from helpers.batch import run_steps
 from monokernel.errors import KernelError, ProgramError
 from monokernel.kernel import token_groups as tg
 from monokernel.kernel.executor import KernelExecutor
@@ -178,18 +178,7 @@ def test_the_verifier_proves_both_modes_and_rejects_a_shared_share(synth_model):
 
 # ---- the kernel on the emulator ---------------------------------------------------------
 def _run(model, prog, blocks: int) -> dict:
-    ex = KernelExecutor(model, MAX_SEQ, blocks=blocks, slots=6, page_size=8, tensor_cores=True,
-                        program=prog, step_tokens=TOKENS)
-    ex.poison()
-    b = Batch(ex)
-    for k in range(6):
-        b.join(k, prompt_of(model, 5 + 6 * k, k))
-    b.step({0: 5, 1: 11, 2: 16})  # 32 rows: groups
-    b.step({0: 1, 1: 1, 3: 12, 4: 3})  # 17 (>= 16: groups, shares of 8 and 9)
-    b.step({0: 1, 2: 1, 3: 11})  # 13: row tiles
-    b.step({0: 1, 1: 1, 2: 1, 3: 1, 4: 20, 5: 8})  # 32, sequences 4 and 5 straddle a share
-    b.step({s: 1 for s in range(4)})  # 4: row tiles
-    return {(s, p): lg for s, q in b.seqs.items() for p, lg in q["logits"].items()}
+    return run_steps(model, prog, blocks, MAX_SEQ, TOKENS)
 
 
 @pytest.mark.parametrize("arch", ["llama3-tiny", "qwen3-gqa-tiny", "qwen2-tiny", "tiny"])
