@@ -215,6 +215,12 @@ class KernelDesign:
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
     attn_units_in_flight: int = 1
+    # (with attn_segments and attn_rotate_rows; PREDICTED, not built) an instruction's units in
+    # a pipeline: the next unit's first K/V tile is copied (cp.async) into a second tile
+    # buffer while the block computes the current one, so every unit's work after the first
+    # runs beside the K/V stream instead of before it (benchmarks/NOTES.md "Attention's units
+    # in a pipeline")
+    attn_unit_pipeline: bool = False
     # (with attn_segments) a segment's rows split into parts that run its splits in the unit
     # slots its used splits leave empty (isa.segment_parts, megakernel.cu segment_parts): a
     # prompt chunk's attention on up to splits // used blocks a KV group instead of used, the
@@ -345,11 +351,16 @@ V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_as
 # over the blocks where it pays, the partials reduced spread over each row group's blocks
 # (input_slices_spread; benchmarks/NOTES.md "The floor of a step of many tokens").
 V6_MMA_SPLIT = V6_MMA_SEG.replace(name="v6-mma-split", input_slices_spread=True)
+# V6-MMA-PIPE (PREDICTED, not built): the built design with attention's units pipelined, the
+# next unit's K/V copied while one computes (attn_unit_pipeline; benchmarks/NOTES.md
+# "Attention's units in a pipeline").
+V6_MMA_PIPE = V6_MMA_SEG.replace(name="v6-mma-pipe", attn_unit_pipeline=True)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg",)
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
+                                    "v6-mma-pipe": V6_MMA_PIPE,
                                     "v7": V7, "v7-rows": V7_ROWS,
                                     "v8": V8, "v8-cluster": V8_CLUSTER}
 

@@ -253,7 +253,7 @@ def _rotated(b: OpBatch, g, d) -> Phases:
         rows = [(s.context + i, 1) for s in b.shape.segments for i in range(s.tokens)]
     used = [used_splits(prog, ctx + 1) for ctx, _ in rows]
     probe = np.arange(S)
-    keys = ("l2", "hbm", "other", "rounds", "bytes", "pref")
+    keys = ("l2", "hbm", "other", "rounds", "bytes", "pref", "units")
     per_slot = {k: np.zeros(S) for k in keys}
     cache: dict[tuple[int, int], dict] = {}
     row_bytes, row_pref = [], []  # per row (part), its units' bytes and prefetchable bytes by slot
@@ -264,6 +264,7 @@ def _rotated(b: OpBatch, g, d) -> Phases:
             one = _unit_costs(OpBatch(prog, ctx_p, np.zeros(S, np.int64), probe, probe + 1,
                                       np.zeros(S), []), g, d, n_p)
             u_p = used_splits(prog, ctx_p + 1)
+            one["units"] = (one["bytes"] > 0).astype(np.float64)
             cache[ctx_p, n_p] = {k: np.where(probe < u_p, v, 0.0) for k, v in one.items()}
         for k in keys:
             if k != "pref" or r == 0:  # prefetch_weights: the step's first row's units only
@@ -278,7 +279,15 @@ def _rotated(b: OpBatch, g, d) -> Phases:
         out[k] = cum[b.hi] - cum[b.lo]
     if d.attn_rolling_prefetch:
         out["pref"] = _rolling_prefetch(b, S, kv, row_bytes, row_pref, d.attn_first_unit_prefetch)
-    return Phases(out["l2"], out["hbm"], out["other"], out["rounds"], out["bytes"], out["pref"])
+    ph = Phases(out["l2"], out["hbm"], out["other"], out["rounds"], out["bytes"], out["pref"])
+    if d.attn_unit_pipeline:
+        # the next unit's K/V copied while one computes: the work of every unit but the
+        # first runs beside the stream (charged as the instruction's mean unit's; its
+        # dependent trips stay in turn)
+        units = np.maximum(out["units"], 1.0)
+        beside = out["other"] * (units - 1.0) / units
+        ph = replace(ph, other_us=out["other"] - beside, compute=beside)
+    return ph
 
 
 def _rolling_prefetch(b: OpBatch, S: int, kv: int, row_bytes: list[np.ndarray],
