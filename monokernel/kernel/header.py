@@ -79,13 +79,25 @@ def dynamic_shared_bytes(cfg: ModelConfig, tokens: int, mma: bool = False) -> in
     return 0
 
 
-def _segment_bytes(cfg: ModelConfig) -> int:
-    """attention_segment's dynamic shared memory (dynamic_shared_bytes)."""
+def _segment_bytes(cfg: ModelConfig, buffers: int | None = None) -> int:
+    """attention_segment's dynamic shared memory (dynamic_shared_bytes): ``buffers`` K and V
+    tile buffers (default attn_pipeline's), the split mode's, the query tiles."""
     D = cfg.head_dim
+    if buffers is None:
+        buffers = 2 if attn_pipeline(cfg) else 1
     tiles = 2 * T_TILE * (D + 8) * 2
     split = 16 * (T_TILE + 4) + T_TILE // 16 * 32 * 4 + T_TILE // SEG_SUB * 32 * 2 + 32 * 4
     queries = NUM_THREADS // 32 * 16 * (D + 8) * 2
-    return tiles + split * 4 + queries
+    return buffers * tiles + split * 4 + queries
+
+
+def attn_pipeline(cfg: ModelConfig) -> bool:
+    """Whether the tensor-core kernel's attention pipelines its units (MK_ATTN_PIPE;
+    megakernel.cu segment_pass: the next unit's first K/V tile copied into a second buffer
+    while one computes): where two buffers keep dynamic shared memory within DYN_SMEM_CAP
+    (head_dim 64: SmolLM2, Llama; not Qwen3's 128, whose L1 would shrink: benchmarks/NOTES.md
+    "Attention's units in a pipeline")."""
+    return _segment_bytes(cfg, 2) <= DYN_SMEM_CAP
 
 
 def row_split_sums_bytes(tokens: int) -> int:
@@ -173,6 +185,7 @@ def render_header(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: in
     out.append(f"#define MK_ROW_WORDS {ROW_WORDS}")
     out.append(f"#define MK_SLOTS {slots}")
     out.append(f"#define MK_MMA {int(bool(mma))}")
+    out.append(f"#define MK_ATTN_PIPE {int(bool(mma) and attn_pipeline(cfg))}")
     out.append(f"#define MK_O_PROJ_SLICES {slices[0]}")
     out.append(f"#define MK_DOWN_SLICES {slices[1]}")
     out.append(f"#define MK_PARTIALS_LD {cfg.hidden_size * max(slices)}")

@@ -1690,9 +1690,18 @@ __device__ void attention_ticket(const Params& P, const int* st, int ticket, int
 struct UnitCursor {
   int tok, u, rot;
 };
+// The first K/V tile of an instruction's next unit as its pass stages it (the attention
+// pipeline, MK_ATTN_PIPE: segment_pass copies it into the other tile buffer while it computes
+// its own unit): positions [base, base + cnt) of KV head gk of the slot's cache, its segment's
+// first position pos0 (segment_k_end); cnt 0: no next unit with queries.
+struct SegTile {
+  int slot, gk, base, cnt, pos0;
+};
 __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCursor& c, int tok,
                                         int u, int rot, int layer, int b, int e, int splits,
-                                        int min_chunk, int ntok, bool before = false) {
+                                        int min_chunk, int ntok, bool before = false,
+                                        SegTile* tile = nullptr) {
+  if (tile) tile->cnt = 0;
   constexpr int LINES = (D * 2 + 127) / 128;  // 128-byte lines per K or V row
   if (c.tok < tok || (c.tok == tok && c.u <= u)) c = {tok, u + 1, rot};  // past this unit
   for (; c.tok < ntok; c.u = b) {
@@ -1709,6 +1718,13 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
                                   t0 + PREFETCH_MAX_BYTES / (D * 2))
                             : min(n_pos, t0 + chunk);
       const size_t kv0 = ((size_t)layer * MK_KV_ROWS * MK_KV_HEADS + c.u / splits) * D;
+      if (tile) {  // its part's rows and positions exactly as attention_segment takes them
+        const int nrows = last + 1 - c.tok, pos0 = row_pos(st, c.tok), part = v / used;
+        const int first = part * nrows / parts, end = (part + 1) * nrows / parts;
+        const int t1p = min(pos0 + end, t0 + chunk);
+        if (end - max(first, t0 - pos0) > 0)
+          *tile = {slot, c.u / splits, t0, min(T_TILE, t1p - t0), pos0};
+      }
       for (int k = threadIdx.x; k < (t1 - t0) * 2 * LINES; k += MK_THREADS) {
         const int t = t0 + k / (2 * LINES), r = k % (2 * LINES);
         prefetch_line((r < LINES ? P.k_cache : P.v_cache) + kv0 +
@@ -1748,6 +1764,9 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
 static_assert(D % 16 == 0 && T_TILE % SEG_SUB == 0 && SEG_SUB % 16 == 0,
               "a segment's unit: mma k-steps of 16 over HEAD_DIM and over the positions");
 #define SEG_TILES_BYTES (2 * T_TILE * SEG_KV_LD * 2)  // the K and V tiles
+// K and V tile buffers: two with the attention pipeline (MK_ATTN_PIPE; header.attn_pipeline),
+// a unit's pass computing in one while the next unit's first tile lands in the other
+#define SEG_BUFS (MK_ATTN_PIPE ? 2 : 1)
 
 // Positions [base, base + cnt) of the unit's K and V (slot's cache rows at Kg / Vg) into Ks and
 // Vs by cp.async, a 16-byte chunk a copy (no registers, no transposition); positions [cnt, cnt
@@ -1962,9 +1981,9 @@ struct SegSplit {
 };
 static_assert(SEG_TILES_BYTES % 16 == 0, "the split mode's shared memory stays aligned");
 static_assert(MK_DYN_SMEM >=
-                  SEG_TILES_BYTES + (int)sizeof(SegSplit) + NWARPS * 16 * SEG_Q_LD * 2,
-              "the K and V tiles, then the split mode's scores and fragments, then a query "
-              "tile a warp, live in dynamic shared memory");
+                  SEG_BUFS * SEG_TILES_BYTES + (int)sizeof(SegSplit) + NWARPS * 16 * SEG_Q_LD * 2,
+              "the K and V tile buffers, then the split mode's scores and fragments, then a "
+              "query tile a warp, live in dynamic shared memory");
 
 // One pass of attention_segment: m-tiles mt0 + warp (ONE false: a warp's own m-tile, rows of
 // a chunk) or m-tile 0 split over the warps (ONE: a decode row's GROUP queries: the scores'
@@ -1972,21 +1991,26 @@ static_assert(MK_DYN_SMEM >=
 // probabilities x V over the output's n-tiles, a warp keeping only its own n-tiles nd = warp +
 // NWARPS i), each score, probability and output element computed by the same instructions in
 // the same order either way. The tiles [t0, t1) are staged here (block-wide: ONE is
-// block-uniform), once for all passes when there is one tile.
+// block-uniform), once for all passes when there is one tile, in tile buffer buf; with the
+// pipeline (MK_ATTN_PIPE) the first one was copied there by the unit before when `pre`, and
+// the unit's last pass copies the next unit's first tile (`next`, cnt 0: none) into the other
+// buffer once its own last tile is in, before computing it.
 template <bool ONE>
 __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int layer, int gk,
                                              int j, int seg, int r0, int M, int mt0, int t0,
                                              int t1, int splits, int min_chunk, int least,
-                                             int rot, float scale) {
+                                             int rot, float scale, int buf, bool pre,
+                                             bool last_pass, const SegTile& next) {
   const int tid = fresh_tid(), lane = tid & 31, warp = tid >> 5, gq = lane >> 2, t = lane & 3;
   constexpr int OWN = ONE ? (D / 8 + NWARPS - 1) / NWARPS : D / 8;  // a warp's output n-tiles
   auto nd_of = [&](int i) { return ONE ? warp + NWARPS * i : i; };
-  unsigned short* Ks = static_cast<unsigned short*>(dynamic_smem());
+  char* const smem = static_cast<char*>(dynamic_smem());
+  unsigned short* Ks = reinterpret_cast<unsigned short*>(smem + buf * SEG_TILES_BYTES);
   unsigned short* Vs = Ks + T_TILE * SEG_KV_LD;
-  SegSplit& sp = *reinterpret_cast<SegSplit*>(reinterpret_cast<char*>(Ks) + SEG_TILES_BYTES);
+  SegSplit& sp = *reinterpret_cast<SegSplit*>(smem + SEG_BUFS * SEG_TILES_BYTES);
   // the pass's query tile: the block's one (ONE) or this warp's
-  unsigned short* Qt = reinterpret_cast<unsigned short*>(reinterpret_cast<char*>(Ks) +
-                                                         SEG_TILES_BYTES + sizeof(SegSplit)) +
+  unsigned short* Qt = reinterpret_cast<unsigned short*>(smem + SEG_BUFS * SEG_TILES_BYTES +
+                                                         sizeof(SegSplit)) +
                        (ONE ? 0 : warp) * 16 * SEG_Q_LD;
   const smem_addr_t ks_at = smem_addr(Ks), vs_at = smem_addr(Vs), qt = smem_addr(Qt);
   const int pos0 = row_pos(st, seg), slot = row_slot(st, seg);
@@ -2010,7 +2034,7 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
   // the first tile's copies in flight while the query tile is built (its trip under theirs);
   // late q/k issues them after it (before it, Qwen3-0.6B's kernel of 128 slots spills)
   const int cnt0 = min(T_TILE, t1 - t0);
-  if (stage && !LATE_QK) segment_stage(P, slot, Kg, Vg, t0, cnt0, cnt0, Ks, Vs);
+  if (stage && !LATE_QK && !pre) segment_stage(P, slot, Kg, Vg, t0, cnt0, cnt0, Ks, Vs);
   // the query tile (before the outputs are live): the split mode's by all warps, two rows each
   if (live)
     segment_q_tile<ONE ? (16 + NWARPS - 1) / NWARPS : SEG_QUERIES>(
@@ -2022,7 +2046,7 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
     for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
   for (int tile = 0; tile < ntiles; ++tile) {
     const int base = t0 + tile * T_TILE, cnt = min(T_TILE, t1 - base);
-    if (stage && (tile > 0 || LATE_QK)) {
+    if (stage && (tile > 0 || (LATE_QK && !pre))) {
       if (tile > 0) __syncthreads();  // the previous tile's readers are done
       segment_stage(P, slot, Kg, Vg, base, cnt, segment_k_end(pos0, base, cnt), Ks, Vs);
     }
@@ -2034,6 +2058,14 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
       __syncthreads();  // the tiles (and the query tiles) are in
     } else {
       __syncwarp();  // this warp's query tile is in
+    }
+    if (MK_ATTN_PIPE && last_pass && tile + 1 == ntiles && next.cnt > 0) {
+      // the next unit's first tile into the other buffer, under this tile's work: its last
+      // readers (the unit before this one) passed this unit's first barrier
+      unsigned short* Kn = reinterpret_cast<unsigned short*>(smem + (buf ^ 1) * SEG_TILES_BYTES);
+      const size_t kv_n = (size_t)layer * MK_KV_ROWS * MK_KV_HEADS * D + (size_t)next.gk * D;
+      segment_stage(P, next.slot, P.k_cache + kv_n, P.v_cache + kv_n, next.base, next.cnt,
+                    segment_k_end(next.pos0, next.base, next.cnt), Kn, Kn + T_TILE * SEG_KV_LD);
     }
     const int n16 = (cnt + 15) & ~15, end = base + cnt;
     if (ONE) {
@@ -2163,24 +2195,26 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
 // that reaches it at its slot j, or (row_finishes) its normalised output into P.attn; its
 // (row, head) queries in passes of NWARPS m-tiles, or one m-tile split over the warps
 // (segment_pass).
-__device__ void attention_segment(const Params& P, const int* st, int layer, int gk, int j,
+__device__ bool attention_segment(const Params& P, const int* st, int layer, int gk, int j,
                                   int split, int seg, int nrows, int first, int end, int splits,
-                                  int min_chunk, int least, int rot, float scale) {
+                                  int min_chunk, int least, int rot, float scale, int buf,
+                                  bool pre, const SegTile& next) {
   const int pos0 = row_pos(st, seg);
   const int chunk = split_chunk(pos0 + nrows, splits, min_chunk);
   const int t0 = split * chunk, t1 = min(pos0 + end, t0 + chunk);
   const int r0 = max(first, t0 - pos0);  // the part's first row reaching t0
   const int M = (end - r0) * MK_GROUP;   // their (row, head) queries
-  if (M <= 0) return;  // (block-uniform) no row of the part reaches the split
+  if (M <= 0) return false;  // (block-uniform) no row of the part reaches the split
   const int mtiles = (M + 15) / 16;
   if (mtiles == 1) {  // the split mode (block-uniform)
     segment_pass<true>(P, st, layer, gk, j, seg, r0, M, 0, t0, t1, splits, min_chunk, least,
-                       rot, scale);
-    return;
+                       rot, scale, buf, pre, true, next);
+    return true;
   }
   for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS)
     segment_pass<false>(P, st, layer, gk, j, seg, r0, M, mt0, t0, t1, splits, min_chunk, least,
-                        rot, scale);
+                        rot, scale, buf, pre, mt0 + NWARPS >= mtiles, next);
+  return true;
 }
 
 // ATTENTION of the tensor-core kernel: every segment of the step (one rotation each, its last
@@ -2195,6 +2229,8 @@ __device__ void op_attention_segments(const Params& P, const int* ins, const int
   bool merges = false;  // it ran units of a row that merges by ticket (not row_finishes)
   int my_draw = 0, my_rot = 0;  // thread r: row r's draw and rotation (attention_row_tickets)
   UnitCursor next = {0, b, 0};  // the rolling prefetch's (attention_prefetch_next)
+  int buf = 0;       // the tile buffer of the next unit to run (block-uniform)
+  bool pre = false;  // its first tile was copied there by the unit before (MK_ATTN_PIPE)
   for (int seg = 0; seg < ntok;) {
     const int end = unit_rows_end(st, seg, ntok), nrows = end - seg;
     const int used = splits_used(row_pos(st, end - 1) + 1, splits, min_chunk);
@@ -2204,10 +2240,16 @@ __device__ void op_attention_segments(const Params& P, const int* ins, const int
       const int v = j >= rot ? j - rot : j - rot + splits;  // the segment's v-th slot
       if (v >= used * parts) continue;  // no positions: no queries, no partials
       const int part = v / used, split = v - part * used;
-      attention_prefetch_next(P, st, next, seg, u, rot, layer, b, e, splits, min_chunk, ntok);
-      attention_segment(P, st, layer, g, j, split, seg, nrows, part * nrows / parts,
-                        (part + 1) * nrows / parts, splits, min_chunk, least,
-                        split_slot(part * used, rot, splits), scale);
+      SegTile nt = {0, 0, 0, 0, 0};  // the next unit's first tile (the pipeline's copies)
+      attention_prefetch_next(P, st, next, seg, u, rot, layer, b, e, splits, min_chunk, ntok,
+                              false, MK_ATTN_PIPE ? &nt : nullptr);
+      const bool ran = attention_segment(P, st, layer, g, j, split, seg, nrows,
+                                         part * nrows / parts, (part + 1) * nrows / parts,
+                                         splits, min_chunk, least,
+                                         split_slot(part * used, rot, splits), scale, buf, pre,
+                                         nt);
+      pre = ran && nt.cnt > 0;  // its pass copied the next unit's first tile
+      if (pre) buf ^= 1;
     }
     // each row's draw: this instruction's units of it (a row uses the splits below its own
     // used ones, at its part's rotation), as op_attention's row loop counts them

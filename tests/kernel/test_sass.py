@@ -239,7 +239,13 @@ def test_the_tensor_core_kernels_segment_staging_is_one_round_of_copies(shape):
     # K and V, in the split mode's and the m-tiles' staging; without late q/k each mode stages
     # its first tile before its query tile and the later tiles in its loop (attn_stage_first):
     # two sites, each one round a tile
-    sites = 1 if ModelConfig.from_name(shape).qk_norm else 2
+    cfg = ModelConfig.from_name(shape)
+    sites = 1 if cfg.qk_norm else 2
+    # with the attention pipeline (MK_ATTN_PIPE, head_dim 64) each mode's last pass also
+    # copies the next unit's first tile into the other buffer: a site more
+    from monokernel.kernel.header import attn_pipeline
+
+    sites += attn_pipeline(cfg)
     assert len(copies) == 2 * 2 * per * sites
     assert staged == []
     assert any(re.search(r"\bLDSM\.16\.MT88\.2\b", t) for t in texts)

@@ -508,9 +508,9 @@ def segment_step(ex: KernelExecutor):
     return StepTable.of(rows, tables)
 
 
-def segment_executor(model, arch: str = "tiny") -> KernelExecutor:
+def segment_executor(model, arch: str = "tiny", blocks: int = BLOCKS) -> KernelExecutor:
     n = SEGMENT_ROWS[arch]
-    ex = KernelExecutor(model, 2 * MAX_SEQ, blocks=BLOCKS, slots=2, step_tokens=n + 1,
+    ex = KernelExecutor(model, 2 * MAX_SEQ, blocks=blocks, slots=2, step_tokens=n + 1,
                         page_size=2, tensor_cores=True)
     ex.poison()
     return ex
@@ -570,6 +570,41 @@ def test_strict_tsan_a_segments_rows_in_parts_no_race_match_the_mirror(tiny):
     _, logits, report = run_strict(ex, [], table=segment_step(ex), defines={"MK_ROW_PARTS": "1"})
     assert report == ""
     assert_segment_step_matches_the_mirror(tiny, ex, logits)
+
+
+# the pipeline's buffer for the next unit's first tile (megakernel.cu segment_pass)
+_NEXT_BUFFER = "smem + (buf ^ 1) * SEG_TILES_BYTES"
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+@pytest.mark.parametrize("segment_model", sorted(SEGMENT_ROWS), indirect=True)
+def test_strict_tsan_pipelined_units_on_one_block_no_race_match_the_mirror(segment_model):
+    """The attention pipeline (MK_ATTN_PIPE: the tiny shapes have it) on a block a KV group
+    (one unit slot each): the chunk's unit copies slot 1's row's first tile into the other
+    buffer while it computes, and that unit takes it (late q/k: its own key normed in after
+    the copies): race-free, every row's logits the bf16-inputs reference's."""
+    arch, model = segment_model
+    ex = segment_executor(model, arch, blocks=model.config.num_kv_heads)
+    assert ex.program.attn_splits == 1
+    assert "#define MK_ATTN_PIPE 1\n" in ex.source and ex.source.count(_NEXT_BUFFER) == 1
+    _, logits, report = run_strict(ex, [], table=segment_step(ex))
+    assert report == ""
+    assert_segment_step_matches_the_mirror(model, ex, logits)
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+def test_negative_control_the_next_tile_into_the_buffer_being_read_is_reported(tiny):
+    """The same step with the next unit's tile copied into the buffer the chunk's warps are
+    reading: TSan must see it."""
+    ex = segment_executor(tiny, blocks=tiny.config.num_kv_heads)
+    assert ex.program.attn_splits == 1
+    source = ex.source.replace(_NEXT_BUFFER, "smem + buf * SEG_TILES_BYTES")
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, [], table=segment_step(ex), source=source)
+    assert re.search(r"segment_pass|segment_stage|segment_score|ldmatrix|cp_async",
+                     info.value.report), info.value.report[:4000]
 
 
 _KEYS = "      segment_keys_in(P, layer, gk, seg, pos0, base, cnt, Ks);\n"

@@ -215,11 +215,12 @@ class KernelDesign:
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
     attn_units_in_flight: int = 1
-    # (with attn_segments and attn_rotate_rows; PREDICTED, not built) an instruction's units in
-    # a pipeline: the next unit's first K/V tile is copied (cp.async) into a second tile
-    # buffer while the block computes the current one, so every unit's work after the first
-    # runs beside the K/V stream instead of before it (benchmarks/NOTES.md "Attention's units
-    # in a pipeline")
+    # (with attn_segments and attn_rotate_rows) an instruction's units in a pipeline: the next
+    # unit's first K/V tile is copied (cp.async) into a second tile buffer while the block
+    # computes the current one, so every unit's work after the first runs beside the K/V
+    # stream instead of before it (megakernel.cu segment_pass, MK_ATTN_PIPE; a unit of many
+    # tiles overlaps only its last: the model charges all, exact for one-tile units;
+    # benchmarks/NOTES.md "Attention's units in a pipeline")
     attn_unit_pipeline: bool = False
     # (with attn_segments) a segment's rows split into parts that run its splits in the unit
     # slots its used splits leave empty (isa.segment_parts, megakernel.cu segment_parts): a
@@ -341,7 +342,8 @@ V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rota
 # run its attention in parts of at most isa.ROW_PART_MTILES m-tiles (attn_row_parts). The RMS
 # ops read the residual's bf16 copy its writers store beside it (residual_in: input_bytes 2).
 # A segment pass issues its first K/V copies before its query tile, a decode row's key on the
-# last warps beside its queries (attn_stage_first).
+# last warps beside its queries (attn_stage_first). Where the shape's two K/V tile buffers fit
+# (header.attn_pipeline: head_dim 64) the kernel is V6_MMA_PIPE's (design_for).
 V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_async=True,
                             mma_token_tiles=MMA_NT, mma_rows_split_above=MMA_ROWS_SPLIT_ABOVE,
                             mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K,
@@ -351,12 +353,12 @@ V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_as
 # over the blocks where it pays, the partials reduced spread over each row group's blocks
 # (input_slices_spread; benchmarks/NOTES.md "The floor of a step of many tokens").
 V6_MMA_SPLIT = V6_MMA_SEG.replace(name="v6-mma-split", input_slices_spread=True)
-# V6-MMA-PIPE (PREDICTED, not built): the built design with attention's units pipelined, the
-# next unit's K/V copied while one computes (attn_unit_pipeline; benchmarks/NOTES.md
-# "Attention's units in a pipeline").
+# V6-MMA-PIPE: the built design with attention's units pipelined, the next unit's K/V copied
+# while one computes (attn_unit_pipeline; benchmarks/NOTES.md "Attention's units in a
+# pipeline"): built where two tile buffers fit (design_for), predicted for any shape here.
 V6_MMA_PIPE = V6_MMA_SEG.replace(name="v6-mma-pipe", attn_unit_pipeline=True)
 # The tensor-core designs megakernel.cu builds.
-BUILT_MMA = ("v6-mma-seg",)
+BUILT_MMA = ("v6-mma-seg", "v6-mma-pipe")
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
@@ -373,11 +375,14 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
     the token loop and prompts in chunks of T; ``tensor_cores`` (a kernel of slots built with
     them, MK_MMA): V6_MMA_SEG. A kernel change updates these in the same commit."""
     if tensor_cores:
-        from ..header import rms_stage_rows
+        from ..header import attn_pipeline, rms_stage_rows
 
         tokens = getattr(program, "tokens", 1)
         cfg = getattr(program, "config", None)
-        d = V6_MMA_SEG if tokens <= 1 else V6_MMA_SEG.replace(prefill_chunk=tokens)
+        # MK_ATTN_PIPE where two K/V tile buffers fit the shape's shared memory
+        d = V6_MMA_PIPE if cfg is not None and attn_pipeline(cfg) else V6_MMA_SEG
+        if tokens > 1:
+            d = d.replace(prefill_chunk=tokens)
         rows = d.rms_stage_rows if cfg is None else rms_stage_rows(cfg, tokens, True)
         # fewer rows than a step's share can have where the shape's rows are too long
         return d if rows >= min(tokens, d.rms_stage_rows) else d.replace(rms_stage_rows=rows)
