@@ -2211,9 +2211,11 @@ __device__ bool attention_segment(const Params& P, const int* st, int layer, int
                        rot, scale, buf, pre, true, next);
     return true;
   }
+  // the copied first tile serves the first pass only: a unit of many tiles restages it in
+  // every later pass (the pass before left its last tile in the buffer)
   for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS)
     segment_pass<false>(P, st, layer, gk, j, seg, r0, M, mt0, t0, t1, splits, min_chunk, least,
-                        rot, scale, buf, pre, mt0 + NWARPS >= mtiles, next);
+                        rot, scale, buf, pre && mt0 == 0, mt0 + NWARPS >= mtiles, next);
   return true;
 }
 
