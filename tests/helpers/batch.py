@@ -87,17 +87,17 @@ MIXED_STEPS = ({0: 5, 1: 11, 2: 16}, {0: 1, 1: 1, 3: 12, 4: 3}, {0: 1, 2: 1, 3: 
 
 
 def run_steps(model, prog, blocks: int, max_seq: int, tokens: int, steps=MIXED_STEPS,
-              buffer: str | None = None):
-    """Six sequences (prompts of 5, 11, .. 35 tokens) on a tensor-core kernel of ``prog``
-    (NaN-poisoned first), driven through ``steps``: every row's logits by (slot, position),
-    and with ``buffer`` that buffer's contents after the last step (None if the kernel has
-    none)."""
+              buffer: str | None = None, prompts=tuple(5 + 6 * k for k in range(6))):
+    """Six sequences (by default prompts of 5, 11, .. 35 tokens; ``prompts``: their lengths)
+    on a tensor-core kernel of ``prog`` (NaN-poisoned first), driven through ``steps``: every
+    row's logits by (slot, position), and with ``buffer`` that buffer's contents after the last
+    step (None if the kernel has none)."""
     ex = KernelExecutor(model, max_seq, blocks=blocks, slots=6, page_size=PAGE,
                         tensor_cores=True, program=prog, step_tokens=tokens)
     ex.poison()
     b = Batch(ex)
-    for k in range(6):
-        b.join(k, prompt_of(model, 5 + 6 * k, k))
+    for k, n in enumerate(prompts):
+        b.join(k, prompt_of(model, n, k))
     for step in steps:
         b.step(step)
     logits = {(s, p): lg for s, q in b.seqs.items() for p, lg in q["logits"].items()}

@@ -11,6 +11,7 @@ import pytest
 
 from helpers.batch import run_steps
 from monokernel.kernel import executor, header
+from monokernel.kernel.isa import NUM_THREADS, T_TILE
 from monokernel.kernel.schedule import schedule, tensor_core_splits
 from monokernel.model.config import ModelConfig
 
@@ -28,7 +29,7 @@ def test_the_pipeline_is_built_where_two_buffers_fit_the_cap(name, pipelined):
     the shared memory it had."""
     cfg = ModelConfig.from_name(name)
     assert header.attn_pipeline(cfg) is pipelined
-    tile = 2 * 128 * (cfg.head_dim + 8) * 2
+    tile = 2 * T_TILE * (cfg.head_dim + 8) * 2
     assert header._segment_bytes(cfg) == header._segment_bytes(cfg, 1) + pipelined * tile
     for tokens in (64, 128):
         assert header.dynamic_shared_bytes(cfg, tokens, True) <= max(
@@ -37,32 +38,40 @@ def test_the_pipeline_is_built_where_two_buffers_fit_the_cap(name, pipelined):
         assert f"#define MK_ATTN_PIPE {int(pipelined)}\n" in src
 
 
-def _program(cfg, blocks):
-    splits, min_chunk = tensor_core_splits(cfg, blocks, MAX_SEQ)
-    return schedule(cfg, blocks, MAX_SEQ, splits, min_chunk, merge_ticket_min=1, tokens=TOKENS,
+def _program(cfg, blocks, max_seq=MAX_SEQ, tokens=TOKENS, splits=None):
+    splits, min_chunk = tensor_core_splits(cfg, blocks, max_seq, splits)
+    return schedule(cfg, blocks, max_seq, splits, min_chunk, merge_ticket_min=1, tokens=tokens,
                     token_groups=False, tensor_cores=True)
 
 
-def _run(model, monkeypatch, pipelined: bool, edit=None):
-    """run_steps's mixed steps on 3 blocks (several units an instruction, chunks of 2 to 4
-    m-tiles and decode rows), the kernel with or without the pipeline (``edit``: a source
-    mutation)."""
+def _run(model, monkeypatch, pipelined: bool, edit=None, blocks=3, max_seq=MAX_SEQ,
+         tokens=TOKENS, splits=None, **steps):
+    """run_steps's steps (by default its mixed steps on 3 blocks: several units an
+    instruction, chunks of 2 to 4 m-tiles and decode rows), the kernel with or without the
+    pipeline (``edit``: a source mutation (old, new))."""
     monkeypatch.setattr(header, "attn_pipeline", lambda cfg: pipelined)
     if edit is not None:
         real = executor.kernel_source
 
         def mutated(*a, **k):
             src = real(*a, **k)
-            assert src.count(edit[0]) == 1, "the pipeline's copy is not where this test expects"
+            assert src.count(edit[0]) == 1, "the pipeline's code is not where this test expects"
             return src.replace(*edit)
 
         monkeypatch.setattr(executor, "kernel_source", mutated)
-    src = executor.kernel_source(model.config, MAX_SEQ, TOKENS, 6, 8, mma=True)
+    src = executor.kernel_source(model.config, max_seq, tokens, 6, 8, mma=True)
     assert f"#define MK_ATTN_PIPE {int(pipelined)}\n" in src
     try:
-        return run_steps(model, _program(model.config, 3), 3, MAX_SEQ, TOKENS)
+        prog = _program(model.config, blocks, max_seq, tokens, splits)
+        return run_steps(model, prog, blocks, max_seq, tokens, **steps)
     finally:
         monkeypatch.undo()
+
+
+def _differing(want, got) -> list:
+    assert want.keys() == got.keys()
+    assert all(np.isfinite(v).all() for v in got.values())
+    return [k for k in want if not np.array_equal(got[k], want[k])]
 
 
 @pytest.mark.parametrize("arch", ["llama3-tiny", "qwen3-gqa-tiny"])
@@ -73,9 +82,8 @@ def test_pipelined_units_leave_every_logit_bitwise(synth_model, monkeypatch, arc
     model = synth_model(arch)
     want = _run(model, monkeypatch, False)
     got = _run(model, monkeypatch, True)
-    assert len(got) == len(want) == 98
-    assert all(np.isfinite(v).all() for v in got.values())
-    bad = [k for k in want if not np.array_equal(got[k], want[k])]
+    assert len(want) == 98
+    bad = _differing(want, got)
     assert not bad, f"{arch}: rows {bad[:5]} differ"
 
 
@@ -86,8 +94,39 @@ def test_negative_control_a_wrong_next_tile_changes_the_logits(synth_model, monk
     want = _run(model, monkeypatch, False)
     got = _run(model, monkeypatch, True,
                edit=(COPY, COPY.replace("next.base, next.cnt,", "next.base + 1, next.cnt,")))
-    bad = [k for k in want if not np.array_equal(got[k], want[k])]
+    bad = _differing(want, got)
     assert len(bad) > len(want) // 4, bad
+
+
+# A unit of two tiles and two passes taking a copied first tile (megakernel.cu
+# attention_segment): llama3-tiny (3 queries a KV head) on one block with one split, so a unit
+# is a whole row's context. The third step's slot-1 decode row copies slot 0's first tile; slot
+# 0's 52 rows at positions 96..147 are 156 queries (10 m-tiles: passes of 8 and 2) over 148
+# positions (tiles of 128 and 20); its second pass must restage tile 0, the buffer holding
+# tile 1 of the first pass.
+LONG = {"prompts": (148, 5, 7),
+        "steps": ({0: 48, 1: 5, 2: 7}, {0: 48, 1: 1, 2: 1}, {1: 1, 0: 52, 2: 1})}
+LONG_KERNEL = {"blocks": 1, "max_seq": 256, "tokens": 64, "splits": 1}
+# the pass's flag for the copied tile, as attention_segment passes it
+FIRST_PASS = "pre && mt0 == 0, mt0 + NWARPS >= mtiles"
+
+
+def test_a_unit_of_many_tiles_and_passes_restages_its_first_tile(synth_model, monkeypatch):
+    """The long unit's logits bit for bit the same with the pipeline as without; negative
+    control: the copied tile taken by every pass (its second pass computes on tile 1 twice)
+    changes slot 0's rows of that step."""
+    model = synth_model("llama3-tiny")
+    cfg = model.config
+    assert 52 * cfg.group_size > 16 * (NUM_THREADS // 32) and 148 > T_TILE  # passes, tiles
+    want = _run(model, monkeypatch, False, **LONG_KERNEL, **LONG)
+    got = _run(model, monkeypatch, True, **LONG_KERNEL, **LONG)
+    assert len(want) == 148 + 7 + 9
+    bad = _differing(want, got)
+    assert not bad, f"rows {bad[:5]} differ"
+    got = _run(model, monkeypatch, True, edit=(FIRST_PASS, FIRST_PASS.replace(" && mt0 == 0", "")),
+               **LONG_KERNEL, **LONG)
+    bad = _differing(want, got)
+    assert bad and {s for s, p in bad} == {0} and min(p for _, p in bad) >= 96, bad
 
 
 def test_the_cost_model_overlaps_units_after_the_first():

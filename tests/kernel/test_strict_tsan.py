@@ -537,18 +537,31 @@ def segment_model(request, tiny, synth_dir):
     return arch, tiny if arch == "tiny" else load_model(synth_dir(arch), progress=False)
 
 
+# the pipeline's buffer for the next unit's first tile (megakernel.cu segment_pass)
+_NEXT_BUFFER = "smem + (buf ^ 1) * SEG_TILES_BYTES"
+
+
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
+@pytest.mark.parametrize("per_group", [False, True], ids=["splits", "a-block-a-group"])
 @pytest.mark.parametrize("segment_model", sorted(SEGMENT_ROWS), indirect=True)
-def test_strict_tsan_segments_on_tensor_cores_no_race_match_the_mirror(segment_model):
+def test_strict_tsan_segments_on_tensor_cores_no_race_match_the_mirror(segment_model,
+                                                                       per_group):
     """Attention a segment at a time on tensor cores (megakernel.cu attention_segment): the
     staged K (cp.async) and V^T tiles, the query tiles, the m-tiles a warp each, and the one
     m-tile split over the warps (its query tile built by all warps; its scores, probability
     fragments and corrections through shared memory) race-free; with late q/k (qwen3-gqa-tiny)
-    the segment's keys normed into the K tile too. Every row's logits the bf16-inputs
-    reference's (its mirror of the attention's rounding), test_tensor_cores.py's tolerance."""
+    the segment's keys normed into the K tile too. On a block a KV group (one unit slot each)
+    the attention pipeline (MK_ATTN_PIPE: the tiny shapes have it) runs between units: the
+    chunk's unit copies slot 1's row's first tile into the other buffer while it computes,
+    and that unit takes it (late q/k: its own key normed in after the copies). Every row's
+    logits the bf16-inputs reference's (its mirror of the attention's rounding),
+    test_tensor_cores.py's tolerance."""
     arch, model = segment_model
-    ex = segment_executor(model, arch)
+    ex = segment_executor(model, arch, blocks=model.config.num_kv_heads if per_group else BLOCKS)
+    if per_group:
+        assert ex.program.attn_splits == 1
+        assert "#define MK_ATTN_PIPE 1\n" in ex.source and ex.source.count(_NEXT_BUFFER) == 1
     _, logits, report = run_strict(ex, [], table=segment_step(ex))
     assert report == ""
     assert_segment_step_matches_the_mirror(model, ex, logits)
@@ -570,27 +583,6 @@ def test_strict_tsan_a_segments_rows_in_parts_no_race_match_the_mirror(tiny):
     _, logits, report = run_strict(ex, [], table=segment_step(ex), defines={"MK_ROW_PARTS": "1"})
     assert report == ""
     assert_segment_step_matches_the_mirror(tiny, ex, logits)
-
-
-# the pipeline's buffer for the next unit's first tile (megakernel.cu segment_pass)
-_NEXT_BUFFER = "smem + (buf ^ 1) * SEG_TILES_BYTES"
-
-
-@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
-@needs_tsan
-@pytest.mark.parametrize("segment_model", sorted(SEGMENT_ROWS), indirect=True)
-def test_strict_tsan_pipelined_units_on_one_block_no_race_match_the_mirror(segment_model):
-    """The attention pipeline (MK_ATTN_PIPE: the tiny shapes have it) on a block a KV group
-    (one unit slot each): the chunk's unit copies slot 1's row's first tile into the other
-    buffer while it computes, and that unit takes it (late q/k: its own key normed in after
-    the copies): race-free, every row's logits the bf16-inputs reference's."""
-    arch, model = segment_model
-    ex = segment_executor(model, arch, blocks=model.config.num_kv_heads)
-    assert ex.program.attn_splits == 1
-    assert "#define MK_ATTN_PIPE 1\n" in ex.source and ex.source.count(_NEXT_BUFFER) == 1
-    _, logits, report = run_strict(ex, [], table=segment_step(ex))
-    assert report == ""
-    assert_segment_step_matches_the_mirror(model, ex, logits)
 
 
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
