@@ -79,16 +79,28 @@ def dynamic_shared_bytes(cfg: ModelConfig, tokens: int, mma: bool = False) -> in
     return 0
 
 
-def _segment_bytes(cfg: ModelConfig, buffers: int | None = None) -> int:
+def _segment_bytes(cfg: ModelConfig, buffers: int | None = None, tile: int = T_TILE) -> int:
     """attention_segment's dynamic shared memory (dynamic_shared_bytes): ``buffers`` K and V
-    tile buffers (default attn_pipeline's), the split mode's, the query tiles."""
+    tile buffers of ``tile`` positions (default attn_pipeline's), the split mode's, the query
+    tiles."""
     D = cfg.head_dim
     if buffers is None:
         buffers = 2 if attn_pipeline(cfg) else 1
-    tiles = 2 * T_TILE * (D + 8) * 2
-    split = 16 * (T_TILE + 4) + T_TILE // 16 * 32 * 4 + T_TILE // SEG_SUB * 32 * 2 + 32 * 4
+    tiles = 2 * tile * (D + 8) * 2
+    split = 16 * (tile + 4) + tile // 16 * 32 * 4 + tile // SEG_SUB * 32 * 2 + 32 * 4
     queries = NUM_THREADS // 32 * 16 * (D + 8) * 2
     return buffers * tiles + split * 4 + queries
+
+
+def segment_tile(cfg: ModelConfig) -> int:
+    """Positions of a K/V tile of the tensor-core kernel's attention in a pipeline of tiles
+    (design attn_tile_pipeline): T_TILE where two such buffers fit DYN_SMEM_CAP (head_dim 64),
+    else half of it (head_dim 128, Qwen3-0.6B: two buffers in the shared memory one of T_TILE
+    takes), at least SEG_SUB (an online-softmax step)."""
+    tile = T_TILE
+    while tile > SEG_SUB and _segment_bytes(cfg, 2, tile) > DYN_SMEM_CAP:
+        tile //= 2
+    return tile
 
 
 def attn_pipeline(cfg: ModelConfig) -> bool:

@@ -222,6 +222,13 @@ class KernelDesign:
     # tiles overlaps only its last: the model charges all, exact for one-tile units;
     # benchmarks/NOTES.md "Attention's units in a pipeline")
     attn_unit_pipeline: bool = False
+    # (with attn_unit_pipeline) the pipeline by tiles: each tile's successor (the unit's next
+    # tile, else the next unit's first) copied into the other buffer while the tile computes,
+    # so a unit of many tiles runs them all beside the stream, in tiles of
+    # header.segment_tile(cfg) positions (half of T_TILE where two buffers of T_TILE would pass
+    # the shared-memory cap: head_dim 128), every shape pipelined (benchmarks/NOTES.md
+    # "Attention's tiles in a pipeline")
+    attn_tile_pipeline: bool = False
     # (with attn_segments) a segment's rows split into parts that run its splits in the unit
     # slots its used splits leave empty (isa.segment_parts, megakernel.cu segment_parts): a
     # prompt chunk's attention on up to splits // used blocks a KV group instead of used, the
@@ -357,12 +364,15 @@ V6_MMA_SPLIT = V6_MMA_SEG.replace(name="v6-mma-split", input_slices_spread=True)
 # while one computes (attn_unit_pipeline; benchmarks/NOTES.md "Attention's units in a
 # pipeline"): built where two tile buffers fit (design_for), predicted for any shape here.
 V6_MMA_PIPE = V6_MMA_SEG.replace(name="v6-mma-pipe", attn_unit_pipeline=True)
+# V6-MMA-TILES (PREDICTED, not built): the pipeline by tiles, in tiles that let every shape
+# keep two buffers (attn_tile_pipeline; benchmarks/NOTES.md "Attention's tiles in a pipeline").
+V6_MMA_TILES = V6_MMA_PIPE.replace(name="v6-mma-tiles", attn_tile_pipeline=True)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg", "v6-mma-pipe")
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
-                                    "v6-mma-pipe": V6_MMA_PIPE,
+                                    "v6-mma-pipe": V6_MMA_PIPE, "v6-mma-tiles": V6_MMA_TILES,
                                     "v7": V7, "v7-rows": V7_ROWS,
                                     "v8": V8, "v8-cluster": V8_CLUSTER}
 

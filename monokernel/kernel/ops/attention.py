@@ -17,6 +17,7 @@ import numpy as np
 from ...errors import CostModelError
 from ..costmodel.parts import OpBatch, Phases, issue_us
 from ..costmodel.tokens import mma_us, widen_attention
+from ..header import segment_tile
 from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, SEG_KEYS,
                    SEG_QUERIES, SEG_SUB, T_TILE, Args, Op, attn_k_vec, attn_round_positions,
                    merge_by_ticket, merge_row_lanes, merge_ways, row_finishes, row_rotations,
@@ -253,7 +254,7 @@ def _rotated(b: OpBatch, g, d) -> Phases:
         rows = [(s.context + i, 1) for s in b.shape.segments for i in range(s.tokens)]
     used = [used_splits(prog, ctx + 1) for ctx, _ in rows]
     probe = np.arange(S)
-    keys = ("l2", "hbm", "other", "rounds", "bytes", "pref", "units")
+    keys = ("l2", "hbm", "other", "rounds", "bytes", "pref", "units", "tiles")
     per_slot = {k: np.zeros(S) for k in keys}
     cache: dict[tuple[int, int], dict] = {}
     row_bytes, row_pref = [], []  # per row (part), its units' bytes and prefetchable bytes by slot
@@ -283,8 +284,9 @@ def _rotated(b: OpBatch, g, d) -> Phases:
     if d.attn_unit_pipeline:
         # the next unit's K/V copied while one computes: the work of every unit but the
         # first runs beside the stream (charged as the instruction's mean unit's; its
-        # dependent trips stay in turn)
-        units = np.maximum(out["units"], 1.0)
+        # dependent trips stay in turn); by tiles (attn_tile_pipeline), the work of every tile
+        # but the instruction's first
+        units = np.maximum(out["tiles" if d.attn_tile_pipeline else "units"], 1.0)
         beside = out["other"] * (units - 1.0) / units
         ph = replace(ph, other_us=out["other"] - beside, compute=beside)
     return ph
@@ -434,12 +436,14 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
     c = b.program.config
     G, D = c.group_size, c.head_dim
     idx, t0, cnt = _unit_positions(b)
-    ntile = -(-cnt // T_TILE)
-    full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * T_TILE
+    # the tile: the pipeline by tiles' (header.segment_tile), else T_TILE
+    tile_n = segment_tile(c) if d.attn_tile_pipeline else T_TILE
+    ntile = -(-cnt // tile_n)
+    full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * tile_n
     unit_hbm = np.zeros(len(idx))
     unit_l2 = np.full(len(idx), float(d.trips["ATTENTION"][0]))  # the group's queries
     reach = np.clip(b.context - t0 + 1, 0, rows) if d.attn_segments else 1
-    kf, vf, of = tile_isa(np.full(len(idx), T_TILE), g, d, G, D, reach)
+    kf, vf, of = tile_isa(np.full(len(idx), tile_n), g, d, G, D, reach)
     kl, vl, ol = tile_isa(last, g, d, G, D, reach)
     k_rounds, v_rounds = full * kf + kl, full * vf + vl
     unit_other = full * of + ol + 2 * g.bar_sync  # the unit's set-up and end barriers
@@ -491,7 +495,7 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
         pref = 2 * np.minimum(old * D * 2.0, PREFETCH_MAX_BYTES)
     return {"idx": idx, "l2": unit_l2, "hbm": unit_hbm, "other": unit_other,
             "rounds": (k_rounds + v_rounds).astype(np.float64), "bytes": cnt * 2 * D * 2.0,
-            "pref": pref}
+            "pref": pref, "tiles": ntile.astype(np.float64)}
 
 
 def _one_token(b: OpBatch, g, d, merge: bool = True) -> Phases:
