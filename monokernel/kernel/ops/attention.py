@@ -17,7 +17,7 @@ import numpy as np
 from ...errors import CostModelError
 from ..costmodel.parts import OpBatch, Phases, issue_us
 from ..costmodel.tokens import mma_us, widen_attention
-from ..header import segment_tile
+from .. import header  # (header imports the ops: its functions are read at call time)
 from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, SEG_KEYS,
                    SEG_QUERIES, SEG_SUB, T_TILE, Args, Op, attn_k_vec, attn_round_positions,
                    merge_by_ticket, merge_row_lanes, merge_ways, row_finishes, row_rotations,
@@ -437,7 +437,7 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
     G, D = c.group_size, c.head_dim
     idx, t0, cnt = _unit_positions(b)
     # the tile: the pipeline by tiles' (header.segment_tile), else T_TILE
-    tile_n = segment_tile(c) if d.attn_tile_pipeline else T_TILE
+    tile_n = header.segment_tile(c) if d.attn_tile_pipeline else T_TILE
     ntile = -(-cnt // tile_n)
     full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * tile_n
     unit_hbm = np.zeros(len(idx))
