@@ -1690,18 +1690,39 @@ __device__ void attention_ticket(const Params& P, const int* st, int ticket, int
 struct UnitCursor {
   int tok, u, rot;
 };
-// The first K/V tile of an instruction's next unit as its pass stages it (the attention
-// pipeline, MK_ATTN_PIPE: segment_pass copies it into the other tile buffer while it computes
-// its own unit): positions [base, base + cnt) of KV head gk of the slot's cache, its segment's
-// first position pos0 (segment_k_end); cnt 0: no next unit with queries.
+// A K/V tile of a unit as its pass stages it (the attention pipeline, MK_ATTN_PIPE:
+// segment_pass copies a tile's successor into the other tile buffer while the tile computes):
+// positions [base, base + cnt) of KV head gk of the slot's cache, its segment's first position
+// pos0 (segment_k_end); cnt 0: none.
 struct SegTile {
   int slot, gk, base, cnt, pos0;
 };
+// The first tile of unit u (slot u % splits of KV group u / splits) of the segment from row tok
+// at rotation rot: its part's rows and positions exactly as attention_segment takes them; cnt
+// 0 where the unit has no queries. Recomputed where its copies are issued (from the rolling
+// prefetch's cursor), not carried through the unit's passes in five registers.
+__device__ __forceinline__ SegTile segment_first_tile(const int* st, int tok, int u, int rot,
+                                                      int splits, int min_chunk) {
+  const int last = unit_rows_end(st, tok, step_tokens(st)) - 1, nrows = last + 1 - tok;
+  const int n_pos = row_pos(st, last) + 1, used = splits_used(n_pos, splits, min_chunk);
+  const int parts = segment_parts(used, nrows, splits);
+  const int j = u % splits, v = j >= rot ? j - rot : j - rot + splits;
+  const int part = v / used, chunk = split_chunk(n_pos, splits, min_chunk);
+  const int t0 = (v % used) * chunk, pos0 = row_pos(st, tok);
+  const int first = part * nrows / parts, end = (part + 1) * nrows / parts;
+  const bool queries = v < used * parts && end - max(first, t0 - pos0) > 0;
+  return {row_slot(st, tok), u / splits, t0,
+          queries ? min(T_TILE, min(pos0 + end, t0 + chunk) - t0) : 0, pos0};
+}
+// The rolling prefetch: the L2 prefetch of the instruction's next unit's K/V after unit u of the
+// segment from row tok (cursor c: where the last call left it, past the unit it prefetched);
+// `has_tile` (the pipeline): whether that unit has queries, its first tile then
+// segment_first_tile(st, c.tok, c.u - 1, c.rot, ..).
 __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCursor& c, int tok,
                                         int u, int rot, int layer, int b, int e, int splits,
                                         int min_chunk, int ntok, bool before = false,
-                                        SegTile* tile = nullptr) {
-  if (tile) tile->cnt = 0;
+                                        bool* has_tile = nullptr) {
+  if (has_tile) *has_tile = false;
   constexpr int LINES = (D * 2 + 127) / 128;  // 128-byte lines per K or V row
   if (c.tok < tok || (c.tok == tok && c.u <= u)) c = {tok, u + 1, rot};  // past this unit
   for (; c.tok < ntok; c.u = b) {
@@ -1718,13 +1739,8 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
                                   t0 + PREFETCH_MAX_BYTES / (D * 2))
                             : min(n_pos, t0 + chunk);
       const size_t kv0 = ((size_t)layer * MK_KV_ROWS * MK_KV_HEADS + c.u / splits) * D;
-      if (tile) {  // its part's rows and positions exactly as attention_segment takes them
-        const int nrows = last + 1 - c.tok, pos0 = row_pos(st, c.tok), part = v / used;
-        const int first = part * nrows / parts, end = (part + 1) * nrows / parts;
-        const int t1p = min(pos0 + end, t0 + chunk);
-        if (end - max(first, t0 - pos0) > 0)
-          *tile = {slot, c.u / splits, t0, min(T_TILE, t1p - t0), pos0};
-      }
+      if (has_tile)
+        *has_tile = segment_first_tile(st, c.tok, c.u, c.rot, splits, min_chunk).cnt > 0;
       for (int k = threadIdx.x; k < (t1 - t0) * 2 * LINES; k += MK_THREADS) {
         const int t = t0 + k / (2 * LINES), r = k % (2 * LINES);
         prefetch_line((r < LINES ? P.k_cache : P.v_cache) + kv0 +
@@ -1765,16 +1781,16 @@ static_assert(D % 16 == 0 && T_TILE % SEG_SUB == 0 && SEG_SUB % 16 == 0,
               "a segment's unit: mma k-steps of 16 over HEAD_DIM and over the positions");
 #define SEG_TILES_BYTES (2 * T_TILE * SEG_KV_LD * 2)  // the K and V tiles
 // K and V tile buffers: two with the attention pipeline (MK_ATTN_PIPE; header.attn_pipeline),
-// a unit's pass computing in one while the next unit's first tile lands in the other
+// a tile computing in one while its successor (the unit's next tile, or the next unit's
+// first) lands in the other
 #define SEG_BUFS (MK_ATTN_PIPE ? 2 : 1)
 
-// Positions [base, base + cnt) of the unit's K and V (slot's cache rows at Kg / Vg) into Ks and
-// Vs by cp.async, a 16-byte chunk a copy (no registers, no transposition); positions [cnt, cnt
-// rounded up to 16) are zeros. K rows from k_end on are left to segment_keys (late q/k: the
+// Positions [base, base + cnt) of the unit's K and V (the slot's cache rows, kv the layer's and
+// KV head's offset) into Ks and Vs by cp.async, a 16-byte chunk a copy (no registers, no
+// transposition); positions [cnt, cnt rounded up to 16) are zeros. K rows from k_end on are left to segment_keys (late q/k: the
 // segment's own keys, not cached yet). The copies are in flight when it returns: the caller
 // lands them (cp_async_wait) before the barrier that shows them to the block.
-__device__ void segment_stage(const Params& P, int slot, const unsigned short* Kg,
-                              const unsigned short* Vg, int base, int cnt, int k_end,
+__device__ void segment_stage(const Params& P, int slot, size_t kv, int base, int cnt, int k_end,
                               unsigned short* Ks, unsigned short* Vs) {
   constexpr int CH = D / 8;  // 16-byte chunks a row
   constexpr int PER = (T_TILE * CH + MK_THREADS - 1) / MK_THREADS;
@@ -1786,8 +1802,8 @@ __device__ void segment_stage(const Params& P, int slot, const unsigned short* K
     const int at = i * SEG_KV_LD + c * 8;
     if (i < cnt) {
       const size_t row = (size_t)kv_row(P, slot, base + i) * MK_KV_DIM + c * 8;
-      if (i < k_end) cp_async_16(Ks + at, Kg + row);
-      cp_async_16(Vs + at, Vg + row);
+      if (i < k_end) cp_async_16(Ks + at, P.k_cache + kv + row);
+      cp_async_16(Vs + at, P.v_cache + kv + row);
     } else {
       *reinterpret_cast<uint4*>(Ks + at) = make_uint4(0u, 0u, 0u, 0u);
       *reinterpret_cast<uint4*>(Vs + at) = make_uint4(0u, 0u, 0u, 0u);
@@ -1991,33 +2007,35 @@ static_assert(MK_DYN_SMEM >=
 // probabilities x V over the output's n-tiles, a warp keeping only its own n-tiles nd = warp +
 // NWARPS i), each score, probability and output element computed by the same instructions in
 // the same order either way. The tiles [t0, t1) are staged here (block-wide: ONE is
-// block-uniform), once for all passes when there is one tile, in tile buffer buf; with the
-// pipeline (MK_ATTN_PIPE) the first one was copied there by the unit before when `pre`, and
-// the unit's last pass copies the next unit's first tile (`next`, cnt 0: none) into the other
-// buffer once its own last tile is in, before computing it.
+// block-uniform), once for all passes when there is one tile, from tile buffer buf on. With
+// the pipeline (MK_ATTN_PIPE) each tile's successor is copied into the other buffer once the
+// tile is in, before computing it: the pass's next tile (buf flips to it), or after the last
+// pass's last tile, where `has_next`, the next unit's first (the one the rolling prefetch's
+// cursor `next` last passed; the caller flips buf); the pass's first tile was copied by the
+// unit before when `pre`.
 template <bool ONE>
 __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int layer, int gk,
                                              int j, int seg, int r0, int M, int mt0, int t0,
                                              int t1, int splits, int min_chunk, int least,
-                                             int rot, float scale, int buf, bool pre,
-                                             bool last_pass, const SegTile& next) {
+                                             int rot, float scale, int& buf, bool pre,
+                                             bool last_pass, bool has_next,
+                                             const UnitCursor& next) {
   const int tid = fresh_tid(), lane = tid & 31, warp = tid >> 5, gq = lane >> 2, t = lane & 3;
   constexpr int OWN = ONE ? (D / 8 + NWARPS - 1) / NWARPS : D / 8;  // a warp's output n-tiles
   auto nd_of = [&](int i) { return ONE ? warp + NWARPS * i : i; };
   char* const smem = static_cast<char*>(dynamic_smem());
-  unsigned short* Ks = reinterpret_cast<unsigned short*>(smem + buf * SEG_TILES_BYTES);
-  unsigned short* Vs = Ks + T_TILE * SEG_KV_LD;
+  // the K tile of buffer buf (V's follows it)
+  auto tiles_at = [&] { return reinterpret_cast<unsigned short*>(smem + buf * SEG_TILES_BYTES); };
   SegSplit& sp = *reinterpret_cast<SegSplit*>(smem + SEG_BUFS * SEG_TILES_BYTES);
   // the pass's query tile: the block's one (ONE) or this warp's
   unsigned short* Qt = reinterpret_cast<unsigned short*>(smem + SEG_BUFS * SEG_TILES_BYTES +
                                                          sizeof(SegSplit)) +
                        (ONE ? 0 : warp) * 16 * SEG_Q_LD;
-  const smem_addr_t ks_at = smem_addr(Ks), vs_at = smem_addr(Vs), qt = smem_addr(Qt);
+  const smem_addr_t qt = smem_addr(Qt);
   const int pos0 = row_pos(st, seg), slot = row_slot(st, seg);
   const int ntiles = (t1 - t0 + T_TILE - 1) / T_TILE;
   const size_t kv_layer = (size_t)layer * MK_KV_ROWS * MK_KV_HEADS * D;
-  const unsigned short* Kg = P.k_cache + kv_layer + (size_t)gk * D;
-  const unsigned short* Vg = P.v_cache + kv_layer + (size_t)gk * D;
+  const size_t kv = kv_layer + (size_t)gk * D;  // the unit's K/V rows (segment_stage)
   const int mt = ONE ? 0 : mt0 + warp;
   const bool live = ONE || mt < (M + 15) / 16;
   int lim[2];  // this lane's query rows gq, gq + 8: their row's positions end (0: padding)
@@ -2034,7 +2052,8 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
   // the first tile's copies in flight while the query tile is built (its trip under theirs);
   // late q/k issues them after it (before it, Qwen3-0.6B's kernel of 128 slots spills)
   const int cnt0 = min(T_TILE, t1 - t0);
-  if (stage && !LATE_QK && !pre) segment_stage(P, slot, Kg, Vg, t0, cnt0, cnt0, Ks, Vs);
+  if (stage && !LATE_QK && !pre)
+    segment_stage(P, slot, kv, t0, cnt0, cnt0, tiles_at(), tiles_at() + T_TILE * SEG_KV_LD);
   // the query tile (before the outputs are live): the split mode's by all warps, two rows each
   if (live)
     segment_q_tile<ONE ? (16 + NWARPS - 1) / NWARPS : SEG_QUERIES>(
@@ -2046,9 +2065,13 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
     for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
   for (int tile = 0; tile < ntiles; ++tile) {
     const int base = t0 + tile * T_TILE, cnt = min(T_TILE, t1 - base);
-    if (stage && (tile > 0 || (LATE_QK && !pre))) {
+    unsigned short* const Ks = tiles_at();
+    unsigned short* const Vs = Ks + T_TILE * SEG_KV_LD;
+    const smem_addr_t ks_at = smem_addr(Ks), vs_at = smem_addr(Vs);
+    // (with the pipeline a later tile was copied under the one before)
+    if (stage && (tile > 0 ? !MK_ATTN_PIPE : LATE_QK && !pre)) {
       if (tile > 0) __syncthreads();  // the previous tile's readers are done
-      segment_stage(P, slot, Kg, Vg, base, cnt, segment_k_end(pos0, base, cnt), Ks, Vs);
+      segment_stage(P, slot, kv, base, cnt, segment_k_end(pos0, base, cnt), Ks, Vs);
     }
     if (stage) {
       // the tile's keys under its copies (from the last warp: a decode row's beside the
@@ -2059,13 +2082,18 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
     } else {
       __syncwarp();  // this warp's query tile is in
     }
-    if (MK_ATTN_PIPE && last_pass && tile + 1 == ntiles && next.cnt > 0) {
-      // the next unit's first tile into the other buffer, under this tile's work: its last
-      // readers (the unit before this one) passed this unit's first barrier
+    // (block-uniform) the successor: this pass's next tile, or the next unit's first (the
+    // unit the rolling prefetch's cursor last passed)
+    const bool own = MK_ATTN_PIPE && tile + 1 < ntiles;
+    if (MK_ATTN_PIPE && (own || (last_pass && tile + 1 == ntiles && has_next))) {
+      // into the other buffer, under this tile's work: its last readers (the tile before this
+      // one, or the unit before) passed this tile's barrier
       unsigned short* Kn = reinterpret_cast<unsigned short*>(smem + (buf ^ 1) * SEG_TILES_BYTES);
-      const size_t kv_n = (size_t)layer * MK_KV_ROWS * MK_KV_HEADS * D + (size_t)next.gk * D;
-      segment_stage(P, next.slot, P.k_cache + kv_n, P.v_cache + kv_n, next.base, next.cnt,
-                    segment_k_end(next.pos0, next.base, next.cnt), Kn, Kn + T_TILE * SEG_KV_LD);
+      const SegTile nx =
+          own ? SegTile{slot, gk, base + T_TILE, min(T_TILE, t1 - base - T_TILE), pos0}
+              : segment_first_tile(st, next.tok, next.u - 1, next.rot, splits, min_chunk);
+      segment_stage(P, nx.slot, kv_layer + (size_t)nx.gk * D, nx.base, nx.cnt,
+                    segment_k_end(nx.pos0, nx.base, nx.cnt), Kn, Kn + T_TILE * SEG_KV_LD);
     }
     const int n16 = (cnt + 15) & ~15, end = base + cnt;
     if (ONE) {
@@ -2156,6 +2184,7 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
             if (sb + kk * 16 < n16) segment_pv(o[i], pa[kk], corr, vs_at, nd_of(i), sb, kk);
       }
     }
+    if (own) buf ^= 1;  // the next tile is in the other buffer
   }
   if (!live) return;
 #pragma unroll
@@ -2197,8 +2226,8 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
 // (segment_pass).
 __device__ bool attention_segment(const Params& P, const int* st, int layer, int gk, int j,
                                   int split, int seg, int nrows, int first, int end, int splits,
-                                  int min_chunk, int least, int rot, float scale, int buf,
-                                  bool pre, const SegTile& next) {
+                                  int min_chunk, int least, int rot, float scale, int& buf,
+                                  bool pre, bool has_next, const UnitCursor& next) {
   const int pos0 = row_pos(st, seg);
   const int chunk = split_chunk(pos0 + nrows, splits, min_chunk);
   const int t0 = split * chunk, t1 = min(pos0 + end, t0 + chunk);
@@ -2208,14 +2237,15 @@ __device__ bool attention_segment(const Params& P, const int* st, int layer, int
   const int mtiles = (M + 15) / 16;
   if (mtiles == 1) {  // the split mode (block-uniform)
     segment_pass<true>(P, st, layer, gk, j, seg, r0, M, 0, t0, t1, splits, min_chunk, least,
-                       rot, scale, buf, pre, true, next);
+                       rot, scale, buf, pre, true, has_next, next);
     return true;
   }
   // the copied first tile serves the first pass only: a unit of many tiles restages it in
   // every later pass (the pass before left its last tile in the buffer)
   for (int mt0 = 0; mt0 < mtiles; mt0 += NWARPS)
     segment_pass<false>(P, st, layer, gk, j, seg, r0, M, mt0, t0, t1, splits, min_chunk, least,
-                        rot, scale, buf, pre && mt0 == 0, mt0 + NWARPS >= mtiles, next);
+                        rot, scale, buf, pre && mt0 == 0, mt0 + NWARPS >= mtiles, has_next,
+                        next);
   return true;
 }
 
@@ -2242,15 +2272,15 @@ __device__ void op_attention_segments(const Params& P, const int* ins, const int
       const int v = j >= rot ? j - rot : j - rot + splits;  // the segment's v-th slot
       if (v >= used * parts) continue;  // no positions: no queries, no partials
       const int part = v / used, split = v - part * used;
-      SegTile nt = {0, 0, 0, 0, 0};  // the next unit's first tile (the pipeline's copies)
+      bool has_next = false;  // the next unit has queries (the pipeline copies its first tile)
       attention_prefetch_next(P, st, next, seg, u, rot, layer, b, e, splits, min_chunk, ntok,
-                              false, MK_ATTN_PIPE ? &nt : nullptr);
+                              false, MK_ATTN_PIPE ? &has_next : nullptr);
       const bool ran = attention_segment(P, st, layer, g, j, split, seg, nrows,
                                          part * nrows / parts, (part + 1) * nrows / parts,
                                          splits, min_chunk, least,
                                          split_slot(part * used, rot, splits), scale, buf, pre,
-                                         nt);
-      pre = ran && nt.cnt > 0;  // its pass copied the next unit's first tile
+                                         has_next, next);
+      pre = ran && has_next;  // its pass copied the next unit's first tile
       if (pre) buf ^= 1;
     }
     // each row's draw: this instruction's units of it (a row uses the splits below its own

@@ -36,15 +36,19 @@ class Batch:
         self.free = s["pages"] + self.free  # the next pages handed out
         return s
 
-    def step(self, plan: dict[int, int]) -> None:
-        rows, want = [], []
+    def table(self, plan: dict[int, int]) -> tuple[StepTable, list[tuple]]:
+        """The step's table and rows (pages handed out for them), not run."""
+        rows = []
         for slot, n in plan.items():
             s = self.seqs[slot]
             for p in range(s["done"], s["done"] + n):
                 rows.append((s["tokens"][p], slot, p, True, p < s["prompt"]))
             while len(s["pages"]) * PAGE < s["done"] + n:
                 s["pages"].append(self.free.pop(0))
-        table = StepTable.of(rows, {slot: self.seqs[slot]["pages"] for slot in plan})
+        return StepTable.of(rows, {slot: self.seqs[slot]["pages"] for slot in plan}), rows
+
+    def step(self, plan: dict[int, int]) -> None:
+        table, rows = self.table(plan)
         logits = self.ex.run_table(table).logits
         assert logits.shape == (len(rows), self.ex.config.vocab_size)
         for (tok, slot, pos, _, _), lg in zip(rows, logits):

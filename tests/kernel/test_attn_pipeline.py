@@ -17,8 +17,11 @@ from monokernel.model.config import ModelConfig
 
 MAX_SEQ = 64
 TOKENS = 32
-# the next unit's copies, as megakernel.cu issues them
-COPY = "segment_stage(P, next.slot, P.k_cache + kv_n, P.v_cache + kv_n, next.base, next.cnt,"
+# a tile's successor, as megakernel.cu segment_pass takes it (the pass's next tile, else the
+# next unit's first)
+COPY = "own ? SegTile{slot, gk, base + T_TILE, min(T_TILE, t1 - base - T_TILE), pos0}"
+# the next unit's first tile, as the rolling prefetch finds it and segment_pass recomputes it
+NEXT = "return {row_slot(st, tok), u / splits, t0,"
 
 
 @pytest.mark.parametrize("name,pipelined", [("smollm2-135m", True), ("llama-3.2-1b", True),
@@ -48,7 +51,7 @@ def _run(model, monkeypatch, pipelined: bool, edit=None, blocks=3, max_seq=MAX_S
          tokens=TOKENS, splits=None, **steps):
     """run_steps's steps (by default its mixed steps on 3 blocks: several units an
     instruction, chunks of 2 to 4 m-tiles and decode rows), the kernel with or without the
-    pipeline (``edit``: a source mutation (old, new))."""
+    pipeline, ``edit`` a source mutation (old, new)."""
     monkeypatch.setattr(header, "attn_pipeline", lambda cfg: pipelined)
     if edit is not None:
         real = executor.kernel_source
@@ -68,9 +71,11 @@ def _run(model, monkeypatch, pipelined: bool, edit=None, blocks=3, max_seq=MAX_S
         monkeypatch.undo()
 
 
-def _differing(want, got) -> list:
+def _differing(want, got, finite: bool = True) -> list:
+    """The rows whose logits differ (``finite``: every row written and finite; a negative
+    control may read the pages' NaN poison)."""
     assert want.keys() == got.keys()
-    assert all(np.isfinite(v).all() for v in got.values())
+    assert not finite or all(np.isfinite(v).all() for v in got.values())
     return [k for k in want if not np.array_equal(got[k], want[k])]
 
 
@@ -93,40 +98,54 @@ def test_negative_control_a_wrong_next_tile_changes_the_logits(synth_model, monk
     model = synth_model("llama3-tiny")
     want = _run(model, monkeypatch, False)
     got = _run(model, monkeypatch, True,
-               edit=(COPY, COPY.replace("next.base, next.cnt,", "next.base + 1, next.cnt,")))
-    bad = _differing(want, got)
+               edit=(NEXT, NEXT.replace("t0,", "t0 + 1,")))
+    bad = _differing(want, got, finite=False)
     assert len(bad) > len(want) // 4, bad
 
 
-# A unit of two tiles and two passes taking a copied first tile (megakernel.cu
-# attention_segment): llama3-tiny (3 queries a KV head) on one block with one split, so a unit
-# is a whole row's context. The third step's slot-1 decode row copies slot 0's first tile; slot
-# 0's 52 rows at positions 96..147 are 156 queries (10 m-tiles: passes of 8 and 2) over 148
-# positions (tiles of 128 and 20); its second pass must restage tile 0, the buffer holding
-# tile 1 of the first pass.
+# Units of many tiles and passes (megakernel.cu attention_segment, segment_pass): a block a KV
+# group, one split, so a unit is a whole row's context. The third step's slot-1 decode row copies
+# slot 0's first tile; slot 0's 52 rows at positions 96..147 are 52 GROUP queries over 148
+# positions (tiles of 128 and 20: the second's copies land under the first), on llama3-tiny
+# 156 queries (10 m-tiles: passes of 8 and 2, the second restaging tile 0, the buffers holding
+# the first pass's tiles); on qwen3-gqa-tiny (late q/k) the rows' own keys normed into both
+# tiles, the second's after its copies.
 LONG = {"prompts": (148, 5, 7),
         "steps": ({0: 48, 1: 5, 2: 7}, {0: 48, 1: 1, 2: 1}, {1: 1, 0: 52, 2: 1})}
-LONG_KERNEL = {"blocks": 1, "max_seq": 256, "tokens": 64, "splits": 1}
+LONG_KERNEL = {"max_seq": 256, "tokens": 64, "splits": 1}
 # the pass's flag for the copied tile, as attention_segment passes it
 FIRST_PASS = "pre && mt0 == 0, mt0 + NWARPS >= mtiles"
 
 
-def test_a_unit_of_many_tiles_and_passes_restages_its_first_tile(synth_model, monkeypatch):
-    """The long unit's logits bit for bit the same with the pipeline as without; negative
-    control: the copied tile taken by every pass (its second pass computes on tile 1 twice)
-    changes slot 0's rows of that step."""
+def _long(model, monkeypatch, pipelined, **kw):
+    assert 148 > T_TILE  # two tiles
+    got = _run(model, monkeypatch, pipelined, blocks=model.config.num_kv_heads, **LONG_KERNEL,
+               **LONG, **kw)
+    assert len(got) == 148 + 7 + 9
+    return got
+
+
+@pytest.mark.parametrize("arch", ["llama3-tiny", "qwen3-gqa-tiny"])
+def test_units_of_many_tiles_and_passes_pipelined_leave_every_logit_bitwise(synth_model,
+                                                                            monkeypatch, arch):
+    """The long units' logits bit for bit the same with the pipeline as without."""
+    model = synth_model(arch)
+    want = _long(model, monkeypatch, False)
+    bad = _differing(want, _long(model, monkeypatch, True))
+    assert not bad, f"{arch}: rows {bad[:5]} differ"
+
+
+def test_negative_controls_of_units_of_many_tiles_and_passes(synth_model, monkeypatch):
+    """The copied first tile taken by every pass (the second computes on the first's last
+    tile), or a unit's next tile copied one position late: slot 0's rows of that step
+    differ, and no other row."""
     model = synth_model("llama3-tiny")
-    cfg = model.config
-    assert 52 * cfg.group_size > 16 * (NUM_THREADS // 32) and 148 > T_TILE  # passes, tiles
-    want = _run(model, monkeypatch, False, **LONG_KERNEL, **LONG)
-    got = _run(model, monkeypatch, True, **LONG_KERNEL, **LONG)
-    assert len(want) == 148 + 7 + 9
-    bad = _differing(want, got)
-    assert not bad, f"rows {bad[:5]} differ"
-    got = _run(model, monkeypatch, True, edit=(FIRST_PASS, FIRST_PASS.replace(" && mt0 == 0", "")),
-               **LONG_KERNEL, **LONG)
-    bad = _differing(want, got)
-    assert bad and {s for s, p in bad} == {0} and min(p for _, p in bad) >= 96, bad
+    assert 52 * model.config.group_size > 16 * (NUM_THREADS // 32)  # two passes
+    want = _long(model, monkeypatch, False)
+    for edit in ((FIRST_PASS, FIRST_PASS.replace(" && mt0 == 0", "")),
+                 (COPY, COPY.replace("base + T_TILE,", "base + T_TILE + 1,"))):
+        bad = _differing(want, _long(model, monkeypatch, True, edit=edit), finite=False)
+        assert bad and {s for s, p in bad} == {0} and min(p for _, p in bad) >= 96, (edit, bad)
 
 
 def test_the_cost_model_overlaps_units_after_the_first():
@@ -153,3 +172,34 @@ def test_the_cost_model_overlaps_units_after_the_first():
     assert (b.compute > 0).any() and (b.other_us <= a.other_us).all()
     slow, fast = (cm.predict(prog, g, d, shape=shape).total_us for d in (seg, pipe))
     assert fast < 0.9 * slow
+
+
+def test_the_cost_model_overlaps_every_tile_but_the_first_by_tiles():
+    """v6-mma-tiles against v6-mma-pipe at B64: where a unit is one tile (a program of 2048
+    positions: splits of 128) the same ATTENTION; where a unit is four (8192 positions: splits
+    of 512, context 4096) the unit pipeline overlaps one tile a unit and the pipeline by tiles
+    every tile but the instruction's first: the same stream and trips, more work beside it."""
+    from monokernel.kernel import costmodel as cm
+    from monokernel.kernel.costmodel.simulate import _batches
+    from monokernel.kernel.costmodel.tokens import StepShape
+    from monokernel.kernel.isa import Op
+    from monokernel.kernel.ops import attention
+
+    cfg = ModelConfig.from_name("llama-3.2-1b")
+    g = cm.gpu("h200")
+    pipe, tiles = cm.design("v6-mma-pipe"), cm.design("v6-mma-tiles")
+    for max_seq, context, per_unit in ((2048, 1024, 1), (8192, 4096, 4)):
+        splits, min_chunk = tensor_core_splits(cfg, 132, max_seq)
+        assert max(min_chunk, -(-max_seq // splits)) == per_unit * T_TILE
+        prog = schedule(cfg, 132, max_seq, splits, min_chunk, merge_ticket_min=1, tokens=64,
+                        token_groups=True, tensor_cores=True)
+        _, batch = _batches(prog, context, StepShape.decode(64, context))[Op.ATTENTION]
+        a, b = attention.cost(batch, g, pipe), attention.cost(batch, g, tiles)
+        assert np.array_equal(a.l2_trips, b.l2_trips)
+        assert np.array_equal(a.stream_bytes, b.stream_bytes)
+        assert np.allclose(a.other_us + a.compute, b.other_us + b.compute)
+        if per_unit == 1:
+            assert np.allclose(a.compute, b.compute)
+        else:
+            busy = a.compute > 0
+            assert busy.any() and (b.compute[busy] > 2 * a.compute[busy]).all()

@@ -47,19 +47,20 @@ def test_design_for_is_the_kernel_as_built():
     assert set(cm.DESIGNS) == {"v5", "v6", "v6-mma", "v6-mma-seg", "v6-mma-split",
                                "v6-mma-pipe", "v6-mma-tiles", "v7", "v7-rows", "v8", "v8-cluster"}
     # a kernel of slots with tensor cores (slice 6a): mma with row tiles; attention per
-    # segment on mma (SEG_ATTN), late q/k too; at head_dim 64 its units pipelined
+    # segment on mma (SEG_ATTN), late q/k too; at head_dim 64 its tiles pipelined
     # (MK_ATTN_PIPE: header.attn_pipeline)
     mma = cm.design_for(prog, tensor_cores=True)
     assert not prog.config.qk_norm
-    assert mma is cm.DESIGNS["v6-mma-pipe"] and mma.tensor_cores and mma.token_loop
-    assert mma == cm.DESIGNS["v6-mma-seg"].replace(name="v6-mma-pipe", attn_unit_pipeline=True)
+    assert mma is cm.DESIGNS["v6-mma-tiles"] and mma.tensor_cores and mma.token_loop
+    assert mma == cm.DESIGNS["v6-mma-seg"].replace(name="v6-mma-tiles", attn_unit_pipeline=True,
+                                                   attn_tile_pipeline=True)
     assert mma.attn_segments and mma.attn_stage_async
     assert mma.replace(name="v6-mma", attn_segments=False, attn_stage_async=False,
                        mma_token_tiles=1, mma_rows_split_above=0,
                        mma_rows_split_max_k=cm.V6.mma_rows_split_max_k,
                        rms_stage_rows=0, attn_row_parts=0, input_bytes=4,
                        residual_copy_pass=False, attn_stage_first=False,
-                       attn_unit_pipeline=False) == cm.DESIGNS["v6-mma"]
+                       attn_unit_pipeline=False, attn_tile_pipeline=False) == cm.DESIGNS["v6-mma"]
     # block_mma's and block_mma_rows' constants: isa.py's, as the header renders them for
     # megakernel.cu (which defines none of its own) and as the built design reads them
     import re
@@ -87,7 +88,7 @@ def test_design_for_is_the_kernel_as_built():
     assert not (mma.tile_2d or mma.attn_tensor_cores) and mma.input_bytes == 2
     late = program("qwen3-0.6b", 8, 64, num_layers=1)
     assert cm.design_for(late, tensor_cores=True) is cm.DESIGNS["v6-mma-seg"]  # head_dim 128
-    assert cm.BUILT_MMA == ("v6-mma-seg", "v6-mma-pipe")
+    assert cm.BUILT_MMA == ("v6-mma-seg", "v6-mma-tiles")
     # v7 and v8 (issue 17's steps of many tokens and its levers) are predicted only: no backend
     # implements them yet
     assert not any(getattr(cm.V6, k) for k in ("tensor_cores", "tile_2d", "attn_tensor_cores",

@@ -585,6 +585,64 @@ def test_strict_tsan_a_segments_rows_in_parts_no_race_match_the_mirror(tiny):
     assert_segment_step_matches_the_mirror(tiny, ex, logits)
 
 
+# A unit of two tiles (megakernel.cu segment_pass, MK_ATTN_PIPE): slot 0's 128-position prompt
+# run first (not under TSan), then a step of slot 1's 3-row prompt (one m-tile: the split mode,
+# which copies slot 0's first tile) and slot 0's 8 rows at positions 128..135 (two m-tiles over
+# 136 positions: tiles of 128 and 8, the second copied under the first's work).
+TWO_TILES = ({0: 64}, {0: 64}, {1: 3, 0: 8})
+
+
+def _two_tile_steps(model, strict: bool, edit=None):
+    """TWO_TILES on a kernel of a block a KV group (one split: a unit is a row's whole
+    context): the last step's rows' logits, run under strict TSan if ``strict`` (the source
+    edited by ``edit``: (old, new))."""
+    from helpers.batch import PAGE, Batch, prompt_of
+
+    ex = KernelExecutor(model, 256, blocks=model.config.num_kv_heads, slots=2, page_size=PAGE,
+                        tensor_cores=True, step_tokens=64)
+    assert ex.program.attn_splits == 1 and "#define MK_ATTN_PIPE 1\n" in ex.source
+    b = Batch(ex)
+    b.join(0, prompt_of(model, 136, 0))
+    b.join(1, prompt_of(model, 3, 1))
+    for plan in TWO_TILES[:-1]:
+        b.step(plan)
+    if not strict:
+        b.step(TWO_TILES[-1])
+        return np.stack([b.seqs[1]["logits"][p] for p in range(3)] +
+                        [b.seqs[0]["logits"][p] for p in range(128, 136)])
+    table, rows = b.table(TWO_TILES[-1])
+    source = ex.source
+    if edit is not None:
+        assert source.count(edit[0]) == 1
+        source = source.replace(*edit)
+    _, logits, report = run_strict(ex, [], table=table, source=source)
+    assert report == ""
+    return logits[0].reshape(ex.program.tokens, -1)[:len(rows)]
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+def test_strict_tsan_a_units_second_tile_pipelined_no_race(tiny):
+    """TWO_TILES' last step under strict TSan: race-free, every row's logits the emulator's
+    own run's (built without TSan), test_tensor_cores.py's tolerance."""
+    got, want = _two_tile_steps(tiny, True), _two_tile_steps(tiny, False)
+    assert np.isfinite(want).all()
+    err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert err.max() <= 4e-3, err
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+def test_negative_control_a_units_next_tile_into_the_buffer_being_read_is_reported(tiny):
+    """The same step with a unit's own next tile copied into the buffer its first tile is read
+    from (the next unit's copies left as built): TSan must see it."""
+    with pytest.raises(DataRaceError) as info:
+        _two_tile_steps(tiny, True, edit=(_NEXT_BUFFER, _NEXT_BUFFER.replace("(buf ^ 1)",
+                                                                             "(buf ^ !own)")))
+    assert re.search(r"segment_pass|segment_stage|segment_score|ldmatrix|cp_async",
+                     info.value.report), info.value.report[:4000]
+
+
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
 def test_negative_control_the_next_tile_into_the_buffer_being_read_is_reported(tiny):

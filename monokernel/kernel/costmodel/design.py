@@ -217,17 +217,15 @@ class KernelDesign:
     attn_units_in_flight: int = 1
     # (with attn_segments and attn_rotate_rows) an instruction's units in a pipeline: the next
     # unit's first K/V tile is copied (cp.async) into a second tile buffer while the block
-    # computes the current one, so every unit's work after the first runs beside the K/V
-    # stream instead of before it (megakernel.cu segment_pass, MK_ATTN_PIPE; a unit of many
-    # tiles overlaps only its last: the model charges all, exact for one-tile units;
-    # benchmarks/NOTES.md "Attention's units in a pipeline")
+    # computes the current one's last tile, so that much of the work runs beside the K/V
+    # stream instead of before it (a unit's later tiles staged in turn: all of a one-tile
+    # unit's work; benchmarks/NOTES.md "Attention's units in a pipeline")
     attn_unit_pipeline: bool = False
     # (with attn_unit_pipeline) the pipeline by tiles: each tile's successor (the unit's next
     # tile, else the next unit's first) copied into the other buffer while the tile computes,
-    # so a unit of many tiles runs them all beside the stream, in tiles of
-    # header.segment_tile(cfg) positions (half of T_TILE where two buffers of T_TILE would pass
-    # the shared-memory cap: head_dim 128), every shape pipelined (benchmarks/NOTES.md
-    # "Attention's tiles in a pipeline")
+    # so a unit of many tiles (a split of more than T_TILE positions) runs the work of every
+    # tile beside the stream, the instruction's first tile's alone in turn (megakernel.cu
+    # segment_pass; benchmarks/NOTES.md "Attention's tiles in a pipeline")
     attn_tile_pipeline: bool = False
     # (with attn_segments) a segment's rows split into parts that run its splits in the unit
     # slots its used splits leave empty (isa.segment_parts, megakernel.cu segment_parts): a
@@ -350,7 +348,7 @@ V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rota
 # ops read the residual's bf16 copy its writers store beside it (residual_in: input_bytes 2).
 # A segment pass issues its first K/V copies before its query tile, a decode row's key on the
 # last warps beside its queries (attn_stage_first). Where the shape's two K/V tile buffers fit
-# (header.attn_pipeline: head_dim 64) the kernel is V6_MMA_PIPE's (design_for).
+# (header.attn_pipeline: head_dim 64) the kernel is V6_MMA_TILES's (design_for).
 V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_async=True,
                             mma_token_tiles=MMA_NT, mma_rows_split_above=MMA_ROWS_SPLIT_ABOVE,
                             mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K,
@@ -360,15 +358,16 @@ V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_as
 # over the blocks where it pays, the partials reduced spread over each row group's blocks
 # (input_slices_spread; benchmarks/NOTES.md "The floor of a step of many tokens").
 V6_MMA_SPLIT = V6_MMA_SEG.replace(name="v6-mma-split", input_slices_spread=True)
-# V6-MMA-PIPE: the built design with attention's units pipelined, the next unit's K/V copied
-# while one computes (attn_unit_pipeline; benchmarks/NOTES.md "Attention's units in a
-# pipeline"): built where two tile buffers fit (design_for), predicted for any shape here.
+# V6-MMA-PIPE: attention's units pipelined, the next unit's first K/V tile copied while one
+# computes (attn_unit_pipeline; benchmarks/NOTES.md "Attention's units in a pipeline"; built
+# 2026-12-05, then grown into V6_MMA_TILES): predicted for any shape here.
 V6_MMA_PIPE = V6_MMA_SEG.replace(name="v6-mma-pipe", attn_unit_pipeline=True)
-# V6-MMA-TILES (PREDICTED, not built): the pipeline by tiles, in tiles that let every shape
-# keep two buffers (attn_tile_pipeline; benchmarks/NOTES.md "Attention's tiles in a pipeline").
+# V6-MMA-TILES: the pipeline by tiles, each tile's successor copied while it computes
+# (attn_tile_pipeline; benchmarks/NOTES.md "Attention's tiles in a pipeline"): built where two
+# tile buffers fit (design_for), predicted for any shape here.
 V6_MMA_TILES = V6_MMA_PIPE.replace(name="v6-mma-tiles", attn_tile_pipeline=True)
 # The tensor-core designs megakernel.cu builds.
-BUILT_MMA = ("v6-mma-seg", "v6-mma-pipe")
+BUILT_MMA = ("v6-mma-seg", "v6-mma-tiles")
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
@@ -390,7 +389,7 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
         tokens = getattr(program, "tokens", 1)
         cfg = getattr(program, "config", None)
         # MK_ATTN_PIPE where two K/V tile buffers fit the shape's shared memory
-        d = V6_MMA_PIPE if cfg is not None and attn_pipeline(cfg) else V6_MMA_SEG
+        d = V6_MMA_TILES if cfg is not None and attn_pipeline(cfg) else V6_MMA_SEG
         if tokens > 1:
             d = d.replace(prefill_chunk=tokens)
         rows = d.rms_stage_rows if cfg is None else rms_stage_rows(cfg, tokens, True)

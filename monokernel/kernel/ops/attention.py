@@ -17,7 +17,6 @@ import numpy as np
 from ...errors import CostModelError
 from ..costmodel.parts import OpBatch, Phases, issue_us
 from ..costmodel.tokens import mma_us, widen_attention
-from .. import header  # (header imports the ops: its functions are read at call time)
 from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, SEG_KEYS,
                    SEG_QUERIES, SEG_SUB, T_TILE, Args, Op, attn_k_vec, attn_round_positions,
                    merge_by_ticket, merge_row_lanes, merge_ways, row_finishes, row_rotations,
@@ -282,12 +281,13 @@ def _rotated(b: OpBatch, g, d) -> Phases:
         out["pref"] = _rolling_prefetch(b, S, kv, row_bytes, row_pref, d.attn_first_unit_prefetch)
     ph = Phases(out["l2"], out["hbm"], out["other"], out["rounds"], out["bytes"], out["pref"])
     if d.attn_unit_pipeline:
-        # the next unit's K/V copied while one computes: the work of every unit but the
-        # first runs beside the stream (charged as the instruction's mean unit's; its
-        # dependent trips stay in turn); by tiles (attn_tile_pipeline), the work of every tile
-        # but the instruction's first
-        units = np.maximum(out["tiles" if d.attn_tile_pipeline else "units"], 1.0)
-        beside = out["other"] * (units - 1.0) / units
+        # a tile's copies under the work of the tile before (charged as the instruction's mean
+        # tile's; the dependent trips stay in turn): with the unit pipeline, each unit's first
+        # tile but the instruction's first under its unit before's last (a unit's later tiles
+        # staged in turn); by tiles (attn_tile_pipeline), every tile but the instruction's first
+        tiles = np.maximum(out["tiles"], 1.0)
+        under = tiles - 1.0 if d.attn_tile_pipeline else np.maximum(out["units"] - 1.0, 0.0)
+        beside = out["other"] * under / tiles
         ph = replace(ph, other_us=out["other"] - beside, compute=beside)
     return ph
 
@@ -436,14 +436,12 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
     c = b.program.config
     G, D = c.group_size, c.head_dim
     idx, t0, cnt = _unit_positions(b)
-    # the tile: the pipeline by tiles' (header.segment_tile), else T_TILE
-    tile_n = header.segment_tile(c) if d.attn_tile_pipeline else T_TILE
-    ntile = -(-cnt // tile_n)
-    full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * tile_n
+    ntile = -(-cnt // T_TILE)
+    full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * T_TILE
     unit_hbm = np.zeros(len(idx))
     unit_l2 = np.full(len(idx), float(d.trips["ATTENTION"][0]))  # the group's queries
     reach = np.clip(b.context - t0 + 1, 0, rows) if d.attn_segments else 1
-    kf, vf, of = tile_isa(np.full(len(idx), tile_n), g, d, G, D, reach)
+    kf, vf, of = tile_isa(np.full(len(idx), T_TILE), g, d, G, D, reach)
     kl, vl, ol = tile_isa(last, g, d, G, D, reach)
     k_rounds, v_rounds = full * kf + kl, full * vf + vl
     unit_other = full * of + ol + 2 * g.bar_sync  # the unit's set-up and end barriers
