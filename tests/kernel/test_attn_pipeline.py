@@ -109,9 +109,11 @@ def test_negative_control_a_wrong_next_tile_changes_the_logits(synth_model, monk
 # positions (tiles of 128 and 20: the second's copies land under the first), on llama3-tiny
 # 156 queries (10 m-tiles: passes of 8 and 2, the second restaging tile 0, the buffers holding
 # the first pass's tiles); on qwen3-gqa-tiny (late q/k) the rows' own keys normed into both
-# tiles, the second's after its copies.
+# tiles, the second's after its copies. The fourth step's slot-0 decode row (the split mode)
+# runs two tiles too.
 LONG = {"prompts": (148, 5, 7),
-        "steps": ({0: 48, 1: 5, 2: 7}, {0: 48, 1: 1, 2: 1}, {1: 1, 0: 52, 2: 1})}
+        "steps": ({0: 48, 1: 5, 2: 7}, {0: 48, 1: 1, 2: 1}, {1: 1, 0: 52, 2: 1},
+                  {0: 1, 1: 1, 2: 1})}
 LONG_KERNEL = {"max_seq": 256, "tokens": 64, "splits": 1}
 # the pass's flag for the copied tile, as attention_segment passes it
 FIRST_PASS = "pre && mt0 == 0, mt0 + NWARPS >= mtiles"
@@ -121,7 +123,7 @@ def _long(model, monkeypatch, pipelined, **kw):
     assert 148 > T_TILE  # two tiles
     got = _run(model, monkeypatch, pipelined, blocks=model.config.num_kv_heads, **LONG_KERNEL,
                **LONG, **kw)
-    assert len(got) == 148 + 7 + 9
+    assert len(got) == 149 + 8 + 10
     return got
 
 
