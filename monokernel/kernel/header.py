@@ -8,7 +8,7 @@ from ..model.config import ModelConfig
 from . import isa, ops
 from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, KV_UNROLL, MATVEC_LOADS, MERGE_CHUNK,
                   MERGE_TICKET_WAYS, NUM_THREADS, PARAMS, PREFETCH_MAX_BYTES, ROW_WORDS,
-                  SEG_KEYS, SEG_QUERIES, SEG_SUB, STATE_WORDS, T_TILE, TRACE_WORDS, WIDTH, Err,
+                  SEG_KEYS, SEG_QUERIES, STATE_WORDS, T_TILE, TRACE_WORDS, WIDTH, Err,
                   ErrCode, HostFlag, Op, RowWord, State, StopReason, TraceWord, Word, attn_k_vec,
                   merge_block_ways)
 
@@ -27,7 +27,8 @@ def model_constants(cfg: ModelConfig, max_seq_len: int) -> dict[str, int | str]:
         "MK_THREADS": NUM_THREADS,
         "MK_PREFETCH_MAX_BYTES": PREFETCH_MAX_BYTES,
         "MK_T_TILE": T_TILE,
-        "MK_SEG_SUB": SEG_SUB,
+        "MK_SEG_SUB": isa.seg_sub(cfg.head_dim),
+        "MK_SEG_TILE": segment_tile(cfg),
         "MK_SEG_KEYS": SEG_KEYS,
         "MK_SEG_QUERIES": SEG_QUERIES,
         "MK_MATVEC_LOADS": MATVEC_LOADS,
@@ -63,10 +64,10 @@ def slot_pages(max_seq_len: int, page_size: int) -> int:
 
 def dynamic_shared_bytes(cfg: ModelConfig, tokens: int, mma: bool = False) -> int:
     """Dynamic shared memory a block of the kernel takes (MK_DYN_SMEM; every launch passes
-    it): in the tensor-core kernel (``mma``), a segment's staged K and V [T_TILE, head_dim + 8]
-    tile buffers (two with attn_pipeline), bf16, then its split mode's SegSplit
-    (attention_segment: scores fp32 [16, T_TILE + 4], probability fragments [T_TILE / 16, 32,
-    4] and corrections [T_TILE / SEG_SUB, 32, 2]
+    it): in the tensor-core kernel (``mma``), a segment's staged K and V [S, head_dim + 8]
+    tile buffers (S = segment_tile; two with attn_pipeline), bf16, then its split mode's
+    SegSplit (attention_segment: scores fp32 [16, S + 4], probability fragments [S / 16, 32,
+    4] and corrections [S / seg_sub, 32, 2]
     words, the final (max, sum) [32, 4]), then a query tile a warp, bf16 [16, head_dim + 8]
     (or, if more, a row-split mat-mul pass's sums, block_mma_rows, in steps of more than 32,
     then the RMS ops' staged inputs, rms_stage_rows); on CUDA cores, late q/k attention's
@@ -80,26 +81,42 @@ def dynamic_shared_bytes(cfg: ModelConfig, tokens: int, mma: bool = False) -> in
     return 0
 
 
-def _segment_bytes(cfg: ModelConfig, buffers: int | None = None) -> int:
+def _segment_bytes(cfg: ModelConfig, buffers: int | None = None,
+                   tile: int | None = None) -> int:
     """attention_segment's dynamic shared memory (dynamic_shared_bytes): ``buffers`` K and V
-    tile buffers (default attn_pipeline's), the split mode's, the query tiles."""
+    tile buffers (default attn_pipeline's) of ``tile`` positions (default segment_tile's), the
+    split mode's, the query tiles."""
     D = cfg.head_dim
     if buffers is None:
         buffers = 2 if attn_pipeline(cfg) else 1
-    tiles = 2 * T_TILE * (D + 8) * 2
-    split = 16 * (T_TILE + 4) + T_TILE // 16 * 32 * 4 + T_TILE // SEG_SUB * 32 * 2 + 32 * 4
+    if tile is None:
+        tile = segment_tile(cfg)
+    tiles = 2 * tile * (D + 8) * 2
+    split = (16 * (tile + 4) + tile // 16 * 32 * 4 + tile // isa.seg_sub(D) * 32 * 2 +
+             32 * 4)
     queries = NUM_THREADS // 32 * 16 * (D + 8) * 2
     return buffers * tiles + split * 4 + queries
+
+
+def segment_tile(cfg: ModelConfig) -> int:
+    """Positions of a K/V tile of the tensor-core kernel's attention (MK_SEG_TILE): T_TILE
+    where two such buffers fit DYN_SMEM_CAP (head_dim 64), else half of it (head_dim 128,
+    Qwen3-0.6B: two buffers in the shared memory one of T_TILE took, its L1 kept), at least
+    one online-softmax step (isa.seg_sub: the numbers do not depend on the tile)."""
+    tile = T_TILE
+    while tile > isa.seg_sub(cfg.head_dim) and _segment_bytes(cfg, 2, tile) > DYN_SMEM_CAP:
+        tile //= 2
+    return tile
 
 
 def attn_pipeline(cfg: ModelConfig) -> bool:
     """Whether the tensor-core kernel's attention pipelines its tiles (MK_ATTN_PIPE;
     megakernel.cu segment_pass: each tile's successor, the unit's next tile or the next unit's
-    first, copied into a second buffer while it computes): where two buffers keep dynamic
-    shared memory within DYN_SMEM_CAP (head_dim 64: SmolLM2, Llama; not Qwen3's 128, whose L1
-    would shrink, and whose kernel of 128 slots, at 255 registers, spills with the pipeline
-    even in tiles of 64 positions: benchmarks/NOTES.md "Attention's tiles in a pipeline")."""
-    return _segment_bytes(cfg, 2) <= DYN_SMEM_CAP
+    first, copied into a second buffer while it computes): where two buffers of segment_tile's
+    positions keep dynamic shared memory within DYN_SMEM_CAP (every shape served: head_dim 64
+    in tiles of T_TILE, 128 in tiles of half; benchmarks/NOTES.md "Attention's tiles in a
+    pipeline")."""
+    return _segment_bytes(cfg, 2, segment_tile(cfg)) <= DYN_SMEM_CAP
 
 
 def row_split_sums_bytes(tokens: int) -> int:

@@ -39,6 +39,9 @@
 
 // Positions of one attention unit processed per pass (scores live in shared memory).
 #define T_TILE MK_T_TILE  // isa.T_TILE
+// Positions of a K/V tile of the tensor-core kernel's attention (header.segment_tile: T_TILE,
+// or half of it where two buffers of T_TILE would pass the shared-memory cap)
+#define SEG_TILE MK_SEG_TILE
 
 // A step carries up to MK_T_MAX tokens (Program.tokens): positions POS..POS+NTOK-1 of one
 // sequence, a prompt chunk. Every op loops over them with the one-token step's arithmetic, so a
@@ -1712,7 +1715,7 @@ __device__ __forceinline__ SegTile segment_first_tile(const int* st, int tok, in
   const int first = part * nrows / parts, end = (part + 1) * nrows / parts;
   const bool queries = v < used * parts && end - max(first, t0 - pos0) > 0;
   return {row_slot(st, tok), u / splits, t0,
-          queries ? min(T_TILE, min(pos0 + end, t0 + chunk) - t0) : 0, pos0};
+          queries ? min(SEG_TILE, min(pos0 + end, t0 + chunk) - t0) : 0, pos0};
 }
 // The rolling prefetch: the L2 prefetch of the instruction's next unit's K/V after unit u of the
 // segment from row tok (cursor c: where the last call left it, past the unit it prefetched);
@@ -1758,7 +1761,7 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
 #if SEG_ATTN
 // ---- A segment's unit on tensor cores (SEG_ATTN) ----------------------------------------------
 // The unit's positions [t0, t1) for the segment's rows that reach them (rows r0.. of the
-// segment: a row at position pos sees [t0, min(pos + 1, t1))), in tiles of T_TILE positions
+// segment: a row at position pos sees [t0, min(pos + 1, t1))), in tiles of SEG_TILE positions
 // staged in dynamic shared memory by cp.async, K and V as rows: K the scores' "col" B operand
 // (ldmatrix), V the values' (ldmatrix .trans). Its (row, head) queries, q = (r - r0) * GROUP +
 // h, come in m-tiles of 16, one a warp (passes of NWARPS m-tiles); a warp keeps its m-tile's
@@ -1772,14 +1775,14 @@ __device__ void attention_prefetch_next(const Params& P, const int* st, UnitCurs
 // zeros in K and V, so a row run alone and in a chunk add the same numbers in the same order.
 #define SEG_KV_LD (D + 8)      // a staged K or V row: HEAD_DIM bf16 + 16 bytes (the 8 rows of
                                // an ldmatrix land on distinct banks)
-#define SEG_SUB MK_SEG_SUB     // isa.SEG_SUB
+#define SEG_SUB MK_SEG_SUB     // isa.seg_sub(HEAD_DIM)
 #define SEG_KEYS MK_SEG_KEYS   // isa.SEG_KEYS
 #define SEG_QUERIES MK_SEG_QUERIES  // isa.SEG_QUERIES
 #define SEG_Q_LD (D + 8)  // a query tile's row: HEAD_DIM bf16 + 16 bytes
 #define SEG_NB (SEG_SUB / 8)   // n-blocks of 8 positions a sub-tile
-static_assert(D % 16 == 0 && T_TILE % SEG_SUB == 0 && SEG_SUB % 16 == 0,
+static_assert(D % 16 == 0 && SEG_TILE % SEG_SUB == 0 && SEG_SUB % 16 == 0,
               "a segment's unit: mma k-steps of 16 over HEAD_DIM and over the positions");
-#define SEG_TILES_BYTES (2 * T_TILE * SEG_KV_LD * 2)  // the K and V tiles
+#define SEG_TILES_BYTES (2 * SEG_TILE * SEG_KV_LD * 2)  // the K and V tiles
 // K and V tile buffers: two with the attention pipeline (MK_ATTN_PIPE; header.attn_pipeline),
 // a tile computing in one while its successor (the unit's next tile, or the next unit's
 // first) lands in the other
@@ -1787,13 +1790,14 @@ static_assert(D % 16 == 0 && T_TILE % SEG_SUB == 0 && SEG_SUB % 16 == 0,
 
 // Positions [base, base + cnt) of the unit's K and V (the slot's cache rows, kv the layer's and
 // KV head's offset) into Ks and Vs by cp.async, a 16-byte chunk a copy (no registers, no
-// transposition); positions [cnt, cnt rounded up to 16) are zeros. K rows from k_end on are left to segment_keys (late q/k: the
-// segment's own keys, not cached yet). The copies are in flight when it returns: the caller
-// lands them (cp_async_wait) before the barrier that shows them to the block.
+// transposition); positions [cnt, cnt rounded up to 16) are zeros. K rows from k_end on are
+// left to segment_keys (late q/k: the segment's own keys, not cached yet). The copies are in
+// flight when it returns: the caller lands them (cp_async_wait) before the barrier that shows
+// them to the block.
 __device__ void segment_stage(const Params& P, int slot, size_t kv, int base, int cnt, int k_end,
                               unsigned short* Ks, unsigned short* Vs) {
   constexpr int CH = D / 8;  // 16-byte chunks a row
-  constexpr int PER = (T_TILE * CH + MK_THREADS - 1) / MK_THREADS;
+  constexpr int PER = (SEG_TILE * CH + MK_THREADS - 1) / MK_THREADS;
   const int n16 = (cnt + 15) & ~15, tid = fresh_tid();
 #pragma unroll
   for (int u = 0; u < PER; ++u) {
@@ -1990,9 +1994,9 @@ __device__ __forceinline__ void segment_keys_in(const Params& P, int layer, int 
 // The split mode's shared memory after the K and V tiles (one m-tile): its scores, then the
 // softmax warp's probability fragments and corrections per lane, its final (max, sum).
 struct SegSplit {
-  float s[16][T_TILE + 4];                      // the tile's scores, [query row][position]
-  unsigned pa[T_TILE / 16][32][4];              // probability A fragments, per k-step and lane
-  float corr[T_TILE / SEG_SUB][32][2];          // each sub-tile's corrections, per lane
+  float s[16][SEG_TILE + 4];                    // the tile's scores, [query row][position]
+  unsigned pa[SEG_TILE / 16][32][4];            // probability A fragments, per k-step and lane
+  float corr[SEG_TILE / SEG_SUB][32][2];        // each sub-tile's corrections, per lane
   float ml[32][4];                              // per lane: (max, sum) of its two rows
 };
 static_assert(SEG_TILES_BYTES % 16 == 0, "the split mode's shared memory stays aligned");
@@ -2025,7 +2029,9 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
   auto nd_of = [&](int i) { return ONE ? warp + NWARPS * i : i; };
   char* const smem = static_cast<char*>(dynamic_smem());
   // the K tile of buffer buf (V's follows it)
-  auto tiles_at = [&] { return reinterpret_cast<unsigned short*>(smem + buf * SEG_TILES_BYTES); };
+  auto tiles_at = [&] {
+    return reinterpret_cast<unsigned short*>(smem + buf * SEG_TILES_BYTES);
+  };
   SegSplit& sp = *reinterpret_cast<SegSplit*>(smem + SEG_BUFS * SEG_TILES_BYTES);
   // the pass's query tile: the block's one (ONE) or this warp's
   unsigned short* Qt = reinterpret_cast<unsigned short*>(smem + SEG_BUFS * SEG_TILES_BYTES +
@@ -2033,7 +2039,7 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
                        (ONE ? 0 : warp) * 16 * SEG_Q_LD;
   const smem_addr_t qt = smem_addr(Qt);
   const int pos0 = row_pos(st, seg), slot = row_slot(st, seg);
-  const int ntiles = (t1 - t0 + T_TILE - 1) / T_TILE;
+  const int ntiles = (t1 - t0 + SEG_TILE - 1) / SEG_TILE;
   const size_t kv_layer = (size_t)layer * MK_KV_ROWS * MK_KV_HEADS * D;
   const size_t kv = kv_layer + (size_t)gk * D;  // the unit's K/V rows (segment_stage)
   const int mt = ONE ? 0 : mt0 + warp;
@@ -2051,9 +2057,10 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
   else __syncwarp();           // this warp's previous pass read its query tile
   // the first tile's copies in flight while the query tile is built (its trip under theirs);
   // late q/k issues them after it (before it, Qwen3-0.6B's kernel of 128 slots spills)
-  const int cnt0 = min(T_TILE, t1 - t0);
+  const int cnt0 = min(SEG_TILE, t1 - t0);
   if (stage && !LATE_QK && !pre)
-    segment_stage(P, slot, kv, t0, cnt0, cnt0, tiles_at(), tiles_at() + T_TILE * SEG_KV_LD);
+    segment_stage(P, slot, kv, t0, cnt0, cnt0, tiles_at(),
+                  tiles_at() + SEG_TILE * SEG_KV_LD);
   // the query tile (before the outputs are live): the split mode's by all warps, two rows each
   if (live)
     segment_q_tile<ONE ? (16 + NWARPS - 1) / NWARPS : SEG_QUERIES>(
@@ -2064,9 +2071,9 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
   for (int tile = 0; tile < ntiles; ++tile) {
-    const int base = t0 + tile * T_TILE, cnt = min(T_TILE, t1 - base);
+    const int base = t0 + tile * SEG_TILE, cnt = min(SEG_TILE, t1 - base);
     unsigned short* const Ks = tiles_at();
-    unsigned short* const Vs = Ks + T_TILE * SEG_KV_LD;
+    unsigned short* const Vs = Ks + SEG_TILE * SEG_KV_LD;
     const smem_addr_t ks_at = smem_addr(Ks), vs_at = smem_addr(Vs);
     // (with the pipeline a later tile was copied under the one before)
     if (stage && (tile > 0 ? !MK_ATTN_PIPE : LATE_QK && !pre)) {
@@ -2090,10 +2097,10 @@ __device__ __forceinline__ void segment_pass(const Params& P, const int* st, int
       // one, or the unit before) passed this tile's barrier
       unsigned short* Kn = reinterpret_cast<unsigned short*>(smem + (buf ^ 1) * SEG_TILES_BYTES);
       const SegTile nx =
-          own ? SegTile{slot, gk, base + T_TILE, min(T_TILE, t1 - base - T_TILE), pos0}
+          own ? SegTile{slot, gk, base + SEG_TILE, min(SEG_TILE, t1 - base - SEG_TILE), pos0}
               : segment_first_tile(st, next.tok, next.u - 1, next.rot, splits, min_chunk);
       segment_stage(P, nx.slot, kv_layer + (size_t)nx.gk * D, nx.base, nx.cnt,
-                    segment_k_end(nx.pos0, nx.base, nx.cnt), Kn, Kn + T_TILE * SEG_KV_LD);
+                    segment_k_end(nx.pos0, nx.base, nx.cnt), Kn, Kn + SEG_TILE * SEG_KV_LD);
     }
     const int n16 = (cnt + 15) & ~15, end = base + cnt;
     if (ONE) {

@@ -105,7 +105,7 @@ class ReferenceModel:
         cores (``tensor_cores=1``) feeds them to mma; its judge. That kernel runs attention on mma
         too (megakernel.cu attention_segment): the query (normed and roped first, with late
         q/k) is rounded to bf16, and the probabilities, exp(score - the running max) over
-        SEG_SUB positions at a time within each split of ``attn_chunk`` positions (the
+        seg_sub(head_dim) positions at a time within each split of ``attn_chunk`` positions (the
         program's attn_min_chunk; None: one split), before their product with V; the splits
         merged in fp32 (_attention_mma). The default fp32 inputs are the judge against
         Hugging Face and of the CUDA-core kernel."""
@@ -272,9 +272,10 @@ class ReferenceModel:
         return linear(h, self.lm_head).astype(np.float32)
 
 
-# Positions of one online-softmax step of the tensor-core attention (isa.SEG_SUB, which the
-# kernel's header takes; the reference stays free of the kernel's imports).
-SEG_SUB = 64
+# Positions of one online-softmax step of the tensor-core attention at head_dim D (isa.seg_sub,
+# which the kernel's header takes; the reference stays free of the kernel's imports).
+def seg_sub(head_dim: int) -> int:
+    return 64 if head_dim <= 64 else 32
 
 
 def _attention_mma(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: np.float32,
@@ -289,13 +290,14 @@ def _attention_mma(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: np.float3
         ties |= bf16_near_midpoint(q).any(axis=-1)
     sc = np.matmul(bf16_round(q), K.transpose(1, 2, 0)) * scale  # [kvh, g, t]
     parts = []
-    for t0 in range(0, t, chunk):  # a split: running (max, sum, outputs) per SEG_SUB
+    sub = seg_sub(q.shape[-1])
+    for t0 in range(0, t, chunk):  # a split: running (max, sum, outputs) per sub-tile
         t1 = min(t, t0 + chunk)
         m = np.full(sc.shape[:2] + (1,), -np.inf, np.float32)
         l = np.zeros_like(m)
         o = np.zeros(q.shape, np.float32)
-        for b0 in range(t0, t1, SEG_SUB):
-            s = sc[..., b0:min(t1, b0 + SEG_SUB)]
+        for b0 in range(t0, t1, sub):
+            s = sc[..., b0:min(t1, b0 + sub)]
             mn = np.maximum(m, s.max(axis=-1, keepdims=True))
             corr = np.exp(m - mn)
             p = np.exp(s - mn)

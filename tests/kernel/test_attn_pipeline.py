@@ -19,26 +19,29 @@ MAX_SEQ = 64
 TOKENS = 32
 # a tile's successor, as megakernel.cu segment_pass takes it (the pass's next tile, else the
 # next unit's first)
-COPY = "own ? SegTile{slot, gk, base + T_TILE, min(T_TILE, t1 - base - T_TILE), pos0}"
+COPY = "own ? SegTile{slot, gk, base + SEG_TILE, min(SEG_TILE, t1 - base - SEG_TILE), pos0}"
 # the next unit's first tile, as the rolling prefetch finds it and segment_pass recomputes it
 NEXT = "return {row_slot(st, tok), u / splits, t0,"
 
 
-@pytest.mark.parametrize("name,pipelined", [("smollm2-135m", True), ("llama-3.2-1b", True),
-                                            ("qwen3-0.6b", False)])
-def test_the_pipeline_is_built_where_two_buffers_fit_the_cap(name, pipelined):
-    """Two K/V tile buffers at head_dim 64 keep dynamic shared memory under DYN_SMEM_CAP;
-    Qwen3's head_dim 128 would pass it (its L1 would shrink), so it keeps one buffer and
-    the shared memory it had."""
+@pytest.mark.parametrize("name,tile", [("smollm2-135m", 128), ("llama-3.2-1b", 128),
+                                       ("qwen3-0.6b", 64)])
+def test_every_shape_pipelines_in_tiles_that_fit_the_cap(name, tile):
+    """Two K/V tile buffers of T_TILE positions at head_dim 64 keep dynamic shared memory
+    under DYN_SMEM_CAP; at head_dim 128 (Qwen3) two of half that do, in less shared memory
+    than its one buffer of T_TILE took before (its L1 kept)."""
     cfg = ModelConfig.from_name(name)
-    assert header.attn_pipeline(cfg) is pipelined
-    tile = 2 * T_TILE * (cfg.head_dim + 8) * 2
-    assert header._segment_bytes(cfg) == header._segment_bytes(cfg, 1) + pipelined * tile
+    assert header.segment_tile(cfg) == tile and header.attn_pipeline(cfg)
+    buffer = 2 * tile * (cfg.head_dim + 8) * 2
+    assert header._segment_bytes(cfg) == header._segment_bytes(cfg, 1) + buffer
+    assert header._segment_bytes(cfg) <= header.DYN_SMEM_CAP
+    if tile < T_TILE:
+        assert header._segment_bytes(cfg, 2, T_TILE) > header.DYN_SMEM_CAP
+        assert header._segment_bytes(cfg) < header._segment_bytes(cfg, 1, T_TILE)
     for tokens in (64, 128):
-        assert header.dynamic_shared_bytes(cfg, tokens, True) <= max(
-            header.DYN_SMEM_CAP, header._segment_bytes(cfg, 1))
+        assert header.dynamic_shared_bytes(cfg, tokens, True) <= header.DYN_SMEM_CAP
         src = executor.kernel_source(cfg, 2048, tokens, 128, 16, mma=True)
-        assert f"#define MK_ATTN_PIPE {int(pipelined)}\n" in src
+        assert "#define MK_ATTN_PIPE 1\n" in src and f"#define MK_SEG_TILE {tile}\n" in src
 
 
 def _program(cfg, blocks, max_seq=MAX_SEQ, tokens=TOKENS, splits=None):
@@ -47,12 +50,15 @@ def _program(cfg, blocks, max_seq=MAX_SEQ, tokens=TOKENS, splits=None):
                     token_groups=False, tensor_cores=True)
 
 
-def _run(model, monkeypatch, pipelined: bool, edit=None, blocks=3, max_seq=MAX_SEQ,
+def _run(model, monkeypatch, pipelined: bool, edit=None, tile=None, blocks=3, max_seq=MAX_SEQ,
          tokens=TOKENS, splits=None, **steps):
     """run_steps's steps (by default its mixed steps on 3 blocks: several units an
     instruction, chunks of 2 to 4 m-tiles and decode rows), the kernel with or without the
-    pipeline, ``edit`` a source mutation (old, new)."""
+    pipeline, in tiles of ``tile`` positions (default segment_tile's), ``edit`` a source
+    mutation (old, new)."""
     monkeypatch.setattr(header, "attn_pipeline", lambda cfg: pipelined)
+    if tile is not None:
+        monkeypatch.setattr(header, "segment_tile", lambda cfg: tile)
     if edit is not None:
         real = executor.kernel_source
 
@@ -145,9 +151,24 @@ def test_negative_controls_of_units_of_many_tiles_and_passes(synth_model, monkey
     assert 52 * model.config.group_size > 16 * (NUM_THREADS // 32)  # two passes
     want = _long(model, monkeypatch, False)
     for edit in ((FIRST_PASS, FIRST_PASS.replace(" && mt0 == 0", "")),
-                 (COPY, COPY.replace("base + T_TILE,", "base + T_TILE + 1,"))):
+                 (COPY, COPY.replace("base + SEG_TILE,", "base + SEG_TILE + 1,"))):
         bad = _differing(want, _long(model, monkeypatch, True, edit=edit), finite=False)
         assert bad and {s for s, p in bad} == {0} and min(p for _, p in bad) >= 96, (edit, bad)
+
+
+def test_tiles_of_half_the_positions_leave_every_logit_bitwise(synth_model, monkeypatch):
+    """qwen3-tiny (head_dim 128: segment_tile 64, sub-tiles of 32, as Qwen3-0.6B; late q/k):
+    the long units in three pipelined tiles of 64 positions give the logits of the kernel of
+    one buffer of T_TILE, bit for bit (the online softmax steps by the same sub-tiles either
+    way); and the mixed steps too."""
+    model = synth_model("qwen3-tiny")
+    assert header.segment_tile(model.config) == 64 < T_TILE
+    want = _long(model, monkeypatch, False, tile=T_TILE)
+    bad = _differing(want, _long(model, monkeypatch, True))
+    assert not bad, f"rows {bad[:5]} differ"
+    want = _run(model, monkeypatch, False, tile=T_TILE)
+    bad = _differing(want, _run(model, monkeypatch, True))
+    assert not bad, f"rows {bad[:5]} differ"
 
 
 def test_the_cost_model_overlaps_units_after_the_first():

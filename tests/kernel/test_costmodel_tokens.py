@@ -440,16 +440,16 @@ def test_plan_batch_refuses_bad_input(argv, message, capsys):
 
 
 def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsys):
-    """`plan --design v6-mma-seg` (the design of backend option tensor_cores) predicts on the
+    """`plan --design v6-mma-tiles` (the design of backend option tensor_cores) predicts on the
     program that option builds: splits fixed by absolute position, every step's attention
     merged by ticket (merge_ticket_min 1); a design not built yet keeps the default program."""
     from monokernel.kernel.schedule import default_attn_splits, schedule, tensor_core_splits
     from monokernel.model.config import ModelConfig
 
     assert main(["plan", "--shape", "qwen3-0.6b", "--blocks", "32", "--context", "1024",
-                 "--predict", "h200", "--design", "v6-mma-seg", "--batch", "16"]) == 0
+                 "--predict", "h200", "--design", "v6-mma-tiles", "--batch", "16"]) == 0
     out = capsys.readouterr().out
-    assert "design v6-mma-seg (built: backend option tensor_cores" in out
+    assert "design v6-mma-tiles (built: backend option tensor_cores" in out
     got = float(out.strip().splitlines()[-1].split(", ")[1].split()[0])
     cfg = ModelConfig.from_name("qwen3-0.6b")
     splits, chunk = tensor_core_splits(cfg, 32, 2048)
@@ -462,9 +462,9 @@ def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsy
     built = schedule(cfg, 32, 2048, splits, chunk, merge_ticket_min=1, tokens=16,
                      token_groups=True, tensor_cores=True, input_slices=True)
     assert built.merge_ticket_min == 1
-    want = cm.predict(built, "h200", cm.design("v6-mma-seg"), 1024,
+    want = cm.predict(built, "h200", cm.design("v6-mma-tiles"), 1024,
                       shape=StepShape.decode(16, 1024)).tokens_per_s
-    default = cm.predict(schedule(cfg, 32, 2048), "h200", cm.design("v6-mma-seg"), 1024,
+    default = cm.predict(schedule(cfg, 32, 2048), "h200", cm.design("v6-mma-tiles"), 1024,
                          shape=StepShape.decode(16, 1024)).tokens_per_s
     assert got == pytest.approx(want, abs=0.5) and abs(want - default) > 1
 

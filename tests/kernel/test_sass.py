@@ -217,33 +217,33 @@ def test_a_kernel_of_prompt_chunks_keeps_the_decode_facts(shape):
 def test_the_tensor_core_kernels_segment_staging_is_one_round_of_copies(shape):
     """The tensor-core kernel stages a unit's K and V tiles (megakernel.cu segment_stage, in
     each of attention_segment's two modes) by cp.async alone (LDGSTS: no registers, no
-    transposition): T_TILE x HEAD_DIM / 8 / threads 16-byte copies a thread of K and as many of
-    V, one round a tile, as v6-mma-seg's _segment_tile charges (attn_stage_async); V's B
+    transposition): segment_tile x HEAD_DIM / 8 / threads 16-byte copies a thread of K and as
+    many of V, one round a tile, as v6-mma-seg's _segment_tile charges (attn_stage_async); V's B
     fragments come back by ldmatrix .trans (LDSM.16.MT88), and no plain 16-byte load is staged
     through registers into shared memory any more (V^T's 2-byte stores put a row's chunks on
     one bank: benchmarks/NOTES.md). Qwen3 (late q/k, head_dim 128) included."""
     import re
 
-    from monokernel.kernel.isa import T_TILE
+    from monokernel.kernel.header import segment_tile
 
     try:
         sass = sf.compile_sass(shape, function="op_ATTENTION", tokens=16, slots=4, mma=True)
     except SassToolMissing as e:
         pytest.skip(str(e))
-    per = T_TILE * ModelConfig.from_name(shape).head_dim // 8 // NUM_THREADS
+    cfg = ModelConfig.from_name(shape)
+    per = segment_tile(cfg) * cfg.head_dim // 8 // NUM_THREADS
     texts = sf._texts(sass)
     copies = [t for t in texts if re.search(r"\bLDGSTS\.E\.BYPASS\.128\b", t)]
     staged = [n for n, use in sf._plain_load_groups(sass)
               if sf._opcode(use).startswith(("SEL", "STS", "SHF", "PRMT"))]
     print(f"cp.async copies: {len(copies)}; plain 16-byte loads into shared memory: {staged}")
-    # K and V, in the split mode's and the m-tiles' staging; without late q/k each mode stages
-    # its first tile before its query tile and the later tiles in its loop (attn_stage_first):
-    # two sites, each one round a tile
-    cfg = ModelConfig.from_name(shape)
-    sites = 1 if cfg.qk_norm else 2
-    # with the attention pipeline (MK_ATTN_PIPE, head_dim 64: SmolLM2) a tile's successor (the
-    # unit's next tile, or the next unit's first) is copied under it into the other buffer:
-    # that site stages the later tiles in place of the loop's (still two sites)
+    # K and V, in the split mode's and the m-tiles' staging, each site one round a tile: without
+    # late q/k each mode stages its first tile before its query tile (attn_stage_first); with
+    # the attention pipeline (MK_ATTN_PIPE: both shapes) a tile's successor (the unit's
+    # next tile, or the next unit's first) is copied under it into the other buffer: that site
+    # stages the later tiles in place of the loop's; late q/k stages a unit's first tile in
+    # the loop (after its query tile) when the unit before did not copy it: two sites either way
+    sites = 2
     assert len(copies) == 2 * 2 * per * sites
     assert staged == []
     assert any(re.search(r"\bLDSM\.16\.MT88\.2\b", t) for t in texts)

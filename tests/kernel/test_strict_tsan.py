@@ -585,10 +585,11 @@ def test_strict_tsan_a_segments_rows_in_parts_no_race_match_the_mirror(tiny):
     assert_segment_step_matches_the_mirror(tiny, ex, logits)
 
 
-# A unit of two tiles (megakernel.cu segment_pass, MK_ATTN_PIPE): slot 0's 128-position prompt
-# run first (not under TSan), then a step of slot 1's 3-row prompt (one m-tile: the split mode,
-# which copies slot 0's first tile) and slot 0's 8 rows at positions 128..135 (two m-tiles over
-# 136 positions: tiles of 128 and 8, the second copied under the first's work).
+# A unit of two tiles or more (megakernel.cu segment_pass, MK_ATTN_PIPE): slot 0's
+# 128-position prompt run first (not under TSan), then a step of slot 1's 3-row prompt (one
+# m-tile: the split mode, which copies slot 0's first tile) and slot 0's 8 rows at positions
+# 128..135 (two m-tiles over 136 positions: tiles of 128 and 8, or of 64, 64 and 8, each
+# copied under the work of the one before).
 TWO_TILES = ({0: 64}, {0: 64}, {1: 3, 0: 8})
 
 
@@ -622,10 +623,13 @@ def _two_tile_steps(model, strict: bool, edit=None):
 
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
-def test_strict_tsan_a_units_second_tile_pipelined_no_race(tiny):
-    """TWO_TILES' last step under strict TSan: race-free, every row's logits the emulator's
-    own run's (built without TSan), test_tensor_cores.py's tolerance."""
-    got, want = _two_tile_steps(tiny, True), _two_tile_steps(tiny, False)
+@pytest.mark.parametrize("segment_model", ["tiny", "qwen3-tiny"], indirect=True)
+def test_strict_tsan_a_units_second_tile_pipelined_no_race(segment_model):
+    """TWO_TILES' last step under strict TSan (qwen3-tiny: head_dim 128, late q/k, tiles of
+    64: three of them): race-free, every row's logits the emulator's own run's (built without
+    TSan), test_tensor_cores.py's tolerance."""
+    _, model = segment_model
+    got, want = _two_tile_steps(model, True), _two_tile_steps(model, False)
     assert np.isfinite(want).all()
     err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
     assert err.max() <= 4e-3, err

@@ -348,7 +348,8 @@ V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rota
 # ops read the residual's bf16 copy its writers store beside it (residual_in: input_bytes 2).
 # A segment pass issues its first K/V copies before its query tile, a decode row's key on the
 # last warps beside its queries (attn_stage_first). Where the shape's two K/V tile buffers fit
-# (header.attn_pipeline: head_dim 64) the kernel is V6_MMA_TILES's (design_for).
+# (header.attn_pipeline: every shape, Qwen3's in tiles of 64) the kernel is V6_MMA_TILES's
+# (design_for).
 V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_async=True,
                             mma_token_tiles=MMA_NT, mma_rows_split_above=MMA_ROWS_SPLIT_ABOVE,
                             mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K,
@@ -388,7 +389,8 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
 
         tokens = getattr(program, "tokens", 1)
         cfg = getattr(program, "config", None)
-        # MK_ATTN_PIPE where two K/V tile buffers fit the shape's shared memory
+        # MK_ATTN_PIPE where two K/V tile buffers (header.segment_tile) fit the shape's
+        # shared memory: every shape served
         d = V6_MMA_TILES if cfg is not None and attn_pipeline(cfg) else V6_MMA_SEG
         if tokens > 1:
             d = d.replace(prefill_chunk=tokens)

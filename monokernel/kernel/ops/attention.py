@@ -18,9 +18,10 @@ from ...errors import CostModelError
 from ..costmodel.parts import OpBatch, Phases, issue_us
 from ..costmodel.tokens import mma_us, widen_attention
 from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, SEG_KEYS,
-                   SEG_QUERIES, SEG_SUB, T_TILE, Args, Op, attn_k_vec, attn_round_positions,
+                   SEG_QUERIES, T_TILE, Args, Op, attn_k_vec, attn_round_positions,
                    merge_by_ticket, merge_row_lanes, merge_ways, row_finishes, row_rotations,
-                   segment_part_rows, segment_parts, split_chunk, splits_used, unit_finishes)
+                   seg_sub, segment_part_rows, segment_parts, split_chunk, splits_used,
+                   unit_finishes)
 from ..program import Instruction, Region, split_even
 
 OP = Op.ATTENTION
@@ -186,7 +187,7 @@ def _segment_tile(n: np.ndarray, g, d, G: int, D: int, rows) -> tuple:
     V transposed through registers, its 2-byte stores HEAD_DIM / 8-way bank-conflicted), one
     HBM round, two barriers; then each warp takes
     m-tiles of 16 (row, head) queries, passes of NWARPS m-tiles: scores as mma.sync
-    (n / 8 x D / 16 of them), the online softmax in registers per SEG_SUB positions (a
+    (n / 8 x D / 16 of them), the online softmax in registers per seg_sub(D) positions (a
     thread's rows' max and sum over its 4 lanes: 2 shuffle steps each, an expf a score),
     probabilities x V (n / 16 x D / 8 mma). A pass's mma run at the SM's share of
     mma_tflops when 4 or more warps hold m-tiles (a warp issues to one of the 4 tensor
@@ -211,7 +212,7 @@ def _segment_tile(n: np.ndarray, g, d, G: int, D: int, rows) -> tuple:
 
     rate = at(active)
     mma = passes * active * flops / rate
-    sub = np.ceil(n / SEG_SUB)
+    sub = np.ceil(n / seg_sub(D))
     softmax = passes * (issue_us(g, d, n / 8 * 4 * 8) + sub * 4 * g.shfl)
     chunks = np.ceil(n * D / 8 / d.threads)  # a thread's 16-byte K and V loads
     if d.attn_stage_async:  # a cp.async for each of K and V, zeros past the tile
@@ -428,6 +429,12 @@ def _row_ticket_merge(b: OpBatch, g, d, ph: Phases, merging: list[tuple[int, int
     return replace(ph, l2_trips=l2, other_us=other)
 
 
+def _segment_tile_positions(cfg) -> int:
+    from ..header import segment_tile  # (header imports the ops)
+
+    return segment_tile(cfg)
+
+
 def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
     """Per attention unit of the batch's instructions (in order): its dependent L2 and HBM
     trips, other time, K/V rounds, bytes and prefetched bytes at ``b.context``; with
@@ -436,12 +443,14 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
     c = b.program.config
     G, D = c.group_size, c.head_dim
     idx, t0, cnt = _unit_positions(b)
-    ntile = -(-cnt // T_TILE)
-    full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * T_TILE
+    # a segment's unit stages tiles of header.segment_tile's positions (MK_SEG_TILE)
+    tile = _segment_tile_positions(c) if d.attn_segments else T_TILE
+    ntile = -(-cnt // tile)
+    full, last = np.maximum(ntile - 1, 0), cnt - np.maximum(ntile - 1, 0) * tile
     unit_hbm = np.zeros(len(idx))
     unit_l2 = np.full(len(idx), float(d.trips["ATTENTION"][0]))  # the group's queries
     reach = np.clip(b.context - t0 + 1, 0, rows) if d.attn_segments else 1
-    kf, vf, of = tile_isa(np.full(len(idx), T_TILE), g, d, G, D, reach)
+    kf, vf, of = tile_isa(np.full(len(idx), tile), g, d, G, D, reach)
     kl, vl, ol = tile_isa(last, g, d, G, D, reach)
     k_rounds, v_rounds = full * kf + kl, full * vf + vl
     unit_other = full * of + ol + 2 * g.bar_sync  # the unit's set-up and end barriers
