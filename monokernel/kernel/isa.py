@@ -263,13 +263,17 @@ NUM_THREADS = 256
 PREFETCH_MAX_BYTES = 64 * 1024
 # Positions of one attention unit processed per pass (its scores live in shared memory).
 T_TILE = 128
-# Positions of one online-softmax step of a segment's unit on tensor cores (megakernel.cu
-# attention_segment, MK_SEG_SUB: a warp's scores of 16 queries x seg_sub positions and their
-# probability fragments live in registers beside its head_dim / 2 outputs a thread): 64, or 32
-# above head_dim 64 (Qwen3's pipelined kernel spilled with 64: benchmarks/NOTES.md "Attention's
-# tiles in a pipeline"). The numbers follow it (the running max steps by it).
+
+
 def seg_sub(head_dim: int) -> int:
+    """Positions of one online-softmax step of a segment's unit on tensor cores (megakernel.cu
+    attention_segment, MK_SEG_SUB: a warp's scores of 16 queries x seg_sub positions and their
+    probability fragments live in registers beside its head_dim / 2 outputs a thread): 64, or
+    32 above head_dim 64 (Qwen3's pipelined kernel spilled with 64: benchmarks/NOTES.md
+    "Attention's tiles in a pipeline"). The numbers follow it (the running max steps by it)."""
     return 64 if head_dim <= 64 else 32
+
+
 # Late q/k keys of a segment's own rows a warp norms and ropes at once when it stages a K tile
 # (megakernel.cu segment_keys: every key's loads issued before the first one's arithmetic).
 SEG_KEYS = 4

@@ -105,8 +105,8 @@ class ReferenceModel:
         cores (``tensor_cores=1``) feeds them to mma; its judge. That kernel runs attention on mma
         too (megakernel.cu attention_segment): the query (normed and roped first, with late
         q/k) is rounded to bf16, and the probabilities, exp(score - the running max) over
-        seg_sub(head_dim) positions at a time within each split of ``attn_chunk`` positions (the
-        program's attn_min_chunk; None: one split), before their product with V; the splits
+        seg_sub(head_dim) positions at a time within each split of ``attn_chunk`` positions
+        (the program's attn_min_chunk; None: one split), before their product with V; the splits
         merged in fp32 (_attention_mma). The default fp32 inputs are the judge against
         Hugging Face and of the CUDA-core kernel."""
         self.cfg = c = config
