@@ -67,8 +67,7 @@ def dynamic_shared_bytes(cfg: ModelConfig, tokens: int, mma: bool = False) -> in
     it): in the tensor-core kernel (``mma``), a segment's staged K and V [S, head_dim + 8]
     tile buffers (S = segment_tile; two with attn_pipeline), bf16, then its split mode's
     SegSplit (attention_segment: scores fp32 [16, S + 4], probability fragments [S / 16, 32,
-    4] and corrections [S / seg_sub, 32, 2]
-    words, the final (max, sum) [32, 4]), then a query tile a warp, bf16 [16, head_dim + 8]
+    4] and corrections [S / seg_sub, 32, 2] words, the final (max, sum) [32, 4]), then a query tile a warp, bf16 [16, head_dim + 8]
     (or, if more, a row-split mat-mul pass's sums, block_mma_rows, in steps of more than 32,
     then the RMS ops' staged inputs, rms_stage_rows); on CUDA cores, late q/k attention's
     chunk keys, bf16 [tokens, head_dim] (megakernel.cu chunk_keys), in a kernel of steps of
