@@ -496,3 +496,57 @@ def test_plan_predicts_a_program_of_input_slices(capsys):
     assert auto.strip().splitlines()[-1] not in (plain, sliced)
     with pytest.raises(SystemExit):
         main(argv + ["--input-slices", "many"])
+
+
+def test_rows_walk_counts_the_rounds_of_block_mma_rows_loop():
+    """tokens.rows_walk is the number of times megakernel.cu block_mma_rows' inner loop runs
+    for a warp: every k range r (chunks [r C / W, (r + 1) C / W)) in turn, ``unroll`` chunks a
+    round; the ranges differ in length where W does not divide C (SmolLM2's 18 chunks: 10
+    rounds at unroll 2, not 8 x ceil(18 / 8 / 2) = 16)."""
+    from monokernel.kernel.costmodel.tokens import rows_walk
+
+    for chunks in range(1, 80):
+        for warps in (4, 8):
+            for unroll in (1, 2, 3, 4):
+                loop = sum(len(range(r * chunks // warps, (r + 1) * chunks // warps, unroll))
+                           for r in range(warps))
+                assert rows_walk(chunks, warps, unroll) == loop
+    assert rows_walk(18, 8, 2) == 10
+
+
+def _warp_unit_attention(name: str, context: int):
+    from monokernel.kernel.costmodel.simulate import _batches
+    from monokernel.kernel.ops import attention
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    cfg = ModelConfig.from_name(name)
+    splits, min_chunk = tensor_core_splits(cfg, 132, 2048)
+    prog = schedule(cfg, 132, 2048, splits, min_chunk, merge_ticket_min=1, tokens=64,
+                    token_groups=True, tensor_cores=True)
+    shape = StepShape.decode(64, context)
+    _, batch = _batches(prog, context, shape)[Op.ATTENTION]
+    g = cm.gpu("h200")
+    costs = [attention.cost(batch, g, cm.design(n)) for n in ("v6-mma-tiles",
+                                                              "v6-mma-warp-units")]
+    return prog, shape, costs
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b"])
+def test_warp_units_overlap_a_short_contexts_units_and_leave_long_ones(name):
+    """v6-mma-warp-units (predicted, not built): at B64 context 16 a decode row's unit (17
+    positions, one tile) runs on one warp, an instruction's units in one wave: the same K/V
+    bytes, no more trips or rounds than a block's units in turn, the step faster; at context
+    1023 (units of 128 positions, past attn_warp_unit_positions) ATTENTION is the built
+    design's to the last field (context 1023: 1024 positions, no short last split)."""
+    prog, shape, (block, warp) = _warp_unit_attention(name, 16)
+    assert np.array_equal(block.stream_bytes, warp.stream_bytes)
+    assert (warp.l2_trips <= block.l2_trips).all() and (warp.rounds <= block.rounds).all()
+    assert (warp.rounds < block.rounds).any()
+    slow, fast = (cm.predict(prog, "h200", cm.design(n), shape=shape).total_us
+                  for n in ("v6-mma-tiles", "v6-mma-warp-units"))
+    assert fast < slow
+    _, _, (block, warp) = _warp_unit_attention(name, 1023)
+    for f in ("l2_trips", "hbm_trips", "other_us", "rounds", "stream_bytes", "prefetch_bytes",
+              "compute"):
+        assert np.array_equal(getattr(block, f), getattr(warp, f)), f

@@ -215,6 +215,9 @@ class KernelDesign:
     # ATTENTION units a block runs side by side (a warp each) when a step has more units than
     # blocks: their dependent trips and fixed work overlap
     attn_units_in_flight: int = 1
+    # (with attn_segments, attn_units_in_flight > 1) the most positions of a decode row's unit
+    # that one warp runs (v6-mma-warp-units): longer units stay the block's
+    attn_warp_unit_positions: int = 0
     # (with attn_segments and attn_rotate_rows) an instruction's units in a pipeline: the next
     # unit's first K/V tile is copied (cp.async) into a second tile buffer while the block
     # computes the current one's last tile, so that much of the work runs beside the K/V
@@ -367,12 +370,18 @@ V6_MMA_PIPE = V6_MMA_SEG.replace(name="v6-mma-pipe", attn_unit_pipeline=True)
 # (attn_tile_pipeline; benchmarks/NOTES.md "Attention's tiles in a pipeline"): built where two
 # tile buffers fit (design_for), predicted for any shape here.
 V6_MMA_TILES = V6_MMA_PIPE.replace(name="v6-mma-tiles", attn_tile_pipeline=True)
+# V6-MMA-WARP-UNITS (PREDICTED, not built): the built design with a decode row's one-tile
+# units run a warp each, up to NWARPS of an instruction's side by side (attn_units_in_flight;
+# ops/attention.py _warp_unit; benchmarks/NOTES.md "Decode units a warp each").
+V6_MMA_WARP = V6_MMA_TILES.replace(name="v6-mma-warp-units", attn_units_in_flight=8,
+                                   attn_warp_unit_positions=32)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg", "v6-mma-tiles")
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
                                     "v6-mma-pipe": V6_MMA_PIPE, "v6-mma-tiles": V6_MMA_TILES,
+                                    "v6-mma-warp-units": V6_MMA_WARP,
                                     "v7": V7, "v7-rows": V7_ROWS,
                                     "v8": V8, "v8-cluster": V8_CLUSTER}
 

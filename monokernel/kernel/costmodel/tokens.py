@@ -305,7 +305,7 @@ def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = Fal
     by_rows = (tokens > d.mma_rows_split_above) if split else np.zeros(len(rows), bool)
     per_pass = np.where(by_rows, 8 * d.mma_rows_split_tiles, 8 * d.mma_token_tiles)
     pass_rows = np.where(by_rows, 16 * d.warps, d.mma_pass_rows)
-    walk = np.where(by_rows, d.warps * np.ceil(chunks / d.warps / d.mma_rows_split_unroll),
+    walk = np.where(by_rows, rows_walk(chunks, d.warps, d.mma_rows_split_unroll),
                     np.ceil(chunks / d.warps / MMA_UNROLL))
     l2_share = g.l2_bw / g.sms
     token_passes = np.ceil(tokens / per_pass)
@@ -321,6 +321,14 @@ def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = Fal
     rounds = np.where(split & by_rows, row_passes * token_passes * walk, 0.0)
     busy = rows > 0
     return np.where(busy, weights + inputs, 0.0), np.where(busy, rounds, 0.0)
+
+
+def rows_walk(chunks: int, warps: int, unroll: int) -> int:
+    """Dependent rounds of a warp's walk in block_mma_rows: block_mma's k ranges (warp r's:
+    chunks [r C / warps, (r + 1) C / warps)) one after the other, ``unroll`` chunks a round
+    in each."""
+    return sum(-(-((r + 1) * chunks // warps - r * chunks // warps) // unroll)
+               for r in range(warps))
 
 
 def _group_mma_shape(b: OpBatch, rows: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:

@@ -254,7 +254,8 @@ def _rotated(b: OpBatch, g, d) -> Phases:
         rows = [(s.context + i, 1) for s in b.shape.segments for i in range(s.tokens)]
     used = [used_splits(prog, ctx + 1) for ctx, _ in rows]
     probe = np.arange(S)
-    keys = ("l2", "hbm", "other", "rounds", "bytes", "pref", "units", "tiles")
+    keys = ("l2", "hbm", "other", "rounds", "bytes", "pref", "units", "tiles", "warp", "wmma",
+            "w_l2", "w_other", "w_rounds")
     per_slot = {k: np.zeros(S) for k in keys}
     cache: dict[tuple[int, int], dict] = {}
     row_bytes, row_pref = [], []  # per row (part), its units' bytes and prefetchable bytes by slot
@@ -266,6 +267,8 @@ def _rotated(b: OpBatch, g, d) -> Phases:
                                       np.zeros(S), []), g, d, n_p)
             u_p = used_splits(prog, ctx_p + 1)
             one["units"] = (one["bytes"] > 0).astype(np.float64)
+            for k in ("l2", "other", "rounds"):  # the warp units' share (waves below)
+                one["w_" + k] = one[k] * one["warp"]
             cache[ctx_p, n_p] = {k: np.where(probe < u_p, v, 0.0) for k, v in one.items()}
         for k in keys:
             if k != "pref" or r == 0:  # prefetch_weights: the step's first row's units only
@@ -280,15 +283,25 @@ def _rotated(b: OpBatch, g, d) -> Phases:
         out[k] = cum[b.hi] - cum[b.lo]
     if d.attn_rolling_prefetch:
         out["pref"] = _rolling_prefetch(b, S, kv, row_bytes, row_pref, d.attn_first_unit_prefetch)
+    # an instruction's warp units (v6-mma-warp-units) in waves of attn_units_in_flight: a
+    # wave's trips, K/V round and fixed work once (its units' alike), their mma at the SM's
+    # rate; the block's own units as before
+    e = out["warp"]
+    wave = np.where(e > 0, np.ceil(e / max(d.attn_units_in_flight, 1)) / np.maximum(e, 1.0), 0.0)
+    for k in ("l2", "other", "rounds"):
+        out[k] = out[k] - out["w_" + k] * (1.0 - wave)
+    out["other"] = out["other"] + out["wmma"]
     ph = Phases(out["l2"], out["hbm"], out["other"], out["rounds"], out["bytes"], out["pref"])
     if d.attn_unit_pipeline:
         # a tile's copies under the work of the tile before (charged as the instruction's mean
         # tile's; the dependent trips stay in turn): with the unit pipeline, each unit's first
         # tile but the instruction's first under its unit before's last (a unit's later tiles
         # staged in turn); by tiles (attn_tile_pipeline), every tile but the instruction's first
-        tiles = np.maximum(out["tiles"], 1.0)
-        under = tiles - 1.0 if d.attn_tile_pipeline else np.maximum(out["units"] - 1.0, 0.0)
-        beside = out["other"] * under / tiles
+        # (a warp unit's tile is its warp's alone: not in the block's pipeline)
+        block_other = out["other"] - out["w_other"] * wave - out["wmma"]
+        tiles = np.maximum(out["tiles"] - e, 1.0)
+        under = tiles - 1.0 if d.attn_tile_pipeline else np.maximum(out["units"] - e - 1.0, 0.0)
+        beside = block_other * under / tiles
         ph = replace(ph, other_us=out["other"] - beside, compute=beside)
     return ph
 
@@ -500,9 +513,54 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
     if d.attn_kv_prefetch:  # K and V: a range each, positions before the new one
         old = np.clip(np.minimum(cnt, b.context - t0), 0, None)
         pref = 2 * np.minimum(old * D * 2.0, PREFETCH_MAX_BYTES)
+    rounds = (k_rounds + v_rounds).astype(np.float64)
+    warp = np.zeros(len(idx))
+    wmma = np.zeros(len(idx))
+    if d.attn_segments and d.attn_units_in_flight > 1 and rows == 1 and G <= 16:
+        # a decode row's unit of one tile runs on one warp (design v6-mma-warp-units,
+        # predicted): _warp_unit's trips and work in place of the block's
+        warp = ((cnt <= d.attn_warp_unit_positions) & (cnt > 0)).astype(np.float64)
+        w = _warp_unit(cnt, t0, b.context, g, d, c)
+        on = warp > 0
+        unit_l2, unit_other = np.where(on, w["l2"], unit_l2), np.where(on, w["other"], unit_other)
+        rounds = np.where(on, w["rounds"], rounds)
+        wmma = np.where(on, w["mma"], 0.0)
     return {"idx": idx, "l2": unit_l2, "hbm": unit_hbm, "other": unit_other,
-            "rounds": (k_rounds + v_rounds).astype(np.float64), "bytes": cnt * 2 * D * 2.0,
-            "pref": pref, "tiles": ntile.astype(np.float64)}
+            "rounds": rounds, "bytes": cnt * 2 * D * 2.0,
+            "pref": pref, "tiles": ntile.astype(np.float64), "warp": warp, "wmma": wmma}
+
+
+def _warp_unit(cnt: np.ndarray, t0: np.ndarray, context: int, g, d, c) -> dict:
+    """A decode row's one-tile unit on one warp (design v6-mma-warp-units, predicted; not
+    built): the warp stages the tile's K and V by cp.async into its own shared memory (its 32
+    threads' copies, cp.async.wait and __syncwarp: no block barrier), builds its query m-tile
+    (G <= 16 queries; late q/k norms them and the row's own key itself, each an L2 trip), then
+    the m-tiles mode's pass on the tile: scores (n / 8 x D / 16 mma), the online softmax per
+    seg_sub(D) positions, probabilities x V, and stores its partials. Its trips, K/V round and
+    fixed work overlap its instruction's other warp units (up to attn_units_in_flight a wave:
+    _rotated); its mma (``mma``) share the SM's tensor cores with them, charged at the SM's
+    rate. The same arithmetic per element as a block's unit (the m-tiles mode's), so a row's
+    numbers would not depend on which mode ran it."""
+    G, D = c.group_size, c.head_dim
+    n = np.asarray(cnt, np.float64)
+    n8, n16, d16 = np.ceil(n / 8) * 8, np.ceil(n / 16) * 16, -(-D // 16) * 16
+    mma = (2.0 * 16 * d16 * n8 + 2.0 * 16 * D * n16) / (g.mma_tflops * 1e6 / g.sms)
+    chunks = np.ceil(n * D / 8 / 32)  # a lane's 16-byte K and V copies
+    stage = issue_us(g, d, chunks * 3)
+    sub = np.ceil(n / seg_sub(D))
+    softmax = issue_us(g, d, n / 8 * 4 * 8) + sub * 4 * g.shfl
+    io = G * (D * 4 + (D + 2) * 4) / (g.l2_bw / g.sms)  # its queries in, its partials out
+    # the queries' trip (under the tile's copies, issued first, unless late q/k: as a block's)
+    l2 = np.full_like(n, 0.0 if d.attn_stage_first and not c.qk_norm else 1.0)
+    other = stage + softmax + io
+    if c.qk_norm:  # late q/k: its G queries and the row's key (in this unit) normed and roped
+        holds = (t0 <= context) & (context < t0 + n)
+        q_other = 5 * g.shfl + issue_us(g, d, G * D // 32 * 12)
+        k_other = holds * (5 * g.shfl + issue_us(g, d, D // 32 * 12))
+        l2 = l2 + holds
+        other = other + q_other + k_other
+    return {"l2": l2 * (n > 0), "other": other * (n > 0), "rounds": (n > 0) * 1.0,
+            "mma": mma * (n > 0)}
 
 
 def _one_token(b: OpBatch, g, d, merge: bool = True) -> Phases:
