@@ -141,6 +141,9 @@ class KernelDesign:
     # mat-mul (megakernel.cu store_residual_in): one more dependent round, each output of the
     # epilogue read back (4 bytes) and its copy written (2)
     residual_copy_pass: bool = False
+    # (with residual_copy_pass) the copy stored in the mat-mul's epilogue beside the residual's
+    # sum instead (megakernel.cu mma_add_rows): no pass, 2 bytes an output
+    residual_copy_epilogue: bool = False
     # n-tiles (8 tokens each) a tensor-core mat-mul pass multiplies per load of its weights
     # (megakernel.cu block_mma: a pass holds a 32-row group pair's fragments of a k chunk in
     # registers and runs them against this many token tiles): a block's tile re-reads its

@@ -79,7 +79,8 @@ def residual_copy(b: OpBatch, d: KernelDesign) -> tuple[int, float]:
     for every other op or design."""
     if d.residual_copy_pass and b.instructions and \
             getattr(ops.module(b.instructions[0].op), "RESIDUAL_COPY_PASS", False):
-        return 1, 6.0
+        # in the epilogue (residual_copy_epilogue): its store beside the residual's, no pass
+        return (0, 2.0) if d.residual_copy_epilogue else (1, 6.0)
     return 0, 0.0
 
 
