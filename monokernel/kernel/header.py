@@ -118,6 +118,16 @@ def attn_pipeline(cfg: ModelConfig) -> bool:
     return _segment_bytes(cfg, 2, segment_tile(cfg)) <= DYN_SMEM_CAP
 
 
+def residual_in_epilogue(cfg: ModelConfig) -> bool:
+    """Whether the tensor-core kernel's unsliced O_PROJ and DOWN store the residual's bf16
+    copy in their mat-mul's epilogue beside the sum (MK_RES_IN_EPI; megakernel.cu
+    mma_add_rows) instead of in a pass after it (store_residual_in): at head_dim 64 (SmolLM2,
+    Llama: 254 registers, no spills). At 128 (Qwen3-0.6B) the kernel of unsliced O_PROJ and
+    DOWN sits at 255 registers (attention's m-tiles pass) and the epilogue's store spills it
+    (20-28 bytes, in either op alone; benchmarks/NOTES.md "residual_in in the epilogue")."""
+    return cfg.head_dim <= 64
+
+
 def row_split_sums_bytes(tokens: int) -> int:
     """block_mma_rows' sums at the start of dynamic shared memory (a kernel of steps of more
     than isa.MMA_ROWS_SPLIT_ABOVE tokens): [token tiles][warps][16][8] fp32; 0 otherwise."""
@@ -204,6 +214,7 @@ def render_header(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: in
     out.append(f"#define MK_SLOTS {slots}")
     out.append(f"#define MK_MMA {int(bool(mma))}")
     out.append(f"#define MK_ATTN_PIPE {int(bool(mma) and attn_pipeline(cfg))}")
+    out.append(f"#define MK_RES_IN_EPI {int(bool(mma) and residual_in_epilogue(cfg))}")
     out.append(f"#define MK_O_PROJ_SLICES {slices[0]}")
     out.append(f"#define MK_DOWN_SLICES {slices[1]}")
     out.append(f"#define MK_PARTIALS_LD {cfg.hidden_size * max(slices)}")

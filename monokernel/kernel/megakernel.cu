@@ -704,22 +704,34 @@ __device__ __forceinline__ auto tile_rows(const unsigned short* W, int n, int ld
 }
 
 // block_mma's epilogue of O_PROJ and DOWN: res[tok][b + k] += Y[tok][k] for the pass's rows
-// k < n (the tile's residual rows, this block's own) and tokens < ntok.
+// k < n (the tile's residual rows, this block's own) and tokens < ntok; with MK_RES_IN_EPI
+// (header.residual_in_epilogue) also the bf16 copy the RMS ops read, res_in (residual_in at
+// the same offsets), of the sum it stored.
 template <class Sum>
-__device__ __forceinline__ void mma_add_rows(float* res, int b, int n, int ntok, int q0,
-                                             int tok0, Sum sum) {
+__device__ __forceinline__ void mma_add_rows(float* res, mk_in_t* res_in, int b, int n,
+                                             int ntok, int q0, int tok0, Sum sum) {
   for (int i = threadIdx.x; i < MMA_RG * 128; i += MK_THREADS) {
     const int q = i / 128, r = (i / 8) % 16, m = i % 8;
     const int k = (q0 + q) * 16 + r, tok = tok0 + m;
-    if (k < n && tok < ntok) res[(size_t)tok * H + b + k] += sum(q, r, m);
+    if (k < n && tok < ntok) {
+      const size_t at = (size_t)tok * H + b + k;
+      const float v = res[at] + sum(q, r, m);
+      res[at] = v;
+#if MK_RES_IN_EPI
+      res_in[at] = f32_to_bf16(v);
+#else
+      (void)res_in;
+#endif
+    }
   }
 }
 
 // After O_PROJ's or DOWN's block_mma (its last barrier orders the epilogue's writes before
-// these reads): the bf16 copy the RMS ops read (residual_in) of the rows [b, e) of tokens
-// [t0, t0 + n) the epilogue added to. A pass of its own, not a store in the epilogue: there
-// the copy's address spilled Qwen3's kernel, at 255 registers in the DOWN pass.
+// these reads), where the epilogue does not store it (MK_RES_IN_EPI 0: at head_dim 128 that
+// store spills the kernel): the bf16 copy the RMS ops read (residual_in) of the rows [b, e)
+// of tokens [t0, t0 + n) the epilogue added to.
 __device__ __forceinline__ void store_residual_in(const Params& P, int t0, int b, int e, int n) {
+  if (MK_RES_IN_EPI) return;
   const int w = e - b;
   for (int i = threadIdx.x; i < w * n; i += MK_THREADS) {
     const size_t at = (size_t)(t0 + i / w) * H + b + i % w;
@@ -2607,7 +2619,8 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
         load_bf16_x8(P.attn + (size_t)(t0 + tok) * MK_Q_DIM, col, x);
       },
       [&](int q0, int tok0, auto sum) {
-        mma_add_rows(P.residual + (size_t)t0 * H, b, e - b, n, q0, tok0, sum);
+        mma_add_rows(P.residual + (size_t)t0 * H, P.residual_in + (size_t)t0 * H, b, e - b,
+                     n, q0, tok0, sum);
       });
   store_residual_in(P, t0, b, e, n);
 #else
@@ -2721,7 +2734,8 @@ __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, c
         load_bf16_x8(P.ffn_h + (size_t)(t0 + tok) * MK_FFN, col, x);
       },
       [&](int q0, int tok0, auto sum) {
-        mma_add_rows(P.residual + (size_t)t0 * H, b, e - b, n, q0, tok0, sum);
+        mma_add_rows(P.residual + (size_t)t0 * H, P.residual_in + (size_t)t0 * H, b, e - b,
+                     n, q0, tok0, sum);
       });
   store_residual_in(P, t0, b, e, n);
 #else

@@ -124,7 +124,8 @@ def _tokens_design(design_name: str | None, prog):
     """The design a step of many tokens is predicted on: the one named, which must have
     tensor cores, or the one built (design_for the tensor-core program ``prog``: prompts in
     chunks of its tokens a step, the RMS ops' staged rows its shape fits); a named design on
-    the built one's segments (attn_segments) takes the same chunks and staged rows."""
+    the built one's segments (attn_segments) takes the same chunks, staged rows and
+    residual_in's store (header.residual_in_epilogue)."""
     from ..kernel import costmodel as cm
 
     built = cm.design_for(prog, tensor_cores=True)
@@ -136,7 +137,8 @@ def _tokens_design(design_name: str | None, prog):
                          f"({', '.join(n for n, x in cm.DESIGNS.items() if x.tensor_cores)})")
     if d is not built and d.attn_segments:  # another design on its segments: its shape's fit
         d = d.replace(prefill_chunk=built.prefill_chunk,
-                      rms_stage_rows=min(d.rms_stage_rows, built.rms_stage_rows))
+                      rms_stage_rows=min(d.rms_stage_rows, built.rms_stage_rows),
+                      residual_copy_epilogue=built.residual_copy_epilogue)
     return d
 
 

@@ -155,18 +155,23 @@ def test_the_spread_split_cuts_o_proj_and_down_only_and_beats_the_last_drawers_r
 
 
 def test_the_residual_copy_pass_is_charged_to_o_proj_and_down_only():
-    """The built design charges store_residual_in (megakernel.cu): one more round and 6 bytes
-    an output of O_PROJ and DOWN, unsliced (a sliced op stores it in its sum's loop); nothing
-    else changes."""
+    """The built design charges store_residual_in (megakernel.cu) to O_PROJ and DOWN,
+    unsliced (a sliced op stores it in its sum's loop): at head_dim 128 a pass after the
+    mat-mul, one more round and 6 bytes an output; at 64 (SmolLM2: MK_RES_IN_EPI) the copy in
+    the epilogue, 2 bytes an output and no round. Nothing else changes."""
     prog, built = _tc_program("smollm2-135m", input_slices=1)
     g = cm.gpu("h200")
     shape = StepShape.decode(64, 16)
-    assert built.residual_copy_pass
+    assert built.residual_copy_pass and built.residual_copy_epilogue
     without = built.replace(residual_copy_pass=False)
+    in_pass = built.replace(residual_copy_epilogue=False)
     busy = [{r["op"]: r["busy_mean_us"] for r in cm.predict(
-        prog, g, d, static=cm.Static(prog, 17, g, d, shape)).op_rows()} for d in (without, built)]
+        prog, g, d, static=cm.Static(prog, 17, g, d, shape)).op_rows()}
+        for d in (without, in_pass, built)]
     for op in busy[0]:
         if op in ("O_PROJ_RESIDUAL", "DOWN_RESIDUAL"):
             assert busy[1][op] > busy[0][op] + g.l2_latency * 0.9, op
+            assert busy[0][op] < busy[2][op] < busy[0][op] + g.l2_latency * 0.5, op
         else:
             assert busy[1][op] == pytest.approx(busy[0][op]), op
+            assert busy[2][op] == pytest.approx(busy[0][op]), op

@@ -27,6 +27,7 @@ from helpers.batch import PAGE, prompt_of, round_robin
 from monokernel.errors import KernelError
 from monokernel.kernel.base import DeviceSample, StepTable
 from monokernel.kernel.executor import KernelExecutor
+from monokernel.kernel.isa import Op
 from monokernel.kernel.schedule import MAX_STEP_TOKENS
 from monokernel.model.reference import ReferenceModel, bf16_round
 from monokernel.runtime import Engine
@@ -427,18 +428,26 @@ def test_staged_rows_fit_and_load_without_bank_conflicts():
         assert rms_stage_rows(cfg, 8, True) == 8 and rms_stage_rows(cfg, 8) == 0
 
 
-def test_mat_muls_read_bf16_inputs_their_producers_store(synth_model):
+@pytest.mark.parametrize("epilogue", [True, False])
+def test_mat_muls_read_bf16_inputs_their_producers_store(synth_model, monkeypatch, epilogue):
     """A tensor-core build stores attn and ffn_h, and the residual's copy the RMS ops read
     (residual_in), as bf16 (isa.BF16_INPUTS: the precision block_mma rounds them to, half the
     bytes the mat-muls read): buffers of 2 bytes an element; after a step of 19 rows (rows of
     one split finished by their unit and rows of up to three merged by ticket) every element
     of the step's rows is written and none of the rows past it (the poison, bf16 NaN, stays),
-    and residual_in is the bf16 rounding of the residual. The numbers themselves are held by
-    the mixed steps above against the reference."""
+    and residual_in is the bf16 rounding of the residual, stored in O_PROJ's and DOWN's
+    epilogue (MK_RES_IN_EPI, head_dim 64) or in a pass after it (head_dim 128). The numbers
+    themselves are held by the mixed steps above against the reference."""
+    from monokernel.kernel import executor, header
     from monokernel.kernel.executor import BF16_INPUTS
 
+    monkeypatch.setattr(header, "residual_in_epilogue", lambda cfg: epilogue)
     model = synth_model("llama3-tiny")
+    assert f"#define MK_RES_IN_EPI {int(epilogue)}\n" in executor.kernel_source(
+        model.config, MAX_SEQ, 24, 3, PAGE, mma=True)
     ex = tc_executor(model, slots=3, step_tokens=24, attn_splits=12)
+    # (the unsliced mat-muls: slice_mma stores the copy in its own loop)
+    assert ex.program.slices_of(Op.O_PROJ_RESIDUAL) == ex.program.slices_of(Op.DOWN_RESIDUAL) == 1
     c = model.config
     width = {"attn": c.q_dim, "ffn_h": c.intermediate_size, "residual_in": c.hidden_size}
     assert set(BF16_INPUTS) == set(width)
@@ -459,6 +468,58 @@ def test_mat_muls_read_bf16_inputs_their_producers_store(synth_model):
                            merge_ticket_min=1)
     assert all(plain.buffers[name].dtype == np.float32 for name in ("attn", "ffn_h"))
     assert "residual_in" not in plain.buffers
+
+
+# residual_in's store in the epilogue of the unsliced O_PROJ and DOWN, as mma_add_rows writes it
+EPI_STORE = "res_in[at] = f32_to_bf16(v);"
+
+
+def _mixed(model, monkeypatch, epilogue: bool, edit=None):
+    """helpers.batch.run_steps's mixed steps on 3 blocks, O_PROJ and DOWN unsliced, residual_in
+    stored in their epilogue or in the pass after it; ``edit`` a source mutation."""
+    from helpers.batch import run_steps
+    from monokernel.kernel import executor, header
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+
+    monkeypatch.setattr(header, "residual_in_epilogue", lambda cfg: epilogue)
+    if edit is not None:
+        real = executor.kernel_source
+
+        def mutated(*a, **k):
+            src = real(*a, **k)
+            assert src.count(edit[0]) == 1, "the epilogue's store is not where this test expects"
+            return src.replace(*edit)
+
+        monkeypatch.setattr(executor, "kernel_source", mutated)
+    cfg = model.config
+    assert f"#define MK_RES_IN_EPI {int(epilogue)}\n" in executor.kernel_source(
+        cfg, 64, 32, 6, PAGE, mma=True)
+    splits, min_chunk = tensor_core_splits(cfg, 3, 64)
+    prog = schedule(cfg, 3, 64, splits, min_chunk, merge_ticket_min=1, tokens=32,
+                    token_groups=True, tensor_cores=True, input_slices=1)
+    assert prog.slices_of(Op.O_PROJ_RESIDUAL) == prog.slices_of(Op.DOWN_RESIDUAL) == 1
+    try:
+        return run_steps(model, prog, 3, 64, 32)
+    finally:
+        monkeypatch.undo()
+
+
+def test_residual_in_stored_in_the_epilogue_leaves_every_logit_bitwise(synth_model,
+                                                                        monkeypatch):
+    """The epilogue's copy is the bf16 of the sum it stored, so every row's logits over steps
+    of 4 to 32 rows (token groups of many members and row tiles) are bit for bit those of the
+    pass after the mat-mul; negative control: the epilogue storing the copy of the residual
+    before its sum changes them (the RMS ops read what it stores)."""
+    model = synth_model("llama3-tiny")
+    want = _mixed(model, monkeypatch, False)
+    got = _mixed(model, monkeypatch, True)
+    assert len(want) == 98 and all(np.isfinite(v).all() for v in got.values())
+    bad = [k for k in want if not np.array_equal(got[k], want[k])]
+    assert not bad, f"rows {bad[:5]} differ"
+    late = _mixed(model, monkeypatch, True,
+                  edit=(EPI_STORE, "res_in[at] = f32_to_bf16(res[at] - sum(q, r, m));"))
+    bad = [k for k in want if not np.array_equal(late[k], want[k])]
+    assert len(bad) > len(want) // 2, bad
 
 
 def test_awkward_sizes_agree_with_the_bf16_reference(tmp_path):

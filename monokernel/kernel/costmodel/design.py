@@ -372,7 +372,11 @@ V6_MMA_PIPE = V6_MMA_SEG.replace(name="v6-mma-pipe", attn_unit_pipeline=True)
 # V6-MMA-TILES: the pipeline by tiles, each tile's successor copied while it computes
 # (attn_tile_pipeline; benchmarks/NOTES.md "Attention's tiles in a pipeline"): built where two
 # tile buffers fit (design_for), predicted for any shape here.
-V6_MMA_TILES = V6_MMA_PIPE.replace(name="v6-mma-tiles", attn_tile_pipeline=True)
+# O_PROJ's and DOWN's unsliced mat-mul stores residual_in in its epilogue where the kernel
+# has the registers for it (header.residual_in_epilogue: head_dim 64; design_for turns it off
+# at 128; benchmarks/NOTES.md "residual_in in the epilogue").
+V6_MMA_TILES = V6_MMA_PIPE.replace(name="v6-mma-tiles", attn_tile_pipeline=True,
+                                   residual_copy_epilogue=True)
 # V6-MMA-WARP-UNITS (PREDICTED, not built): the built design with a decode row's one-tile
 # units run a warp each, up to NWARPS of an instruction's side by side (attn_units_in_flight;
 # ops/attention.py _warp_unit; benchmarks/NOTES.md "Decode units a warp each").
@@ -397,13 +401,16 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
     the token loop and prompts in chunks of T; ``tensor_cores`` (a kernel of slots built with
     them, MK_MMA): V6_MMA_SEG. A kernel change updates these in the same commit."""
     if tensor_cores:
-        from ..header import attn_pipeline, rms_stage_rows
+        from ..header import attn_pipeline, residual_in_epilogue, rms_stage_rows
 
         tokens = getattr(program, "tokens", 1)
         cfg = getattr(program, "config", None)
         # MK_ATTN_PIPE where two K/V tile buffers (header.segment_tile) fit the shape's
         # shared memory: every shape served
         d = V6_MMA_TILES if cfg is not None and attn_pipeline(cfg) else V6_MMA_SEG
+        if d is V6_MMA_TILES and cfg is not None and not residual_in_epilogue(cfg):
+            # MK_RES_IN_EPI 0 (head_dim 128): the copy in a pass after the mat-mul
+            d = d.replace(residual_copy_epilogue=False)
         if tokens > 1:
             d = d.replace(prefill_chunk=tokens)
         rows = d.rms_stage_rows if cfg is None else rms_stage_rows(cfg, tokens, True)
