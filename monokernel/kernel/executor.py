@@ -754,6 +754,7 @@ class KernelExecutor(Executor):
             dev.write(b["stop_mask"], masks)
         words = self.state_words(0, 0, None)
         words[State.NTOK], words[State.STEPS] = n, steps
+        words[State.HOST_LOGITS] = int(np.count_nonzero(host))
         return words
 
     def _table_step(self, tokens, slots, positions, want, tables: dict, drawn=None,

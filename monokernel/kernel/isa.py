@@ -109,6 +109,10 @@ class State(IntEnum):
     # a step (132 blocks each reading it were served one after another, ~1 us each: NOTES);
     # the block that draws the step's last ticket reads it here
     HOST_STOP = 14
+    # (a step of the token table) its logits rows below this store their logits for the host
+    # (the executor numbers the host's rows first); a row drawn on the device keeps only its
+    # draw's partials (megakernel.cu lm_head_mma): logits nobody reads are not written
+    HOST_LOGITS = 15
 
 
 STATE_WORDS = 16

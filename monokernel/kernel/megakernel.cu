@@ -2916,10 +2916,10 @@ __device__ void lm_head_ticket(const Params& P, OpShared& s, const int* st, int 
 #endif
 }
 
-// One row's LM-head tile: logits[b:e] = lm_head[b:e] . rmsnorm(x) when `run`, and the tile's
-// best score (the logit, or logit / temp + Gumbel noise keyed by (seed, pos)) with its token
-// written to part[0..1] by thread 0 (-inf and -1 when not `run`: a prompt step's, an empty
-// tile's).
+// One row's LM-head tile: logits[b:e] = lm_head[b:e] . rmsnorm(x) when `run` (none stored
+// where logits is null: a row drawn on the device), and the tile's best score (the logit, or
+// logit / temp + Gumbel noise keyed by (seed, pos)) with its token written to part[0..1] by
+// thread 0 (-inf and -1 when not `run`: a prompt step's, an empty tile's).
 __device__ __forceinline__ void lm_head_tile(const Params& P, OpShared& s,
                                              const float (&g)[RMS_PER], int b, int e, bool run,
                                              const float* x, float* logits, float temp,
@@ -2934,7 +2934,7 @@ __device__ __forceinline__ void lm_head_tile(const Params& P, OpShared& s,
         [](int) { return 0.f; },
         [&](int k, float v, float) {
           const int r = b + k;
-          logits[r] = v;
+          if (logits != nullptr) logits[r] = v;
           best_of(best, best_id, temp > 0.f ? v / temp + gumbel(seed, pos, (unsigned)r) : v, r);
         });
   }
@@ -2958,7 +2958,8 @@ __device__ __forceinline__ void lm_head_tile(const Params& P, OpShared& s,
 
 #if MK_MMA
 // The LM head on tensor cores: the step's rows with logits (a token group of 8 of them per
-// pass), their logits over the tile and each row's best score (logit, or logit / temp +
+// pass), their logits over the tile (stored for the host's rows only: S_HOST_LOGITS) and
+// each row's best score (logit, or logit / temp +
 // Gumbel noise keyed by (seed, pos)) with its token to the row's partial: -inf and -1 for an
 // empty tile. A row's best is kept by one thread (row i: thread i % 8) over the passes.
 __device__ void lm_head_mma(const Params& P, MmaShared& sm, const int* st, int b, int e,
@@ -2978,6 +2979,7 @@ __device__ void lm_head_mma(const Params& P, MmaShared& sm, const int* st, int b
   }
   const bool staged = mma_rms(sm, P.residual_in, m, [&](int i) { return sm.rows[i]; },
                               P.final_norm);  // (its barrier: best too)
+  const int host_rows = st[S_HOST_LOGITS];  // logits rows the host reads (the drawn: none)
   if (b < e) {
     block_mma<H>(
         sm, (e - b + 15) / 16, m, tile_rows(P.lm_head + (size_t)b * H, e - b, H),
@@ -2989,9 +2991,10 @@ __device__ void lm_head_mma(const Params& P, MmaShared& sm, const int* st, int b
           for (int i = threadIdx.x; i < MMA_RG * 128; i += MK_THREADS) {
             const int q = i / 128, r = (i / 8) % 16, n = i % 8;
             const int k = (q0 + q) * 16 + r, row = tok0 + n;
-            if (k < e - b && row < m)
-              P.logits[(size_t)step_row(st, sm.rows[row])[R_LOGITS] * MK_VOCAB + b + k] =
-                  sum(q, r, n);
+            if (k < e - b && row < m) {
+              const int lrow = step_row(st, sm.rows[row])[R_LOGITS];
+              if (lrow < host_rows) P.logits[(size_t)lrow * MK_VOCAB + b + k] = sum(q, r, n);
+            }
           }
           const int row = tok0 + (int)threadIdx.x;
           if (threadIdx.x < 8 && row < m) {
@@ -3039,8 +3042,11 @@ __device__ void op_rms_lm_head(const Params& P, OpShared& s, const int* ins, con
   for (int tok = 0; tok < step_tokens(st); ++tok) {
     const int* row = step_row(st, tok);
     if (row[R_LOGITS] < 0) continue;
+    // (a row drawn on the device: its draw only, no logits for the host)
     lm_head_tile(P, s, g, b, e, b < e, P.residual + (size_t)tok * H,
-                 P.logits + (size_t)row[R_LOGITS] * MK_VOCAB, __int_as_float(row[R_TEMPERATURE]),
+                 row[R_LOGITS] < st[S_HOST_LOGITS] ? P.logits + (size_t)row[R_LOGITS] * MK_VOCAB
+                                                   : nullptr,
+                 __int_as_float(row[R_TEMPERATURE]),
                  (unsigned)row[R_SEED], (unsigned)row[R_POS],
                  P.lm_part + ((size_t)tok * parts + slot) * 2);
     __syncthreads();  // s.best: the next row's

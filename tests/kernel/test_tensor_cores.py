@@ -564,6 +564,57 @@ def test_the_device_draws_what_the_host_sampler_would(synth_model):
     assert len(set(want[9:])) > 1  # the hot slot's draws are not all one token
 
 
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["mma", "cuda-cores"])
+def test_rows_drawn_on_the_device_store_no_logits(synth_model, monkeypatch, tensor_cores):
+    """A step whose slot 0 rows want logits for the host and slot 1's are drawn on the
+    device (greedy): the logits buffer holds the host's rows (numbered first, State.HOST_LOGITS
+    of them: what the step returns) and nothing of the drawn ones (their poison stays); the
+    drawn tokens are the argmax of the logits the same rows give the host. Negative control:
+    the LM head storing every row's logits (its host-rows test removed) writes the drawn rows
+    too, so this test sees a store it should not."""
+    from monokernel.kernel import executor
+
+    model = synth_model("llama3-tiny")
+    prompts = [prompt_of(model, 6, 5), prompt_of(model, 5, 6)]
+    V = model.config.vocab_size
+
+    def run(edit=None):
+        if edit is not None:
+            real = executor.kernel_source
+
+            def mutated(*a, **k):
+                src = real(*a, **k)
+                assert src.count(edit[0]) == 1, "the LM head's store is not where this test expects"
+                return src.replace(*edit)
+
+            monkeypatch.setattr(executor, "kernel_source", mutated)
+        try:
+            ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=2, page_size=PAGE,
+                                step_tokens=16, tensor_cores=tensor_cores)
+            ex.poison()
+            got = prefill_all(ex, prompts, {1: DeviceSample(0.0, 0)})
+            return got, ex.read_buffer("logits")[:11 * V].reshape(11, V)
+        finally:
+            monkeypatch.undo()
+
+    got, buf = run()
+    assert got.logits.shape == (6, V) and np.array_equal(buf[:6], got.logits)
+    assert np.isnan(buf[6:]).all(), "a row drawn on the device stored its logits"
+    host = prefill_all(tc_executor(model, slots=2, step_tokens=16) if tensor_cores else
+                       _cuda_core_executor(model), prompts).logits
+    assert got.tokens.tolist() == np.argmax(host[6:], axis=1).tolist()
+    store = ("if (lrow < host_rows) P.logits" if tensor_cores else
+             "row[R_LOGITS] < st[S_HOST_LOGITS] ? P.logits")
+    _, every = run((store, "true ? P.logits" if not tensor_cores else "P.logits"))
+    assert np.isfinite(every[6:]).all()
+
+
+def _cuda_core_executor(model) -> KernelExecutor:
+    ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=2, page_size=PAGE, step_tokens=16)
+    ex.poison()
+    return ex
+
+
 def test_the_engine_batches_on_tensor_cores(synth_model):
     """``Engine`` on a kernel of 2 slots with tensor cores: three seeded requests (the third
     joining when a slot frees) each get the text they get alone on the same kernel, drawn on

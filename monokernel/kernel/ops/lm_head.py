@@ -58,5 +58,9 @@ def cost(b: OpBatch, g, d) -> Phases:
     pref = prefetched(d, b.n * H * 2)
     ph = Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64), pref,
                 late_norm(busy, d), busy * issue)
-    # only the tokens that need logits (none: a prompt chunk before the last)
-    return widen_matmul(b, g, d, ph, H, tokens=None if b.shape is None else b.shape.logits)
+    # only the tokens that need logits (none: a prompt chunk before the last); a row drawn on
+    # the device stores no logits (State.HOST_LOGITS: the host's rows only), and a step of
+    # many tokens is predicted with every row drawn there (the server's greedy and
+    # temperature sampling), so the outputs cost nothing beyond the partials
+    return widen_matmul(b, g, d, ph, H, tokens=None if b.shape is None else b.shape.logits,
+                        out_bytes=0.0)
