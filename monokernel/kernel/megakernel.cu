@@ -2958,10 +2958,10 @@ __device__ __forceinline__ void lm_head_tile(const Params& P, OpShared& s,
 
 #if MK_MMA
 // The LM head on tensor cores: the step's rows with logits (a token group of 8 of them per
-// pass), their logits over the tile (stored for the host's rows only: S_HOST_LOGITS) and
-// each row's best score (logit, or logit / temp +
-// Gumbel noise keyed by (seed, pos)) with its token to the row's partial: -inf and -1 for an
-// empty tile. A row's best is kept by one thread (row i: thread i % 8) over the passes.
+// pass), their logits over the tile (stored for the host's rows only: S_HOST_LOGITS) and each
+// row's best score (logit, or logit / temp + Gumbel noise keyed by (seed, pos)) with its token
+// to the row's partial: -inf and -1 for an empty tile. A row's best is kept by one thread (row
+// i: thread i % 8) over the passes.
 __device__ void lm_head_mma(const Params& P, MmaShared& sm, const int* st, int b, int e,
                             int slot, int parts) {
   __shared__ int s_rows;

@@ -399,7 +399,9 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
     per launch; its A/B twins with one launch per step (backend cuda-1step) or the fenced hop
     (MK_SYNC=1, backend cuda-sync1); with a program of steps of up to T tokens (``tokens``),
     the token loop and prompts in chunks of T; ``tensor_cores`` (a kernel of slots built with
-    them, MK_MMA): V6_MMA_SEG. A kernel change updates these in the same commit."""
+    them, MK_MMA): V6_MMA_TILES where two K/V tile buffers fit (else V6_MMA_SEG), residual_in's
+    copy in a pass where the epilogue's store would spill (head_dim 128). A kernel change
+    updates these in the same commit."""
     if tensor_cores:
         from ..header import attn_pipeline, residual_in_epilogue, rms_stage_rows
 

@@ -517,8 +517,8 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
     warp = np.zeros(len(idx))
     wmma = np.zeros(len(idx))
     if d.attn_segments and d.attn_units_in_flight > 1 and rows == 1 and G <= 16:
-        # a decode row's unit of one tile runs on one warp (design v6-mma-warp-units,
-        # predicted): _warp_unit's trips and work in place of the block's
+        # a decode row's unit of at most attn_warp_unit_positions positions runs on one warp
+        # (design v6-mma-warp-units, predicted): _warp_unit's trips and work for the block's
         warp = ((cnt <= d.attn_warp_unit_positions) & (cnt > 0)).astype(np.float64)
         w = _warp_unit(cnt, t0, b.context, g, d, c)
         on = warp > 0
@@ -531,8 +531,8 @@ def _unit_costs(b: OpBatch, g, d, rows: int = 1) -> dict[str, np.ndarray]:
 
 
 def _warp_unit(cnt: np.ndarray, t0: np.ndarray, context: int, g, d, c) -> dict:
-    """A decode row's one-tile unit on one warp (design v6-mma-warp-units, predicted; not
-    built): the warp stages the tile's K and V by cp.async into its own shared memory (its 32
+    """A decode row's short unit (one tile) on one warp (design v6-mma-warp-units, predicted;
+    not built): the warp stages the tile's K and V by cp.async into its own shared memory (its 32
     threads' copies, cp.async.wait and __syncwarp: no block barrier), builds its query m-tile
     (G <= 16 queries; late q/k norms them and the row's own key itself, each an L2 trip), then
     the m-tiles mode's pass on the tile: scores (n / 8 x D / 16 mma), the online softmax per
