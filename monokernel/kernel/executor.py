@@ -290,6 +290,10 @@ class KernelExecutor(Executor):
         self._state_on_device: tuple | None = None
         self._last_logits: np.ndarray | None = None  # a table step's logits rows
         self.logits_rows_read = 0  # logits rows read back by table steps (the host's samples)
+        # a table step's kernel stores the logits of the host's rows only (State.HOST_LOGITS);
+        # True: of the rows drawn on the device too, after them in `logits` (tests and
+        # inspection: the host still reads back its own rows only)
+        self.drawn_logits = False
         self.reset()
 
     # ---- buffers --------------------------------------------------------------------------
@@ -754,7 +758,8 @@ class KernelExecutor(Executor):
             dev.write(b["stop_mask"], masks)
         words = self.state_words(0, 0, None)
         words[State.NTOK], words[State.STEPS] = n, steps
-        words[State.HOST_LOGITS] = int(np.count_nonzero(host))
+        words[State.HOST_LOGITS] = len(order) if self.drawn_logits else \
+            int(np.count_nonzero(host))
         return words
 
     def _table_step(self, tokens, slots, positions, want, tables: dict, drawn=None,

@@ -381,6 +381,7 @@ def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny, tensor
         kw = {"program": schedule(tiny.config, BLOCKS, MAX_SEQ, s, c, merge_ticket_min=1,
                                   tokens=3, token_groups=(2, 2), tensor_cores=True)}
     ex = table_executor(tiny, tensor_cores, **kw)
+    ex.drawn_logits = True  # the drawn rows' logits stored too (the kernel's draw checked below)
     if splits:
         assert ex.program.attn_min_chunk == 2  # MAX_SEQ / splits
     tol = 4e-3 if tensor_cores else 2e-3

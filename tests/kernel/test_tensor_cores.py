@@ -569,7 +569,8 @@ def test_rows_drawn_on_the_device_store_no_logits(synth_model, monkeypatch, tens
     """A step whose slot 0 rows want logits for the host and slot 1's are drawn on the
     device (greedy): the logits buffer holds the host's rows (numbered first, State.HOST_LOGITS
     of them: what the step returns) and nothing of the drawn ones (their poison stays); the
-    drawn tokens are the argmax of the logits the same rows give the host. Negative control:
+    drawn tokens are the argmax of the logits the same rows give the host, and with the
+    executor's drawn_logits those logits are stored after the host's. Negative control:
     the LM head storing every row's logits (its host-rows test removed) writes the drawn rows
     too, so this test sees a store it should not."""
     from monokernel.kernel import executor
@@ -578,7 +579,7 @@ def test_rows_drawn_on_the_device_store_no_logits(synth_model, monkeypatch, tens
     prompts = [prompt_of(model, 6, 5), prompt_of(model, 5, 6)]
     V = model.config.vocab_size
 
-    def run(edit=None):
+    def run(edit=None, drawn_logits=False):
         if edit is not None:
             real = executor.kernel_source
 
@@ -592,6 +593,7 @@ def test_rows_drawn_on_the_device_store_no_logits(synth_model, monkeypatch, tens
             ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=2, page_size=PAGE,
                                 step_tokens=16, tensor_cores=tensor_cores)
             ex.poison()
+            ex.drawn_logits = drawn_logits
             got = prefill_all(ex, prompts, {1: DeviceSample(0.0, 0)})
             return got, ex.read_buffer("logits")[:11 * V].reshape(11, V)
         finally:
@@ -603,6 +605,11 @@ def test_rows_drawn_on_the_device_store_no_logits(synth_model, monkeypatch, tens
     host = prefill_all(tc_executor(model, slots=2, step_tokens=16) if tensor_cores else
                        _cuda_core_executor(model), prompts).logits
     assert got.tokens.tolist() == np.argmax(host[6:], axis=1).tolist()
+    # the executor's drawn_logits (tests, inspection): the drawn rows' logits stored after the
+    # host's, those the same rows give the host; the step still returns the host's rows only
+    kept, buf = run(drawn_logits=True)
+    assert np.array_equal(buf[:6], kept.logits) and np.array_equal(buf[6:], host[6:])
+    assert kept.tokens.tolist() == got.tokens.tolist()
     store = ("if (lrow < host_rows) P.logits" if tensor_cores else
              "row[R_LOGITS] < st[S_HOST_LOGITS] ? P.logits")
     _, every = run((store, "true ? P.logits" if not tensor_cores else "P.logits"))
