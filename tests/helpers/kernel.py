@@ -99,3 +99,19 @@ def assert_logits_match(kernel: np.ndarray, ref: np.ndarray, what: str) -> float
         assert err <= RTOL_OF_MAX, f"{what}: position {pos}: max|kernel - ref| = {err:.3g} * max|ref|"
         worst = max(worst, err)
     return worst
+
+
+def mutate_kernel_source(monkeypatch, edit: tuple[str, str], what: str) -> None:
+    """Make every kernel the executor builds from now on (until ``monkeypatch.undo()``) take
+    ``edit`` (old, new) on its source: a negative control's mutation. ``old`` must occur
+    exactly once (``what``: the code the test expects there, named in the failure)."""
+    from monokernel.kernel import executor
+
+    real = executor.kernel_source
+
+    def mutated(*a, **k):
+        src = real(*a, **k)
+        assert src.count(edit[0]) == 1, f"{what} is not where this test expects"
+        return src.replace(*edit)
+
+    monkeypatch.setattr(executor, "kernel_source", mutated)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from helpers.batch import run_steps
+from helpers.kernel import mutate_kernel_source
 from monokernel.kernel import executor, header
 from monokernel.kernel.isa import NUM_THREADS, T_TILE
 from monokernel.kernel.schedule import schedule, tensor_core_splits
@@ -60,14 +61,7 @@ def _run(model, monkeypatch, pipelined: bool, edit=None, tile=None, blocks=3, ma
     if tile is not None:
         monkeypatch.setattr(header, "segment_tile", lambda cfg: tile)
     if edit is not None:
-        real = executor.kernel_source
-
-        def mutated(*a, **k):
-            src = real(*a, **k)
-            assert src.count(edit[0]) == 1, "the pipeline's code is not where this test expects"
-            return src.replace(*edit)
-
-        monkeypatch.setattr(executor, "kernel_source", mutated)
+        mutate_kernel_source(monkeypatch, edit, "the pipeline's code")
     src = executor.kernel_source(model.config, max_seq, tokens, 6, 8, mma=True)
     assert f"#define MK_ATTN_PIPE {int(pipelined)}\n" in src
     try:

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from helpers.batch import PAGE, prompt_of, round_robin
+from helpers.kernel import mutate_kernel_source
 from monokernel.errors import KernelError
 from monokernel.kernel.base import DeviceSample, StepTable
 from monokernel.kernel.executor import KernelExecutor
@@ -483,14 +484,7 @@ def _mixed(model, monkeypatch, epilogue: bool, edit=None):
 
     monkeypatch.setattr(header, "residual_in_epilogue", lambda cfg: epilogue)
     if edit is not None:
-        real = executor.kernel_source
-
-        def mutated(*a, **k):
-            src = real(*a, **k)
-            assert src.count(edit[0]) == 1, "the epilogue's store is not where this test expects"
-            return src.replace(*edit)
-
-        monkeypatch.setattr(executor, "kernel_source", mutated)
+        mutate_kernel_source(monkeypatch, edit, "the epilogue's store")
     cfg = model.config
     assert f"#define MK_RES_IN_EPI {int(epilogue)}\n" in executor.kernel_source(
         cfg, 64, 32, 6, PAGE, mma=True)
@@ -573,22 +567,13 @@ def test_rows_drawn_on_the_device_store_no_logits(synth_model, monkeypatch, tens
     executor's drawn_logits those logits are stored after the host's. Negative control:
     the LM head storing every row's logits (its host-rows test removed) writes the drawn rows
     too, so this test sees a store it should not."""
-    from monokernel.kernel import executor
-
     model = synth_model("llama3-tiny")
     prompts = [prompt_of(model, 6, 5), prompt_of(model, 5, 6)]
     V = model.config.vocab_size
 
     def run(edit=None, drawn_logits=False):
         if edit is not None:
-            real = executor.kernel_source
-
-            def mutated(*a, **k):
-                src = real(*a, **k)
-                assert src.count(edit[0]) == 1, "the LM head's store is not where this test expects"
-                return src.replace(*edit)
-
-            monkeypatch.setattr(executor, "kernel_source", mutated)
+            mutate_kernel_source(monkeypatch, edit, "the LM head's store")
         try:
             ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=2, page_size=PAGE,
                                 step_tokens=16, tensor_cores=tensor_cores)
