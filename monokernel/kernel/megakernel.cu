@@ -73,6 +73,18 @@ __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // Whole rounds of copy_to_shared: n floats rounded up to float4s for every thread.
 #define COPY_SPAN(n) (((n) / 4 + MK_THREADS - 1) / MK_THREADS * MK_THREADS * 4)
+
+// An L2 prefetch of the 128-byte line holding p. The emulator reads one byte instead, so
+// AddressSanitizer checks every prefetched address (and the strict build that no prefetch reads
+// memory another block may be writing).
+__device__ __forceinline__ void prefetch_line(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#elif !defined(__CUDACC__)
+  (void)*reinterpret_cast<const volatile char*>(p);
+#endif
+}
+
 // Longest vector a block keeps in shared memory: normed residual, attention output, or h (as
 // copy_to_shared writes it: whole rounds); and ATTENTION's per-warp V partials, which use
 // the same space. The tensor-core DOWN reads h from global memory (block_mma): no h here.
@@ -509,6 +521,15 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
         for (int i = 0; i < 4; ++i) sums[j][warp][mma_d_row(i)][mma_d_col(i)] = 0.f;
       for (int r = 0; r < NWARPS && q < groups; ++r) {  // block_mma's k ranges, in warp order
         const int c_begin = r * C / NWARPS, c_end = (r + 1) * C / NWARPS;
+        if (MK_PREFETCH && r + 1 < NWARPS) {  // the walk's next range into L2 while this
+          // one's loads wait on HBM (the design's mma_rows_prefetch): lane (g, t) the 128-byte
+          // lines t, t + 4, ... of its rows g and g + 8 (w: none past the tile)
+          const int e = min(K, (r + 2) * C / NWARPS * MMA_KC);
+          for (int c = c_end * MMA_KC + 64 * t; c < e; c += 256)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              if (w[h]) prefetch_line(w[h] + c);
+        }
         float acc[NT][4];
 #pragma unroll
         for (int j = 0; j < NT; ++j)
@@ -767,17 +788,6 @@ __device__ __forceinline__ float gumbel(unsigned seed, unsigned pos, unsigned to
   // 2^24 - 1 rounded (2^24 - 0.5) up to 2^24: u == 1, infinite noise, that token always sampled.)
   const float u = ((float)(h >> 9) + 0.5f) * (1.0f / 8388608.0f);
   return -logf(-logf(u));
-}
-
-// An L2 prefetch of the 128-byte line holding p. The emulator reads one byte instead, so
-// AddressSanitizer checks every prefetched address (and the strict build that no prefetch reads
-// memory another block may be writing).
-__device__ __forceinline__ void prefetch_line(const void* p) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#elif !defined(__CUDACC__)
-  (void)*reinterpret_cast<const volatile char*>(p);
-#endif
 }
 
 // Issue L2 prefetches for [p, p + bytes), one 128-byte line per thread per pass.

@@ -250,3 +250,79 @@ def test_negative_control_partials_one_element_short(synth_dir):
     assert proc.returncode != 0 and "ok" not in proc.stdout
     assert "AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
     assert "slice_mma" in proc.stderr, proc.stderr[-3000:]
+
+
+ROW_SPLIT_SCRIPT = r"""
+import sys
+import numpy as np
+from monokernel.kernel import executor
+from monokernel.kernel.base import StepTable
+from monokernel.kernel.devices.emulator import EmulatorDevice
+from monokernel.kernel.executor import KernelExecutor
+from monokernel.kernel.schedule import schedule, tensor_core_splits
+from monokernel.model.loader import load_model
+from monokernel.model.reference import ReferenceModel
+
+m = load_model(sys.argv[1], progress=False)
+if sys.argv[2] == "past":  # the walk's prefetch 16 rows on: past the last row group's weights
+    OLD = "if (w[h]) prefetch_line(w[h] + c);"
+    real = executor.kernel_source
+
+    def mutated(*a, **k):
+        src = real(*a, **k)
+        assert src.count(OLD) == 1, "block_mma_rows' prefetch is not where this test expects"
+        return src.replace(OLD, "if (w[h]) prefetch_line(w[h] + c + 16 * K);")
+
+    executor.kernel_source = mutated
+# 2 blocks in row tiles, a step of 34 rows (two prompts of 17): every mat-mul and the LM head
+# split their rows over the warps (block_mma_rows), whose walk prefetches its next k range
+N, BLOCKS = 17, 2
+seq = 2 * N
+prog = schedule(m.config, BLOCKS, seq, *tensor_core_splits(m.config, BLOCKS, seq),
+                merge_ticket_min=1, tokens=2 * N, token_groups=False, tensor_cores=True)
+ex = KernelExecutor(m, seq, blocks=BLOCKS, slots=2, step_tokens=2 * N, page_size=2,
+                    tensor_cores=True, program=prog, device=EmulatorDevice(sanitize="address"))
+assert "prefetch_line(w[h] + c" in ex.source
+pages = list(ex.add_pages(2 * -(-N // 2)))
+tables = {0: pages[:len(pages) // 2], 1: pages[len(pages) // 2:]}
+prompts = [[5 + 3 * i for i in range(N)], [7 + 2 * i for i in range(N)]]
+rows = [(t, s, i, True, True) for s, p in enumerate(prompts) for i, t in enumerate(p)]
+logits = ex.run_table(StepTable.of(rows, tables)).logits
+worst = 0.0
+for s, p in enumerate(prompts):
+    want = ReferenceModel(m.config, m.weights, seq, bf16_inputs=True,
+                          attn_chunk=ex.program.attn_min_chunk).forward(p, 0)
+    got = logits[s * N:(s + 1) * N]
+    worst = max(worst, float((np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)).max()))
+# test_tensor_cores.py's row tolerance against the bf16-inputs reference
+assert worst <= 4e-3, worst
+print(f"ok {worst:.2e}")
+"""
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``script`` with ``args`` in a subprocess under ASan (asan_preload_env)."""
+    return subprocess.run([sys.executable, "-c", script, *args], env=asan_preload_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_row_split_walk_prefetch_under_address_sanitizer(synth_dir):
+    """block_mma_rows' walk prefetches each next k range of its row group's rows (the design's
+    mma_rows_prefetch; the emulator's prefetch reads a byte of the line): a step of 34 rows on
+    2 blocks in row tiles, every mat-mul and the LM head in the row split, under ASan: no
+    report, the reference's logits."""
+    proc = _run(ROW_SPLIT_SCRIPT, str(synth_dir("llama3-tiny")), "full")
+    assert "AddressSanitizer" not in proc.stderr and proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.startswith("ok"), proc.stdout
+
+
+@pytest.mark.slow
+def test_negative_control_row_split_prefetch_past_the_rows(synth_dir):
+    """The same step with the walk's prefetch 16 rows further on: past the end of the last
+    row group's weights, which ASan must report in block_mma_rows' prefetch."""
+    proc = _run(ROW_SPLIT_SCRIPT, str(synth_dir("llama3-tiny")), "past")
+    assert proc.returncode != 0 and "ok" not in proc.stdout
+    assert "AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
+    assert "prefetch_line" in proc.stderr and "block_mma_rows" in proc.stderr, \
+        proc.stderr[-3000:]

@@ -63,7 +63,10 @@ def test_design_for_is_the_kernel_as_built():
                        rms_stage_rows=0, attn_row_parts=0, input_bytes=4,
                        residual_copy_pass=False, attn_stage_first=False,
                        attn_unit_pipeline=False, attn_tile_pipeline=False,
-                       residual_copy_epilogue=False) == cm.DESIGNS["v6-mma"]
+                       residual_copy_epilogue=False,
+                       mma_rows_prefetch=False) == cm.DESIGNS["v6-mma"]
+    # the row split's walk prefetches its next k range (megakernel.cu block_mma_rows)
+    assert mma.mma_rows_prefetch and not cm.DESIGNS["v6-mma"].mma_rows_prefetch
     # block_mma's and block_mma_rows' constants: isa.py's, as the header renders them for
     # megakernel.cu (which defines none of its own) and as the built design reads them
     import re
@@ -624,3 +627,16 @@ def test_calibrate_refuses_a_trace_whose_timer_is_too_coarse(tmp_path, capsys):
     path.write_text(json.dumps(doc))
     assert main(["calibrate", str(path)]) == 0
     assert "does not record its timer's tick" in capsys.readouterr().out
+
+
+def test_rounds_the_walk_prefetched_wait_on_l2():
+    """busy_us's ``rolling`` (Phases.rolling: block_mma_rows' walk prefetching its next k
+    range): that share of a latency-bound stream's rounds at L2's latency instead of the
+    prefetch-weighted HBM one; none changes nothing."""
+    g = cm.gpu("h200")
+    base = dict(rounds=50.0, nbytes=16e3, pref=0.0)
+    assert _busy(**base, rolling=0.0) == _busy(**base)
+    cut = _busy(**base) - _busy(**base, rolling=1.0)
+    assert cut == pytest.approx(50 * (g.hbm_latency - g.l2_latency))
+    half = _busy(**base) - _busy(**base, rolling=0.5)
+    assert half == pytest.approx(cut / 2)

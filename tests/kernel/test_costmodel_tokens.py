@@ -552,3 +552,44 @@ def test_warp_units_overlap_a_short_contexts_units_and_leave_long_ones(name):
     for f in ("l2_trips", "hbm_trips", "other_us", "rounds", "stream_bytes", "prefetch_bytes",
               "compute"):
         assert np.array_equal(getattr(block, f), getattr(warp, f)), f
+
+
+def test_the_row_split_walk_prefetch_puts_all_but_each_walks_first_range_on_l2():
+    """mma_rows_prefetch (megakernel.cu block_mma_rows: a warp prefetches its row group's next
+    k range into L2 as it starts one): Llama-3.2-1B's LM head at B64 multiplies its 971 rows
+    by all 64 rows (the row split; K 2048: 64 chunks, 8 ranges of 8, 4 rounds each at unroll
+    2), so 28 of each walk's 32 rounds wait on L2 (Phases.rolling 0.875); GATE_UP's members,
+    32 rows each (the k split), none; without the knob, none anywhere, and the step slower."""
+    from monokernel.kernel.costmodel.simulate import _batches
+    from monokernel.kernel.costmodel.tokens import rows_walk
+    from monokernel.kernel.isa import MMA_KC, MMA_ROWS_UNROLL
+    from monokernel.kernel.ops import gate_up, lm_head
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    cfg = ModelConfig.from_name("llama-3.2-1b")
+    splits, min_chunk = tensor_core_splits(cfg, 132, 2048)
+    prog = schedule(cfg, 132, 2048, splits, min_chunk, merge_ticket_min=1, tokens=64,
+                    token_groups=True, tensor_cores=True)
+    shape = StepShape.decode(64, 16)
+    batches = _batches(prog, 16, shape)
+    g = cm.gpu("h200")
+    built = cm.design_for(prog, tensor_cores=True)
+    off = built.replace(mma_rows_prefetch=False)
+    assert built.mma_rows_prefetch
+    chunks = cfg.hidden_size // MMA_KC
+    walk = rows_walk(chunks, built.warps, MMA_ROWS_UNROLL)
+    first = chunks // built.warps // MMA_ROWS_UNROLL
+    assert (walk, first) == (32, 4)
+    _, head = batches[Op.RMS_LM_HEAD]
+    on = lm_head.cost(head, g, built)
+    busy = head.n > 0
+    assert np.allclose(on.rolling[busy], 1 - first / walk)
+    assert lm_head.cost(head, g, off).rolling is None
+    _, gu = batches[Op.RMS_GATE_UP]
+    members = {i.group.members for q in prog.queues for i in q
+               if i.op == Op.RMS_GATE_UP and i.group is not None}
+    assert members == {2}  # 32 rows a member: block_mma's k split
+    assert np.all(gate_up.cost(gu, g, built).rolling == 0)
+    assert cm.predict(prog, g, built, shape=shape).total_us < \
+        cm.predict(prog, g, off, shape=shape).total_us

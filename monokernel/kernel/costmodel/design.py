@@ -169,6 +169,10 @@ class KernelDesign:
     # ... its token tiles a pass, and the chunks whose loads a lane issues together
     mma_rows_split_tiles: int = MMA_RT
     mma_rows_split_unroll: int = MMA_ROWS_UNROLL
+    # (block_mma_rows) as a warp starts a k range of its row group it prefetches the group's
+    # next one into L2, so each walk's dependent rounds after its first range wait on L2, not
+    # HBM (the stream's HBM share is unchanged; Phases.rolling)
+    mma_rows_prefetch: bool = False
     # the RMS ops (QKV, GATE_UP, the LM head) whose block's share of a step is at most this
     # many rows stage their normed bf16 inputs in shared memory (megakernel.cu mma_rms: each
     # row read from L2 once, for its sum of squares, then again from L1 by the same warp to
@@ -352,6 +356,8 @@ V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rota
 # design_for: fewer where the shape's rows do not fit, Llama-3.2-1B's 33). A segment's rows
 # run its attention in parts of at most isa.ROW_PART_MTILES m-tiles (attn_row_parts). The RMS
 # ops read the residual's bf16 copy its writers store beside it (residual_in: input_bytes 2).
+# The row split's walk prefetches each next k range into L2 (mma_rows_prefetch; NOTES.md "The
+# row split's walk prefetches its next k range").
 # A segment pass issues its first K/V copies before its query tile, a decode row's key on the
 # last warps beside its queries (attn_stage_first). Where the shape's two K/V tile buffers fit
 # (header.attn_pipeline: every shape, Qwen3's in tiles of 64) the kernel is V6_MMA_TILES's
@@ -360,7 +366,8 @@ V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_as
                             mma_token_tiles=MMA_NT, mma_rows_split_above=MMA_ROWS_SPLIT_ABOVE,
                             mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K,
                             rms_stage_rows=RMS_STAGE_MAX_ROWS, attn_row_parts=ROW_PART_MTILES,
-                            input_bytes=2, residual_copy_pass=True, attn_stage_first=True)
+                            input_bytes=2, residual_copy_pass=True, attn_stage_first=True,
+                            mma_rows_prefetch=True)
 # V6-MMA-SPLIT (PREDICTED, not built): the built design with O_PROJ's and DOWN's input split
 # over the blocks where it pays, the partials reduced spread over each row group's blocks
 # (input_slices_spread; benchmarks/NOTES.md "The floor of a step of many tokens").

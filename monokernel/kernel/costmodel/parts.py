@@ -121,6 +121,9 @@ class Phases:
     # 1.0 where the stream runs at the copy rate (hbm_bw) rather than the GEMV's (gemv_bw):
     # K/V by cp.async (levers.py, kv_copy_rate)
     copy: np.ndarray | None = None
+    # the share of the stream's dependent rounds whose loads hit L2 because the walk itself
+    # prefetched them a round ahead (block_mma_rows' next k range: mma_rows_prefetch)
+    rolling: np.ndarray | None = None
 
 
 @dataclass

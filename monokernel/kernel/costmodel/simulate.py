@@ -132,7 +132,7 @@ class Static:
         self.shape = (B, L)
         self.fields = {k: np.zeros((B, L)) for k in
                        ("l2", "hbm", "other", "rounds", "bytes", "pref", "early", "issue",
-                        "compute", "copy")}
+                        "compute", "copy", "rolling")}
         self.tiles: dict[str, tuple[int, int]] = {}  # per op: tokens.tile_split's (c, s)
         for op, (where, batch) in _batches(program, context, shape).items():
             ph = levers.apply(op, batch, ops.module(op).cost(batch, g, d), g, d)
@@ -141,7 +141,7 @@ class Static:
             f["l2"][bi], f["hbm"][bi], f["other"][bi] = ph.l2_trips, ph.hbm_trips, ph.other_us
             f["rounds"][bi], f["bytes"][bi] = ph.rounds, ph.stream_bytes
             f["pref"][bi] = np.minimum(ph.prefetch_bytes, ph.stream_bytes)
-            for name in ("early", "issue", "compute", "copy"):
+            for name in ("early", "issue", "compute", "copy", "rolling"):
                 if getattr(ph, name) is not None:
                     f[name][bi] = getattr(ph, name)
             self.tiles[op.name] = ph.tiles
@@ -174,7 +174,7 @@ def busy_constants(g: GPU, d: KernelDesign, num_blocks: int) -> tuple[float, ...
 
 
 def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, lead, signals,
-            mn=min, mx=max, early=0.0, issue=0.0, compute=0.0, copy=0.0):
+            mn=min, mx=max, early=0.0, issue=0.0, compute=0.0, copy=0.0, rolling=0.0):
     """Ready -> end of one instruction (or of arrays of them: pass ``mn=np.minimum,
     mx=np.maximum``): its dependent round trips and fixed work, then its weight stream at
     min(bytes in flight / latency, the SM's HBM share), then its signal. ``k`` is
@@ -183,8 +183,9 @@ def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, lead, si
     latency past the lead and that trip is on the path); ``issue``: the stream's compute after
     its data (on the path of a latency-bound stream only); ``compute``: tensor-core time of the
     stream's products (a step of many tokens), running beside the stream; ``copy``: 1.0 for a
-    stream at the copy rate (levers.py). The one formula the simulation and the calibration
-    share."""
+    stream at the copy rate (levers.py); ``rolling``: the share of its rounds whose loads
+    the walk prefetched into L2 itself (Phases.rolling), at L2's latency. The one formula the
+    simulation and the calibration share."""
     share, l2_share, L2, HBM, sig, bar, HBM_loaded, ramp, copy_share = k
     share = share + copy * (copy_share - share)
     fixed = l2 * L2 + hbm * HBM + other + early * mx(HBM_loaded - lead - L2, 0.0)
@@ -192,6 +193,7 @@ def busy_us(k: tuple[float, ...], l2, hbm, other, rounds, nbytes, pref, lead, si
     h = hits / mx(nbytes, 1.0)
     lat = h * L2 + (1 - h) * HBM  # the prefetched share of the rounds hits L2
     first = ramp * lat * (nbytes > 0)  # stream_ramp: the first bytes a latency after the start
+    lat = rolling * L2 + (1 - rolling) * lat
     stream = mx(rounds * lat + issue, first + (nbytes - hits) / share + hits / l2_share)
     stream = mx(stream, first + compute)
     return fixed + stream + signals * sig + (1 - signals) * bar
@@ -285,7 +287,7 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> P
                                 f["rounds"][b][i], f["bytes"][b][i], f["pref"][b][i],
                                 lead, 1.0 if sig else 0.0, early=f["early"][b][i],
                                 issue=f["issue"][b][i], compute=f["compute"][b][i],
-                                copy=f["copy"][b][i])
+                                copy=f["copy"][b][i], rolling=f["rolling"][b][i])
                 start[b][i], ready[b][i], end[b][i], bound[b][i] = s, r, e, bnd
                 if sig:
                     sig_ends[ins.signal].append((e, b, i))

@@ -267,6 +267,16 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
     t_again, rounds = _passes(mm_rows, k / s, mm_tokens, g, d, levers.input_bytes(b, d),
                               local_input=fused, rms=levers.rms_input(b),
                               staged=levers.rms_staged(b, d, mm_tokens))
+    rolling = ph.rolling
+    if d.mma_rows_prefetch:
+        # block_mma_rows' walk (_passes' rounds: the row split's) prefetches a row group's next
+        # k range into L2 as it starts one: each row group's rounds but its first range's wait
+        # on L2, where the walk is what bounds the instruction's rounds
+        chunks = -(-int(k / s) // MMA_KC)
+        first = -(-(chunks // d.warps) // d.mma_rows_split_unroll)
+        walk = rows_walk(chunks, d.warps, d.mma_rows_split_unroll)
+        walked = (rounds > 0) & (rounds >= ph.rounds)
+        rolling = np.where(walked, 1.0 - first / max(walk, 1), 0.0 if rolling is None else rolling)
     if fused:  # its partial of every residual row for its T / c tokens, by atomics
         epilogue = busy * levers.atomic_us(b.program.config.hidden_size, T / c, g)
     else:  # the tile's outputs per token: written once (the residual's rows read and written)
@@ -278,7 +288,7 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
     return Phases(ph.l2_trips + busy * copy_rounds, ph.hbm_trips,
                   ph.other_us + busy * (t_in + t_w + t_red) + t_again + epilogue,
                   np.maximum(ph.rounds, rounds), ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue,
-                  compute, (c, s))
+                  compute, (c, s), rolling=rolling)
 
 
 def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = False,
