@@ -672,16 +672,17 @@ __device__ __forceinline__ unsigned short* rms_stage() {
 }
 
 // Each input row's 1 / rms (as rms_apply computes it, a warp per row, of the row as bf16): x
-// (residual_in) row i at x + row(i) * H for i < n. A share of at most MK_RMS_STAGE_ROWS rows
-// is normed here once too: the warp reads its row again right after its sum (from L1) and
+// (residual_in) row i at x + row(i) * H for i < n. The share's first MK_RMS_STAGE_ROWS rows
+// are normed here once too: the warp reads its row again right after its sum (from L1) and
 // stores the bf16 inputs block_mma would build from it (rms_bf16_x8 with the norm weights w)
-// in rms_stage(), so the residual comes from L2 once and every pass reads shared memory
-// (rms_load_x). Returns whether it staged them; the numbers are the same either way.
+// in rms_stage(), so those rows come from L2 once and every pass reads them in shared memory
+// (rms_load_x); the rest are normed from residual_in in every pass. Returns how many rows it
+// staged; the numbers are the same either way.
 template <class Row>
-__device__ bool mma_rms(MmaShared& sm, const unsigned short* x, int n, Row row,
-                        const unsigned short* w) {
+__device__ int mma_rms(MmaShared& sm, const unsigned short* x, int n, Row row,
+                       const unsigned short* w) {
   const int lane = threadIdx.x & 31;
-  const bool staged = n <= MK_RMS_STAGE_ROWS;
+  const int staged = min(n, MK_RMS_STAGE_ROWS);
   for (int i = threadIdx.x >> 5; i < n; i += NWARPS) {
     const unsigned short* v = x + (size_t)row(i) * H;
     float ss = 0.f;
@@ -692,7 +693,7 @@ __device__ bool mma_rms(MmaShared& sm, const unsigned short* x, int n, Row row,
     ss = warp_sum(ss);  // (a butterfly: every lane holds the same sum)
     const float r = 1.0f / sqrtf(ss / (float)H + MK_RMS_EPS);
     if (lane == 0) sm.rms[i] = r;
-    if (staged) {
+    if (i < staged) {
       unsigned short* out = rms_stage() + (size_t)i * RMS_STAGE_LD;
       for (int col = 8 * lane; col < H; col += 8 * 32) {
         unsigned b[4];
@@ -706,10 +707,11 @@ __device__ bool mma_rms(MmaShared& sm, const unsigned short* x, int n, Row row,
 }
 
 // block_mma's load_x of an RMS op: input row i's bf16 columns col..col + 7 from the staged
-// rows, or normed from its residual_in row v (r: its 1 / rms, w: the norm weights)
-__device__ __forceinline__ void rms_load_x(bool staged, int i, const unsigned short* v, float r,
+// rows (i < staged: mma_rms'), or normed from its residual_in row v (r: its 1 / rms, w: the
+// norm weights)
+__device__ __forceinline__ void rms_load_x(int staged, int i, const unsigned short* v, float r,
                                            const unsigned short* w, int col, unsigned (&x)[4]) {
-  if (staged)
+  if (i < staged)
     load_bf16_x8(rms_stage() + (size_t)i * RMS_STAGE_LD, col, x);
   else
     rms_bf16_x8(v, r, w, col, x);
@@ -1115,7 +1117,7 @@ __device__ void op_rms_qkv_rope(const Params& P, OpShared& s, const int* ins, co
   if (b >= e || n <= 0) return;
   const unsigned short* W = P.wqkv + (size_t)layer * MK_QKV_DIM * H;
   const unsigned short* norm = P.in_norm + (size_t)layer * H;
-  const bool staged = mma_rms(s.mma, P.residual_in, n, [&](int i) { return t0 + i; }, norm);
+  const int staged = mma_rms(s.mma, P.residual_in, n, [&](int i) { return t0 + i; }, norm);
   block_mma<H>(
       s.mma, (e - b + 7) / 8, n,
       [&](int q, int r) -> const unsigned short* {
@@ -2677,7 +2679,7 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
   const size_t off = ((size_t)layer * MK_FFN + b) * H;
   const unsigned short* norm = P.post_norm + (size_t)layer * H;
   const int n = e - b;
-  const bool staged = mma_rms(s.mma, P.residual_in, nt, [&](int i) { return t0 + i; }, norm);
+  const int staged = mma_rms(s.mma, P.residual_in, nt, [&](int i) { return t0 + i; }, norm);
   block_mma<H>(
       s.mma, (n + 7) / 8, nt,
       [&](int q, int r) -> const unsigned short* {
@@ -2987,7 +2989,7 @@ __device__ void lm_head_mma(const Params& P, MmaShared& sm, const int* st, int b
     sm.best[i] = NEG_INF;
     sm.best_id[i] = -1;
   }
-  const bool staged = mma_rms(sm, P.residual_in, m, [&](int i) { return sm.rows[i]; },
+  const int staged = mma_rms(sm, P.residual_in, m, [&](int i) { return sm.rows[i]; },
                               P.final_norm);  // (its barrier: best too)
   const int host_rows = st[S_HOST_LOGITS];  // logits rows the host reads (the drawn: none)
   if (b < e) {

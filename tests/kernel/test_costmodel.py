@@ -64,9 +64,12 @@ def test_design_for_is_the_kernel_as_built():
                        residual_copy_pass=False, attn_stage_first=False,
                        attn_unit_pipeline=False, attn_tile_pipeline=False,
                        residual_copy_epilogue=False,
-                       mma_rows_prefetch=False) == cm.DESIGNS["v6-mma"]
-    # the row split's walk prefetches its next k range (megakernel.cu block_mma_rows)
+                       mma_rows_prefetch=False,
+                       rms_stage_partial=False) == cm.DESIGNS["v6-mma"]
+    # the row split's walk prefetches its next k range (megakernel.cu block_mma_rows); mma_rms
+    # stages a share's first rows where the whole does not fit
     assert mma.mma_rows_prefetch and not cm.DESIGNS["v6-mma"].mma_rows_prefetch
+    assert mma.rms_stage_partial and not cm.DESIGNS["v6-mma"].rms_stage_partial
     # block_mma's and block_mma_rows' constants: isa.py's, as the header renders them for
     # megakernel.cu (which defines none of its own) and as the built design reads them
     import re

@@ -158,7 +158,8 @@ def test_staged_rms_inputs_are_read_from_l2_once():
     rms_stage_rows rows, megakernel.cu mma_rms), only mma_rms's one read is left. At batch 64
     on row tiles (every block's share: 64 rows x 576 bf16 of residual_in, 74 KB, past L1's
     64 KB) staging cuts each RMS instruction's time from L2 by at least one read of its share
-    and changes nothing else; a share larger than the rows staged is charged as unstaged."""
+    and changes nothing else; a share larger than the rows staged is charged as unstaged, or
+    with rms_stage_partial (as built) less, its first rows staged."""
     from monokernel.kernel.schedule import schedule
     from monokernel.model.config import ModelConfig
 
@@ -168,8 +169,11 @@ def test_staged_rms_inputs_are_read_from_l2_once():
     built = cm.design("v6-mma-seg")
     assert built.rms_stage_rows == 64 == cm.design_for(prog, tensor_cores=True).rms_stage_rows
     shape = StepShape.decode(64, 16)
-    st = {rows: cm.Static(prog, 0, g, built.replace(rms_stage_rows=rows), shape)
+    assert built.rms_stage_partial
+    whole = built.replace(rms_stage_partial=False)
+    st = {rows: cm.Static(prog, 0, g, whole.replace(rms_stage_rows=rows), shape)
           for rows in (0, 8, 64)}
+    part = cm.Static(prog, 0, g, built.replace(rms_stage_rows=8), shape)
     assert 64 * cfg.hidden_size * built.input_bytes > built.l1_input_bytes
     one_read = 64 * cfg.hidden_size * built.input_bytes / (g.l2_bw / g.sms)
     rms = (Op.RMS_QKV_ROPE, Op.RMS_GATE_UP, Op.RMS_LM_HEAD)
@@ -180,9 +184,11 @@ def test_staged_rms_inputs_are_read_from_l2_once():
             assert st[8].fields["other"][blk, i] == unstaged, ins.op  # shares of 64 > 8
             if ins.op in rms and ins.tile[1] > ins.tile[0]:
                 assert unstaged - staged >= one_read * (1 - 1e-9), ins.op
+                # (the rest, 56 rows x 1152 bytes, within l1_input_bytes: no re-read)
+                assert staged <= part.fields["other"][blk, i] < unstaged, ins.op
                 cut_any = True
             else:
-                assert unstaged == staged, ins.op
+                assert unstaged == staged == part.fields["other"][blk, i], ins.op
             for f in ("l2", "hbm", "rounds", "bytes", "compute"):
                 assert st[0].fields[f][blk, i] == st[64].fields[f][blk, i], (ins.op, f)
     assert cut_any
@@ -593,3 +599,36 @@ def test_the_row_split_walk_prefetch_puts_all_but_each_walks_first_range_on_l2()
     assert np.all(gate_up.cost(gu, g, built).rolling == 0)
     assert cm.predict(prog, g, built, shape=shape).total_us < \
         cm.predict(prog, g, off, shape=shape).total_us
+
+
+def test_a_share_past_the_staged_rows_reads_only_the_rest_again():
+    """rms_stage_partial (megakernel.cu mma_rms stages a share's first MK_RMS_STAGE_ROWS rows):
+    levers.rms_staged is the share of an RMS op's rows staged (Llama-3.2-1B's 33 of the LM
+    head's 64 at B64; all of 32; none of 64 without the knob), and _passes charges the
+    passes' re-reads for the unstaged share only: 31 / 64 of the whole share's."""
+    from monokernel.kernel.costmodel import levers
+    from monokernel.kernel.costmodel.simulate import _batches
+    from monokernel.kernel.costmodel.tokens import _passes
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    cfg = ModelConfig.from_name("llama-3.2-1b")
+    splits, min_chunk = tensor_core_splits(cfg, 132, 2048)
+    prog = schedule(cfg, 132, 2048, splits, min_chunk, merge_ticket_min=1, tokens=64,
+                    token_groups=True, tensor_cores=True)
+    _, head = _batches(prog, 16, StepShape.decode(64, 16))[Op.RMS_LM_HEAD]
+    g = cm.gpu("h200")
+    built = cm.design_for(prog, tensor_cores=True)
+    whole = built.replace(rms_stage_partial=False)
+    assert built.rms_stage_partial and built.rms_stage_rows == 33
+    assert np.allclose(levers.rms_staged(head, built, [64, 32, 33]), [33 / 64, 1.0, 1.0])
+    assert np.allclose(levers.rms_staged(head, whole, [64, 32]), [0.0, 1.0])
+    rows, k, b = np.array([971.0]), cfg.hidden_size, built.input_bytes
+    t_part, r_part = _passes(rows, k, np.array([64.0]), g, built, b, rms=True,
+                             staged=levers.rms_staged(head, built, [64]))
+    t_none, r_none = _passes(rows, k, np.array([64.0]), g, built, b, rms=True,
+                             staged=levers.rms_staged(head, whole, [64]))
+    assert t_none[0] > 0 and t_part[0] == pytest.approx(t_none[0] * 31 / 64)
+    assert r_part[0] == r_none[0]  # the walk's rounds do not change
+    assert cm.predict(prog, g, built, shape=StepShape.decode(64, 16)).total_us < \
+        cm.predict(prog, g, whole, shape=StepShape.decode(64, 16)).total_us

@@ -346,14 +346,16 @@ def _staged_logits(model, stage_rows: int | None = None, mutant: bool = False,
 
 
 def test_staged_rms_inputs_leave_every_logit_bitwise(synth_model):
-    """The RMS ops (QKV, GATE_UP, the LM head) norm a block's share of a step of at most
-    MK_RMS_STAGE_ROWS rows into shared memory once (mma_rms) and read their inputs there;
-    a larger share norms them from the fp32 residual in every pass: the same bf16 inputs.
+    """The RMS ops (QKV, GATE_UP, the LM head) norm the first MK_RMS_STAGE_ROWS rows of a
+    block's share of a step into shared memory once (mma_rms) and read those inputs there; the
+    rest of a larger share are normed from residual_in in every pass: the same bf16 inputs.
     The kernel as built (64 rows fit the tiny shape: the first step's shares of its 85 rows
-    both ways, the LM head's 85 unstaged, every share of the small steps staged), one built
-    to stage none, and one to stage shares of up to 8 rows give every row's logits bit for
-    bit. Negative control: staged rows normed by a wrong 1 / rms change the logits of the
-    first step and of the decode steps (so each took the staged path)."""
+    staged whole or in part, the LM head's 85 its first 64, every share of the small steps
+    whole), one built to stage none, and one to stage 8 rows of a share give every row's
+    logits bit for bit. Negative control: staged rows normed by a wrong 1 / rms change the
+    logits of the first step and of the decode steps (so each took the staged path), and with
+    8 rows staged, those of the first rows of the first step's shares past 8 rows (the LM
+    head's 85: a share staged in part)."""
     from monokernel.kernel.header import rms_stage_rows
     from monokernel.kernel.isa import RMS_STAGE_MAX_ROWS
 
@@ -369,6 +371,11 @@ def test_staged_rms_inputs_leave_every_logit_bitwise(synth_model):
     assert not np.array_equal(mutant[(0, 10)], want[(0, 10)])  # the first step
     assert not np.array_equal(mutant[(1, 30)], want[(1, 30)])  # the second step
     assert not np.array_equal(mutant[(2, 21)], want[(2, 21)])  # a decode step of three
+    # 8 rows staged: every share of the first step is larger, so staging whole shares only
+    # would leave that step unstaged (its logits the same); its shares' first rows are
+    # staged, and slot 0's first 8 rows (the first of every op's share) change
+    part = _staged_logits(model, 8, mutant=True)
+    assert all(not np.array_equal(part[(0, p)], want[(0, p)]) for p in range(8))
 
 
 @pytest.mark.parametrize("name", ["llama3-tiny", "qwen3-tiny"])

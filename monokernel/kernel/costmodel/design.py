@@ -180,6 +180,8 @@ class KernelDesign:
     # again in every pass (the first from L2 too where its rows are past l1_input_bytes).
     # header.rms_stage_rows: what fits beside block_mma_rows' sums
     rms_stage_rows: int = 0
+    # ... and a larger share stages its first rms_stage_rows rows, the rest read as unstaged
+    rms_stage_partial: bool = False
     # steps of many rows (kernels of slots): row r's split s runs in its KV group's unit slot
     # (s + off_r) mod splits, off_r the used splits of the step's earlier rows (the step's
     # non-empty units dealt round-robin over the slots), and a unit with no positions is
@@ -357,7 +359,8 @@ V6_MMA = V6.replace(name="v6-mma", token_loop=True, tensor_cores=True, attn_rota
 # run its attention in parts of at most isa.ROW_PART_MTILES m-tiles (attn_row_parts). The RMS
 # ops read the residual's bf16 copy its writers store beside it (residual_in: input_bytes 2).
 # The row split's walk prefetches each next k range into L2 (mma_rows_prefetch; NOTES.md "The
-# row split's walk prefetches its next k range").
+# row split's walk prefetches its next k range"). A share past the staged rows stages its first
+# ones (rms_stage_partial).
 # A segment pass issues its first K/V copies before its query tile, a decode row's key on the
 # last warps beside its queries (attn_stage_first). Where the shape's two K/V tile buffers fit
 # (header.attn_pipeline: every shape, Qwen3's in tiles of 64) the kernel is V6_MMA_TILES's
@@ -367,7 +370,7 @@ V6_MMA_SEG = V6_MMA.replace(name="v6-mma-seg", attn_segments=True, attn_stage_as
                             mma_rows_split_max_k=MMA_ROWS_SPLIT_MAX_K,
                             rms_stage_rows=RMS_STAGE_MAX_ROWS, attn_row_parts=ROW_PART_MTILES,
                             input_bytes=2, residual_copy_pass=True, attn_stage_first=True,
-                            mma_rows_prefetch=True)
+                            mma_rows_prefetch=True, rms_stage_partial=True)
 # V6-MMA-SPLIT (PREDICTED, not built): the built design with O_PROJ's and DOWN's input split
 # over the blocks where it pays, the partials reduced spread over each row group's blocks
 # (input_slices_spread; benchmarks/NOTES.md "The floor of a step of many tokens").

@@ -92,10 +92,15 @@ def rms_input(b: OpBatch) -> bool:
 
 
 def rms_staged(b: OpBatch, d: KernelDesign, tokens) -> np.ndarray:
-    """Per instruction, whether an RMS op's share of ``tokens`` rows is staged in shared
-    memory as bf16 (``rms_stage_rows``)."""
-    tokens = np.asarray(tokens)
-    return (tokens <= d.rms_stage_rows) & rms_input(b)
+    """Per instruction, the share of an RMS op's ``tokens`` rows staged in shared memory as
+    bf16: all of a share of at most ``rms_stage_rows``, else none, or with
+    ``rms_stage_partial`` its first rms_stage_rows."""
+    tokens = np.asarray(tokens, np.float64)
+    if d.rms_stage_partial:
+        share = np.minimum(tokens, d.rms_stage_rows) / np.maximum(tokens, 1.0)
+    else:
+        share = (tokens <= d.rms_stage_rows).astype(np.float64)
+    return share * rms_input(b)
 
 
 def fused_down(b: OpBatch, d: KernelDesign) -> bool:

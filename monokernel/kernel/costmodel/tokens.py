@@ -303,9 +303,9 @@ def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = Fal
     ``mma_rows_split_tiles`` token tiles, each warp every k range in turn: C /
     ``mma_rows_split_unroll`` rounds). (0, 0) where the design reads each
     once (``mma_token_tiles`` 0). An RMS op's (``rms``) mma_rms reads its rows first (the
-    one read the caller charges): its ``staged`` instructions read nothing more (their passes
-    read shared memory); the others' first pass reads them again, from L2 where they are past
-    ``l1_input_bytes``."""
+    one read the caller charges): the share of its rows ``staged`` (levers.rms_staged) reads
+    nothing more (the passes read shared memory); the others' first pass reads them again,
+    from L2 where they are past ``l1_input_bytes``."""
     rows = np.asarray(rows, np.float64)
     tokens = np.asarray(tokens, np.float64)
     if not d.mma_token_tiles:
@@ -322,12 +322,14 @@ def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = Fal
     weights = np.maximum(token_passes - 1, 0) * rows * k * 2.0 / l2_share
     row_passes = np.ceil(rows / pass_rows)
     pass_in = np.minimum(tokens, per_pass) * k * in_bytes
-    staged = np.asarray(staged, bool) & rms
-    again = (row_passes > 1) & (pass_in > d.l1_input_bytes) & (not local_input) & ~staged
+    # the rows passes read from L2 or L1 (an RMS op's staged share reads shared memory)
+    unstaged = 1.0 - np.asarray(staged, np.float64) * rms
+    again = (row_passes > 1) & (pass_in * unstaged > d.l1_input_bytes) & (not local_input)
     reads = np.where(again, row_passes - 1, 0.0)
     if rms:  # mma_rms read them first: the first pass again, unless L1 still holds them
-        reads = reads + ((tokens * k * in_bytes > d.l1_input_bytes) & ~staged)
-    inputs = reads * tokens * k * in_bytes * levers.flag_factor(d) / levers.input_rate(g, d)
+        reads = reads + (tokens * unstaged * k * in_bytes > d.l1_input_bytes)
+    inputs = reads * tokens * unstaged * k * in_bytes * levers.flag_factor(d) \
+        / levers.input_rate(g, d)
     rounds = np.where(split & by_rows, row_passes * token_passes * walk, 0.0)
     busy = rows > 0
     return np.where(busy, weights + inputs, 0.0), np.where(busy, rounds, 0.0)
