@@ -152,8 +152,8 @@ DYN_SMEM_CAP = 168 * 1024
 def rms_stage_rows(cfg: ModelConfig, tokens: int, mma: bool = False) -> int:
     """How many rows (a block's share of a step's tokens) of an RMS op's normed bf16 inputs
     the tensor-core kernel stages in dynamic shared memory, after block_mma_rows' sums
-    (MK_RMS_STAGE_FIT; megakernel.cu mma_rms stages a share of at most that many rows, and
-    block_mma's passes read its inputs there): up to isa.RMS_STAGE_MAX_ROWS and the step's
+    (MK_RMS_STAGE_FIT; megakernel.cu mma_rms stages the first that many rows of a share, and
+    block_mma's passes read their inputs there): up to isa.RMS_STAGE_MAX_ROWS and the step's
     tokens, as many as DYN_SMEM_CAP (or attention's larger need) holds; 0 without tensor
     cores."""
     if not mma:
