@@ -275,7 +275,7 @@ elif [ "$MODE" = tc ]; then
   # what a session's remaining device time allows (~4 minutes with the machine's start):
   SHAPES="smollm2-135m qwen3-0.6b llama-3.2-1b"
   BUILDS=(--build smollm2-135m:cuda:slots=4:tokens=64:mma)
-  for SHAPE in $SHAPES; do BUILDS+=(--build "$SHAPE:cuda:slots=64:tokens=128:mma"); done
+  for SHAPE in $SHAPES; do BUILDS+=(--build "$SHAPE:cuda:slots=64:tokens=256:mma"); done
   BUILDS+=(--build qwen3-0.6b:cuda:trace --build llama-3.2-1b:cuda:trace)
   for SHAPE in $SHAPES; do BUILDS+=(--build "$SHAPE:cuda"); done
   step prepare 75 "$PY" -m monokernel.tools.prepare --max-seq "$MAX_SEQ" "${BUILDS[@]}"
@@ -292,13 +292,14 @@ elif [ "$MODE" = tc ]; then
   step tc_tests 75 env MONOKERNEL_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -v -s --tb=short -rs \
     -p no:cacheprovider "${PER_TEST[@]}" \
     tests/kernel/test_cuda_backend.py::test_gpu_tensor_cores_agree_with_the_bf16_reference_and_alone
-  # device time of a 1024-token prompt's 8 chunk steps and of decode steps of 64 sequences
-  # at context 1024 (device times only: the Engine's 64 prompts of 1024 took ~25 s a shape),
+  # device time of a 1024-token prompt's 4 chunk steps (256 tokens a step) and of decode
+  # steps of 64 sequences at context 1024 (device times only: the Engine's 64 prompts of 1024
+  # took ~25 s a shape),
   # then at context 16 with the Engine's served rates; their predictions are CPU work (~7 s a
   # GPU and shape here) for `plan --predict h200 / h200-fit --batch 64 / --prompt 1024` after
   for P in 1024 16; do
     step "bench_tc_$P" 45 "$PY" -m monokernel bench \
-      --shape "${SHAPES// /,}" --backends cuda --batch 64 --slots 64 --step-tokens 128 \
+      --shape "${SHAPES// /,}" --backends cuda --batch 64 --slots 64 --step-tokens 256 \
       --tensor-cores --prompt "$P" --new-tokens 16 --repeats 1 --max-seq "$MAX_SEQ" \
       --no-predict $([ "$P" -gt 16 ] && echo --device-only) --out "$WORK"
   done

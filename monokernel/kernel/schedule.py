@@ -33,10 +33,12 @@ STEP: tuple[tuple[Op, bool], ...] = (
 # cost model picked it (benchmarks/NOTES.md): SmolLM2 16, Qwen3 16, Llama 16 at 132 blocks.
 LONG_CONTEXT = 2048
 MAX_DEFAULT_SPLITS = 16
-# The most tokens a step may carry: every build fits its static shared memory at 128
-# (benchmarks/NOTES.md "Steps of 128 tokens"); late q/k keeps the chunk's keys in dynamic
-# shared memory (megakernel.cu chunk_keys, bf16 [T_MAX, HEAD_DIM]: 32 KB on Qwen3).
-MAX_STEP_TOKENS = 128
+# The most tokens a step may carry: the kernel's bound (megakernel.cu: MK_T_MAX <= MK_THREADS,
+# a row's ticket draw a thread); every build fits its shared memory at 256 (benchmarks/NOTES.md
+# "Steps of 256 tokens": Llama's CUDA-core kernel of slots 47.2 KB static, the nearest to 48);
+# late q/k keeps the chunk's keys in dynamic shared memory (megakernel.cu chunk_keys, bf16
+# [T_MAX, HEAD_DIM]: 64 KB on Qwen3).
+MAX_STEP_TOKENS = 256
 
 
 def default_attn_splits(cfg: ModelConfig, num_blocks: int, max_seq_len: int | None = None) -> int:

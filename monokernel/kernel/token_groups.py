@@ -53,8 +53,9 @@ def input_reads(share: int, rows: int, k: int, staged: int | None = None) -> int
     not None) reads them first in mma_rms, and a share of at most ``staged`` rows there only
     (its passes read shared memory). A larger share is charged as unstaged, though mma_rms
     stages its first ``staged`` rows (the cost model's levers.rms_staged counts them; the
-    served shapes' picks at 64 and 128 tokens leave every grouped RMS share within the stage:
-    benchmarks/NOTES.md). What L1 keeps between passes is not counted."""
+    served shapes' picks at 64 and 128 tokens leave every grouped RMS share within the stage,
+    at 256 Llama-3.2-1B's QKV (64) and GATE_UP (128) shares pass its 33: benchmarks/NOTES.md,
+    "Steps of 256 tokens"). What L1 keeps between passes is not counted."""
     if staged is not None and share <= staged:
         return 1
     by_rows = share > MMA_ROWS_SPLIT_ABOVE and k <= MMA_ROWS_SPLIT_MAX_K

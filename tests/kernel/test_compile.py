@@ -371,16 +371,17 @@ def test_pdl_sass_has_the_grid_dependency_instructions(built_pdl):
 
 @pytest.mark.slow  # nvcc of five kernels for sm_90 (~30 s on an idle 2-core CPU)
 @pytest.mark.parametrize("shape,tokens,slots,mma,slices", [
-    ("qwen3-0.6b", 128, 0, False, (1, 1)), ("llama-3.2-1b", 16, 0, False, (1, 1)),
-    ("qwen3-0.6b", 128, 128, True, (1, 1)), ("llama-3.2-1b", 128, 128, False, (1, 1)),
-    ("llama-3.2-1b", 128, 128, True, (1, 1)), ("qwen3-0.6b", 128, 128, True, (4, 8))])
+    ("qwen3-0.6b", 256, 0, False, (1, 1)), ("llama-3.2-1b", 16, 0, False, (1, 1)),
+    ("qwen3-0.6b", 256, 128, True, (1, 1)), ("llama-3.2-1b", 256, 128, False, (1, 1)),
+    ("llama-3.2-1b", 256, 128, True, (2, 8)), ("qwen3-0.6b", 256, 128, True, (4, 8))])
 def test_steps_of_many_tokens_compile_without_spills(tmp_path, shape, tokens, slots, mma,
                                                      slices):
     """A kernel built for prompt chunks (MK_T_MAX > 1: token loops in every op; late q/k keeps
-    the chunk's keys in dynamic shared memory, 32 KB at Qwen3's head_dim and the most tokens),
-    or for steps of many sequences (``slots``: the token table copied into shared memory, K/V
-    through block tables; Llama's at the most tokens and slots, 128, with its FFN h in shared
-    memory), or with its mat-muls on tensor cores (``mma``: their DOWN reads h from global
+    the chunk's keys in dynamic shared memory, 64 KB at Qwen3's head_dim and the most tokens,
+    256: schedule.MAX_STEP_TOKENS), or for steps of many sequences (``slots``: the token table
+    copied into shared memory, K/V through block tables; Llama's at the most tokens and 128
+    slots, with its FFN h in shared memory: 47.2 KB of static shared memory, the nearest to the
+    48 KB budget), or with its mat-muls on tensor cores (``mma``: their DOWN reads h from global
     memory, so no h in shared memory), fits the static budget and keeps no stack and no
     spills; so does Qwen3's with O_PROJ's and DOWN's input in 4 and 8 slices (slice_mma in
     place of their unsliced mat-mul, which beside it spilled), whose PTX reads the partials

@@ -115,7 +115,10 @@ def test_plan_prints_the_floor_of_the_batch_and_of_the_prompt(capsys):
     got = [float(x) for x in re.findall(r"(\d+) us/step", lines[0])]
     assert got == [pytest.approx(u, abs=0.5) for u in us]
     from monokernel.kernel.costmodel.tokens import prefill_shapes
-    ms = [sum(step_floor(cfg, s, g, 32, split)[0] for s in prefill_shapes(300, 128)) / 1e3
+    from monokernel.kernel.schedule import MAX_STEP_TOKENS  # the chunks --prompt predicts
+
+    ms = [sum(step_floor(cfg, s, g, 32, split)[0]
+              for s in prefill_shapes(300, MAX_STEP_TOKENS)) / 1e3
           for split in (False, True)]
     got = [float(x) for x in re.findall(r"([\d.]+) ms", lines[1])]
     assert got == [pytest.approx(m, abs=0.005) for m in ms]

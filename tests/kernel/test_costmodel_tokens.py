@@ -419,7 +419,7 @@ def test_plan_batch_and_prompt_end_with_their_predictions(capsys):
     # by default the design built (the tensor-core kernel of slots; SmolLM2's head_dim 64 has
     # the attention pipeline, MK_ATTN_PIPE), prompts in its chunks
     assert "PREDICTION" in out and "design v6-mma-tiles (built: backend option tensor_cores)" in out
-    assert "3 steps of up to 128 tokens" in out  # schedule.MAX_STEP_TOKENS
+    assert "2 steps of up to 256 tokens" in out  # schedule.MAX_STEP_TOKENS
     m = [line for line in out.splitlines() if line.startswith("predicted")]
     assert m[0].startswith("predicted on h200:") and "us/token" in m[0]
     assert m[1].startswith("predicted on h200:") and m[1].endswith("tokens/s at batch 8")

@@ -81,8 +81,8 @@ def test_a_chunked_prompt_is_bitwise_the_one_token_steps(synth_model, arch, T, n
 
 @pytest.mark.parametrize("arch", ["llama3-tiny", "qwen3-tiny"])
 def test_the_largest_step(synth_model, arch):
-    """A chunk of MAX_STEP_TOKENS (128; on qwen3-tiny, late q/k at head_dim 128, its keys fill
-    32 KB of dynamic shared memory: megakernel.cu chunk_keys), then one of 3, then decode:
+    """A chunk of MAX_STEP_TOKENS (256; on qwen3-tiny, late q/k at head_dim 128, its keys fill
+    64 KB of dynamic shared memory: megakernel.cu chunk_keys), then one of 3, then decode:
     bitwise the one-token steps; one more token a step is refused."""
     model = synth_model(arch)
     T = MAX_STEP_TOKENS

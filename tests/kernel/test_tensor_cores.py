@@ -238,13 +238,15 @@ def test_segment_attention_is_its_bf16_mirror_on_the_kernels_inputs(synth_model,
 
 
 def test_a_step_of_the_most_tokens_agrees_with_the_bf16_reference(synth_model):
-    """One step of MAX_STEP_TOKENS rows (prompts of 48, 48 and 32: two fill the cache to its
-    last slot), the mat-muls in the token groups chosen for 128 tokens: the same judge."""
+    """One step of MAX_STEP_TOKENS rows (six prompts, 48, 48, 32, 48, 48 and 32: four fill
+    the cache to its last slot), the mat-muls in the token groups chosen for 256 tokens: the
+    same judge."""
     model = synth_model("llama3-tiny")
-    ex = tc_executor(model, slots=3, step_tokens=MAX_STEP_TOKENS)
-    assert ex.program.tokens == MAX_STEP_TOKENS == 128
+    ex = tc_executor(model, slots=6, step_tokens=MAX_STEP_TOKENS)
+    assert ex.program.tokens == MAX_STEP_TOKENS == 256
     assert any(i.group is not None for q in ex.program.queues for i in q)
-    prompts = [prompt_of(model, n, seed) for n, seed in ((48, 4), (48, 5), (32, 6))]
+    prompts = [prompt_of(model, n, seed) for n, seed in ((48, 4), (48, 5), (32, 6), (48, 7),
+                                                         (48, 8), (32, 9))]
     got = prefill_all(ex, prompts).logits
     assert got.shape[0] == MAX_STEP_TOKENS and np.isfinite(got).all()
     want = np.concatenate([ReferenceModel(model.config, model.weights, MAX_SEQ,
@@ -253,6 +255,53 @@ def test_a_step_of_the_most_tokens_agrees_with_the_bf16_reference(synth_model):
     err = row_errors(got, want)
     assert err.max() <= ROW_TOL, f"worst row {err.argmax()}: {err.max():.3g}"
     assert np.mean(err <= CLOSE_TOL) >= 0.6, f"rows within {CLOSE_TOL}: {err}"
+
+
+def test_a_late_qk_chunk_of_the_most_tokens_is_bitwise_its_smaller_chunks(synth_model):
+    """qwen3-tiny (late q/k, head_dim 128: a chunk of MAX_STEP_TOKENS keeps 64 KB of keys in
+    dynamic shared memory, megakernel.cu chunk_keys) on tensor cores, a kernel of 256 tokens a
+    step: a 260-token prompt in one chunk of 256, in chunks of 128, and beside another
+    sequence's 9 rows (247 of its own), then 4 rows, then decode: its logits at every position
+    and its K/V bitwise the same; the one chunk's logits within ROW_TOL of the bf16 reference
+    (its judge: the module's docstring)."""
+    from helpers.batch import Batch
+    from monokernel.kernel.header import dynamic_shared_bytes
+
+    model = synth_model("qwen3-tiny")
+    cfg = model.config
+    assert cfg.qk_norm and dynamic_shared_bytes(cfg, MAX_STEP_TOKENS, True) \
+        >= MAX_STEP_TOKENS * cfg.head_dim * 2 == 64 * 1024
+    max_seq = 264
+    ex = KernelExecutor(model, max_seq, blocks=3, slots=2, page_size=PAGE, tensor_cores=True,
+                        step_tokens=MAX_STEP_TOKENS)
+    assert ex.program.tokens == MAX_STEP_TOKENS == 256
+    ex.poison()
+    me, other = prompt_of(model, 260, 41), prompt_of(model, 9, 42)
+    runs = []
+    for plans in ([{0: 256}, {0: 4}], [{0: 128}, {0: 128}, {0: 4}],
+                  [{1: 9, 0: 247}, {0: 13, 1: 1}]):
+        b = Batch(ex)
+        b.join(0, me)
+        if any(1 in p for p in plans):
+            b.join(1, other)
+        for plan in plans:
+            b.step(plan)
+        for _ in range(2):
+            b.step({slot: 1 for slot in b.seqs})
+        runs.append((b.seqs[0], b.kv(0, 262)))
+    (first, (k0, v0)), rest = runs[0], runs[1:]
+    assert sorted(first["logits"]) == list(range(262))
+    for k, (run, (k1, v1)) in enumerate(rest):
+        bad = [pos for pos in first["logits"] if not np.array_equal(
+            run["logits"][pos].view(np.uint32), first["logits"][pos].view(np.uint32))]
+        assert not bad, (k, bad[:5])
+        assert np.array_equal(k0, k1) and np.array_equal(v0, v1), k
+        assert run["tokens"] == first["tokens"]
+    got = np.stack([first["logits"][pos] for pos in range(260)])
+    want = ReferenceModel(cfg, model.weights, max_seq, bf16_inputs=True,
+                          attn_chunk=ex.program.attn_min_chunk).forward(me, 0)
+    err = row_errors(got, want)
+    assert err.max() <= ROW_TOL, f"worst row {err.argmax()}: {err.max():.3g}"
 
 
 _RANGES = "const int c_begin = r * C / NWARPS, c_end = (r + 1) * C / NWARPS;"
@@ -298,12 +347,12 @@ def test_a_big_steps_row_split_passes_leave_every_logit_bitwise(synth_model):
     model = synth_model("llama3-tiny")
     prompts = [prompt_of(model, n, seed) for n, seed in ((48, 4), (48, 5), (32, 6))]
     want = _row_split_logits(model, 32, [{0: 16, 1: 16}] * 3 + [{2: 16}] * 2, prompts)
-    got = _row_split_logits(model, MAX_STEP_TOKENS, [{0: 48, 1: 48, 2: 32}], prompts)
+    got = _row_split_logits(model, 128, [{0: 48, 1: 48, 2: 32}], prompts)
     assert len(got) == len(want) == 128
     bad = [k for k in want if not np.array_equal(got[k], want[k])]
     assert not bad, f"rows {bad[:5]} differ"
     mutant = _row_split_logits(
-        model, MAX_STEP_TOKENS, [{0: 48, 1: 48, 2: 32}], prompts,
+        model, 128, [{0: 48, 1: 48, 2: 32}], prompts,
         (_RANGES, "const int c_begin = (NWARPS - 1 - r) * C / NWARPS, "
                   "c_end = (NWARPS - r) * C / NWARPS;"))
     assert any(not np.array_equal(mutant[k], want[k]) for k in want)
@@ -324,7 +373,7 @@ def _staged_logits(model, stage_rows: int | None = None, mutant: bool = False,
     from monokernel.kernel.executor import KERNEL_NAMES
 
     ex = KernelExecutor(model, MAX_SEQ, blocks=3, slots=3, page_size=PAGE, tensor_cores=True,
-                        step_tokens=MAX_STEP_TOKENS)
+                        step_tokens=128)
     source, build = ex.source, {"MK_PREFETCH": "1", **(defines or {})}
     if stage_rows is not None:
         build["MK_RMS_STAGE_ROWS"] = str(stage_rows)
@@ -360,7 +409,7 @@ def test_staged_rms_inputs_leave_every_logit_bitwise(synth_model):
     from monokernel.kernel.isa import RMS_STAGE_MAX_ROWS
 
     model = synth_model("llama3-tiny")
-    assert rms_stage_rows(model.config, MAX_STEP_TOKENS, True) == RMS_STAGE_MAX_ROWS == 64
+    assert rms_stage_rows(model.config, 128, True) == RMS_STAGE_MAX_ROWS == 64
     want = _staged_logits(model)
     assert len(want) == 85 + 7 + 3 + 3
     for rows in (0, 8):
