@@ -65,10 +65,9 @@ class Plan:
     min_chunk: int  # fewest positions per attention split
     merge_min: int = 0  # fewest used splits a step merges by ticket (0: never)
     tokens: int = 1  # the most tokens a step carries (Program.tokens)
-    # the mat-muls' token groups (token_groups.py): False none, True chosen per op (schedule
-    # makes it the cost model's picks, a dict {Op: members}); the tests: an int, that many
-    # members in every mat-mul op, or (members, min_tokens)
-    token_groups: bool | int | tuple[int, int] | dict = False
+    # the mat-muls' token groups (token_groups.py): False none, True chosen per op; the tests:
+    # an int, that many members in every mat-mul op, or (members, min_tokens)
+    token_groups: bool | int | tuple[int, int] = False
     # a tensor-core kernel's program (MK_MMA): the residual's writers also store its bf16 copy
     # residual_in, which the RMS ops read instead of the residual (Program.tensor_cores)
     tensor_cores: bool = False
@@ -138,10 +137,9 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     ``tokens``: the most tokens a step carries (a prompt chunk; at most MAX_STEP_TOKENS).
     ``token_groups``: the mat-muls' token groups of a tensor-core kernel (token_groups.py;
     needs every step's attention merged by ticket, merge_ticket_min 1): True, chosen per op
-    for ``tokens`` by the cost model (token_groups.pick; none where the attention cannot be
-    merged by ticket); a dict {Op: members} (pick's own candidates; an op not in it by the
-    closed form, token_groups.choose); the tests: an int, that many members in every
-    mat-mul op in steps of at least 8 a member, or (members, min_tokens); False, row tiles.
+    for ``tokens`` (none where the attention cannot be merged by ticket); the tests: an int,
+    that many members in every mat-mul op in steps of at least 8 a member, or (members,
+    min_tokens); False, row tiles.
     ``tensor_cores``: the program of a tensor-core kernel (MK_MMA), which keeps the residual's
     bf16 copy residual_in for its RMS ops: its regions say so (Plan.residual_writes,
     Plan.rms_input) and verify() orders them.
@@ -163,10 +161,8 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     if not 1 <= tokens <= MAX_STEP_TOKENS:
         raise ProgramError(f"tokens per step must be in [1, {MAX_STEP_TOKENS}], got {tokens}")
     # (True == 1 and hash alike: the choices' keys say which they are)
-    asked = tuple(sorted((op.value, c) for op, c in token_groups.items())) \
-        if isinstance(token_groups, dict) else token_groups
     key = (cfg, num_blocks, max_seq_len, splits, attn_min_chunk, merge_ticket_min, tokens,
-           ("chosen", None) if token_groups is True else ("asked", asked),
+           ("chosen", None) if token_groups is True else ("asked", token_groups),
            bool(tensor_cores),
            ("chosen", None) if input_slices is True else ("asked", int(input_slices)))
     prog = _VERIFIED.get(key)
@@ -181,7 +177,6 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
                                    "attention is merged by ticket every step (merge_ticket_min "
                                    "1)")
             plan.token_groups = False  # (the executor names why it cannot merge by ticket)
-        _pick_groups(plan, merge_ticket_min)
         if (input_slices is True or input_slices > 1) and \
                 not (plan.tensor_cores and plan.merge_min == 1):
             if input_slices is not True:
@@ -210,15 +205,6 @@ def _slicing(plan: Plan, op: Op, module, tiles: list[Instruction]) -> tuple[int,
     return (slices.choose(plan, module, tiles, c) if want is True else want), c, min_tokens
 
 
-def _pick_groups(plan: Plan, merge_ticket_min: int) -> None:
-    """token_groups=True in a tensor-core program: each op's members as the cost model picks
-    them (token_groups.pick; {} where the closed form's stand)."""
-    if plan.token_groups is True and plan.tensor_cores:
-        plan.token_groups = dict(groups.pick(
-            plan.config, plan.num_blocks, plan.max_seq_len, plan.attn_splits,
-            plan.min_chunk, merge_ticket_min, plan.tokens, plan.input_slices))
-
-
 def tensor_core_slices(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
                        tokens: int) -> tuple[int, int]:
     """(O_PROJ's, DOWN's) input slices of the program a tensor-core executor builds by default
@@ -231,7 +217,6 @@ def tensor_core_slices(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     plan.merge_min = ops.attention.merge_min(plan, 1)
     if plan.merge_min != 1:
         return 1, 1
-    _pick_groups(plan, 1)
     return tuple(_slicing(plan, op, ops.module(op), ops.module(op).tile(plan, 0))[0]
                  for op in (Op.O_PROJ_RESIDUAL, Op.DOWN_RESIDUAL))
 

@@ -564,9 +564,8 @@ def test_the_row_split_walk_prefetch_puts_all_but_each_walks_first_range_on_l2()
     """mma_rows_prefetch (megakernel.cu block_mma_rows: a warp prefetches its row group's next
     k range into L2 as it starts one): Llama-3.2-1B's LM head at B64 multiplies its 971 rows
     by all 64 rows (the row split; K 2048: 64 chunks, 8 ranges of 8, 4 rounds each at unroll
-    2), so 28 of each walk's 32 rounds wait on L2 (Phases.rolling 0.875); GATE_UP in row tiles
-    (the cost model's pick) some; in groups of 2, 32 rows a member (the k split), none;
-    without the knob, none anywhere, and the step slower."""
+    2), so 28 of each walk's 32 rounds wait on L2 (Phases.rolling 0.875); GATE_UP's members,
+    32 rows each (the k split), none; without the knob, none anywhere, and the step slower."""
     from monokernel.kernel.costmodel.simulate import _batches
     from monokernel.kernel.costmodel.tokens import rows_walk
     from monokernel.kernel.isa import MMA_KC, MMA_ROWS_UNROLL
@@ -593,17 +592,10 @@ def test_the_row_split_walk_prefetch_puts_all_but_each_walks_first_range_on_l2()
     busy = head.n > 0
     assert np.allclose(on.rolling[busy], 1 - first / walk)
     assert lm_head.cost(head, g, off).rolling is None
-    # GATE_UP in groups of 2 (the closed form's pick; the model's is row tiles: 64 rows a
-    # block, the row split, walked with the prefetch too)
     _, gu = batches[Op.RMS_GATE_UP]
-    assert not any(i.group for q in prog.queues for i in q if i.op == Op.RMS_GATE_UP)
-    assert np.all(gate_up.cost(gu, g, built).rolling[gu.n > 0] > 0)
-    pairs = schedule(cfg, 132, 2048, splits, min_chunk, merge_ticket_min=1, tokens=64,
-                     token_groups={Op.RMS_GATE_UP: 2}, tensor_cores=True)
-    members = {i.group.members for q in pairs.queues for i in q
+    members = {i.group.members for q in prog.queues for i in q
                if i.op == Op.RMS_GATE_UP and i.group is not None}
     assert members == {2}  # 32 rows a member: block_mma's k split
-    _, gu = _batches(pairs, 16, shape)[Op.RMS_GATE_UP]
     assert np.all(gate_up.cost(gu, g, built).rolling == 0)
     assert cm.predict(prog, g, built, shape=shape).total_us < \
         cm.predict(prog, g, off, shape=shape).total_us

@@ -102,61 +102,6 @@ def test_the_programs_of_the_three_shapes():
         assert got == members, shape
 
 
-def test_a_tensor_core_program_takes_the_cost_models_picks():
-    """schedule(token_groups=True) of a tensor-core program asks token_groups.pick: on 132
-    blocks, 64 tokens a step, Llama-3.2-1B's O_PROJ, GATE_UP and DOWN in row tiles (the
-    closed form: 2 each; the model counts the row split's rounds, which the closed form's
-    bytes do not) and SmolLM2's DOWN in 2 (closed form 4); each pick's one-layer step
-    predicted faster than the closed form's, and Llama's whole program's too
-    (benchmarks/NOTES.md "Token groups picked by the cost model")."""
-    from monokernel.kernel import costmodel as cm
-    from monokernel.kernel.costmodel.tokens import StepShape
-
-    g, shape = cm.gpu(tg.MODEL_GPU), StepShape.decode(64, 16)
-    want = {"llama-3.2-1b": {Op.O_PROJ_RESIDUAL: 1, Op.RMS_GATE_UP: 1, Op.DOWN_RESIDUAL: 1},
-            "smollm2-135m": {Op.DOWN_RESIDUAL: 2}}
-    for name, picks in want.items():
-        cfg = ModelConfig.from_name(name)
-        splits, min_chunk = tensor_core_splits(cfg, 132, 2048)
-        assert dict(tg.pick(cfg, 132, 2048, splits, min_chunk, 1, 64, True)) == picks, name
-
-        def program(config, groups):
-            return schedule(config, 132, 2048, splits, min_chunk, merge_ticket_min=1,
-                            tokens=64, token_groups=groups, tensor_cores=True,
-                            input_slices=True)
-
-        def step_us(prog):
-            return cm.predict(prog, g, cm.design_for(prog, tensor_cores=True),
-                              shape=shape).total_us
-
-        one = dataclasses.replace(cfg, num_layers=1)
-        chosen = program(one, True)
-        for op, c in picks.items():
-            got = {ins.group.members if ins.group else 1 for ins in chosen.queues[0]
-                   if ins.op == op}
-            assert got == {c}, (name, op, got)
-            assert step_us(program(one, {op: c})) < step_us(program(one, {})), (name, op)
-        if name == "llama-3.2-1b":  # the whole model's step (~10 % faster)
-            assert step_us(program(cfg, True)) < 0.95 * step_us(program(cfg, {}))
-    assert tg.pick(ModelConfig.from_name("llama-3.2-1b"), 132, 2048, 16, 64, 1, 8, True) == ()
-
-
-def test_picked_members_are_validated_and_min_tokens_fits_its_byte():
-    """A pick outside the op's candidates is refused by name; the closed form's min_tokens
-    stays within Word.GROUP's 8 bits in a program of 256 tokens, and an asked min_tokens past
-    them is refused."""
-    cfg = ModelConfig.from_name("llama3-tiny")
-    with pytest.raises(ProgramError, match="RMS_GATE_UP in token groups of 4"):
-        tc_program(cfg, 3, {Op.RMS_GATE_UP: 4})
-    assert tg.candidates(256, 132) == [1, 2, 4, 8] and tg.candidates(16, 3) == [1, 2]
-    cost = tg._bytes(4, 10, 2048, 64)
-    assert tg._threshold(lambda c, t: 0.0 if c > 1 else 1.0, 2, 256) == 16
-    assert tg._threshold(lambda c, t: 1.0, 2, 256) == tg.MAX_MIN_TOKENS == 255
-    assert tg._threshold(cost, 4, 256) <= 255
-    with pytest.raises(ProgramError, match="from at most 255 tokens"):
-        tc_program(cfg, 3, (2, 256), tokens=256)
-
-
 # ---- the program --------------------------------------------------------------------------
 def test_a_group_shares_its_members_rows_and_splits_the_tokens(synth_model):
     """Three blocks in groups of two: blocks 0 and 1 share their rows (the union of their
