@@ -43,6 +43,7 @@ from .program import ANY_TOKENS, TOKEN_SHARES, Instruction, Tokens, TokenGroup
 GROUPED_OPS = (Op.RMS_QKV_ROPE, Op.O_PROJ_RESIDUAL, Op.RMS_GATE_UP, Op.DOWN_RESIDUAL)
 MIN_SHARE = 8  # tokens a member takes at least (mma m16n8k16: 8 tokens a fragment)
 MAX_MEMBERS = 8  # (TOKEN_SHARES divides by every group size up to it)
+MAX_MIN_TOKENS = 255  # isa Word.GROUP holds min_tokens in 8 bits (the slices' bits above)
 
 
 def input_reads(share: int, rows: int, k: int, staged: int | None = None) -> int:
@@ -86,7 +87,7 @@ def choose(tokens: int, input_bytes: int, rows: int, blocks: int, k: int | None 
     t = tokens
     while t - 1 >= MIN_SHARE * best and cost(best, t - 1) < cost(1, t - 1):
         t -= 1
-    return best, t
+    return best, min(t, MAX_MIN_TOKENS)  # (256 in a program of 256 tokens: from 255)
 
 
 def members_of(plan, module, tiles: list[Instruction],
@@ -106,7 +107,7 @@ def members_of(plan, module, tiles: list[Instruction],
     else:
         c, min_tokens = members if isinstance(members, tuple) else (members,
                                                                     MIN_SHARE * members)
-        if not 1 <= c <= min(MAX_MEMBERS, len(tiles)) or not c <= min_tokens < 1 << 8:
+        if not 1 <= c <= min(MAX_MEMBERS, len(tiles)) or not c <= min_tokens <= MAX_MIN_TOKENS:
             raise ProgramError(f"token groups of {c} members from {min_tokens} tokens: need "
                                f"1..{min(MAX_MEMBERS, len(tiles))} members (at most "
                                f"{MAX_MEMBERS}, at most the blocks) and at least a token each")

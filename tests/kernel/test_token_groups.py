@@ -84,6 +84,16 @@ def test_members_count_the_inputs_reads():
             assert m == 8 * c or cost(c, m - 1) >= cost(1, m - 1)
 
 
+def test_min_tokens_fits_its_byte_in_a_program_of_256_tokens():
+    """Word.GROUP keeps min_tokens in 8 bits (the input slices' bits above them): where the
+    groups pay only at a program's full 256 tokens, choose says from 255 (the same steps:
+    none has 255 < T < 256 tokens), and an asked min_tokens of 256 is refused."""
+    assert tg.choose(256, 2, 234, 132, 2048, 64) == (4, tg.MAX_MIN_TOKENS) == (4, 255)
+    assert tg.choose(128, 2, 234, 132, 2048, 64)[1] <= 128
+    with pytest.raises(ProgramError, match="members from 256 tokens"):
+        tc_program(ModelConfig.from_name("llama3-tiny"), 3, (2, 256), tokens=256)
+
+
 def test_the_programs_of_the_three_shapes():
     """On 132 blocks, 64 tokens a step: the members the NOTES prediction names."""
     want = {"smollm2-135m": {Op.RMS_QKV_ROPE: 4, Op.O_PROJ_RESIDUAL: 4, Op.RMS_GATE_UP: 2,
