@@ -66,6 +66,34 @@ class Batch:
         return (self.ex.read_buffer("k_cache")[:, rows], self.ex.read_buffer("v_cache")[:, rows])
 
 
+def chunkings_agree(ex: KernelExecutor, me: list[int], other: list[int], chunkings,
+                    decode: int) -> dict:
+    """Sequence 0 (``me``) on ``ex`` in each of ``chunkings`` (lists of step plans; one that
+    names slot 1 runs ``other`` beside it), then ``decode`` decode steps: its logits at every
+    position, its K/V and tokens bitwise the same in every run. The first run's record."""
+    n = len(me) + decode
+    runs = []
+    for plans in chunkings:
+        b = Batch(ex)
+        b.join(0, me)
+        if any(1 in p for p in plans):
+            b.join(1, other)
+        for plan in plans:
+            b.step(plan)
+        for _ in range(decode):
+            b.step({slot: 1 for slot in b.seqs})
+        runs.append((b.seqs[0], b.kv(0, n)))
+    (first, (k0, v0)), rest = runs[0], runs[1:]
+    assert sorted(first["logits"]) == list(range(n))
+    for k, (run, (k1, v1)) in enumerate(rest):
+        bad = [pos for pos in first["logits"] if not np.array_equal(
+            run["logits"][pos].view(np.uint32), first["logits"][pos].view(np.uint32))]
+        assert not bad, (k, bad[:5])
+        assert np.array_equal(k0, k1) and np.array_equal(v0, v1), k
+        assert run["tokens"] == first["tokens"]
+    return first
+
+
 def round_robin(its, each=None) -> list[list[int]]:
     """Pull the generations ``its`` in turn, a token each, until all end (the steps carry
     whoever is running): each one's tokens. ``each()`` runs after every pull."""

@@ -264,7 +264,7 @@ def test_a_late_qk_chunk_of_the_most_tokens_is_bitwise_its_smaller_chunks(synth_
     sequence's 9 rows (247 of its own), then 4 rows, then decode: its logits at every position
     and its K/V bitwise the same; the one chunk's logits within ROW_TOL of the bf16 reference
     (its judge: the module's docstring)."""
-    from helpers.batch import Batch
+    from helpers.batch import chunkings_agree
     from monokernel.kernel.header import dynamic_shared_bytes
 
     model = synth_model("qwen3-tiny")
@@ -277,26 +277,8 @@ def test_a_late_qk_chunk_of_the_most_tokens_is_bitwise_its_smaller_chunks(synth_
     assert ex.program.tokens == MAX_STEP_TOKENS == 256
     ex.poison()
     me, other = prompt_of(model, 260, 41), prompt_of(model, 9, 42)
-    runs = []
-    for plans in ([{0: 256}, {0: 4}], [{0: 128}, {0: 128}, {0: 4}],
-                  [{1: 9, 0: 247}, {0: 13, 1: 1}]):
-        b = Batch(ex)
-        b.join(0, me)
-        if any(1 in p for p in plans):
-            b.join(1, other)
-        for plan in plans:
-            b.step(plan)
-        for _ in range(2):
-            b.step({slot: 1 for slot in b.seqs})
-        runs.append((b.seqs[0], b.kv(0, 262)))
-    (first, (k0, v0)), rest = runs[0], runs[1:]
-    assert sorted(first["logits"]) == list(range(262))
-    for k, (run, (k1, v1)) in enumerate(rest):
-        bad = [pos for pos in first["logits"] if not np.array_equal(
-            run["logits"][pos].view(np.uint32), first["logits"][pos].view(np.uint32))]
-        assert not bad, (k, bad[:5])
-        assert np.array_equal(k0, k1) and np.array_equal(v0, v1), k
-        assert run["tokens"] == first["tokens"]
+    first = chunkings_agree(ex, me, other, ([{0: 256}, {0: 4}], [{0: 128}, {0: 128}, {0: 4}],
+                                            [{1: 9, 0: 247}, {0: 13, 1: 1}]), decode=2)
     got = np.stack([first["logits"][pos] for pos in range(260)])
     want = ReferenceModel(cfg, model.weights, max_seq, bf16_inputs=True,
                           attn_chunk=ex.program.attn_min_chunk).forward(me, 0)
