@@ -122,9 +122,9 @@ class NumpyExecutor(Executor):
 
     def run_table(self, table: StepTable, should_stop=None) -> TableResult:
         """One batched step (ReferenceModel.forward_rows). Every step of two rows or more is a
-        matrix-matrix product, so a row's numbers are those of any other such step; a step of
-        one prompt row is padded to two so that a prompt's K/V never depend on how it was cut
-        (the prefix cache relies on it). A lone decode row stays a matrix-vector product, the
+        matrix-matrix product in blocks of ReferenceModel.row_block rows, so a row's numbers
+        are those of any other such step; a step of one prompt row runs as a block too, so
+        that a prompt's K/V never depend on how it was cut (the prefix cache relies on it). A lone decode row stays a matrix-vector product, the
         fast batch-1 path: its logits differ from the batched ones in the last bits (~1e-5 of
         their scale), so a sequence decoding alone and beside others agree in greedy tokens
         and to that tolerance (``batch_invariant=True`` pads it too: bitwise, ~2x slower at

@@ -83,18 +83,22 @@ class ReferenceModel:
     pages of its own: float32 logits [len(tokens), vocab] (None with ``logits=False``); the
     cache then holds positions [0, start_pos + len(tokens)).
 
-    Batch invariance (measured with OpenBLAS 0.3.31 sgemm, SkylakeX): a row of ``X @ W.T`` is
-    bitwise the same for any number of rows >= MIN_ROWS and any row offset. Fewer rows take
-    other kernels that round otherwise: one row is a matrix-vector product (~4e-5 relative),
-    and a few rows of a small matrix take OpenBLAS's small-matrix kernel (up to 12 rows for
-    the tiny test shapes' 96x96, 2 for SmolLM2's 576x576). So every product of two rows or more
-    runs on at least MIN_ROWS rows (zero rows added), and attention reduces each row over
-    exactly its own context, the same call whatever else is in the step: a row's numbers then
-    depend on nothing but its sequence. ``pad_lone`` pads a one-row step too (about 2-3x the
-    cost of the matrix-vector product, so a lone decode step may skip it: NumpyExecutor).
-    tests/model/test_batched_reference.py checks it bit for bit."""
+    Batch invariance: BLAS sums a row of ``X @ W.T`` in an order that can depend on where the
+    row sits in the call and on how many rows the call has, never on the other rows' values
+    (OpenBLAS 0.3.31 sgemm on SkylakeX: any 16 rows or more alike; on Haswell, which AMD EPYC
+    runs too: rows at positions 0-5 and 6-11 of every 12 in two orders, the last M % 12 in a
+    third, so a row moves by ~1e-7 of its scale with the rows beside it). So every product of
+    two rows or more runs in blocks of ``row_block`` rows, one BLAS call of the same shape per
+    block (zero rows pad the last), where row_block is the largest of ROW_BLOCKS whose call
+    gives every position the same numbers, probed once per weight shape on this machine's BLAS
+    (``row_block``); and attention reduces each row over exactly its own context, the same
+    call whatever else is in the step: a row's numbers then depend on nothing but its
+    sequence. One row alone is a matrix-vector product (another kernel, ~4e-5 relative);
+    ``pad_lone`` runs it as a block too (about 2-3x the cost of the matrix-vector product, so
+    a lone decode step may skip it: NumpyExecutor). tests/model/test_batched_reference.py
+    checks it bit for bit."""
 
-    MIN_ROWS = 16
+    ROW_BLOCKS = (64, 32, 16, 8, 4, 2)  # the row blocks row_block tries, largest first
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
                  max_seq_len: int | None = None, page_size: int = 16,
@@ -112,6 +116,7 @@ class ReferenceModel:
         self.cfg = c = config
         self.bf16_inputs = bool(bf16_inputs)
         self.attn_chunk = attn_chunk
+        self._row_blocks: dict[tuple, int] = {}  # row_block per weight shape
         self.max_seq_len = max_seq_len or min(c.max_position_embeddings, 4096)
         f32 = lambda name: as_float32(weights[name])  # noqa: E731
         self.embed = f32("model.embed_tokens.weight")
@@ -171,6 +176,34 @@ class ReferenceModel:
         return pool[:, :n].reshape(c.num_layers, n * self.page_size, c.num_kv_heads,
                                    c.head_dim)[:, :self.max_seq_len]
 
+    def row_block(self, w: np.ndarray) -> int:
+        """The rows one BLAS call of a product with ``w`` (x @ w.T) takes: the largest of
+        ROW_BLOCKS for which a call of that many identical rows gives every row the same
+        numbers (one product; the order a row is summed in depends on its position, not on the
+        other rows' values), else 1 (a call per row). Probed once per shape, under the BLAS
+        threads of the first product (the numpy backend sets them around every forward)."""
+        key = w.shape
+        if key not in self._row_blocks:
+            x = np.random.default_rng(0).standard_normal(w.shape[1]).astype(np.float32)
+            block = 1
+            for rows in self.ROW_BLOCKS:
+                out = np.tile(x, (1, rows, 1)) @ w.T
+                if (out == out[0, 0]).all():
+                    block = rows
+                    break
+            self._row_blocks[key] = block
+        return self._row_blocks[key]
+
+    def blocked(self, h: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """h @ w.T in blocks of row_block(w) rows, one BLAS call of the same shape each (zero
+        rows pad the last): every row's numbers its own, whatever rows come with it."""
+        block = self.row_block(w)
+        n = len(h)
+        m = -(-n // block) * block
+        if m != n:
+            h = np.concatenate([h, np.zeros((m - n, h.shape[1]), h.dtype)])
+        return (h.reshape(m // block, block, h.shape[1]) @ w.T).reshape(m, -1)[:n]
+
     def reset(self) -> None:
         self.k_pages[:] = 0
         self.v_pages[:] = 0
@@ -201,11 +234,6 @@ class ReferenceModel:
         if positions.min() < 0 or positions.max() >= self.max_seq_len:
             raise ValueError(f"positions up to {positions.max() + 1} exceed the cache of "
                              f"{self.max_seq_len}")
-        def padded(rows: int) -> int:  # the rows every product of this step runs on
-            if rows == 1 and not pad_lone:
-                return 1
-            return max(rows, self.MIN_ROWS)
-
         def norm_in(x: np.ndarray) -> np.ndarray:
             """An RMS op's input: the residual, as bf16 in bf16_inputs mode (residual_in)."""
             return bf16_round(x) if self.bf16_inputs else x
@@ -213,12 +241,9 @@ class ReferenceModel:
         def linear(h: np.ndarray, w: np.ndarray) -> np.ndarray:
             if self.bf16_inputs:
                 h = bf16_round(h)
-            if len(h) < pad:  # the kernel that larger steps use (see the class)
-                return (np.concatenate([h, np.zeros((pad - len(h), h.shape[1]), h.dtype)])
-                        @ w.T)[:len(h)]
-            return h @ w.T
-
-        pad = padded(n)
+            if len(h) == 1 and not pad_lone:  # the matrix-vector product (see the class)
+                return h @ w.T
+            return self.blocked(h, w)
 
         pages = np.array([tables[s][p // ps] for s, p in zip(seqs, positions)], np.int64)
         offs = positions % ps
@@ -267,7 +292,6 @@ class ReferenceModel:
             if len(logit_rows) == 0:
                 return None
             x = x[logit_rows]
-            pad = padded(len(x))
         h = rms_norm(norm_in(x), self.final_norm, c.rms_norm_eps)
         return linear(h, self.lm_head).astype(np.float32)
 

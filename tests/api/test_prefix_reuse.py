@@ -6,8 +6,9 @@ The cause it guards against: the numpy reference computed the reused prompt's ta
 last token alone: a matrix-vector product) through other BLAS calls than a fresh prefill (one
 matrix-matrix product over the whole prompt), and BLAS rounds a row differently by how many rows
 go with it: SmolLM2's first logits moved by up to 5e-3, enough to flip a Gumbel draw. The numpy
-backend now batches (batching.py): every prompt row runs in a matrix product of at least
-ReferenceModel.MIN_ROWS rows, which rounds a row alike whatever else is in it, so a prompt's K/V
+backend now batches (batching.py): every prompt row runs in blocks of ReferenceModel.row_block
+rows, one BLAS call of the same shape each, which round a row alike whatever else is in it
+(on any BLAS: the block is probed), so a prompt's K/V
 are the same in any chunking and any batch, and the engine's prefix cache reuses whole K/V
 pages of earlier prompts (a decode step may run alone, so generated tokens' pages are not kept).
 The one-sequence path's fixed ``prefill_chunk`` cuts (the executor's own ``prefill``, which

@@ -136,3 +136,44 @@ def test_a_lone_row_is_padded_unless_asked_not_to(synth_model):
     lone = ref.forward_rows([ids[4]], [4], [0], tables, pad_lone=False)
     np.testing.assert_allclose(lone[0], pair[0], rtol=0, atol=1e-4 * np.abs(pair).max())
     assert ref.forward_rows([ids[4]], [4], [0], tables, logit_rows=[]) is None
+
+
+class _PositionalBLAS:
+    """A weight whose product rounds a row by its position in calls of more than ``alike``
+    rows (as OpenBLAS's Haswell sgemm does past 8 rows), never by the other rows' values."""
+
+    __array_ufunc__ = None  # x @ this: numpy defers to __rmatmul__
+
+    def __init__(self, n: int, k: int, alike: int):
+        self.shape, self.alike = (n, k), alike
+        self.w = np.random.default_rng(5).standard_normal((n, k)).astype(np.float32)
+
+    @property
+    def T(self):
+        return self
+
+    def __rmatmul__(self, x):
+        out = x @ self.w.T
+        if x.shape[-2] > self.alike:  # position i of the call: its last bits moved
+            out = out * (1 + 1e-6 * np.arange(x.shape[-2], dtype=np.float32)[:, None])
+        return out
+
+
+def test_products_run_in_blocks_whose_rows_round_alike(synth_model):
+    """ReferenceModel.row_block probes the largest of ROW_BLOCKS whose call gives every
+    position the same numbers: 8 on a BLAS that rounds by position past 8 rows, 1 (a call a
+    row) on one that does from 2; and on this machine's BLAS, whatever it probes, a row of
+    ``blocked`` is bitwise the same whatever rows come with it (alone, with 3, 16 or 39
+    others, at any offset), for the tiny model's and SmolLM2's shapes."""
+    m = synth_model("tiny")
+    ref = ReferenceModel(m.config, m.weights, 16, page_size=4)
+    assert ref.row_block(_PositionalBLAS(96, 96, 8)) == 8
+    assert ReferenceModel(m.config, m.weights, 16).row_block(_PositionalBLAS(96, 96, 1)) == 1
+    rng = np.random.default_rng(7)
+    for n, k in ((96, 96), (1536, 576), (576, 1536)):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        x = rng.standard_normal((40, k)).astype(np.float32)
+        whole = ref.blocked(x, w)
+        assert ref.row_block(w) in ReferenceModel.ROW_BLOCKS + (1,)
+        for lo, hi in ((0, 1), (3, 7), (5, 21), (39, 40), (1, 40)):
+            assert np.array_equal(ref.blocked(x[lo:hi], w), whole[lo:hi]), (n, k, lo, hi)
