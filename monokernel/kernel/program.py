@@ -19,6 +19,8 @@ from ..model.config import ModelConfig
 from ..errors import ProgramError
 from .isa import WIDTH, Op, Word
 
+# Accesses the hazard check holds at once (verify(): ~40 bytes each)
+PAIRS = 1 << 21
 # Bumped when verify() gains a check: on-disk proofs of older versions no longer count.
 VERIFY_VERSION = 4
 
@@ -350,12 +352,8 @@ class Program:
                     raise ProgramError(f"{label(n)} signals counter {s}, which does not exist")
                 signalers[s].append(index[n])
         # edges: program order, and signal -> wait when the wait needs every signaler
-        preds: list[list[int]] = [[] for _ in nodes]
         waits_on: dict[int, int] = {}
         for n in nodes:
-            k = index[n]
-            if n[1] > 0:
-                preds[k].append(index[(n[0], n[1] - 1)])
             w = ins_of(n).wait
             if w is None:
                 continue
@@ -367,11 +365,11 @@ class Program:
                     f"({self._counter_name(counter)}) but only {have} instruction(s) signal "
                     "it per step: the wait can never be met")
             if count == have:
-                waits_on[k] = counter
-        order = self._topological(nodes, preds, waits_on, signalers, label)
-        anc = self._ancestors(order, len(nodes), preds, waits_on, signalers)
-        self._check_hazards(nodes, index, anc, ins_of, label)
-        self._check_step_end(nodes, anc, ins_of, label)
+                waits_on[index[n]] = counter
+        order = self._topological(nodes, waits_on, signalers, label)
+        clock = self._clocks(order, nodes, waits_on, signalers)
+        self._check_hazards(nodes, clock, ins_of, label)
+        self._check_step_end(nodes, clock, ins_of, label)
 
     def _check_slice_counters(self) -> None:
         """megakernel.cu slice_mma derives a row group's counter from the instruction's words
@@ -387,7 +385,7 @@ class Program:
                         f"{sl.members}), which megakernel.cu slice_mma waits on")
 
     @staticmethod
-    def _check_step_end(nodes, anc, ins_of, label) -> None:
+    def _check_step_end(nodes, clock, ins_of, label) -> None:
         """Many steps per launch: every block starts step s + 1 once the step's end (the writer
         of the state: the LM head's ticket tail) has run and released the step
         counter. So that end must come after every instruction of the step, or a block could
@@ -396,10 +394,13 @@ class Program:
         (hand-built fragments) end no step and are not checked."""
         ends = [k for k, n in enumerate(nodes)
                 if any(r[0] == "state" for r in ins_of(n).writes)]
+        if not ends:
+            return
+        block_of = np.array([b for b, _ in nodes], np.int64)
+        slot_of = np.array([i for _, i in nodes], np.int64)
         for e in ends:
-            before = np.unpackbits(anc[e], bitorder="little")[:len(nodes)]
             excl = ins_of(nodes[e]).exclusive
-            for k in np.flatnonzero(before == 0):
+            for k in np.flatnonzero(slot_of >= clock[e][block_of]):  # not before the end
                 ins = ins_of(nodes[k])
                 if k == e or ins.op == Op.NOOP or (excl is not None and ins.exclusive == excl):
                     continue  # itself, padding, or another block's tail (only one runs)
@@ -411,100 +412,166 @@ class Program:
         return self.counter_names[c] if 0 <= c < len(self.counter_names) else "?"
 
     @staticmethod
-    def _topological(nodes, preds, waits_on, signalers, label) -> list[int]:
+    def _topological(nodes, waits_on, signalers, label) -> list[int]:
+        """Kahn's order of the nodes under program order and the full waits. A counter is a
+        node of its own (after its every signaler, before its every full wait), so the edges
+        grow with signalers + waiters, not their product."""
         n = len(nodes)
-        succ: list[list[int]] = [[] for _ in range(n)]
-        indeg = [0] * n
-        for k in range(n):
-            ps = list(preds[k]) + (signalers[waits_on[k]] if k in waits_on else [])
-            for p in ps:
-                succ[p].append(k)
-            indeg[k] = len(ps)
-        order = [k for k in range(n) if indeg[k] == 0]
+        counters = {c: n + j for j, c in enumerate(sorted(set(waits_on.values())))}
+        succ: list[list[int]] = [[] for _ in range(n + len(counters))]
+        indeg = [0] * (n + len(counters))
+        for k in range(1, n):
+            if nodes[k][1] > 0:  # nodes are block-major: k - 1 is its block's previous one
+                succ[k - 1].append(k)
+                indeg[k] += 1
+        for k, c in waits_on.items():
+            succ[counters[c]].append(k)
+            indeg[k] += 1
+        for c, v in counters.items():
+            for s in signalers[c]:
+                succ[s].append(v)
+            indeg[v] = len(signalers[c])
+        order = [k for k in range(n + len(counters)) if indeg[k] == 0]
         for k in order:
             for s in succ[k]:
                 indeg[s] -= 1
                 if indeg[s] == 0:
                     order.append(s)
-        if len(order) < n:
+        if len(order) < len(indeg):
             stuck = [label(nodes[k]) for k in range(n) if indeg[k] > 0]
             raise ProgramError("the queues deadlock: a cycle of waits runs through "
                                + "; ".join(stuck[:8]) + (" ..." if len(stuck) > 8 else ""))
-        return order
+        return [k for k in order if k < n]
 
     @staticmethod
-    def _ancestors(order, n, preds, waits_on, signalers) -> np.ndarray:
-        """Bit matrix anc[k] = every instruction ordered before k (packed uint8)."""
-        nbytes = (n + 7) // 8
-        anc = np.zeros((n, nbytes), np.uint8)
+    def _clocks(order, nodes, waits_on, signalers) -> np.ndarray:
+        """Vector clocks: clock[k, b] = how many of block b's instructions are ordered before
+        k. What is ordered before an instruction is a prefix of each block's queue (program
+        order), so instruction (b, i) precedes k exactly when i < clock[k, b]; and k precedes
+        (b, i) when clock[(b, i), block of k] > k's index (the clock only grows down a queue)."""
+        n = len(nodes)
+        num_blocks = max((b for b, _ in nodes), default=-1) + 1
+        clock = np.zeros((n, num_blocks), np.int32)
+        block_of = np.array([b for b, _ in nodes], np.int64)
+        slot_of = np.array([i for _, i in nodes], np.int64)
         group_done: dict[int, np.ndarray] = {}
-        pos_in_order = np.empty(n, np.int64)
-        pos_in_order[order] = np.arange(n)
         for k in order:
-            row = anc[k]
-            for p in preds[k]:
-                row |= anc[p]
-                row[p >> 3] |= np.uint8(1 << (p & 7))
-            if k in waits_on:
-                c = waits_on[k]
+            b, i = nodes[k]
+            row = clock[k]
+            if i:  # after its block's previous instruction and all that was before it
+                row[:] = clock[k - 1]
+                row[b] = i
+            c = waits_on.get(k)
+            if c is not None:
                 g = group_done.get(c)
                 if g is None:  # all signalers precede k in topological order
-                    members = signalers[c]
-                    g = np.bitwise_or.reduce(anc[members], axis=0)
-                    for m in members:
-                        g[m >> 3] |= np.uint8(1 << (m & 7))
+                    members = np.array(signalers[c], np.int64)
+                    g = clock[members].max(axis=0)
+                    np.maximum.at(g, block_of[members], (slot_of[members] + 1).astype(np.int32))
                     group_done[c] = g
-                row |= g
-        return anc
+                np.maximum(row, g, out=row)
+        return clock
 
-    def _check_hazards(self, nodes, index, anc, ins_of, label) -> None:
+    def _check_hazards(self, nodes, clock, ins_of, label) -> None:
+        """Every write against every access of the same buffer in another block whose rows,
+        token shares and steps overlap it (Tokens.overlaps), unless both are tails of one
+        ticket: one must be ordered before the other.
+
+        Only the accesses of instructions that run concurrently with the write can fail: for
+        a write of instruction k and a block b, those are b's instructions from clock[k, b] up
+        to the first one k is ordered before. Those windows are searched for overlaps, all
+        writes of a buffer at once; a buffer with a hazard is walked write by write to name
+        the first one (_first_hazard)."""
         by_buffer: dict[str, list[tuple]] = defaultdict(list)
-        for n in nodes:
+        for k, n in enumerate(nodes):
             ins = ins_of(n)
             for regions, w in ((ins.reads, False), (ins.writes, True)):
                 for r in regions:
                     t = region_tokens(r)
-                    by_buffer[r[0]].append((index[n], r[1], r[2], w, t.share_lo, t.share_hi,
+                    by_buffer[r[0]].append((k, r[1], r[2], w, t.share_lo, t.share_hi,
                                             t.steps_lo, t.steps_hi))
-        block_of = np.array([n[0] for n in nodes], np.int64)
-        slot_of = np.array([n[1] for n in nodes], np.int64)
-        excl = ins_of
-        excl_of = np.array([-1 if excl(n).exclusive is None else excl(n).exclusive
-                            for n in nodes], np.int64)
-
+        n = len(nodes)
+        num_blocks = clock.shape[1]
+        block_of = np.array([b for b, _ in nodes], np.int64)
+        slot_of = np.array([i for _, i in nodes], np.int64)
+        starts = np.searchsorted(block_of, np.arange(num_blocks + 1))  # block-major
+        # after[k, b]: the first of block b's instructions that k is ordered before
+        # (a block's clocks only grow down its queue: one search a block, the queues side by
+        # side under offsets of `span`)
+        after = np.empty((n, num_blocks), np.int64)
+        span = int(clock.max(initial=0)) + int(slot_of.max(initial=0)) + 2
+        offset = np.arange(num_blocks, dtype=np.int64) * span
+        for b in range(num_blocks):
+            mine = slice(starts[b], starts[b + 1])
+            keys = block_of * span + clock[:, b]
+            after[mine] = np.searchsorted(keys, offset + slot_of[mine, None], side="right") \
+                - starts[:-1]
+        excl_of = np.array([-1 if ins_of(nd).exclusive is None else ins_of(nd).exclusive
+                            for nd in nodes], np.int64)
         for buf, acc in by_buffer.items():
             arr = np.array(acc, np.int64)
-            ids, los, his, isw = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3].astype(bool)
-            s_lo, s_hi, n_lo, n_hi = arr[:, 4], arr[:, 5], arr[:, 6], arr[:, 7]
-            for k, lo, hi, w, a_lo, a_hi, m_lo, m_hi in acc:
-                if not w:
-                    continue
-                # rows, token shares and steps all overlap (Tokens.overlaps)
-                sel = (los < hi) & (his > lo) & (block_of[ids] != block_of[k]) \
-                    & (s_lo < a_hi) & (s_hi > a_lo) & (n_lo < m_hi) & (n_hi > m_lo)
-                if excl_of[k] >= 0:  # the tails of one ticket never run together
-                    sel &= excl_of[ids] != excl_of[k]
-                others = ids[sel]
-                if not len(others):
-                    continue
-                # ordered(a, b): bit a set in anc[b]
-                k_before = (anc[others, k >> 3] >> (k & 7)) & 1
-                k_after = (anc[k, others >> 3] >> (others & 7)) & 1
-                bad = np.flatnonzero((k_before | k_after) == 0)
-                if not len(bad):
-                    continue
-                other = int(others[bad[0]])
-                other_w = bool(isw[sel][bad[0]])
-                if other_w:
-                    kind = "WAW"
-                elif slot_of[k] <= slot_of[other]:
-                    kind = "RAW"
-                else:
-                    kind = "WAR"
-                first, second = (k, other) if slot_of[k] <= slot_of[other] else (other, k)
-                raise ProgramError(
-                    f"{kind} hazard on {buf}[{lo}:{hi}]: {label(nodes[second])} is not "
-                    f"ordered after {label(nodes[first])} (add a wait)")
+            arr = arr[np.argsort(arr[:, 0], kind="stable")]  # by instruction: block-major
+            ids, lo, hi, _, s_lo, s_hi, n_lo, n_hi = (np.ascontiguousarray(c) for c in arr.T)
+            wr = np.flatnonzero(arr[:, 3])
+            if not len(wr):
+                continue
+            k = ids[wr]
+            # each write's window in each block, as instruction numbers, then as accesses
+            first = starts[:-1] + clock[k].astype(np.int64)
+            last = np.maximum(first, starts[:-1] + after[k])
+            last[np.arange(len(k)), block_of[k]] = first[np.arange(len(k)), block_of[k]]
+            begin = np.searchsorted(ids, first).reshape(len(k), num_blocks)
+            count = np.searchsorted(ids, last).reshape(len(k), num_blocks) - begin
+            per_write = np.cumsum(count.sum(axis=1))
+            # in pieces of about PAIRS accesses (bounded memory), narrowed one test at a time
+            cut = 0
+            while cut < len(k):
+                end = max(cut + 1, int(np.searchsorted(per_write, per_write[cut] + PAIRS)))
+                c = count[cut:end].ravel()
+                at = np.repeat(begin[cut:end].ravel() - (np.cumsum(c) - c), c)
+                o = np.arange(len(at)) + at
+                w = wr[np.repeat(np.arange(cut, end), num_blocks)]
+                w = np.repeat(w, c)
+                cut = end
+                for mine, theirs in ((lo, hi), (s_lo, s_hi), (n_lo, n_hi)):
+                    keep = (mine[o] < theirs[w]) & (theirs[o] > mine[w])
+                    o, w = o[keep], w[keep]
+                ex = excl_of[ids[w]]
+                if ((ex < 0) | (excl_of[ids[o]] != ex)).any():
+                    self._first_hazard(buf, acc, clock, block_of, slot_of, excl_of, nodes, label)
+
+    @staticmethod
+    def _first_hazard(buf, acc, clock, block_of, slot_of, excl_of, nodes, label) -> None:
+        """Raise for the first write of ``acc`` (in instruction order) with an unordered
+        conflicting access, naming the first such access."""
+        arr = np.array(acc, np.int64)
+        ids, los, his, isw = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3].astype(bool)
+        s_lo, s_hi, n_lo, n_hi = arr[:, 4], arr[:, 5], arr[:, 6], arr[:, 7]
+        for k, lo, hi, w, a_lo, a_hi, m_lo, m_hi in acc:
+            if not w:
+                continue
+            sel = (los < hi) & (his > lo) & (block_of[ids] != block_of[k]) \
+                & (s_lo < a_hi) & (s_hi > a_lo) & (n_lo < m_hi) & (n_hi > m_lo)
+            if excl_of[k] >= 0:  # the tails of one ticket never run together
+                sel &= excl_of[ids] != excl_of[k]
+            others = ids[sel]
+            ordered = (slot_of[others] < clock[k][block_of[others]]) \
+                | (clock[others, block_of[k]] > slot_of[k])
+            bad = np.flatnonzero(~ordered)
+            if not len(bad):
+                continue
+            other = int(others[bad[0]])
+            if bool(isw[sel][bad[0]]):
+                kind = "WAW"
+            elif slot_of[k] <= slot_of[other]:
+                kind = "RAW"
+            else:
+                kind = "WAR"
+            first, second = (k, other) if slot_of[k] <= slot_of[other] else (other, k)
+            raise ProgramError(
+                f"{kind} hazard on {buf}[{lo}:{hi}]: {label(nodes[second])} is not "
+                f"ordered after {label(nodes[first])} (add a wait)")
+        raise AssertionError(f"{buf}: a hazard was found and then not")  # pragma: no cover
 
     # ---- figures for `monokernel plan` ------------------------------------------------------
     def critical_path_hops(self) -> int:

@@ -298,6 +298,93 @@ def test_an_instruction_after_the_step_end_is_rejected():
     assert "is not ordered before the step's end" in msg and "EMBED" in msg, msg
 
 
+def brute_force_accepts(prog: Program) -> bool:
+    """verify()'s definition, checked the slow way: every node's ancestors as a Python set
+    (program order + every signaler of a counter before each wait for all its signals), then
+    every write against every other block's access to an overlapping part of its buffer, then
+    the step's end after everything. For a program with no bad wait and no deadlock."""
+    from monokernel.kernel.program import region_tokens
+
+    queues = prog.verification_queues()
+    nodes = [(b, i) for b, q in enumerate(queues) for i in range(len(q))]
+    of = lambda n: queues[n[0]][n[1]]  # noqa: E731
+    signalers = {}
+    for n in nodes:
+        if of(n).signal is not None:
+            signalers.setdefault(of(n).signal, []).append(n)
+    anc: dict = {}
+
+    def ancestors(n):
+        if n not in anc:
+            direct = [(n[0], n[1] - 1)] if n[1] else []
+            w = of(n).wait
+            if w is not None and w[1] == len(signalers[w[0]]):
+                direct += signalers[w[0]]
+            anc[n] = set(direct).union(*(ancestors(d) for d in direct))
+        return anc[n]
+
+    for n in nodes:
+        ancestors(n)
+    acc = [(n, r, w) for n in nodes for regions, w in ((of(n).reads, False), (of(n).writes, True))
+           for r in regions]
+    for a, ra, wa in acc:
+        for b, rb, wb in acc:
+            if not wa or a[0] == b[0] or ra[0] != rb[0] or not (ra[1] < rb[2] and rb[1] < ra[2]):
+                continue
+            if not region_tokens(ra).overlaps(region_tokens(rb)):
+                continue
+            if of(a).exclusive is not None and of(a).exclusive == of(b).exclusive:
+                continue
+            if a not in anc[b] and b not in anc[a]:
+                return False
+    for e in nodes:
+        if any(r[0] == "state" for r in of(e).writes):
+            for n in nodes:
+                if n != e and n not in anc[e] and of(n).op != Op.NOOP and not (
+                        of(e).exclusive is not None and of(n).exclusive == of(e).exclusive):
+                    return False
+    return True
+
+
+MUTANTS = [("tiny", 3, {}), ("tiny", 5, {"attn_splits": 3}), ("qwen3-tiny", 4, {}),
+           ("tiny", 4, {"tokens": 8}), ("tiny", 7, {"tokens": 16, "token_groups": True}),
+           ("tiny", 8, {"tokens": 16, "token_groups": True, "tensor_cores": True,
+                        "input_slices": True, "merge_ticket_min": 1})]
+
+
+@pytest.mark.parametrize("name,blocks,options", MUTANTS,
+                         ids=[f"{n}-b{b}-{len(o)}opts" for n, b, o in MUTANTS])
+def test_verify_agrees_with_the_brute_force_definition(name, blocks, options):
+    """verify() finds the pairs it must check through vector clocks and per-block windows
+    (program.py); on schedules with waits dropped or weakened at random it accepts exactly the
+    programs the pairwise definition accepts. Each mutant drops ordering only, so no wait
+    becomes impossible and no cycle appears: a rejection is a hazard or the step's end."""
+    import random
+
+    rng = random.Random(blocks)
+    base = schedule(ModelConfig.from_name(name), blocks, 64, **options)
+    assert brute_force_accepts(base)
+    verdicts = []
+    for _ in range(12):
+        prog = copy.deepcopy(base)
+        for _ in range(rng.choice((1, 1, 2))):
+            q = rng.choice(prog.queues)
+            waits = [i for i in q if i.wait is not None]
+            if waits:
+                i = rng.choice(waits)
+                i.wait = None if rng.random() < 0.5 else (i.wait[0], max(1, i.wait[1] - 1))
+        try:
+            prog.verify(use_cache=False)
+            accepted = True
+        except ProgramError as e:
+            assert re.match(r"(RAW|WAR|WAW) hazard on |.* is not ordered before the step's end",
+                            str(e)), e
+            accepted = False
+        assert accepted == brute_force_accepts(prog)
+        verdicts.append(accepted)
+    assert not all(verdicts)  # the mutants did test something
+
+
 # ================================================================================================
 # Every known shape's schedule
 # ================================================================================================
