@@ -12,7 +12,6 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 import time
-from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
@@ -22,16 +21,15 @@ from ..errors import KernelError, NumericalError, ParameterError
 from .isa import (BF16_INPUTS, ERROR_WORDS, HOST_FLAG_WORDS, NUM_THREADS, PARAMS, ROW_WORDS,
                   STATE_WORDS, TRACE_WORDS, Err, ErrCode, HostFlag, Op, RowWord, State,
                   StopReason, params_dtype)
-from .header import dynamic_shared_bytes, render_header, slot_pages, stop_mask_words
-from .includes import inline_includes
+from .header import dynamic_shared_bytes, kernel_source, slot_pages, stop_mask_words
 from ..model.loader import LoadedModel
 from .base import (Backend, BackendOptions, Choose, DeviceSample, Executor, LaunchEnd,
                    DEFAULT_PAGE_SIZE, StepResult, StepTable, TableResult, greedy, wall_times)
 from .devices.emulator import EmulatorDevice
 from .program import Program
+from .group_picks import tensor_core_program
 from .schedule import MAX_STEP_TOKENS, schedule, tensor_core_splits
 
-SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 KERNEL_NAMES = ["megakernel"] + [f"op_{op.name}" for op in Op if op != Op.NOOP]
 # Buffers the kernel writes during a step; poisoned with NaN by tests.
 ACTIVATIONS = ("residual", "residual_in", "q", "k_raw", "attn_o", "attn_ml", "attn", "ffn_h",
@@ -55,19 +53,6 @@ def stop_mask(ids, vocab_size: int) -> np.ndarray:
     ids = np.array(sorted(t for t in ids if 0 <= t < vocab_size), np.int64)
     np.bitwise_or.at(mask, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
     return mask
-
-
-def kernel_source(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: int = 0,
-                  page_size: int = 0, pool_pages: int = 0, mma: bool = False,
-                  slices: tuple[int, int] = (1, 1)) -> str:
-    """Generated header + megakernel.cu (its own quoted includes inlined), with #line so compiler
-    errors point at real lines. ``tokens``: the program's most tokens per step; ``slots`` (> 0):
-    steps of many sequences from the token table, K/V in pages of ``page_size`` positions,
-    ``pool_pages`` of them for the slots (0: a context per slot); ``mma``: the mat-muls on
-    tensor cores (a kernel of slots); ``slices``: O_PROJ's and DOWN's input slices."""
-    return (render_header(cfg, max_seq_len, tokens, slots, page_size, pool_pages, mma, slices)
-            + '#line 1 "megakernel.cu"\n'
-            + inline_includes(SOURCE_PATH.read_text(), SOURCE_PATH.parent, "megakernel.cu"))
 
 
 def kernel_build(cfg: ModelConfig, max_seq_len: int, *, prefetch: bool = True,
@@ -243,15 +228,17 @@ class KernelExecutor(Executor):
         self.watchdog_ms = watchdog_ms
         self.trace_enabled = trace
         c = self.config
-        # a tensor-core kernel's mat-muls share rows in token groups in big steps
-        # (token_groups.py) and split O_PROJ's and DOWN's input where the cost model says it
-        # pays (input_slices.py); the CUDA-core kernels run row tiles only
+        # a tensor-core kernel's mat-muls share rows in token groups in big steps, as many
+        # members as the cost model picks (token_groups.py, group_picks.py), and split
+        # O_PROJ's and DOWN's input where it says it pays (input_slices.py); the CUDA-core
+        # kernels run row tiles only
+        if program is None and tensor_cores:
+            program = tensor_core_program(c, blocks, max_seq_len, attn_splits, attn_min_chunk,
+                                          step_tokens)
         self.program = program or schedule(c, blocks, max_seq_len, attn_splits,
                                            attn_min_chunk=attn_min_chunk,
                                            merge_ticket_min=merge_ticket_min,
-                                           tokens=step_tokens, token_groups=bool(tensor_cores),
-                                           tensor_cores=bool(tensor_cores),
-                                           input_slices=bool(tensor_cores))
+                                           tokens=step_tokens)
         if not tensor_cores and any(i.group is not None for q in self.program.queues
                                     for i in q):
             raise KernelError("a program with token groups (schedule(token_groups=...)) is for "

@@ -1,16 +1,23 @@
 """The C header prepended to megakernel.cu: isa.py's enums, word layout, state words and argument
 struct, each op's named argument words (A_<OP>_<NAME>, from kernel/ops/) and the model's
-constants. Generated for every build; never written by hand."""
+constants. Generated for every build; never written by hand. ``kernel_source`` is the whole
+text a compiler gets: this header, then megakernel.cu with its own headers inlined."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..model.config import ModelConfig
 from . import isa, ops
+from .includes import inline_includes
 from .isa import (ERROR_WORDS, HOST_FLAG_WORDS, KV_UNROLL, MATVEC_LOADS, MERGE_CHUNK,
                   MERGE_TICKET_WAYS, NUM_THREADS, PARAMS, PREFETCH_MAX_BYTES, ROW_WORDS,
                   SEG_KEYS, SEG_QUERIES, STATE_WORDS, T_TILE, TRACE_WORDS, WIDTH, Err,
                   ErrCode, HostFlag, Op, RowWord, State, StopReason, TraceWord, Word, attn_k_vec,
                   merge_block_ways)
+
+
+SOURCE_PATH = Path(__file__).with_name("megakernel.cu")
 
 
 def stop_mask_words(vocab_size: int) -> int:
@@ -243,3 +250,16 @@ def render_header(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: in
         out.append(f"  {(t + ' ' + n + ';').ljust(width)}  // {shape}")
     out.append("};")
     return "\n".join(out) + "\n"
+
+
+def kernel_source(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: int = 0,
+                  page_size: int = 0, pool_pages: int = 0, mma: bool = False,
+                  slices: tuple[int, int] = (1, 1)) -> str:
+    """Generated header + megakernel.cu (its own quoted includes inlined), with #line so compiler
+    errors point at real lines. ``tokens``: the program's most tokens per step; ``slots`` (> 0):
+    steps of many sequences from the token table, K/V in pages of ``page_size`` positions,
+    ``pool_pages`` of them for the slots (0: a context per slot); ``mma``: the mat-muls on
+    tensor cores (a kernel of slots); ``slices``: O_PROJ's and DOWN's input slices."""
+    return (render_header(cfg, max_seq_len, tokens, slots, page_size, pool_pages, mma, slices)
+            + '#line 1 "megakernel.cu"\n'
+            + inline_includes(SOURCE_PATH.read_text(), SOURCE_PATH.parent, "megakernel.cu"))

@@ -57,7 +57,7 @@ def compile_sass(shape: str, *defines: str, function: str = "megakernel",
     up to ``tokens`` tokens; a kernel of ``slots`` sequences, its mat-muls on tensor cores
     with ``mma``)."""
     from ..model.config import ModelConfig
-    from .executor import kernel_source
+    from .header import kernel_source
 
     nvcc = shutil.which("nvcc")
     if nvcc is None:

@@ -65,9 +65,11 @@ class Plan:
     min_chunk: int  # fewest positions per attention split
     merge_min: int = 0  # fewest used splits a step merges by ticket (0: never)
     tokens: int = 1  # the most tokens a step carries (Program.tokens)
-    # the mat-muls' token groups (token_groups.py): False none, True chosen per op; the tests:
-    # an int, that many members in every mat-mul op, or (members, min_tokens)
-    token_groups: bool | int | tuple[int, int] = False
+    # the mat-muls' token groups (token_groups.py): False none, True chosen per op by the
+    # closed form, a dict {Op: members} as picked (group_picks.py; an op not in it by the
+    # closed form); the tests: an int, that many members in every mat-mul op, or (members,
+    # min_tokens)
+    token_groups: bool | int | tuple[int, int] | dict = False
     # a tensor-core kernel's program (MK_MMA): the residual's writers also store its bf16 copy
     # residual_in, which the RMS ops read instead of the residual (Program.tensor_cores)
     tensor_cores: bool = False
@@ -124,7 +126,7 @@ def tensor_core_splits(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
 def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
              attn_splits: int | None = None, attn_min_chunk: int | None = None,
              merge_ticket_min: int | None = None, tokens: int = 1,
-             token_groups: bool | int | tuple[int, int] = False,
+             token_groups: bool | int | tuple[int, int] | dict = False,
              tensor_cores: bool = False, input_slices: bool | int = 1) -> Program:
     """Build and verify the decode-step program for ``num_blocks`` persistent blocks.
 
@@ -137,9 +139,10 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     ``tokens``: the most tokens a step carries (a prompt chunk; at most MAX_STEP_TOKENS).
     ``token_groups``: the mat-muls' token groups of a tensor-core kernel (token_groups.py;
     needs every step's attention merged by ticket, merge_ticket_min 1): True, chosen per op
-    for ``tokens`` (none where the attention cannot be merged by ticket); the tests: an int,
-    that many members in every mat-mul op in steps of at least 8 a member, or (members,
-    min_tokens); False, row tiles.
+    for ``tokens`` by the closed form, token_groups.choose (none where the attention cannot
+    be merged by ticket); a dict {Op: members}, the cost model's picks (group_picks.pick; an
+    op not in it by the closed form); the tests: an int, that many members in every mat-mul
+    op in steps of at least 8 a member, or (members, min_tokens); False, row tiles.
     ``tensor_cores``: the program of a tensor-core kernel (MK_MMA), which keeps the residual's
     bf16 copy residual_in for its RMS ops: its regions say so (Plan.residual_writes,
     Plan.rms_input) and verify() orders them.
@@ -161,8 +164,10 @@ def schedule(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
     if not 1 <= tokens <= MAX_STEP_TOKENS:
         raise ProgramError(f"tokens per step must be in [1, {MAX_STEP_TOKENS}], got {tokens}")
     # (True == 1 and hash alike: the choices' keys say which they are)
+    asked = tuple(sorted((op.value, c) for op, c in token_groups.items())) \
+        if isinstance(token_groups, dict) else token_groups
     key = (cfg, num_blocks, max_seq_len, splits, attn_min_chunk, merge_ticket_min, tokens,
-           ("chosen", None) if token_groups is True else ("asked", token_groups),
+           ("chosen", None) if token_groups is True else ("asked", asked),
            bool(tensor_cores),
            ("chosen", None) if input_slices is True else ("asked", int(input_slices)))
     prog = _VERIFIED.get(key)
@@ -205,15 +210,23 @@ def _slicing(plan: Plan, op: Op, module, tiles: list[Instruction]) -> tuple[int,
     return (slices.choose(plan, module, tiles, c) if want is True else want), c, min_tokens
 
 
-def tensor_core_slices(cfg: ModelConfig, num_blocks: int, max_seq_len: int,
-                       tokens: int) -> tuple[int, int]:
-    """(O_PROJ's, DOWN's) input slices of the program a tensor-core executor builds by default
-    (schedule(..., token_groups=True, tensor_cores=True, input_slices=True)), without building
-    it: the kernel is compiled with them (MK_O_PROJ_SLICES, MK_DOWN_SLICES), and the GPU
-    check's prepare compiles that kernel before any executor."""
+def forget(cfg: ModelConfig) -> None:
+    """Drop the remembered programs of ``cfg`` (group_picks' one-layer copies of a model, so
+    that they do not push whole models' programs out of the memo)."""
+    for key in [key for key in _VERIFIED if key[0] == cfg]:
+        del _VERIFIED[key]
+
+
+def tensor_core_slices(cfg: ModelConfig, num_blocks: int, max_seq_len: int, tokens: int,
+                       token_groups: bool | dict = True) -> tuple[int, int]:
+    """(O_PROJ's, DOWN's) input slices of the program schedule(..., token_groups=token_groups,
+    tensor_cores=True, input_slices=True) builds (the tensor-core executor's default, with
+    the cost model's picks: group_picks.tensor_core_slices), without building it: the kernel
+    is compiled with them (MK_O_PROJ_SLICES, MK_DOWN_SLICES), and the GPU check's prepare
+    compiles that kernel before any executor."""
     splits, min_chunk = tensor_core_splits(cfg, num_blocks, max_seq_len)
     plan = Plan(cfg, num_blocks, max_seq_len, splits, min_chunk, tokens=tokens,
-                token_groups=True, tensor_cores=True, input_slices=True)
+                token_groups=token_groups, tensor_cores=True, input_slices=True)
     plan.merge_min = ops.attention.merge_min(plan, 1)
     if plan.merge_min != 1:
         return 1, 1

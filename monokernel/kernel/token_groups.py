@@ -11,20 +11,24 @@ every weight byte once). A token's numbers do not change: its rows' k-loops are 
 whichever block runs them, and mma's token columns are independent (megakernel.cu
 token_group), so a sequence's logits stay bitwise what they are in row tiles.
 
-How many members (``choose``): both costs are L2 bytes a block moves, so the choice needs no
-GPU table: per input column r T b / c (the input, b bytes an element as the blocks read it, r
-times: ``input_reads``, once a row pass of block_mma and once more in an RMS op's mma_rms
-unless its share is staged in shared memory) + 2 (c - 1) n (the other members' weight rows, n
-the op's busiest tile's), the cheapest power of two c <= MAX_MEMBERS with at least MIN_SHARE
-tokens a member (the mma's 8-token side). A step runs in groups when it has at least
+How many members: ``choose``'s closed form (schedule(token_groups=True)); the tensor-core
+executor, ``monokernel plan`` and prepare take the cost model's picks instead (group_picks.py:
+each op's c on a one-layer copy of the model, the cheapest predicted step, passed to schedule
+as a dict {Op: c}), whose ``min_tokens`` is the closed form's threshold for that c. The
+closed form counts bytes only, where the model also counts the walks'
+rounds at L2 and HBM latency. ``choose``: both costs are L2 bytes a block moves, so the choice
+needs no GPU table: per input column r T b / c (the input, b bytes an element as the blocks
+read it, r times: ``input_reads``, once a row pass of block_mma and once more in an RMS op's
+mma_rms unless its share is staged in shared memory) + 2 (c - 1) n (the other members' weight
+rows, n the op's busiest tile's), the cheapest power of two c <= MAX_MEMBERS with at least
+MIN_SHARE tokens a member (the mma's 8-token side). A step runs in groups when it has at least
 ``min_tokens`` tokens, the fewest from which c beats row tiles at every step size up to the
-program's (with r = 1: T b (1 - 1 / c) > 2 (c - 1) n, T > 2 n c / b) and MIN_SHARE c; a
-smaller step, one token among them, runs in row tiles as before. The last group of an op
-whose instructions do not divide by c has fewer members (a group of one: its own tile, every
-token).
+program's (with r = 1: T b (1 - 1 / c) > 2 (c - 1) n, T > 2 n c / b) and MIN_SHARE c; a smaller
+step, one token among them, runs in row tiles as before. The last group of an op whose
+instructions do not divide by c has fewer members (a group of one: its own tile, every token).
 
-Only a tensor-core kernel of slots runs them (schedule(token_groups=True): the executor's
-tensor_cores programs); its mat-mul ops are RMS_QKV_ROPE, O_PROJ_RESIDUAL, RMS_GATE_UP and
+Only a tensor-core kernel of slots runs them (schedule(token_groups=True or a dict): the
+executor's tensor_cores programs); its mat-mul ops are RMS_QKV_ROPE, O_PROJ_RESIDUAL, RMS_GATE_UP and
 DOWN_RESIDUAL (the LM head keeps row tiles: its per-tile partials are the step's end's). Each
 op module says its input bytes (INPUT_BYTES), weight rows a tile row (WEIGHT_ROWS), the op's
 tile rows (tile_rows) and a tile's accesses for one token (row_accesses); an instruction's
@@ -71,46 +75,77 @@ def choose(tokens: int, input_bytes: int, rows: int, blocks: int, k: int | None 
     columns) a member's input is charged ``input_reads`` times (``staged``: an RMS op's
     staged rows), else once; min_tokens is the fewest tokens from which the groups cost less
     than row tiles at every step size up to the program's."""
-    def cost(c: int, t: int) -> float:
-        share = -(-t // c)
-        reads = 1 if k is None else input_reads(share, c * rows, k, staged)
-        return reads * t * input_bytes / c + 2.0 * (c - 1) * rows
-
+    cost = _bytes(input_bytes, rows, k, staged)
     best, best_cost = 1, cost(1, tokens)
     c = 2
     while c <= min(MAX_MEMBERS, blocks) and tokens >= MIN_SHARE * c:
         if cost(c, tokens) < best_cost:
             best, best_cost = c, cost(c, tokens)
         c *= 2
-    if best == 1:
-        return 1, 0
+    return (1, 0) if best == 1 else (best, _threshold(cost, best, tokens))
+
+
+def _bytes(input_bytes: int, rows: int, k: int | None, staged: int | None):
+    """choose's cost: L2 bytes a member moves per input column, c members, a step of t."""
+    def cost(c: int, t: int) -> float:
+        share = -(-t // c)
+        reads = 1 if k is None else input_reads(share, c * rows, k, staged)
+        return reads * t * input_bytes / c + 2.0 * (c - 1) * rows
+    return cost
+
+
+def _threshold(cost, c: int, tokens: int) -> int:
+    """min_tokens of c members: the fewest tokens from which they cost less than row tiles
+    at every step size up to ``tokens`` (at least MIN_SHARE a member; ``tokens`` itself where
+    they never do by ``cost``: a pick of the model's runs in groups at the program's full
+    step only), at most MAX_MIN_TOKENS."""
     t = tokens
-    while t - 1 >= MIN_SHARE * best and cost(best, t - 1) < cost(1, t - 1):
+    while t - 1 >= MIN_SHARE * c and cost(c, t - 1) < cost(1, t - 1):
         t -= 1
-    return best, min(t, MAX_MIN_TOKENS)  # (256 in a program of 256 tokens: from 255)
+    return min(t, MAX_MIN_TOKENS)
+
+
+def candidates(tokens: int, blocks: int) -> list[int]:
+    """The members an op may take in a program of ``tokens`` tokens a step on ``blocks``."""
+    out, c = [1], 2
+    while c <= min(MAX_MEMBERS, blocks) and tokens >= MIN_SHARE * c:
+        out.append(c)
+        c *= 2
+    return out
 
 
 def members_of(plan, module, tiles: list[Instruction],
-               members: int | tuple[int, int] | None = None) -> tuple[int, int]:
+               members: int | tuple[int, int] | dict | None = None) -> tuple[int, int]:
     """(members c, min_tokens) of the op's token groups (``apply``): by ``choose`` for
-    ``plan.tokens``, or as ``members`` asks (the tests)."""
+    ``plan.tokens``; or as ``members`` asks: a dict {Op: c} (group_picks.pick's; an op not in it by
+    ``choose``) c members from the closed form's threshold for c, 1 row tiles; or (the
+    tests) an int or (members, min_tokens) for every op."""
     busiest = max((hi - lo for lo, hi in (i.tile for i in tiles)), default=0)
     rows = busiest * module.WEIGHT_ROWS
-    if members is None:
+    if members is None or isinstance(members, dict):
         staged = None
         if getattr(module, "RMS_INPUT", False):  # mma_rms's staged rows
             from .header import rms_stage_rows
 
             staged = rms_stage_rows(plan.config, plan.tokens, True)
-        c, min_tokens = choose(plan.tokens, module.INPUT_BYTES, rows, len(tiles),
-                               module.input_columns(plan.config), staged)
-    else:
-        c, min_tokens = members if isinstance(members, tuple) else (members,
-                                                                    MIN_SHARE * members)
-        if not 1 <= c <= min(MAX_MEMBERS, len(tiles)) or not c <= min_tokens <= MAX_MIN_TOKENS:
-            raise ProgramError(f"token groups of {c} members from {min_tokens} tokens: need "
-                               f"1..{min(MAX_MEMBERS, len(tiles))} members (at most "
-                               f"{MAX_MEMBERS}, at most the blocks) and at least a token each")
+        k = module.input_columns(plan.config)
+        picked = None if members is None else members.get(module.OP)
+        if picked is None:
+            return choose(plan.tokens, module.INPUT_BYTES, rows, len(tiles), k, staged)
+        if picked not in candidates(plan.tokens, len(tiles)):
+            raise ProgramError(f"{module.OP.name} in token groups of {picked}: a program of "
+                               f"{plan.tokens} tokens on {len(tiles)} blocks takes "
+                               f"{candidates(plan.tokens, len(tiles))}")
+        if picked == 1:
+            return 1, 0
+        return picked, _threshold(_bytes(module.INPUT_BYTES, rows, k, staged), picked,
+                                  plan.tokens)
+    c, min_tokens = members if isinstance(members, tuple) else (members, MIN_SHARE * members)
+    if not 1 <= c <= min(MAX_MEMBERS, len(tiles)) or not c <= min_tokens <= MAX_MIN_TOKENS:
+        raise ProgramError(f"token groups of {c} members from {min_tokens} tokens: need "
+                           f"1..{min(MAX_MEMBERS, len(tiles))} members (at most "
+                           f"{MAX_MEMBERS}, at most the blocks) and at least a token each, "
+                           f"from at most {MAX_MIN_TOKENS} tokens")
     return c, min_tokens
 
 
@@ -119,10 +154,10 @@ def _tagged(regions, tokens: Tokens) -> list:
 
 
 def apply(plan, module, layer: int, tiles: list[Instruction],
-          members: int | tuple[int, int] | None = None) -> list[Instruction]:
+          members: int | tuple[int, int] | dict | None = None) -> list[Instruction]:
     """``tiles`` (one op's instructions, tile k on block k) with their token groups: c by
-    ``choose`` for ``plan.tokens``; ``members`` (the tests): that many, in steps of at least
-    MIN_SHARE x that many tokens, or (members, min_tokens). Each instruction's regions in
+    ``choose`` for ``plan.tokens``, or the dict's (``members_of``); an int (the tests): that
+    many, in steps of at least MIN_SHARE x that many tokens, or (members, min_tokens). Each instruction's regions in
     both modes."""
     c, min_tokens = members_of(plan, module, tiles, members)
     if c <= 1 or plan.tokens < min_tokens:

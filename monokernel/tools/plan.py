@@ -97,12 +97,13 @@ def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | Non
     """The program a step of many tokens is predicted on: for the built tensor-core design
     (design_for(tensor_cores=True)) and the designs on its segments (attn_segments), the one
     its executor of steps of up to ``tokens`` rows runs (splits fixed by absolute position,
-    every step's attention merged by ticket, the mat-muls' token groups chosen for that many
-    tokens a step: a smaller step runs in row tiles where groups would not pay; with
+    every step's attention merged by ticket, the mat-muls' token groups the cost model picks
+    for that many tokens a step (group_picks.py): a smaller step runs in row tiles where groups would not pay; with
     O_PROJ's and DOWN's input slices chosen per op, as its executor does, or ``input_slices``
     of each); another design takes the default program."""
     from ..kernel import costmodel as cm
-    from ..kernel.schedule import schedule, tensor_core_splits
+    from ..kernel.group_picks import tensor_core_program
+    from ..kernel.schedule import tensor_core_splits
 
     from ..errors import ProgramError
 
@@ -113,9 +114,8 @@ def _tokens_program(cfg, blocks: int, max_seq: int, prog, design_name: str | Non
         return prog
     splits, min_chunk = tensor_core_splits(cfg, blocks, max_seq)
     try:
-        return schedule(cfg, blocks, max_seq, splits, min_chunk, merge_ticket_min=1,
-                        tokens=tokens, token_groups=True, tensor_cores=True,
-                        input_slices=input_slices)
+        return tensor_core_program(cfg, blocks, max_seq, splits, min_chunk, tokens,
+                                   input_slices)
     except ProgramError as e:
         raise SystemExit(f"monokernel: error: --input-slices {input_slices}: {e}") from None
 

@@ -103,16 +103,18 @@ def _verify(label: str, cfg, max_seq: int, options: dict) -> tuple[str, float]:
     """In a worker process: schedule and verify a program on one block per SM (the proof is
     remembered in $MONOKERNEL_CACHE/verified; a 132-block program takes seconds to prove)."""
     from ..kernel.devices.cuda import CupyDevice
+    from ..kernel.group_picks import tensor_core_program
     from ..kernel.schedule import schedule, tensor_core_splits
 
     t0 = time.perf_counter()
     options = dict(options)
     blocks = CupyDevice().num_sms
     if options.pop("tensor_cores", False):  # the program the tensor-core executor schedules
-        options["attn_splits"], options["attn_min_chunk"] = tensor_core_splits(
+        splits, min_chunk = tensor_core_splits(
             cfg, blocks, max_seq, options.get("attn_splits"), options.get("attn_min_chunk"))
-        options.update(token_groups=True, tensor_cores=True, input_slices=True)
-    schedule(cfg, blocks, max_seq, **options)
+        tensor_core_program(cfg, blocks, max_seq, splits, min_chunk, options.get("tokens", 1))
+    else:
+        schedule(cfg, blocks, max_seq, **options)
     return label, time.perf_counter() - t0
 
 
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from ..kernel.cuda_backend import BUILD_OPTIONS
     from ..kernel.executor import DEFAULT_PAGE_SIZE, kernel_build
-    from ..kernel.schedule import tensor_core_slices
+    from ..kernel.group_picks import tensor_core_slices
     from ..model.config import ModelConfig
     from ..model.synth import synthetic_config
     from .commands import synthetic_dir

@@ -492,8 +492,8 @@ def test_plan_predicts_a_program_of_input_slices(capsys):
     plain = capsys.readouterr().out.strip().splitlines()[-1]
     assert sliced.startswith("predicted on h200:") and sliced != plain
     # auto (the default): each op's as the executor's program has them
-    # (schedule.tensor_core_slices; for SmolLM2 on 32 blocks at 32 tokens a step DOWN only)
-    from monokernel.kernel.schedule import tensor_core_slices
+    # (group_picks.tensor_core_slices; for SmolLM2 on 32 blocks at 32 tokens a step DOWN only)
+    from monokernel.kernel.group_picks import tensor_core_slices
     from monokernel.model.config import ModelConfig
 
     o, d = tensor_core_slices(ModelConfig.from_name("smollm2-135m"), 32, 2048, 32)

@@ -703,8 +703,8 @@ def test_a_prepared_chunk_build_is_what_step_tokens_compiles(fake_cupy, tiny):
     assert "#define MK_SLOTS 4" in source and ex.program.tokens == 32
     assert ex.device.compile(source, KERNEL_NAMES, defines) is ex.module
     # ... and with tensor cores (slice 6a), on the program that merges by ticket
-    # (its input slices as prepare computes them: schedule.tensor_core_slices on the SMs)
-    from monokernel.kernel.schedule import tensor_core_slices
+    # (its input slices as prepare computes them: group_picks.tensor_core_slices on the SMs)
+    from monokernel.kernel.group_picks import tensor_core_slices
 
     ex = make_executor("cuda", tiny[0], 160, slots=4, step_tokens=64, tensor_cores=True)
     source, defines = kernel_build(tiny[0].config, 160, tokens=64, slots=4, mma=True,

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from monokernel.kernel.executor import SOURCE_PATH, kernel_source
+from monokernel.kernel.header import SOURCE_PATH, kernel_source
 from monokernel.kernel.includes import inline_includes
 from monokernel.model.config import ModelConfig
 

@@ -295,18 +295,30 @@ def test_input_slices_true_picks_each_ops_slices_with_the_cost_model():
     assert one.input_slices == 1
 
 
-@pytest.mark.parametrize("shape,tokens", [("qwen3-0.6b", 64), ("smollm2-135m", 128)])
+@pytest.mark.parametrize("shape,tokens", [("qwen3-0.6b", 64), ("smollm2-135m", 128),
+                                          ("llama-3.2-1b", 256)])
 def test_the_kernels_slices_are_the_default_programs(shape, tokens):
-    """schedule.tensor_core_slices (what the GPU check's prepare compiles the tensor-core
-    kernel with) is the default tensor-core program's slices of each op, without building it
-    (Qwen3 at 64 tokens: 4 / 8; SmolLM2 at 128: 1 / 4, O_PROJ unsliced)."""
+    """group_picks.tensor_core_slices (what the GPU check's prepare compiles the tensor-core
+    kernel with) is the executor's default program's slices of each op (its token groups the
+    cost model's picks: group_picks.tensor_core_program), without building it; and
+    schedule.tensor_core_slices the slices of schedule's closed-form groups (Qwen3 at 64
+    tokens: 4 / 8 either way; SmolLM2 at 128: 1 / 4, O_PROJ unsliced; Llama at 256, whose
+    picks differ from the closed form's: 2 / 4 picked)."""
+    from monokernel.kernel import group_picks
     from monokernel.kernel.schedule import tensor_core_slices
 
     cfg = ModelConfig.from_name(shape)
-    prog = sliced(shape, 132, True, True, tokens=tokens)
-    want = (prog.slices_of(Op.O_PROJ_RESIDUAL), prog.slices_of(Op.DOWN_RESIDUAL))
-    assert tensor_core_slices(cfg, 132, MAX_SEQ, tokens) == want
-    assert want == {"qwen3-0.6b": (4, 8), "smollm2-135m": (1, 4)}[shape]
+
+    def of(prog):
+        return prog.slices_of(Op.O_PROJ_RESIDUAL), prog.slices_of(Op.DOWN_RESIDUAL)
+
+    closed = of(sliced(shape, 132, True, True, tokens=tokens))
+    assert tensor_core_slices(cfg, 132, MAX_SEQ, tokens) == closed
+    splits, min_chunk = tensor_core_splits(cfg, 132, MAX_SEQ)
+    picked = of(group_picks.tensor_core_program(cfg, 132, MAX_SEQ, splits, min_chunk, tokens))
+    assert group_picks.tensor_core_slices(cfg, 132, MAX_SEQ, tokens) == picked
+    assert picked == {"qwen3-0.6b": (4, 8), "smollm2-135m": (1, 4),
+                      "llama-3.2-1b": (2, 4)}[shape]
 
 
 def test_schedule_memo_tells_chosen_slices_from_one():

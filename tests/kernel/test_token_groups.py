@@ -112,6 +112,25 @@ def test_the_programs_of_the_three_shapes():
         assert got == members, shape
 
 
+def test_picked_members_are_validated_and_min_tokens_fits_its_byte():
+    """A pick (a dict {Op: c}, group_picks.py) outside the op's candidates is refused by name;
+    the threshold of a pick's c is the fewest tokens from which c beats row tiles by the
+    closed form's bytes, the program's full step where it never does, and never past
+    Word.GROUP's byte."""
+    cfg = ModelConfig.from_name("llama3-tiny")
+    with pytest.raises(ProgramError, match="RMS_GATE_UP in token groups of 4"):
+        tc_program(cfg, 3, {Op.RMS_GATE_UP: 4})
+    assert tg.candidates(256, 132) == [1, 2, 4, 8] and tg.candidates(16, 3) == [1, 2]
+    assert tg._threshold(lambda c, t: 0.0 if c > 1 else 1.0, 2, 256) == 16
+    assert tg._threshold(lambda c, t: 1.0, 2, 128) == 128
+    assert tg._threshold(lambda c, t: 1.0, 2, 256) == tg.MAX_MIN_TOKENS == 255
+    prog = tc_program(cfg, 3, {Op.RMS_GATE_UP: 2, Op.DOWN_RESIDUAL: 1})
+    got = {ins.op: ins.group for ins in prog.queues[0]
+           if ins.op in (Op.RMS_GATE_UP, Op.DOWN_RESIDUAL)}
+    assert got[Op.RMS_GATE_UP].members == 2 and got[Op.DOWN_RESIDUAL] is None
+    assert 2 * tg.MIN_SHARE <= got[Op.RMS_GATE_UP].min_tokens <= TOKENS
+
+
 # ---- the program --------------------------------------------------------------------------
 def test_a_group_shares_its_members_rows_and_splits_the_tokens(synth_model):
     """Three blocks in groups of two: blocks 0 and 1 share their rows (the union of their

@@ -314,8 +314,9 @@ def _rolling_prefetch(b: OpBatch, S: int, kv: int, row_bytes: list[np.ndarray],
     as _unit_costs counts them) are prefetched before the wait if it is the step's first
     row's, or with ``first_unit`` (attn_first_unit_prefetch) whichever row's it is."""
     out = np.zeros(len(b.lo))
+    every = [np.tile(rb, kv) for rb in row_bytes]  # per row, its units in every group
     for i, (lo, hi) in enumerate(zip(b.lo.tolist(), b.hi.tolist())):
-        units = [np.tile(rb, kv)[lo:hi] for rb in row_bytes]  # per row, the instruction's
+        units = [u[lo:hi] for u in every]  # per row, the instruction's
         total = sum(float(u.sum()) for u in units)
         first = next(((r, int(np.flatnonzero(u > 0)[0])) for r, u in enumerate(units)
                       if (u > 0).any()), None)
