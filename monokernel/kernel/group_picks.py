@@ -19,17 +19,28 @@ to schedule as a dict {Op: c}; a pick's min_tokens is the closed form's threshol
 This module sits above schedule and the cost model (it schedules programs and predicts
 them), so schedule does not ask it: the tensor-core executor, ``monokernel plan`` and the GPU
 check's prepare do, through ``tensor_core_program`` and ``tensor_core_slices``.
+
+A pick takes seconds (14 one-layer schedules and predictions at 132 blocks), and every process
+that builds a tensor-core executor asks for it: the picks are remembered on disk,
+$MONOKERNEL_CACHE/picks/<key>.json, keyed by the arguments and by the bytes of this package's
+sources (the cost model's code and tables, the ops' tilings, the scheduler), so a change to any
+of them picks again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import replace
 from functools import lru_cache
+from pathlib import Path
 
 from . import costmodel as cm
 from .costmodel.tokens import StepShape
 from .schedule import forget, schedule, tensor_core_splits
 from .schedule import tensor_core_slices as slices_of_groups
+from .isa import Op
 from .token_groups import GROUPED_OPS, MIN_SHARE, candidates
 
 MODEL_GPU = "h200"  # the GPU whose predicted step ``pick`` minimises (the project's target)
@@ -52,7 +63,43 @@ def pick(cfg, num_blocks: int, max_seq_len: int, splits: int, min_chunk: int, to
 def _pick(cfg, num_blocks: int, max_seq_len: int, splits: int, min_chunk: int, tokens: int,
           slicing: str | int) -> tuple:
     """((Op, c), ...) sorted by op, empty for the closed form everywhere (``pick``; True ==
-    1 and they hash alike, so ``slicing`` says "chosen" for input_slices True)."""
+    1 and they hash alike, so ``slicing`` says "chosen" for input_slices True): from the
+    disk if an earlier process picked them with the same sources, else searched and kept."""
+    from ..model.cache import cache_dir
+
+    args = (cfg, num_blocks, max_seq_len, splits, min_chunk, tokens, slicing)
+    key = hashlib.sha256(repr((args, MODEL_GPU, PICK_CONTEXT, sources_digest())).encode())
+    path = cache_dir() / "picks" / f"{key.hexdigest()}.json"
+    try:
+        return tuple((Op[name], int(c)) for name, c in json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not picked yet (or a damaged file: picked again and rewritten)
+    picked = _search(*args)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps([(op.name, c) for op, c in picked]))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs the next process the search again
+    return picked
+
+
+@lru_cache(maxsize=1)
+def sources_digest() -> str:
+    """sha256 of every source file of monokernel/kernel (Python, CUDA, the SASS facts): what
+    a pick is a function of besides its arguments."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".json", ".cu", ".cuh") and "__pycache__" not in f.parts:
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _search(cfg, num_blocks: int, max_seq_len: int, splits: int, min_chunk: int, tokens: int,
+            slicing: str | int) -> tuple:
+    """The cost model's picks (``pick``), searched."""
     if tokens < 2 * MIN_SHARE or num_blocks < 2 or cfg.num_layers < 1:
         return ()
     one = replace(cfg, num_layers=1)
