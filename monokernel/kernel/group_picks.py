@@ -31,16 +31,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
 from . import costmodel as cm
 from .costmodel.tokens import StepShape
+from .isa import Op
 from .schedule import forget, schedule, tensor_core_splits
 from .schedule import tensor_core_slices as slices_of_groups
-from .isa import Op
 from .token_groups import GROUPED_OPS, MIN_SHARE, candidates
 
 MODEL_GPU = "h200"  # the GPU whose predicted step ``pick`` minimises (the project's target)
@@ -65,7 +64,7 @@ def _pick(cfg, num_blocks: int, max_seq_len: int, splits: int, min_chunk: int, t
     """((Op, c), ...) sorted by op, empty for the closed form everywhere (``pick``; True ==
     1 and they hash alike, so ``slicing`` says "chosen" for input_slices True): from the
     disk if an earlier process picked them with the same sources, else searched and kept."""
-    from ..model.cache import cache_dir
+    from ..model.cache import cache_dir, remember
 
     args = (cfg, num_blocks, max_seq_len, splits, min_chunk, tokens, slicing)
     key = hashlib.sha256(repr((args, MODEL_GPU, PICK_CONTEXT, sources_digest())).encode())
@@ -75,13 +74,7 @@ def _pick(cfg, num_blocks: int, max_seq_len: int, splits: int, min_chunk: int, t
     except (OSError, ValueError, KeyError, TypeError):
         pass  # not picked yet (or a damaged file: picked again and rewritten)
     picked = _search(*args)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps([(op.name, c) for op, c in picked]))
-        tmp.replace(path)
-    except OSError:
-        pass  # an unwritable cache only costs the next process the search again
+    remember(path, json.dumps([(op.name, c) for op, c in picked]))
     return picked
 
 

@@ -9,7 +9,6 @@ programs (each op tiles itself: kernel/ops/); the executors and the cost model r
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
@@ -296,13 +295,9 @@ class Program:
                 return
         self._verify()
         if marker is not None:
-            try:
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                tmp = marker.with_name(f".{marker.name}.{os.getpid()}")
-                tmp.write_text("verified\n")
-                tmp.replace(marker)
-            except OSError:
-                pass  # an unwritable cache only costs the next process the proof again
+            from ..model.cache import remember
+
+            remember(marker, "verified\n")
 
     def verification_queues(self) -> list[list[Instruction]]:
         """The queues as verify() sees them: a ticket instruction becomes its main part, which
@@ -367,9 +362,11 @@ class Program:
             if count == have:
                 waits_on[index[n]] = counter
         order = self._topological(nodes, waits_on, signalers, label)
-        clock = self._clocks(order, nodes, waits_on, signalers)
-        self._check_hazards(nodes, clock, ins_of, label)
-        self._check_step_end(nodes, clock, ins_of, label)
+        block_of = np.array([b for b, _ in nodes], np.int64)
+        slot_of = np.array([i for _, i in nodes], np.int64)
+        clock = self._clocks(order, nodes, block_of, slot_of, waits_on, signalers)
+        self._check_hazards(nodes, block_of, slot_of, clock, ins_of, label)
+        self._check_step_end(nodes, block_of, slot_of, clock, ins_of, label)
 
     def _check_slice_counters(self) -> None:
         """megakernel.cu slice_mma derives a row group's counter from the instruction's words
@@ -385,7 +382,7 @@ class Program:
                         f"{sl.members}), which megakernel.cu slice_mma waits on")
 
     @staticmethod
-    def _check_step_end(nodes, clock, ins_of, label) -> None:
+    def _check_step_end(nodes, block_of, slot_of, clock, ins_of, label) -> None:
         """Many steps per launch: every block starts step s + 1 once the step's end (the writer
         of the state: the LM head's ticket tail) has run and released the step
         counter. So that end must come after every instruction of the step, or a block could
@@ -394,10 +391,6 @@ class Program:
         (hand-built fragments) end no step and are not checked."""
         ends = [k for k, n in enumerate(nodes)
                 if any(r[0] == "state" for r in ins_of(n).writes)]
-        if not ends:
-            return
-        block_of = np.array([b for b, _ in nodes], np.int64)
-        slot_of = np.array([i for _, i in nodes], np.int64)
         for e in ends:
             excl = ins_of(nodes[e]).exclusive
             for k in np.flatnonzero(slot_of >= clock[e][block_of]):  # not before the end
@@ -444,16 +437,13 @@ class Program:
         return [k for k in order if k < n]
 
     @staticmethod
-    def _clocks(order, nodes, waits_on, signalers) -> np.ndarray:
+    def _clocks(order, nodes, block_of, slot_of, waits_on, signalers) -> np.ndarray:
         """Vector clocks: clock[k, b] = how many of block b's instructions are ordered before
         k. What is ordered before an instruction is a prefix of each block's queue (program
         order), so instruction (b, i) precedes k exactly when i < clock[k, b]; and k precedes
         (b, i) when clock[(b, i), block of k] > k's index (the clock only grows down a queue)."""
-        n = len(nodes)
-        num_blocks = max((b for b, _ in nodes), default=-1) + 1
-        clock = np.zeros((n, num_blocks), np.int32)
-        block_of = np.array([b for b, _ in nodes], np.int64)
-        slot_of = np.array([i for _, i in nodes], np.int64)
+        num_blocks = int(block_of.max(initial=-1)) + 1
+        clock = np.zeros((len(nodes), num_blocks), np.int32)
         group_done: dict[int, np.ndarray] = {}
         for k in order:
             b, i = nodes[k]
@@ -472,7 +462,7 @@ class Program:
                 np.maximum(row, g, out=row)
         return clock
 
-    def _check_hazards(self, nodes, clock, ins_of, label) -> None:
+    def _check_hazards(self, nodes, block_of, slot_of, clock, ins_of, label) -> None:
         """Every write against every access of the same buffer in another block whose rows,
         token shares and steps overlap it (Tokens.overlaps), unless both are tails of one
         ticket: one must be ordered before the other.
@@ -492,8 +482,6 @@ class Program:
                                             t.steps_lo, t.steps_hi))
         n = len(nodes)
         num_blocks = clock.shape[1]
-        block_of = np.array([b for b, _ in nodes], np.int64)
-        slot_of = np.array([i for _, i in nodes], np.int64)
         starts = np.searchsorted(block_of, np.arange(num_blocks + 1))  # block-major
         # after[k, b]: the first of block b's instructions that k is ordered before
         # (a block's clocks only grow down its queue: one search a block, the queues side by

@@ -13,6 +13,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MONOKERNEL_CACHE") or Path.home() / ".cache" / "monokernel")
 
 
+def remember(path: Path, text: str) -> None:
+    """Write a cache entry whole or not at all (a temporary sibling renamed over ``path``), and
+    never fail: an unwritable cache only costs the next process the work again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
     """Cache folder for the HF conversion of a GGUF file, keyed by its content
     (:func:`gguf_header.content_key`: the whole metadata section, the first and last MiB of
