@@ -1,6 +1,9 @@
 """Shared fixtures: one throw-away monokernel cache for the whole session, synthetic checkpoints
 written once per shape, and the bundled SmolLM2-135M-Instruct converted once and loaded once.
 
+``make test`` runs the suite on every core (pytest-xdist), then the tests marked ``serial`` alone:
+those bound wall-clock or CPU time. The workers of a parallel run share the controller's cache.
+
 The cache variable is set in ``pytest_configure``, before any test module imports monokernel, so
 no test can read or write the user's ~/.cache/monokernel. Set MONOKERNEL_TEST_CACHE to a folder to
 keep the converted bundled model between runs (it is then not deleted).
@@ -30,13 +33,23 @@ _SESSION_CACHE: dict[str, str] = {}
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy is first imported
     keep = os.environ.get("MONOKERNEL_TEST_CACHE")
-    if keep:
+    shared = getattr(config, "workerinput", {}).get("monokernel_cache")
+    if shared:  # a worker of a parallel run (pytest-xdist): the controller's cache, not owned
+        path, owned = shared, False
+    elif keep:
         path, owned = keep, False
     else:
         path, owned = tempfile.mkdtemp(prefix="monokernel-test-cache-"), True
     _SESSION_CACHE.update(path=path, owned="1" if owned else "", previous=os.environ.get(
         "MONOKERNEL_CACHE", ""))
     os.environ["MONOKERNEL_CACHE"] = path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """pytest-xdist: every worker uses the controller's cache, so a model converted or a kernel
+    built by one worker serves them all (builds take turns on a lock: emulator.build.build_once)."""
+    node.workerinput["monokernel_cache"] = _SESSION_CACHE["path"]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

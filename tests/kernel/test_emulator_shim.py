@@ -12,13 +12,16 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from monokernel.kernel.emulator import EmulatorBuildError, asan_preload_env, build
+from monokernel.kernel.emulator.build import build_once
 from monokernel.errors import KernelError, MonokernelError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -580,6 +583,38 @@ def test_build_cache_hit_and_broken_source(tmp_path):
     assert isinstance(err.value, MonokernelError)
     assert "broken.cu:4" in err.value.stderr and "error" in err.value.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.path.name]
+
+
+def test_builds_of_one_output_take_turns_and_leave_only_the_output(tmp_path):
+    """Four builders of one output at once (the workers of a parallel test run): one builds, the
+    others wait for it and find the file; a failed build lets the next waiter try; no lock file
+    is left behind. Each builder opens the lock itself, as separate processes do."""
+    out = tmp_path / "k.so"
+    made, fail_first = [], threading.Event()
+    fail_first.set()
+
+    def make():
+        made.append(threading.get_ident())
+        time.sleep(0.2)  # long enough for the others to be waiting on the lock
+        if fail_first.is_set():
+            fail_first.clear()
+            raise EmulatorBuildError("the first build fails")
+        tmp = out.with_name(".k.tmp")
+        tmp.write_text("built")
+        tmp.replace(out)
+
+    def one(_):
+        try:
+            return build_once(out, make)
+        except EmulatorBuildError:
+            return "failed"
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(4)))
+    assert len(made) == 2, made  # the failed build and the one after it; the others were hits
+    assert sorted(map(str, results)) == ["False", "True", "True", "failed"]
+    assert [p.name for p in tmp_path.iterdir()] == ["k.so"]
+    assert build_once(out, make) is True and len(made) == 2
 
 
 def test_build_from_a_file_path(tmp_path):

@@ -27,6 +27,9 @@ import httpx
 
 from monokernel import LLM, SamplingParams
 
+# alone, after the parallel part of make test: cancellations and disconnects must act in seconds
+pytestmark = pytest.mark.serial
+
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = httpx.Timeout(30.0)
 

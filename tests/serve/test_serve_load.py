@@ -19,6 +19,9 @@ import httpx
 
 from monokernel import LLM
 
+# alone, after the parallel part of make test: it reports latency percentiles under its own load
+pytestmark = pytest.mark.serial
+
 N_CLIENTS = 64
 MAX_NUM_SEQS = 32
 MAX_TOKENS = 24

@@ -29,6 +29,9 @@ import httpx
 
 from monokernel import LLM
 
+# alone, after the parallel part of make test: its shutdowns and rejections are bounded in seconds
+pytestmark = pytest.mark.serial
+
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = httpx.Timeout(30.0)
 LONG = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,

@@ -26,6 +26,9 @@ from helpers.serve import port_is_closed, sse_events
 
 import httpx
 
+# alone, after the parallel part of make test: Ray starts and restarts a replica in bounded time
+pytestmark = pytest.mark.serial
+
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install "
                     "'monokernel[ray]')")
 openai = pytest.importorskip("openai", reason="the openai client is not installed")

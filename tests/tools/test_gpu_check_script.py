@@ -208,6 +208,7 @@ def test_gpu_check_killed_midway_returns_what_it_finished(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # CPU seconds against a calibration: alone, so neither shares the cores
 def test_gpu_mode_host_side_fits_its_budget(tmp_path):
     out = tmp_path / "results"
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@ force-included in front. The .so is cached under `$MONOKERNEL_CACHE/emulator/` (
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -17,7 +18,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ...errors import KernelError, MonokernelError
 from ...progress import waiting
@@ -242,16 +243,49 @@ def build(
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(filename).stem) or "kernel"
     so_path = out_dir / f"{stem}-{key}{'-asan' if sanitize else ''}.so"
 
-    cache_hit = so_path.is_file()
-    if not cache_hit:  # the first build of a source takes a while (a minute on 2 cores)
+    def make() -> None:  # the first build of a source takes a while (a minute on 2 cores)
         with waiting(f"building {Path(filename).name} for the CPU emulator (g++, once per "
                      f"source)"):
             compile_unit(unit, flags, so_path, f"{filename} for the CPU emulator")
+    cache_hit = build_once(so_path, make)
     if sanitize == "address" and "libasan" not in os.environ.get("LD_PRELOAD", ""):
         raise EmulatorBuildError(
             f"{so_path} (an AddressSanitizer build of {filename}) can only be loaded into a process started "
             "with LD_PRELOAD=libasan.so; run it in a subprocess with env=asan_preload_env()")
     return EmulatorModule(so_path, names, cache_hit=cache_hit, sanitize=sanitize)
+
+
+def build_once(out_path: Path, make: Callable[[], None]) -> bool:
+    """Runs ``make()`` to write `out_path` unless it is there; True if it was (a cache hit).
+
+    Processes sharing a cache (the workers of a parallel test run, two servers started at once)
+    take turns on an advisory lock beside the output, so one of them builds and the others find
+    the file when their turn comes, instead of all compiling the same source side by side. The
+    holder removes the lock file before releasing it: whoever opens a lock file after that finds
+    the output already there (or, after a failed build, builds it again).
+    """
+    if out_path.is_file():
+        return True
+    lock = out_path.with_name(f".{out_path.name}.lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # a read-only cache folder: build without the lock (the rename is atomic)
+        fd = None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        if out_path.is_file():
+            return True
+        make()
+        return False
+    finally:
+        if fd is not None:
+            try:
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:  # not a later process's lock
+                    os.unlink(lock)
+            except OSError:
+                pass  # already removed by the process that held it before us
+            os.close(fd)  # releases the lock
 
 
 def _c_string(s: str) -> str:

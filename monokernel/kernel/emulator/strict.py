@@ -37,8 +37,8 @@ import numpy as np
 
 from ...errors import KernelError
 from ..isa import ERROR_WORDS, NUM_THREADS, PARAMS, STATE_WORDS, State
-from .build import (COMMON_SHIM_PATH, CXX, MMA_SHIM_PATH, SHIM_PATH, _c_string, cache_key, compile_unit, compiler_version,
-                    default_cache_dir, rewrite_shared)
+from .build import (COMMON_SHIM_PATH, CXX, MMA_SHIM_PATH, SHIM_PATH, _c_string, build_once, cache_key,
+                    compile_unit, compiler_version, default_cache_dir, rewrite_shared)
 
 STRICT_SHIM_PATH = SHIM_PATH.with_name("cuda_cpu_strict.h")
 DRIVER_PATH = SHIM_PATH.with_name("strict_driver.cpp")
@@ -96,8 +96,7 @@ def build_strict_driver(source: str, *, tsan: bool = True, extra_flags=(),
     out_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     exe = out_dir / f"strict_driver-{key}{'-tsan' if tsan else ''}"
-    if not exe.is_file():
-        compile_unit(unit, flags, exe, "the strict-mode driver", executable=True)
+    build_once(exe, lambda: compile_unit(unit, flags, exe, "the strict-mode driver", executable=True))
     return exe
 
 
