@@ -78,7 +78,7 @@ class ReferenceModel:
     ``tokens[i]`` at position ``positions[i]`` of sequence ``seqs[i]``, whose K/V live in the
     pages ``tables[seqs[i]]`` of the pool (page j holds positions [j * page_size, (j + 1) *
     page_size)). Every linear layer is one matrix product over all rows (the weights are read
-    once per step), attention runs per row over its own sequence up to its own position
+    once per step), attention runs each row over its own sequence up to its own position
     (causal inside a chunk, GQA). ``forward(tokens, start_pos)`` is its one-sequence case, on
     pages of its own: float32 logits [len(tokens), vocab] (None with ``logits=False``); the
     cache then holds positions [0, start_pos + len(tokens)).
@@ -91,12 +91,12 @@ class ReferenceModel:
     two rows or more runs in blocks of ``row_block`` rows, one BLAS call of the same shape per
     block (zero rows pad the last), where row_block is the largest of ROW_BLOCKS whose call
     gives every position the same numbers, probed once per weight shape on this machine's BLAS
-    (``row_block``); and attention reduces each row over exactly its own context, the same
-    call whatever else is in the step: a row's numbers then depend on nothing but its
-    sequence. One row alone is a matrix-vector product (another kernel, ~4e-5 relative);
-    ``pad_lone`` runs it as a block too (about 2-3x the cost of the matrix-vector product, so
-    a lone decode step may skip it: NumpyExecutor). tests/model/test_batched_reference.py
-    checks it bit for bit."""
+    (``row_block``); and attention reduces each row over its own context padded to a length
+    its position alone fixes, in calls of that shape whatever else is in the step (_attend):
+    a row's numbers then depend on nothing but its sequence. One row alone is a
+    matrix-vector product (another kernel, ~4e-5 relative); ``pad_lone`` runs it as a block
+    too (about 2-3x the cost of the matrix-vector product, so a lone decode step may skip it:
+    NumpyExecutor). tests/model/test_batched_reference.py checks it bit for bit."""
 
     ROW_BLOCKS = (64, 32, 16, 8, 4, 2)  # the row blocks row_block tries, largest first
 
@@ -204,6 +204,55 @@ class ReferenceModel:
             h = np.concatenate([h, np.zeros((m - n, h.shape[1]), h.dtype)])
         return (h.reshape(m // block, block, h.shape[1]) @ w.T).reshape(m, -1)[:n]
 
+    def _attention_groups(self, positions: np.ndarray, seqs: np.ndarray, tables) -> list:
+        """How _attend covers a step's rows (once a step; every layer runs the same): groups
+        (rows, the pool pages each gathers [1 or rows, pages], T, the mask of positions past
+        each row's own [rows, 1, 1, T]). A row at position p attends over T = p + 1 rounded up
+        to a multiple of ATTN_PAD positions. A sequence's rows of one T (a prompt chunk) share
+        one gather of its pages; the single rows of many sequences (decode) gather theirs
+        together, at most ATTN_GATHER positions at a time. Past the end of its table a row
+        gathers its first page again: masked, like every position past its own."""
+        by_t: dict[int, dict[int, list[int]]] = {}
+        for r, (p, s) in enumerate(zip(positions.tolist(), seqs.tolist())):
+            by_t.setdefault((p // ATTN_PAD + 1) * ATTN_PAD, {}).setdefault(s, []).append(r)
+        groups = []
+        for T, by_seq in by_t.items():
+            n_pages = -(-T // self.page_size)
+
+            def pages(s: int) -> list[int]:
+                table = [int(x) for x in tables[s][:n_pages]]
+                return table + [table[0]] * (n_pages - len(table))
+
+            lone = [rows[0] for rows in by_seq.values() if len(rows) == 1]
+            parts = [(rows, [pages(s)]) for s, rows in by_seq.items() if len(rows) > 1]
+            step = max(1, ATTN_GATHER // T)
+            parts += [(lone[i:i + step], [pages(int(seqs[r])) for r in lone[i:i + step]])
+                      for i in range(0, len(lone), step)]
+            for rows, pidx in parts:
+                rs = np.array(rows, np.int64)
+                mask = np.arange(T) > positions[rs][:, None, None, None]
+                groups.append((rs, np.array(pidx, np.int64), T, mask))
+        return groups
+
+    def _attend(self, li: int, q: np.ndarray, groups: list, scale: np.float32,
+                out: np.ndarray) -> None:
+        """fp32 attention of a step's rows (q [n, kvh, g, d], roped) into ``out`` [n, kvh, g,
+        d], in a few stacked products per group of _attention_groups rather than a call per
+        row. A row attends over T positions, those past its own masked to -inf before the
+        softmax (they add exact zeros), so its numbers come from calls whose shapes, (g x d) @
+        (d x T) and (g x T) @ (T x d) per head and sums over T, depend on its position alone:
+        the same whatever rows share the step (a stacked matmul is a BLAS call per head and
+        row)."""
+        c = self.cfg
+        for rs, pidx, T, mask in groups:
+            K = self.k_pages[li][pidx].reshape(len(pidx), -1, c.num_kv_heads, c.head_dim)
+            V = self.v_pages[li][pidx].reshape(len(pidx), -1, c.num_kv_heads, c.head_dim)
+            sc = np.matmul(q[rs], K[:, :T].transpose(0, 2, 3, 1)) * scale  # [rows, kvh, g, T]
+            sc = np.where(mask, np.float32(-np.inf), sc)
+            sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
+            sc = sc / sc.sum(axis=-1, keepdims=True)
+            out[rs] = np.matmul(sc, V[:, :T].transpose(0, 2, 1, 3))  # [rows, kvh, g, d]
+
     def reset(self) -> None:
         self.k_pages[:] = 0
         self.v_pages[:] = 0
@@ -247,8 +296,11 @@ class ReferenceModel:
 
         pages = np.array([tables[s][p // ps] for s, p in zip(seqs, positions)], np.int64)
         offs = positions % ps
-        order = list(dict.fromkeys(seqs.tolist()))  # sequences in order of first row
-        rows_of = {s: np.flatnonzero(seqs == s) for s in order}
+        if self.bf16_inputs:  # attention per row, as the tensor-core kernel rounds it
+            order = list(dict.fromkeys(seqs.tolist()))  # sequences in order of first row
+            rows_of = {s: np.flatnonzero(seqs == s) for s in order}
+        else:  # fp32 attention over groups of rows (_attend)
+            groups = self._attention_groups(positions, seqs, tables)
         x = self.embed[tokens]  # [n, H]
         cos, sin = self.cos[positions], self.sin[positions]
         scale = np.float32(1.0 / np.sqrt(c.head_dim))
@@ -268,22 +320,19 @@ class ReferenceModel:
             k = rope(k, cos, sin)
             self.k_pages[li, pages, offs] = bf16_round(k)
             self.v_pages[li, pages, offs] = bf16_round(v)
-            for s, rows in rows_of.items():
-                # the sequence's positions [0, its last row's], gathered once per layer
-                top = int(positions[rows[-1]]) + 1
-                used = np.asarray(tables[s][:-(-top // ps)])
-                K = self.k_pages[li, used].reshape(-1, c.num_kv_heads, c.head_dim)
-                V = self.v_pages[li, used].reshape(-1, c.num_kv_heads, c.head_dim)
-                for r in rows:  # each row over exactly its own context: the same call alone
-                    t = int(positions[r]) + 1
-                    if self.bf16_inputs:
+            if not self.bf16_inputs:
+                self._attend(li, q, groups, scale, attn)
+            else:
+                for s, rows in rows_of.items():
+                    # the sequence's positions [0, its last row's], gathered once per layer
+                    top = int(positions[rows[-1]]) + 1
+                    used = np.asarray(tables[s][:-(-top // ps)])
+                    K = self.k_pages[li, used].reshape(-1, c.num_kv_heads, c.head_dim)
+                    V = self.v_pages[li, used].reshape(-1, c.num_kv_heads, c.head_dim)
+                    for r in rows:  # each row over exactly its own context, as the kernel
+                        t = int(positions[r]) + 1
                         attn[r] = _attention_mma(q[r], K[:t], V[:t], scale,
                                                  self.attn_chunk or t)
-                        continue
-                    sc = np.matmul(q[r], K[:t].transpose(1, 2, 0)) * scale  # [kvh, g, t]
-                    sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
-                    sc = sc / sc.sum(axis=-1, keepdims=True)
-                    attn[r] = np.matmul(sc, V[:t].transpose(1, 0, 2))  # [kvh, g, d]
             x = x + linear(attn.reshape(n, c.q_dim), L["wo"])
             h = rms_norm(norm_in(x), L["post_norm"], c.rms_norm_eps)
             x = x + linear(silu(linear(h, L["wg"])) * linear(h, L["wu"]), L["wd"])
@@ -294,6 +343,12 @@ class ReferenceModel:
             x = x[logit_rows]
         h = rms_norm(norm_in(x), self.final_norm, c.rms_norm_eps)
         return linear(h, self.lm_head).astype(np.float32)
+
+
+# fp32 attention (ReferenceModel._attend): a row's context is padded to a multiple of ATTN_PAD
+# positions; one gather of single rows' pages covers at most ATTN_GATHER positions.
+ATTN_PAD = 64
+ATTN_GATHER = 32768
 
 
 # Positions of one online-softmax step of the tensor-core attention at head_dim D (isa.seg_sub,

@@ -4,8 +4,8 @@ from many sequences, each row attending to its own sequence's pages up to its ow
 What it must keep: the numbers of the old contiguous one-sequence forward (a thin case of it),
 and batch invariance, bit for bit, whenever a step has two rows or more (OpenBLAS's
 matrix-matrix product rounds a row alike for any number of rows >= 2; attention reduces each
-row over exactly its own context): a sequence's logits are the same beside 1, 5 or 15 others,
-at any chunk split and in any page layout.
+row over its own context, padded to a length its position fixes): a sequence's logits are
+the same beside 1, 5 or 15 others, at any chunk split and in any page layout.
 """
 
 from __future__ import annotations
@@ -118,6 +118,59 @@ def test_a_sequence_s_logits_do_not_depend_on_its_batch(synth_model, shape):
     # every other sequence too: alone equals beside 15 others
     for i in (3, 15):
         assert np.array_equal(_run(ref, pages, [seqs[i]], 2, False, rng)[0], many[i])
+
+
+@pytest.mark.parametrize("pad, gather", [(8, 16), (64, 64)])
+def test_attention_in_groups_keeps_a_row_s_numbers(synth_model, monkeypatch, pad, gather):
+    """ReferenceModel._attend pads a row's context to a multiple of ATTN_PAD and gathers the
+    pages of single rows ATTN_GATHER positions at a time. At a pad of 8 (contexts of up to 20
+    in three lengths, a prompt chunk's rows in two or three groups) and gathers of 16 (two
+    decode rows a gather at T = 8, one past it), and at the default pad with a row a gather:
+    the groups cover every row once, each over a multiple of the pad past its position; a
+    sequence's logits alone equal the contiguous forward's and are bitwise the same beside 3
+    and 15 others in chunks of 1 and 4, and beside a row at position 149 in every step (it has
+    100 tokens). Negative control: a T set by the step's last position instead fails on that
+    last run (numpy's pairwise sum over more than 128 positions splits them elsewhere); the
+    runs side by side do not show it (their rows keep pace, and up to 128 positions zeros
+    past a row's own add in place)."""
+    import monokernel.model.reference as reference
+
+    monkeypatch.setattr(reference, "ATTN_PAD", pad)
+    monkeypatch.setattr(reference, "ATTN_GATHER", gather)
+    m = synth_model("qwen3-gqa-tiny")
+    c = m.config
+    ref = ReferenceModel(c, m.weights, 160, page_size=4)
+    pages = ref.add_pages(16 * 40)
+    rng = np.random.default_rng(4)
+    seqs = _sequences(c, 16, rng)
+    seqs[0] = rng.integers(3, c.vocab_size, 100).tolist()
+    seqs[1] = rng.integers(3, c.vocab_size, 150).tolist()
+    positions = np.array([0, 7, 8, 19, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+    owners = np.array([0, 1, 2, 3] + [4] * 10)
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(5)]
+    groups = ref._attention_groups(positions, owners, tables)
+    assert sorted(r for rs, _, _, _ in groups for r in rs.tolist()) == list(range(14))
+    for rs, pidx, T, mask in groups:
+        assert T % pad == 0 and (positions[rs] < T).all() and (positions[rs] >= T - pad).all()
+        assert len(pidx) == 1 or len(pidx) * T <= gather, (len(pidx), T)
+        assert mask.shape == (len(rs), 1, 1, T) and (mask.sum(-1).ravel() == T - 1 -
+                                                      positions[rs]).all()
+    alone = _run(ref, pages, seqs[:1], 5, False, rng)[0]
+    kc = np.zeros((c.num_layers, 160, c.num_kv_heads, c.head_dim), np.float32)
+    want = contiguous_forward(ref, seqs[0], 0, kc, np.zeros_like(kc))
+    np.testing.assert_allclose(alone, want, rtol=0, atol=1e-3 * np.abs(want).max())
+    for others, chunk in ((3, 1), (15, 4), (15, 1)):
+        got = _run(ref, pages, seqs[:1 + others], chunk, True, rng)
+        assert np.array_equal(got[0], alone), (others, chunk)
+    # beside a row far ahead of it: position 149 of another sequence, in every step
+    tables = [list(pages[:25]), list(pages[25:63])]
+    far = []
+    for start in range(0, 100, 4):
+        toks = seqs[0][start:start + 4]
+        rows = range(start, start + len(toks))
+        got = ref.forward_rows(toks + [seqs[1][0]], [*rows, 149], [0] * len(toks) + [1], tables)
+        far.append(got[:len(toks)])
+    assert np.array_equal(np.concatenate(far), alone)
 
 
 def test_a_lone_row_is_padded_unless_asked_not_to(synth_model):
