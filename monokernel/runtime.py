@@ -64,10 +64,11 @@ class NumpyExecutor(Executor):
     ``prefill_chunk``: a prompt runs in chunks that start at multiples of this many positions
     (default 32), so that a prefill from any such multiple makes exactly the calls a prefill from
     position 0 makes there, and reusing a cached prefix gives the same numbers, bit for bit, as
-    prefilling it again. BLAS rounds a row differently by how many rows go with it (one row is a
-    matrix-vector product), so the rows of other chunk shapes differ in the last bits: a decode
-    step's K/V, or a shorter last chunk's, is not what a fresh prefill computes there, and the
-    Engine reuses only whole chunks of a prompt. 1: every position alone, like a decode step
+    prefilling it again. A product of two rows or more runs in the reference's probed row
+    blocks (a row's numbers the same at any offset and beside any rows), but one row alone is a
+    matrix-vector product, which rounds otherwise: a decode step's K/V, or those of a last
+    chunk of one row, are not what a prefill of more rows computes there, so the Engine reuses
+    only whole chunks of a prompt. 1: every position alone, like a decode step
     (every position reusable, a chat reply's too, but prefill at decode speed); larger: faster
     prefill of long prompts (measured on SmolLM2, 256 tokens: 16 -> 1.9x, 32 -> 1.5x, 64 ->
     1.2x the time of one 256-row chunk), reuse in coarser steps."""
@@ -124,8 +125,8 @@ class NumpyExecutor(Executor):
         """One batched step (ReferenceModel.forward_rows). Every step of two rows or more is a
         matrix-matrix product in blocks of ReferenceModel.row_block rows, so a row's numbers
         are those of any other such step; a step of one prompt row runs as a block too, so
-        that a prompt's K/V never depend on how it was cut (the prefix cache relies on it). A lone decode row stays a matrix-vector product, the
-        fast batch-1 path: its logits differ from the batched ones in the last bits (~1e-5 of
+        that a prompt's K/V never depend on how it was cut (the prefix cache relies on it). A
+        lone decode row stays a matrix-vector product, the fast batch-1 path: its logits differ from the batched ones in the last bits (~1e-5 of
         their scale), so a sequence decoding alone and beside others agree in greedy tokens
         and to that tolerance (``batch_invariant=True`` pads it too: bitwise, ~2x slower at
         batch 1). The host samples every row (no ``device_sampling``: no draws)."""
