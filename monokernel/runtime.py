@@ -129,7 +129,8 @@ class NumpyExecutor(Executor):
         lone decode row stays a matrix-vector product, the fast batch-1 path: its logits
         differ from the batched ones in the last bits (~1e-5 of their scale), so a sequence
         decoding alone and beside others agree in greedy tokens and to that tolerance
-        (``batch_invariant=True`` pads it too: bitwise, ~2x slower at batch 1). The host samples every row (no ``device_sampling``: no draws)."""
+        (``batch_invariant=True`` pads it too: bitwise, ~2x slower at batch 1). The host
+        samples every row (no ``device_sampling``: no draws)."""
         if table.draws:
             raise MonokernelError(f"{self.name}: the host samples every row (no draws)")
         slots = sorted(table.block_tables)
