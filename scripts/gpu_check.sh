@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh --emulator RESULTS_DIR   the same steps on the CPU emulator, tiny shape
 #   scripts/gpu_check.sh --tensor-cores RESULTS_DIR   NVIDIA GPU, the tensor-core follow-up: the
 #                                                 mma kernels compiled with time to spare, the
-#                                                 L2 read probes (smoke --probes-only), the
+#                                                 L2 and HBM probes (smoke --probes-only), the
 #                                                 GPU tests of the tensor-core and prompt-chunk
 #                                                 paths, and bench --batch 64 on kernels of 64
 #                                                 slots x 128 rows (a 1024-token prompt's chunk
@@ -55,7 +55,10 @@
 #                              compiles: they slowed the MK_MMA build past 45 s); no later step
 #                              runs NVRTC
 #   smoke     (lim 40) 10 s    timer tick, L2 read rates (one SM, every SM, every SM the same
-#                              lines: ~10 ms of GPU), block placement (%smid), watchdog first,
+#                              lines: ~10 ms of GPU), HBM stream rates (loads, cp.async,
+#                              cp.async.bulk: 1 GiB x 28 reads, ~10 ms of GPU), clusters of 2
+#                              and 4 all resident (4 launches, < 0.1 s), block placement
+#                              (%smid), watchdog first,
 #                              then one step of each shape vs the reference; smoke.json after
 #                              every check
 #   gpu_tests (lim 150) ~120 s [90] pytest -m gpu -v --tb=short, MONOKERNEL_REQUIRE_GPU=1, 30 s
@@ -279,8 +282,10 @@ elif [ "$MODE" = tc ]; then
   BUILDS+=(--build qwen3-0.6b:cuda:trace --build llama-3.2-1b:cuda:trace)
   for SHAPE in $SHAPES; do BUILDS+=(--build "$SHAPE:cuda"); done
   step prepare 75 "$PY" -m monokernel.tools.prepare --max-seq "$MAX_SEQ" "${BUILDS[@]}"
-  # the L2 read rates (one SM, every SM, every SM the same lines; ~10 ms of GPU) the
-  # predictions below hang on (l2_bw: benchmarks/NOTES.md, "The L2 read probe"): smoke.json
+  # the L2 read rates (one SM, every SM, every SM the same lines; ~10 ms of GPU), the HBM
+  # stream rates (loads, cp.async, cp.async.bulk) and the cluster placement the predictions
+  # below and the levers hang on (l2_bw, gemv_bw, hbm_bw, input_multicast: benchmarks/NOTES.md,
+  # "The L2 read probe", "What the K/V stream's rate is worth"): smoke.json
   step probes 20 "$PY" -m monokernel.tools.smoke --backend cuda --probes-only \
     --max-seq "$MAX_SEQ" --out "$WORK"
   # one sequence's decode on the megakernel, first: the step's end read the host's flag in

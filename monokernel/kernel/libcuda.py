@@ -1,4 +1,5 @@
-"""libcuda's cuLaunchKernelEx through ctypes, for programmatic dependent launch (PDL).
+"""libcuda's cuLaunchKernelEx through ctypes, for programmatic dependent launch (PDL) and for
+launches in thread-block clusters (the cluster probe: probes.cu mk_cluster_place).
 
 A launch carrying the attribute CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION may start
 while the previous kernel on its stream is still running; the kernel itself then waits for its
@@ -20,8 +21,16 @@ import sys
 from ..errors import KernelError
 
 # cuda.h: enum CUlaunchAttributeID_enum, CUresult
+CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 CUDA_SUCCESS = 0
+
+
+class CUclusterDim(ctypes.Structure):
+    """``CUlaunchAttributeValue::clusterDim``: blocks a cluster along x, y, z."""
+
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
 
 
 class CUlaunchAttributeValue(ctypes.Union):
@@ -30,6 +39,8 @@ class CUlaunchAttributeValue(ctypes.Union):
 
     _fields_ = [("pad", ctypes.c_char * 64),
                 ("programmaticStreamSerializationAllowed", ctypes.c_int),
+                ("cooperative", ctypes.c_int),
+                ("clusterDim", CUclusterDim),
                 ("_align8", ctypes.c_void_p)]
 
 
@@ -54,19 +65,37 @@ class CUlaunchConfig(ctypes.Structure):
                 ("numAttrs", ctypes.c_uint)]
 
 
-def programmatic_launch_config(grid: int, block: int, stream: int,
-                               shared_bytes: int = 0) -> CUlaunchConfig:
-    """A 1-D launch of ``grid`` x ``block`` threads on ``stream`` with programmatic stream
-    serialization allowed. The attribute array lives as long as the config (ctypes keeps the
+def launch_config(grid: int, block: int, stream: int, shared_bytes: int = 0, *,
+                  programmatic: bool = False, cluster: int = 0,
+                  cooperative: bool = False) -> CUlaunchConfig:
+    """A 1-D launch of ``grid`` x ``block`` threads on ``stream`` with the attributes asked:
+    programmatic stream serialization allowed, clusters of ``cluster`` blocks (0: none), a
+    cooperative launch. The attribute array lives as long as the config (ctypes keeps the
     array assigned to ``attrs`` in the config's ``_objects``)."""
-    attrs = (CUlaunchAttribute * 1)()
-    attrs[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attrs[0].value.programmaticStreamSerializationAllowed = 1
+    want = [(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, programmatic),
+            (CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, cluster),
+            (CU_LAUNCH_ATTRIBUTE_COOPERATIVE, cooperative)]
+    want = [(i, v) for i, v in want if v]
+    attrs = (CUlaunchAttribute * max(len(want), 1))()
+    for a, (i, v) in zip(attrs, want):
+        a.id = i
+        if i == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION:
+            a.value.clusterDim = CUclusterDim(int(v), 1, 1)
+        elif i == CU_LAUNCH_ATTRIBUTE_COOPERATIVE:
+            a.value.cooperative = 1
+        else:
+            a.value.programmaticStreamSerializationAllowed = 1
     cfg = CUlaunchConfig(gridDimX=grid, gridDimY=1, gridDimZ=1, blockDimX=block, blockDimY=1,
                          blockDimZ=1, sharedMemBytes=shared_bytes, hStream=stream or None)
     cfg.attrs = attrs
-    cfg.numAttrs = 1
+    cfg.numAttrs = len(want)
     return cfg
+
+
+def programmatic_launch_config(grid: int, block: int, stream: int,
+                               shared_bytes: int = 0) -> CUlaunchConfig:
+    """launch_config with programmatic stream serialization allowed (PDL)."""
+    return launch_config(grid, block, stream, shared_bytes, programmatic=True)
 
 
 class LibcudaLaunchEx:
@@ -88,9 +117,23 @@ class LibcudaLaunchEx:
         if self._name is not None:
             self._name.restype = ctypes.c_int
             self._name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self._clusters = getattr(lib, "cuOccupancyMaxActiveClusters", None)
+        if self._clusters is not None:
+            self._clusters.restype = ctypes.c_int
+            self._clusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                       ctypes.c_void_p]
 
     def launch(self, config_addr: int, func: int, kernel_params: int) -> int:
         return int(self._fn(config_addr, func, kernel_params, None))
+
+    def max_active_clusters(self, func: int, config_addr: int) -> tuple[int, int]:
+        """(CUresult, clusters): cuOccupancyMaxActiveClusters of the function at the config's
+        cluster size and shared memory: how many such clusters the device holds at once."""
+        if self._clusters is None:
+            return -1, 0
+        n = ctypes.c_int(0)
+        rc = int(self._clusters(ctypes.byref(n), func, config_addr))
+        return rc, n.value
 
     def error_name(self, code: int) -> str:
         out = ctypes.c_char_p()

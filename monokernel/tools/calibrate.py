@@ -338,6 +338,15 @@ def calibrate_report(program, context: int, g0: cm.GPU, d: cm.KernelDesign, star
 def cmd_calibrate(args) -> int:
     from ..kernel.schedule import schedule
 
+    if getattr(args, "probes", None):
+        from .probes import load_probes, probes_report
+
+        print(probes_report(load_probes(args.probes), args.gpu.lower()))
+        if not args.trace:
+            return 0
+    elif not args.trace:
+        raise CostModelError("calibrate needs a trace JSON (`monokernel trace`), --probes "
+                             "SMOKE_JSON, or both")
     meta, events = load_trace(args.trace)
     g0 = cm.gpu(args.gpu)
     cfg = _config(args, meta, args.trace)

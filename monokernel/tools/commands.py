@@ -79,8 +79,13 @@ def add_commands(sub) -> None:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("calibrate", help="fit the cost model's constants to a GPU trace "
-                                         "(from `monokernel trace`) and compare per op")
-    p.add_argument("trace", help="trace JSON written by `monokernel trace`")
+                                         "(from `monokernel trace`) and compare per op; "
+                                         "--probes: the GPU's probes beside the table")
+    p.add_argument("trace", nargs="?", help="trace JSON written by `monokernel trace`")
+    p.add_argument("--probes", default=None, metavar="SMOKE_JSON",
+                   help="smoke.json of a GPU run (tools/smoke.py): its L2, HBM and cluster "
+                        "probes beside the cost model's table, and what follows for its "
+                        "levers (tools/probes.py)")
     _add_model_or_shape(p)
     p.add_argument("--gpu", default="h200", help="GPU whose constants start the fit (h200, h100)")
     p.add_argument("--design", default=None,

@@ -1,19 +1,23 @@
 """The GPU check's first GPU step (ARCHITECTURE section 9): in well under a minute, prove that
 the kernel compiles for every shape, that one step of each agrees with the NumPy reference, that
 it fits (registers, shared memory, no spills), that the watchdog names a stuck instruction, where
-the blocks run (%smid of every block), how fine %globaltimer ticks and how fast L2 serves one
-SM, every SM and every SM the same lines (the cost model's l2_bw). Nothing here is a benchmark
-of the kernel; it exists so that a broken build costs seconds of GPU time, not minutes.
+the blocks run (%smid of every block), how fine %globaltimer ticks, how fast L2 serves one SM,
+every SM and every SM the same lines (the cost model's l2_bw), how fast HBM streams into every
+SM by loads, cp.async and cp.async.bulk (its gemv_bw and hbm_bw), and whether blocks in
+thread-block clusters of 2 and 4 fill every SM at once (its input_multicast lever). Nothing
+here is a benchmark of the kernel; it exists so that a broken build costs seconds of GPU time,
+not minutes.
 
-The cheap probes come first (timer tick, L2 read, block placement, watchdog: one shape, one
-step each), then one step of every shape, and DIR/smoke.json is rewritten after every check,
-so a step stopped at its time limit still says what it proved.
+The cheap probes come first (timer tick, L2 read, HBM stream, cluster placement, block
+placement, watchdog: one shape, one step each), then one step of every shape, and
+DIR/smoke.json is rewritten after every check, so a step stopped at its time limit still says
+what it proved.
 
     python -m monokernel.tools.smoke --out DIR [--backend cuda|emulator] [--shapes a,b,c]
                                      [--max-seq N] [--probes-only]
 
---probes-only: the GPU's own probes (timer tick, L2 read) and nothing else (the tensor-core GPU
-check runs these alone).
+--probes-only: the GPU's own probes (timer tick, L2 read, HBM stream, cluster placement) and
+nothing else (the tensor-core GPU check runs these alone).
 
 Writes DIR/smoke.json (every check, pass or fail, with its numbers) and exits 1 if one failed.
 """
@@ -169,6 +173,28 @@ def l2_read(backend: str) -> dict:
     return CupyDevice().l2_read()
 
 
+def hbm_stream(backend: str) -> dict:
+    """The rate of a stream from HBM into every SM by 16-byte loads, 16-byte cp.async and
+    cp.async.bulk (CupyDevice.hbm_stream): what the cost model charges K/V and weights at
+    (gemv_bw) against the copy rate its lever 2 assumes (hbm_bw), measured."""
+    from ..kernel.devices.cuda import CupyDevice
+
+    if backend != "cuda":
+        return {"skipped": "the emulator has no HBM"}
+    return CupyDevice().hbm_stream()
+
+
+def cluster_placement(backend: str) -> dict:
+    """Whether blocks in clusters of 2 and 4, one an SM, are all resident at once, with and
+    without a cooperative launch (CupyDevice.cluster_placement): what the cost model's
+    input_multicast lever assumes, asked of the GPU."""
+    from ..kernel.devices.cuda import CupyDevice
+
+    if backend != "cuda":
+        return {"skipped": "the emulator has no clusters"}
+    return CupyDevice().cluster_placement()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m monokernel.tools.smoke", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"KV-cache length of every executor (default {MAX_SEQ}; the GPU check "
                          "gives all its steps one length, so they share compiled kernels)")
     ap.add_argument("--probes-only", action="store_true",
-                    help="only the GPU's own probes: timer tick and L2 read rates")
+                    help="only the GPU's own probes: timer tick, L2 read and HBM stream "
+                         "rates, cluster placement")
     args = ap.parse_args(argv)
     from ..model.loader import load_model
     from .commands import synthetic_dir
@@ -208,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     # the cheap probes first: a GPU whose timer, placement or watchdog is off is known in seconds
     checks.run("timer tick", lambda: timer_tick(args.backend))
     checks.run("l2 read", lambda: l2_read(args.backend))
+    checks.run("hbm stream", lambda: hbm_stream(args.backend))
+    checks.run("cluster placement", lambda: cluster_placement(args.backend))
     if args.probes_only:
         shapes = []
     models = {}

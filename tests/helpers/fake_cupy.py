@@ -46,6 +46,7 @@ class FakeCupy:
         from monokernel.kernel.devices.emulator import EmulatorDevice
 
         fake = self
+        self.num_sms = num_sms
         self.static_shared = static_shared  # every kernel's static shared memory, bytes
         self.launch_mode = launch_mode  # "emulator": launches run there; "noop": they do nothing
         FakeArray.lazy = launch_mode == "noop"
@@ -146,8 +147,9 @@ class FakeCupy:
                 if "megakernel" in code:
                     fake.kernel_defines = defines  # the -D options of the last kernel build
 
-                # probes.cu (hold, timer) and every launch in "noop" mode do nothing here
-                if fake.launch_mode == "emulator" and "megakernel" in code:
+                # probes.cu (its kernels) and every launch in "noop" mode do nothing here
+                if fake.launch_mode == "emulator" and "megakernel" in code \
+                        and '"probes.cu"' not in code:
                     fake.module = fake.emulator.compile(code, KERNEL_NAMES, defines)
                     fake.emulated = set(KERNEL_NAMES)
 
@@ -190,8 +192,9 @@ class FakeCupy:
         self.zeros = lambda shape, dtype: FakeArray(shape, dtype)
         self.empty = lambda shape, dtype: FakeArray(shape, dtype)
         self.ones = lambda shape, dtype: _filled(FakeArray(shape, dtype), 1)
+        self.arange = _arange
         self.copyto = lambda dst, src: np.copyto(dst.a, src.a)
-        self.uint8, self.uint64 = np.uint8, np.uint64
+        self.uint8, self.uint32, self.uint64 = np.uint8, np.uint32, np.uint64
         self.__version__ = "0.0-fake"
         self.show_config = lambda: print("fake CuPy (tests/helpers/fake_cupy.py): NVRTC compiles",
                                          "real (sm_90)" if nvrtc else "none", "; launches are",
@@ -271,6 +274,25 @@ class FakeLaunchEx:
 
     def error_name(self, code: int) -> str:
         return f"CUresult {code}"
+
+    def max_active_clusters(self, func: int, config_addr: int) -> tuple[int, int]:
+        """As the driver's, for one block an SM: whole clusters of the config's size."""
+        from monokernel.kernel.libcuda import CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, \
+            CUlaunchConfig
+
+        c = CUlaunchConfig.from_address(config_addr)
+        size = next((c.attrs[i].value.clusterDim.x for i in range(c.numAttrs)
+                     if c.attrs[i].id == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION), 1)
+        return 0, self.fake.num_sms // size
+
+
+def _arange(n: int, dtype) -> FakeArray:
+    """cupy.arange(n, dtype=...): 0, 1, 2, ... (left zeros with "noop" launches, which never
+    read device memory: a large probe buffer then costs the host no pages)."""
+    arr = FakeArray((n,), dtype)
+    if not FakeArray.lazy:
+        arr.a[...] = np.arange(n, dtype=dtype)
+    return arr
 
 
 def _filled(arr: FakeArray, value) -> FakeArray:

@@ -352,6 +352,89 @@ def test_fake_cupy_l2_probe_launches_each_case_and_reports_its_rate(fake_cupy):
     assert all(c["shared_bytes"] == L2_PROBE_SHARED for c in r.values())
 
 
+def test_sum_upto_is_the_uint32_sum_of_every_word_below_n():
+    """What mk_hbm_stream's blocks sum from a buffer of 0, 1, 2, ... (its read_all check), as
+    uint32 additions wrap (past ~92700 words). A sum, not a XOR: 0 ^ ... ^ (n - 1) is 0 for
+    every n a multiple of 4, which a buffer of whole stages always is."""
+    from monokernel.kernel.devices.cuda import sum_upto
+
+    for n in list(range(0, 40)) + [1 << 17, 258048, 132 * 496 * 4096, 123457]:
+        want = int(np.arange(n, dtype=np.uint32).sum(dtype=np.uint32)) if n else 0
+        assert sum_upto(n) == want, n
+    assert sum_upto(258048) != 0 and sum_upto(132 * 496 * 4096) != 0
+
+
+def test_fake_cupy_hbm_probe_launches_each_case_and_checks_what_it_read(fake_cupy):
+    """CupyDevice.hbm_stream (smoke's "hbm stream"): a block on every SM, each streaming its
+    share of the buffer once, seven ways (loads; cp.async and bulk rows of 128 bytes, each with
+    4 and 2 stages; bulk rows of 256 bytes; bulk stages); each case launched once untimed (its
+    read checked), then timed three times. The fake's launches read nothing, so read_all says
+    False: the check can fail; with the blocks' sinks holding the sum of the words (as the
+    GPU's would), it says True."""
+    from monokernel.kernel.devices.cuda import (HBM_CASES, HBM_MAX_STAGES, HBM_STAGE_BYTES,
+                                                HBM_THREADS, L2_PROBE_SHARED, CupyDevice,
+                                                sum_upto)
+
+    fake = fake_cupy(num_sms=3)
+    r = CupyDevice().hbm_stream(mib=1)
+    assert list(r) == [name for name, _, _, _ in HBM_CASES]
+    assert [(c["mode"], c["bytes_a_copy"], c["stages"]) for c in r.values()] == [
+        (0, 16, 0), (1, 16, 4), (1, 16, 2), (2, 128, 4), (2, 128, 2), (2, 256, 4),
+        (2, HBM_STAGE_BYTES, 4)]
+    block_bytes = (1 << 20) // 3 // HBM_STAGE_BYTES * HBM_STAGE_BYTES  # 21 stages a block
+    for c in r.values():
+        assert (c["blocks"], c["threads"], c["bytes"]) == (3, HBM_THREADS, 3 * block_bytes)
+        assert c["seconds"] == pytest.approx(0.5e-3)
+        assert c["GB_s"] == pytest.approx(c["bytes"] / 0.5e-3 / 1e9)
+        assert c["read_all"] is False  # nothing ran: the sinks are zeros
+    assert [grid for name, grid, _ in fake.launches if name == "mk_hbm_stream"] == [3] * 28
+    assert [b for name, b in fake.launch_shared if name == "mk_hbm_stream"] == \
+        [L2_PROBE_SHARED] * 28
+    assert HBM_MAX_STAGES * HBM_STAGE_BYTES <= L2_PROBE_SHARED
+    # positive control: a sink whose words sum to the streamed words' sum reads as all read
+    words = 3 * block_bytes // 4
+    orig = fake.zeros
+
+    def zeros(shape, dtype):
+        arr = orig(shape, dtype)
+        if shape == 3 * HBM_THREADS * 4:  # the sink: one word holds the whole sum here
+            arr.fill = lambda v, a=arr: a.a.view(np.uint32).__setitem__(0, sum_upto(words))
+        return arr
+
+    fake.zeros = zeros
+    assert all(c["read_all"] for c in CupyDevice().hbm_stream(mib=1).values())
+    with pytest.raises(ValueError, match="fewer than 4 stages"):
+        CupyDevice().hbm_stream(mib=0)
+
+
+def test_fake_cupy_cluster_probe_launches_each_case_with_its_attributes(fake_cupy):
+    """CupyDevice.cluster_placement (smoke's "cluster placement"): clusters of 2 and 4, each
+    plain and cooperative, launched by cuLaunchKernelEx with the cluster dimension (and the
+    cooperative attribute) over the SMs rounded down to whole clusters, one block an SM (more
+    than half an SM's shared memory), each with the driver's most clusters at once. The
+    fake's launches write nothing: every block reads as on SM 0, seeing no block counted in,
+    so all_resident says False (what a grid that is not co-resident would show)."""
+    from monokernel.kernel import libcuda
+    from monokernel.kernel.devices.cuda import CLUSTER_WAIT_NS, L2_PROBE_SHARED, CupyDevice
+
+    fake = fake_cupy(num_sms=6)
+    r = CupyDevice().cluster_placement()
+    assert list(r) == ["cluster_2", "cluster_2_cooperative", "cluster_4",
+                       "cluster_4_cooperative"]
+    assert [(c["cluster"], c["cooperative"], c["blocks"], c["max_active_clusters"])
+            for c in r.values()] == [(2, False, 6, 3), (2, True, 6, 3), (4, False, 4, 1),
+                                     (4, True, 4, 1)]
+    for c in r.values():
+        assert c["launch"] == "ok" and c["distinct_sms"] == 1 and c["distinct_clusters"] == 1
+        assert c["ranks_below_cluster"] and c["all_resident"] is False
+    cfgs = [c for c in fake.launch_ex.configs if c["name"] == "mk_cluster_place"]
+    cl, co = libcuda.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, libcuda.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+    assert [(c["grid"][0], c["block"][0], c["shared"], c["attrs"]) for c in cfgs] == [
+        (6, 32, L2_PROBE_SHARED, [(cl, 2)]), (6, 32, L2_PROBE_SHARED, [(cl, 2), (co, 1)]),
+        (4, 32, L2_PROBE_SHARED, [(cl, 4)]), (4, 32, L2_PROBE_SHARED, [(cl, 4), (co, 1)])]
+    assert CLUSTER_WAIT_NS <= 50_000_000  # a grid that is not co-resident costs waves x this
+
+
 def test_smoke_probes_only_writes_the_probes_and_nothing_else(fake_cupy, tmp_path):
     """smoke --probes-only (the tensor-core GPU check's probes step): the timer tick and the L2
     read rows in smoke.json, no model loaded, no step run."""
@@ -363,10 +446,16 @@ def test_smoke_probes_only_writes_the_probes_and_nothing_else(fake_cupy, tmp_pat
     assert smoke.main(["--out", str(tmp_path), "--probes-only"]) == 0
     got = json.loads((tmp_path / "smoke.json").read_text())
     assert got["ok"] and got["shapes"] == []
-    assert [r["check"] for r in got["checks"]] == ["timer tick", "l2 read"]
+    assert [r["check"] for r in got["checks"]] == ["timer tick", "l2 read", "hbm stream",
+                                                   "cluster placement"]
     l2 = got["checks"][1]
     assert {"one_sm", "every_sm_own_lines", "every_sm_same_lines"} <= set(l2), l2
     assert l2["every_sm_same_lines"]["blocks"] == 2 and l2["one_sm"]["GB_s"] > 0
+    hbm = got["checks"][2]
+    assert {"loads_16", "cp_async_16", "bulk_rows_128", "bulk_stage"} <= set(hbm), hbm
+    assert hbm["cp_async_16"]["blocks"] == 2 and hbm["cp_async_16"]["GB_s"] > 0
+    clusters = got["checks"][3]
+    assert clusters["cluster_2_cooperative"]["launch"] == "ok", clusters
 
 
 def test_fake_cupy_compile_options_cache_and_resources(fake_cupy):

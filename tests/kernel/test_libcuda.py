@@ -19,7 +19,8 @@ import pytest
 
 from monokernel.errors import KernelError
 from monokernel.kernel import libcuda
-from monokernel.kernel.libcuda import CUlaunchAttribute, CUlaunchAttributeValue, CUlaunchConfig
+from monokernel.kernel.libcuda import (CUclusterDim, CUlaunchAttribute, CUlaunchAttributeValue,
+                                       CUlaunchConfig)
 
 NVCC = shutil.which("nvcc")
 CONFIG_FIELDS = ("gridDimX", "gridDimY", "gridDimZ", "blockDimX", "blockDimY", "blockDimZ",
@@ -35,10 +36,16 @@ def ctypes_layout() -> dict[str, int]:
            "offsetof CUlaunchAttribute.value": CUlaunchAttribute.value.offset,
            "offsetof CUlaunchAttributeValue.programmaticStreamSerializationAllowed":
                CUlaunchAttributeValue.programmaticStreamSerializationAllowed.offset,
+           "offsetof CUlaunchAttributeValue.cooperative":
+               CUlaunchAttributeValue.cooperative.offset,
+           "offsetof CUlaunchAttributeValue.clusterDim": CUlaunchAttributeValue.clusterDim.offset,
+           "sizeof CUlaunchAttributeValue::clusterDim": ctypes.sizeof(CUclusterDim),
            "sizeof CUlaunchConfig": ctypes.sizeof(CUlaunchConfig),
            "alignof CUlaunchConfig": ctypes.alignment(CUlaunchConfig),
            "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION":
                libcuda.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+           "CU_LAUNCH_ATTRIBUTE_COOPERATIVE": libcuda.CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
+           "CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION": libcuda.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
            "CUDA_SUCCESS": libcuda.CUDA_SUCCESS}
     for f in CONFIG_FIELDS:
         out[f"offsetof CUlaunchConfig.{f}"] = getattr(CUlaunchConfig, f).offset
@@ -91,6 +98,25 @@ def test_programmatic_launch_config_fields_and_lifetime():
     raw = ctypes.string_at(ctypes.addressof(attr), ctypes.sizeof(attr))
     assert raw[:4] == (6).to_bytes(4, "little") and raw[8:12] == (1).to_bytes(4, "little")
     assert libcuda.programmatic_launch_config(1, 32, 0).hStream is None  # the legacy stream
+
+
+def test_launch_config_of_clusters_and_cooperative_launches():
+    """launch_config's attributes as the driver reads them: the cluster's blocks in clusterDim
+    (x; y and z 1), cooperative 1, in the order asked; no attribute: numAttrs 0."""
+    cfg = libcuda.launch_config(132, 32, 0, 120 * 1024, cluster=2, cooperative=True)
+    gc.collect()
+    assert cfg.numAttrs == 2 and cfg.sharedMemBytes == 120 * 1024
+    ids = [cfg.attrs[i].id for i in range(2)]
+    assert ids == [libcuda.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                   libcuda.CU_LAUNCH_ATTRIBUTE_COOPERATIVE] == [4, 2]
+    dim = cfg.attrs[0].value.clusterDim
+    assert (dim.x, dim.y, dim.z) == (2, 1, 1)
+    raw = ctypes.string_at(ctypes.addressof(cfg.attrs[0]), ctypes.sizeof(CUlaunchAttribute))
+    assert raw[8:20] == b"".join(v.to_bytes(4, "little") for v in (2, 1, 1))
+    assert cfg.attrs[1].value.cooperative == 1
+    assert libcuda.launch_config(4, 32, 0).numAttrs == 0
+    pdl = libcuda.launch_config(4, 32, 0, programmatic=True)
+    assert pdl.numAttrs == 1 and pdl.attrs[0].id == 6
 
 
 def test_missing_driver_library_is_a_kernel_error(monkeypatch):

@@ -42,6 +42,30 @@ CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 # an H100 / H200, 164 KB on an A100), within a block's opt-in (227 / 163 KB), so that the
 # probe's blocks run one an SM and its per-SM rates mean what they say
 L2_PROBE_SHARED = 120 * 1024
+# The HBM stream probe (probes.cu mk_hbm_stream): its ring of up to HBM_MAX_STAGES stages of
+# HBM_STAGE_BYTES (inside L2_PROBE_SHARED, which it asks, so its blocks run one an SM too), the
+# megakernel's threads a block, and its cases: (name, mode, bytes a copy, stages). Mode 0:
+# 16-byte loads into registers; 1: 16-byte cp.async.cg; 2: cp.async.bulk of a K/V row at
+# head_dim 64 and 128, and of a whole stage. 4 stages: three in flight while one is read (the
+# mechanism's ceiling); 2: one, as attention's two tile buffers (MK_ATTN_PIPE) keep
+# (benchmarks/NOTES.md, "What the K/V stream's rate is worth").
+HBM_MAX_STAGES = 4
+HBM_STAGE_BYTES = 16 * 1024
+HBM_THREADS = 256
+HBM_CASES = (("loads_16", 0, 16, 0), ("cp_async_16", 1, 16, 4), ("cp_async_16_x2", 1, 16, 2),
+             ("bulk_rows_128", 2, 128, 4), ("bulk_rows_128_x2", 2, 128, 2),
+             ("bulk_rows_256", 2, 256, 4), ("bulk_stage", 2, HBM_STAGE_BYTES, 4))
+# The cluster probe's (blocks a cluster, cooperative) cases: the cost model's input_multicast
+# lever needs clusters that keep one block on every SM, co-resident (levers.py, design.py)
+CLUSTER_CASES = ((2, False), (2, True), (4, False), (4, True))
+CLUSTER_WAIT_NS = 20_000_000  # how long a block waits for the grid's others (bounded)
+
+
+def sum_upto(n: int) -> int:
+    """0 + 1 + ... + (n - 1) mod 2^32: what mk_hbm_stream's blocks sum from a buffer of 0, 1,
+    2, ... (uint32)."""
+    return n * (n - 1) // 2 % (1 << 32) if n > 0 else 0
+
 
 # Compiled modules of this process, keyed by (device, hash of source and options). CuPy also
 # caches the cubin on disk (~/.cupy/kernel_cache), so a new process skips NVRTC too.
@@ -373,11 +397,12 @@ class CupyDevice:
         self.launch_count += 1
 
     def _probes(self) -> CupyModule:
-        """probes.cu (hold, timer and L2 kernels), compiled on first use."""
+        """probes.cu (hold, timer, L2, HBM and cluster kernels), compiled on first use."""
         if self._probe_module is None:
             src = '#line 1 "probes.cu"\n' + PROBES_PATH.read_text()
-            self._probe_module = self.compile(src, ["mk_hold", "mk_timer_tick", "mk_l2_read"],
-                                              {})
+            self._probe_module = self.compile(
+                src, ["mk_hold", "mk_timer_tick", "mk_l2_read", "mk_hbm_stream",
+                      "mk_cluster_place"], {})
         return self._probe_module
 
     def _launch_raw(self, kernel, args: list[np.ndarray], blocks: int = 1,
@@ -432,6 +457,110 @@ class CupyDevice:
                          "per_sm_GB_s": nbytes / seconds / 1e9 / blocks if seconds > 0
                          else None}
         self.wait("l2 read")
+        return out
+
+    def hbm_stream(self, mib: int = 1024) -> dict[str, dict]:
+        """The rate of a stream from HBM into every SM (probes.cu mk_hbm_stream), one way a
+        case (HBM_CASES): a block on every SM streams its share of a ``mib`` MiB buffer (far
+        past L2: each launch reads it once), by 16-byte loads, by 16-byte cp.async, and by
+        cp.async.bulk copies of a K/V row or of a whole stage into a ring in shared memory of
+        4 or 2 stages. Per
+        case: blocks, distinct SMs, bytes, GPU seconds (the best of three after one untimed
+        launch), GB/s in all and per SM, and ``read_all``: whether the sum (mod 2^32) of what the
+        blocks read is that of the words streamed (the buffer holds 0, 1, 2, ... as uint32), so
+        a case whose copies did not land is not mistaken for a rate."""
+        cp = self.cp
+        blocks = self.num_sms
+        stages = (mib << 20) // blocks // HBM_STAGE_BYTES
+        if stages < HBM_MAX_STAGES:
+            raise ValueError(f"hbm_stream: {mib} MiB gives each of {blocks} blocks fewer than "
+                             f"{HBM_MAX_STAGES} stages of {HBM_STAGE_BYTES} bytes")
+        block_bytes = stages * HBM_STAGE_BYTES
+        words = blocks * block_bytes // 4
+        assert HBM_MAX_STAGES * HBM_STAGE_BYTES <= L2_PROBE_SHARED  # the ring in what it asks
+        with self.device, self.stream:
+            buf = cp.arange(words, dtype=cp.uint32)
+            sink = cp.zeros(blocks * HBM_THREADS * 4, cp.uint8)
+            smid = cp.zeros(blocks * 4, cp.uint8)
+        module = self._probes()
+        kernel = module.kernels["mk_hbm_stream"]
+        self._allow_dynamic_shared(module, "mk_hbm_stream", L2_PROBE_SHARED)
+        out = {}
+        for name, mode, chunk, ring in HBM_CASES:
+            def launch(mode=mode, chunk=chunk, ring=ring, name=name):
+                self._launch_raw(kernel, [np.array([buf.data.ptr], np.uint64),
+                                          np.array([block_bytes], np.int64),
+                                          np.array([mode], np.int32),
+                                          np.array([chunk], np.int32),
+                                          np.array([HBM_STAGE_BYTES], np.int32),
+                                          np.array([ring], np.int32),
+                                          np.array([sink.data.ptr], np.uint64),
+                                          np.array([smid.data.ptr], np.uint64)],
+                                 blocks, HBM_THREADS, L2_PROBE_SHARED)
+                self._in_flight.append(f"mk_hbm_stream({name})")
+
+            with self.device, self.stream:
+                sink.fill(0)
+            launch()
+            got = int(self.read(sink).view(np.uint32).sum(dtype=np.uint64)) % (1 << 32)
+            seconds = min(self.time(launch, repeat=3))
+            nbytes = blocks * block_bytes
+            sms = self.read(smid).view(np.uint32)[:blocks]
+            out[name] = {"mode": mode, "bytes_a_copy": chunk, "stages": ring,
+                         "stage_bytes": HBM_STAGE_BYTES, "blocks": blocks,
+                         "threads": HBM_THREADS, "distinct_sms": len(set(sms.tolist())),
+                         "bytes": nbytes, "seconds": seconds,
+                         "GB_s": nbytes / seconds / 1e9 if seconds > 0 else None,
+                         "per_sm_GB_s": nbytes / seconds / 1e9 / blocks if seconds > 0
+                         else None,
+                         "read_all": got == sum_upto(words)}
+        self.wait("hbm stream")
+        return out
+
+    def cluster_placement(self) -> dict[str, dict]:
+        """Whether blocks in thread-block clusters fill every SM at once, as the megakernel's
+        grid must (probes.cu mk_cluster_place): per case of CLUSTER_CASES, num_sms rounded
+        down to whole clusters of blocks, each asking L2_PROBE_SHARED bytes (one an SM),
+        launched by cuLaunchKernelEx with the cluster dimension (and cooperative, in the
+        cases that say so). Per case: the launch's result ("ok" or the driver's error),
+        cuOccupancyMaxActiveClusters for it, the distinct SMs and cluster ids the blocks saw,
+        whether each block's rank was below the cluster size, and ``all_resident``: every
+        block counted the whole grid in before CLUSTER_WAIT_NS ran out. A refused launch is a
+        result here, not an error: it is what the probe asks."""
+        cp = self.cp
+        module = self._probes()
+        kernel = module.kernels["mk_cluster_place"]
+        func = kernel.kernel.ptr
+        self._allow_dynamic_shared(module, "mk_cluster_place", L2_PROBE_SHARED)
+        ex = self.launch_ex()
+        out = {}
+        for cluster, coop in CLUSTER_CASES:
+            name = f"cluster_{cluster}{'_cooperative' if coop else ''}"
+            blocks = self.num_sms // cluster * cluster
+            with self.device, self.stream:
+                words = cp.zeros((4 * blocks + 1) * 4, cp.uint8)
+            cfg = libcuda.launch_config(blocks, 32, self.stream.ptr, L2_PROBE_SHARED,
+                                        cluster=cluster, cooperative=coop)
+            with self.device:
+                rc_occ, most = ex.max_active_clusters(func, ctypes.addressof(cfg))
+                args = [np.array([words.data.ptr], np.uint64),
+                        np.array([CLUSTER_WAIT_NS], np.int64)]
+                ptrs = np.array([a.ctypes.data for a in args], dtype=np.uintp)
+                rc = ex.launch(ctypes.addressof(cfg), func, ptrs.ctypes.data)
+            row = {"cluster": cluster, "cooperative": coop, "blocks": blocks,
+                   "max_active_clusters": most if rc_occ == libcuda.CUDA_SUCCESS
+                   else ex.error_name(rc_occ),
+                   "launch": "ok" if rc == libcuda.CUDA_SUCCESS else ex.error_name(rc)}
+            if rc == libcuda.CUDA_SUCCESS:
+                self._in_flight.append(f"mk_cluster_place({name})")
+                self.launch_count += 1
+                got = self.read(words).view(np.uint32)[:4 * blocks].reshape(blocks, 4)
+                row.update({"distinct_sms": len(set(got[:, 0].tolist())),
+                            "distinct_clusters": len(set(got[:, 1].tolist())),
+                            "ranks_below_cluster": bool((got[:, 2] < cluster).all()),
+                            "all_resident": bool((got[:, 3] == blocks).all())})
+            out[name] = row
+        self.wait("cluster placement")
         return out
 
     def hold(self, ns: int) -> None:
