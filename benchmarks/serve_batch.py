@@ -101,6 +101,17 @@ def phase(url: str, reqs: list[dict], concurrent: bool) -> tuple[list[dict], flo
     return out, wall  # type: ignore[return-value]
 
 
+def command_args() -> list[str]:
+    """This run's arguments for the JSON, a folder outside the repository (--out) written as
+    DIR: a result names no path of the machine it ran on."""
+    out = list(sys.argv[1:])
+    for i, a in enumerate(out[:-1]):
+        if a == "--out":
+            path = Path(out[i + 1]).resolve()
+            out[i + 1] = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else "DIR"
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=32)
@@ -136,7 +147,7 @@ def main() -> None:
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": commit,
            "machine": f"CPU, {os.cpu_count()} cores, no GPU", "backend": args.backend,
            "model": args.model or "bundled SmolLM2-135M-Instruct",
-           "command": "python " + " ".join(["benchmarks/serve_batch.py"] + sys.argv[1:]),
+           "command": "python " + " ".join(["benchmarks/serve_batch.py"] + command_args()),
            "requests": args.requests, "max_tokens": args.max_tokens, "ratio": round(ratio, 2),
            "equal_to_solo": len(solo) - len(differ), "differ": differ, **result}
     if args.out:
