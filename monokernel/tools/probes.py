@@ -96,7 +96,9 @@ def cluster_verdict(rows: dict, sms: int) -> list[str]:
             continue
         c = int(r["cluster"])
         most = r.get("max_active_clusters")
-        if r.get("launch") != "ok":
+        if str(r.get("launch")).startswith("not launched"):
+            what = str(r["launch"])
+        elif r.get("launch") != "ok":
             what = f"refused ({r.get('launch')})"
         else:
             whole = r.get("blocks") == sms and r.get("distinct_sms") == sms

@@ -179,9 +179,12 @@ def hbm_stream(backend: str) -> dict:
     (gemv_bw) against the copy rate its lever 2 assumes (hbm_bw), measured."""
     from ..kernel.devices.cuda import CupyDevice
 
+    from .probes import kv_verdict
+
     if backend != "cuda":
         return {"skipped": "the emulator has no HBM"}
-    return CupyDevice().hbm_stream()
+    rows = CupyDevice().hbm_stream()
+    return {**rows, "verdict": kv_verdict(rows)}  # NOTES.md's rule, applied (tools/probes.py)
 
 
 def cluster_placement(backend: str) -> dict:
@@ -190,9 +193,13 @@ def cluster_placement(backend: str) -> dict:
     input_multicast lever assumes, asked of the GPU."""
     from ..kernel.devices.cuda import CupyDevice
 
+    from .probes import cluster_verdict
+
     if backend != "cuda":
         return {"skipped": "the emulator has no clusters"}
-    return CupyDevice().cluster_placement()
+    dev = CupyDevice()
+    rows = dev.cluster_placement()
+    return {**rows, "verdict": cluster_verdict(rows, dev.num_sms)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -454,8 +454,14 @@ def test_smoke_probes_only_writes_the_probes_and_nothing_else(fake_cupy, tmp_pat
     hbm = got["checks"][2]
     assert {"loads_16", "cp_async_16", "bulk_rows_128", "bulk_stage"} <= set(hbm), hbm
     assert hbm["cp_async_16"]["blocks"] == 2 and hbm["cp_async_16"]["GB_s"] > 0
+    # the rule of tools/probes.py applied on the spot: the fake's sinks read nothing, so the
+    # as-built case has no valid rate; its clusters' blocks all read as on one SM
+    assert hbm["verdict"].startswith("no verdict"), hbm["verdict"]
     clusters = got["checks"][3]
     assert clusters["cluster_2_cooperative"]["launch"] == "ok", clusters
+    assert len(clusters["verdict"]) == 4 and "1 of 2 SMs" in clusters["verdict"][0]
+    assert clusters["cluster_4"]["launch"] == "not launched: 2 SMs hold no cluster"
+    assert clusters["verdict"][2].endswith("; not launched: 2 SMs hold no cluster")
 
 
 def test_fake_cupy_compile_options_cache_and_resources(fake_cupy):

@@ -537,6 +537,10 @@ class CupyDevice:
         for cluster, coop in CLUSTER_CASES:
             name = f"cluster_{cluster}{'_cooperative' if coop else ''}"
             blocks = self.num_sms // cluster * cluster
+            if blocks == 0:
+                out[name] = {"cluster": cluster, "cooperative": coop, "blocks": 0,
+                             "launch": f"not launched: {self.num_sms} SMs hold no cluster"}
+                continue
             with self.device, self.stream:
                 words = cp.zeros((4 * blocks + 1) * 4, cp.uint8)
             cfg = libcuda.launch_config(blocks, 32, self.stream.ptr, L2_PROBE_SHARED,
