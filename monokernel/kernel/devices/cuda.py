@@ -603,10 +603,11 @@ class CupyDevice:
         most_queued = 0
         done = 0
         while done < steps:
-            want = min(batch, steps - done)
-            if per_call:
-                want = max(1, min(want, MAX_QUEUED_LAUNCHES // per_call))
             for _attempt in range(3):
+                # sized again on a retry: the first batch's retry knows per_call by then
+                want = min(batch, steps - done)
+                if per_call:
+                    want = max(1, min(want, MAX_QUEUED_LAUNCHES // per_call))
                 start, end = cp.cuda.Event(), cp.cuda.Event()
                 t0 = time.perf_counter()
                 self.hold(hold_ns)
