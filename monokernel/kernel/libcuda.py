@@ -98,6 +98,10 @@ def programmatic_launch_config(grid: int, block: int, stream: int,
     return launch_config(grid, block, stream, shared_bytes, programmatic=True)
 
 
+# What a call of an entry point the driver library lacks returns (no CUresult is negative)
+NO_ENTRY_POINT = -1
+
+
 class LibcudaLaunchEx:
     """cuLaunchKernelEx and cuGetErrorName of the driver library. ``launch`` takes addresses
     (a CUlaunchConfig, a CUfunction, the kernelParams array) and returns the CUresult."""
@@ -130,12 +134,14 @@ class LibcudaLaunchEx:
         """(CUresult, clusters): cuOccupancyMaxActiveClusters of the function at the config's
         cluster size and shared memory: how many such clusters the device holds at once."""
         if self._clusters is None:
-            return -1, 0
+            return NO_ENTRY_POINT, 0
         n = ctypes.c_int(0)
         rc = int(self._clusters(ctypes.byref(n), func, config_addr))
         return rc, n.value
 
     def error_name(self, code: int) -> str:
+        if code == NO_ENTRY_POINT:
+            return "not in this driver library"
         out = ctypes.c_char_p()
         if self._name is None or self._name(code, ctypes.byref(out)) != CUDA_SUCCESS \
                 or not out.value:

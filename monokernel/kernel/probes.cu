@@ -101,7 +101,11 @@ extern "C" __global__ void mk_l2_read(const uint4* buf, long long words, long lo
   probe_finish(sink, smid, acc);
 }
 
-#define HBM_MAX_STAGES 4  // modes 1 and 2: ring stages at most (the mbarriers)
+// Modes 1 and 2: ring stages at most (the mbarriers, the cp.async wait depth); from
+// devices/cuda.py, which runs rings of 2 and of HBM_MAX_STAGES stages only
+#ifndef HBM_MAX_STAGES
+#error "HBM_MAX_STAGES: devices/cuda.py passes it as -DHBM_MAX_STAGES"
+#endif
 
 __device__ __forceinline__ unsigned probe_smem(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -166,6 +170,8 @@ extern "C" __global__ void mk_hbm_stream(const unsigned char* buf, long long blo
   __shared__ __align__(8) unsigned long long bars[HBM_MAX_STAGES];
   const unsigned char* src = buf + blockIdx.x * block_bytes;
   unsigned acc = 0u;
+  // a ring this kernel does not wait on right writes nothing: its case cannot read as a rate
+  if (mode != 0 && stages != 2 && stages != HBM_MAX_STAGES) return;
   if (mode == 0) {
     acc = probe_read(reinterpret_cast<const uint4*>(src), block_bytes / 16, acc);
   } else if (mode == 1) {
@@ -179,7 +185,7 @@ extern "C" __global__ void mk_hbm_stream(const unsigned char* buf, long long blo
       if (stages == 2)  // stage s landed: at most the groups after it still in flight
         asm volatile("cp.async.wait_group 1;" ::: "memory");
       else
-        asm volatile("cp.async.wait_group 3;" ::: "memory");
+        asm volatile("cp.async.wait_group %0;" ::"n"(HBM_MAX_STAGES - 1) : "memory");
       acc = probe_fold(ring + (s % stages) * stage_bytes, stage_bytes, acc);
     }
   } else {

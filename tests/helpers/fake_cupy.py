@@ -146,6 +146,8 @@ class FakeCupy:
 
                 if "megakernel" in code:
                     fake.kernel_defines = defines  # the -D options of the last kernel build
+                if '"probes.cu"' in code:
+                    fake.probe_defines = defines  # and of the last probes build
 
                 # probes.cu (its kernels) and every launch in "noop" mode do nothing here
                 if fake.launch_mode == "emulator" and "megakernel" in code \

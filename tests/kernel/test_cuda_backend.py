@@ -391,6 +391,8 @@ def test_fake_cupy_hbm_probe_launches_each_case_and_checks_what_it_read(fake_cup
     assert [b for name, b in fake.launch_shared if name == "mk_hbm_stream"] == \
         [L2_PROBE_SHARED] * 28
     assert HBM_MAX_STAGES * HBM_STAGE_BYTES <= L2_PROBE_SHARED
+    # probes.cu's ring depth (its mbarriers, its cp.async wait) is this side's, by -D
+    assert fake.probe_defines == {"HBM_MAX_STAGES": str(HBM_MAX_STAGES)}
     # positive control: a sink whose words sum to the streamed words' sum reads as all read
     words = 3 * block_bytes // 4
     orig = fake.zeros
@@ -405,6 +407,26 @@ def test_fake_cupy_hbm_probe_launches_each_case_and_checks_what_it_read(fake_cup
     assert all(c["read_all"] for c in CupyDevice().hbm_stream(mib=1).values())
     with pytest.raises(ValueError, match="fewer than 4 stages"):
         CupyDevice().hbm_stream(mib=0)
+
+
+def test_probes_compile_with_nvrtc_as_the_device_builds_them(fake_cupy, tmp_path, monkeypatch):
+    """probes.cu through NVRTC (the GPU's compiler, here without a GPU) with the options
+    CupyDevice._probes gives it: it compiles with HBM_MAX_STAGES from devices/cuda.py, and
+    without that -D it refuses to (one ring depth, one source of it)."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
+    from helpers.fake_cupy import nvrtc_compile_cached
+
+    from monokernel.kernel.devices.cuda import PROBES_PATH, CupyDevice
+
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))  # a real compile, not a cache hit
+    fake = fake_cupy(nvrtc=True)
+    module = CupyDevice()._probes()
+    assert set(module.kernels) == {"mk_hold", "mk_timer_tick", "mk_l2_read", "mk_hbm_stream",
+                                   "mk_cluster_place"}
+    assert len(fake.nvrtc_compiles) == 1
+    src = '#line 1 "probes.cu"\n' + PROBES_PATH.read_text()
+    with pytest.raises(RuntimeError, match="HBM_MAX_STAGES"):
+        nvrtc_compile_cached(src, ("-std=c++17",))
 
 
 def test_fake_cupy_cluster_probe_launches_each_case_with_its_attributes(fake_cupy):
@@ -435,14 +457,17 @@ def test_fake_cupy_cluster_probe_launches_each_case_with_its_attributes(fake_cup
     assert CLUSTER_WAIT_NS <= 50_000_000  # a grid that is not co-resident costs waves x this
 
 
-def test_smoke_probes_only_writes_the_probes_and_nothing_else(fake_cupy, tmp_path):
+def test_smoke_probes_only_writes_the_probes_and_nothing_else(fake_cupy, tmp_path,
+                                                              monkeypatch):
     """smoke --probes-only (the tensor-core GPU check's probes step): the timer tick and the L2
     read rows in smoke.json, no model loaded, no step run."""
     import json
 
+    from monokernel.kernel.devices import cuda
     from monokernel.tools import smoke
 
     fake_cupy(num_sms=2)
+    monkeypatch.setattr(cuda, "HBM_PROBE_MIB", 1)  # not 1 GiB of host memory filled for it
     assert smoke.main(["--out", str(tmp_path), "--probes-only"]) == 0
     got = json.loads((tmp_path / "smoke.json").read_text())
     assert got["ok"] and got["shapes"] == []
@@ -454,6 +479,7 @@ def test_smoke_probes_only_writes_the_probes_and_nothing_else(fake_cupy, tmp_pat
     hbm = got["checks"][2]
     assert {"loads_16", "cp_async_16", "bulk_rows_128", "bulk_stage"} <= set(hbm), hbm
     assert hbm["cp_async_16"]["blocks"] == 2 and hbm["cp_async_16"]["GB_s"] > 0
+    assert hbm["cp_async_16"]["bytes"] == 1 << 20  # HBM_PROBE_MIB, as patched
     # the rule of tools/probes.py applied on the spot: the fake's sinks read nothing, so the
     # as-built case has no valid rate; its clusters' blocks all read as on one SM
     assert hbm["verdict"].startswith("no verdict"), hbm["verdict"]

@@ -132,3 +132,14 @@ def test_missing_driver_library_is_a_kernel_error(monkeypatch):
 def test_driver_without_cu_launch_kernel_ex_is_a_kernel_error():
     with pytest.raises(KernelError, match="no cuLaunchKernelEx .*CUDA 12.0"):
         libcuda.LibcudaLaunchEx(types.SimpleNamespace())
+
+
+def test_driver_without_max_active_clusters_says_so():
+    """A driver library with cuLaunchKernelEx but not cuOccupancyMaxActiveClusters (the cluster
+    probe's occupancy row): the row says the entry point is missing, not a made-up CUresult."""
+    lib = types.SimpleNamespace(cuLaunchKernelEx=ctypes.CFUNCTYPE(ctypes.c_int)(lambda: 0))
+    ex = libcuda.LibcudaLaunchEx(lib)
+    rc, n = ex.max_active_clusters(0, 0)
+    assert (rc, n) == (libcuda.NO_ENTRY_POINT, 0) and rc != libcuda.CUDA_SUCCESS
+    assert ex.error_name(rc) == "not in this driver library"
+    assert ex.error_name(700) == "CUresult 700"  # and no cuGetErrorName either: the number

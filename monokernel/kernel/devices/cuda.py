@@ -48,13 +48,17 @@ L2_PROBE_SHARED = 120 * 1024
 # 16-byte loads into registers; 1: 16-byte cp.async.cg; 2: cp.async.bulk of a K/V row at
 # head_dim 64 and 128, and of a whole stage. 4 stages: three in flight while one is read (the
 # mechanism's ceiling); 2: one, as attention's two tile buffers (MK_ATTN_PIPE) keep
-# (benchmarks/NOTES.md, "What the K/V stream's rate is worth").
+# (benchmarks/NOTES.md, "What the K/V stream's rate is worth"). probes.cu gets HBM_MAX_STAGES
+# as a -D (its mbarriers, its cp.async wait depth) and runs no case of other stages than 2 and it.
+# HBM_PROBE_MIB: the buffer streamed, far past an H200's 60 MB L2.
 HBM_MAX_STAGES = 4
+HBM_PROBE_MIB = 1024
 HBM_STAGE_BYTES = 16 * 1024
 HBM_THREADS = 256
 HBM_CASES = (("loads_16", 0, 16, 0), ("cp_async_16", 1, 16, 4), ("cp_async_16_x2", 1, 16, 2),
              ("bulk_rows_128", 2, 128, 4), ("bulk_rows_128_x2", 2, 128, 2),
              ("bulk_rows_256", 2, 256, 4), ("bulk_stage", 2, HBM_STAGE_BYTES, 4))
+assert all(ring in (0, 2, HBM_MAX_STAGES) for _, _, _, ring in HBM_CASES)
 # The cluster probe's (blocks a cluster, cooperative) cases: the cost model's input_multicast
 # lever needs clusters that keep one block on every SM, co-resident (levers.py, design.py)
 CLUSTER_CASES = ((2, False), (2, True), (4, False), (4, True))
@@ -402,8 +406,14 @@ class CupyDevice:
             src = '#line 1 "probes.cu"\n' + PROBES_PATH.read_text()
             self._probe_module = self.compile(
                 src, ["mk_hold", "mk_timer_tick", "mk_l2_read", "mk_hbm_stream",
-                      "mk_cluster_place"], {})
+                      "mk_cluster_place"], {"HBM_MAX_STAGES": str(HBM_MAX_STAGES)})
         return self._probe_module
+
+    @staticmethod
+    def _scalars(*typed: tuple[int, type]) -> list[np.ndarray]:
+        """A raw launch's arguments: each (value, NumPy type) as a one-element array, whose
+        address goes into the kernel's parameter list (a pointer is np.uint64)."""
+        return [np.array([v], t) for v, t in typed]
 
     def _launch_raw(self, kernel, args: list[np.ndarray], blocks: int = 1,
                     threads: int = 32, shared_bytes: int = 0) -> None:
@@ -437,13 +447,10 @@ class CupyDevice:
                                                              words),
                                      ("every_sm_same_lines", self.num_sms, 0)):
             def launch(blocks=blocks, stride=stride):
-                self._launch_raw(kernel, [np.array([buf.data.ptr], np.uint64),
-                                          np.array([words], np.int64),
-                                          np.array([stride], np.int64),
-                                          np.array([reps], np.int32),
-                                          np.array([sink.data.ptr], np.uint64),
-                                          np.array([smid.data.ptr], np.uint64)],
-                                 blocks, threads, L2_PROBE_SHARED)
+                self._launch_raw(kernel, self._scalars(
+                    (buf.data.ptr, np.uint64), (words, np.int64), (stride, np.int64),
+                    (reps, np.int32), (sink.data.ptr, np.uint64), (smid.data.ptr, np.uint64)),
+                    blocks, threads, L2_PROBE_SHARED)
                 self._in_flight.append(f"mk_l2_read({name})")
 
             launch()  # the lines into L2
@@ -459,10 +466,10 @@ class CupyDevice:
         self.wait("l2 read")
         return out
 
-    def hbm_stream(self, mib: int = 1024) -> dict[str, dict]:
+    def hbm_stream(self, mib: int | None = None) -> dict[str, dict]:
         """The rate of a stream from HBM into every SM (probes.cu mk_hbm_stream), one way a
-        case (HBM_CASES): a block on every SM streams its share of a ``mib`` MiB buffer (far
-        past L2: each launch reads it once), by 16-byte loads, by 16-byte cp.async, and by
+        case (HBM_CASES): a block on every SM streams its share of a ``mib`` MiB buffer
+        (HBM_PROBE_MIB unless given: far past L2, each launch reads it once), by 16-byte loads, by 16-byte cp.async, and by
         cp.async.bulk copies of a K/V row or of a whole stage into a ring in shared memory of
         4 or 2 stages. Per
         case: blocks, distinct SMs, bytes, GPU seconds (the best of three after one untimed
@@ -470,6 +477,7 @@ class CupyDevice:
         blocks read is that of the words streamed (the buffer holds 0, 1, 2, ... as uint32), so
         a case whose copies did not land is not mistaken for a rate."""
         cp = self.cp
+        mib = HBM_PROBE_MIB if mib is None else mib
         blocks = self.num_sms
         stages = (mib << 20) // blocks // HBM_STAGE_BYTES
         if stages < HBM_MAX_STAGES:
@@ -488,15 +496,11 @@ class CupyDevice:
         out = {}
         for name, mode, chunk, ring in HBM_CASES:
             def launch(mode=mode, chunk=chunk, ring=ring, name=name):
-                self._launch_raw(kernel, [np.array([buf.data.ptr], np.uint64),
-                                          np.array([block_bytes], np.int64),
-                                          np.array([mode], np.int32),
-                                          np.array([chunk], np.int32),
-                                          np.array([HBM_STAGE_BYTES], np.int32),
-                                          np.array([ring], np.int32),
-                                          np.array([sink.data.ptr], np.uint64),
-                                          np.array([smid.data.ptr], np.uint64)],
-                                 blocks, HBM_THREADS, L2_PROBE_SHARED)
+                self._launch_raw(kernel, self._scalars(
+                    (buf.data.ptr, np.uint64), (block_bytes, np.int64), (mode, np.int32),
+                    (chunk, np.int32), (HBM_STAGE_BYTES, np.int32), (ring, np.int32),
+                    (sink.data.ptr, np.uint64), (smid.data.ptr, np.uint64)),
+                    blocks, HBM_THREADS, L2_PROBE_SHARED)
                 self._in_flight.append(f"mk_hbm_stream({name})")
 
             with self.device, self.stream:
@@ -547,8 +551,7 @@ class CupyDevice:
                                         cluster=cluster, cooperative=coop)
             with self.device:
                 rc_occ, most = ex.max_active_clusters(func, ctypes.addressof(cfg))
-                args = [np.array([words.data.ptr], np.uint64),
-                        np.array([CLUSTER_WAIT_NS], np.int64)]
+                args = self._scalars((words.data.ptr, np.uint64), (CLUSTER_WAIT_NS, np.int64))
                 ptrs = np.array([a.ctypes.data for a in args], dtype=np.uintp)
                 rc = ex.launch(ctypes.addressof(cfg), func, ptrs.ctypes.data)
             row = {"cluster": cluster, "cooperative": coop, "blocks": blocks,
@@ -569,7 +572,7 @@ class CupyDevice:
 
     def hold(self, ns: int) -> None:
         """Queue a kernel that keeps the stream busy for ``ns`` nanoseconds."""
-        self._launch_raw(self._probes().kernels["mk_hold"], [np.array([ns], np.int64)])
+        self._launch_raw(self._probes().kernels["mk_hold"], self._scalars((ns, np.int64)))
         self._in_flight.append(f"mk_hold({ns} ns)")
 
     def timer_tick_ns(self, reads: int = 4096) -> tuple[int, int]:
@@ -577,7 +580,7 @@ class CupyDevice:
         with self.device, self.stream:
             out = self.cp.zeros(2, self.cp.uint64)
         self._launch_raw(self._probes().kernels["mk_timer_tick"],
-                         [np.array([out.data.ptr], np.uint64), np.array([reads], np.int32)])
+                         self._scalars((out.data.ptr, np.uint64), (reads, np.int32)))
         self._in_flight.append("mk_timer_tick")
         tick, distinct = (int(v) for v in self.read(out))
         return tick, distinct
