@@ -65,9 +65,9 @@ def bodies(n: int, max_tokens: int) -> list[dict]:
             for i in range(n)]
 
 
-def send(url: str, body: dict) -> dict:
+def send(client: httpx.Client, url: str, body: dict) -> dict:
     t0 = time.perf_counter()
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=3000)
+    r = client.post(f"{url}/v1/completions", json=body)
     if r.status_code != 200:
         raise RuntimeError(f"{r.status_code} {r.text[:300]}")
     j = r.json()
@@ -77,25 +77,31 @@ def send(url: str, body: dict) -> dict:
 
 
 def phase(url: str, reqs: list[dict], concurrent: bool) -> tuple[list[dict], float]:
+    """The requests one after another or one thread each, through one httpx.Client (a pool of
+    a connection per thread, built before the clock starts). A client per request built its own
+    SSL context, ~30 ms of CPU each: 32 of them at once delayed the first request by 0.7 s and
+    took the 2 cores from the server's first step (benchmarks/NOTES.md)."""
     out: list[dict | None] = [None] * len(reqs)
     errors: list[str] = []
-    t0 = time.perf_counter()
-    if not concurrent:
-        for i, b in enumerate(reqs):
-            out[i] = send(url, b)
-    else:
-        def one(i: int) -> None:
-            try:
-                out[i] = send(url, reqs[i])
-            except Exception as e:  # reported below; the phase fails
-                errors.append(f"request {i}: {e}")
+    pool = httpx.Limits(max_connections=len(reqs), max_keepalive_connections=len(reqs))
+    with httpx.Client(timeout=3000, limits=pool) as client:
+        t0 = time.perf_counter()
+        if not concurrent:
+            for i, b in enumerate(reqs):
+                out[i] = send(client, url, b)
+        else:
+            def one(i: int) -> None:
+                try:
+                    out[i] = send(client, url, reqs[i])
+                except Exception as e:  # reported below; the phase fails
+                    errors.append(f"request {i}: {e}")
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    wall = time.perf_counter() - t0
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        wall = time.perf_counter() - t0
     if errors:
         raise SystemExit(f"{len(errors)} requests failed: {errors[:3]}")
     return out, wall  # type: ignore[return-value]

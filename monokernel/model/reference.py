@@ -346,9 +346,12 @@ class ReferenceModel:
 
 
 # fp32 attention (ReferenceModel._attend): a row's context is padded to a multiple of ATTN_PAD
-# positions; one gather of single rows' pages covers at most ATTN_GATHER positions.
-ATTN_PAD = 64
-ATTN_GATHER = 32768
+# positions; one gather of single rows' pages covers at most ATTN_GATHER positions, so that what
+# a group's products read stays in a small CPU's L2 (at 32 decode rows of context 64-128, 16 and
+# 1024 took a third off the attention of 64 and 32768: benchmarks/NOTES.md, "The CPU serving
+# ratio at 64 tokens")
+ATTN_PAD = 16
+ATTN_GATHER = 1024
 
 
 # Positions of one online-softmax step of the tensor-core attention at head_dim D (isa.seg_sub,
