@@ -469,13 +469,13 @@ class CupyDevice:
     def hbm_stream(self, mib: int | None = None) -> dict[str, dict]:
         """The rate of a stream from HBM into every SM (probes.cu mk_hbm_stream), one way a
         case (HBM_CASES): a block on every SM streams its share of a ``mib`` MiB buffer
-        (HBM_PROBE_MIB unless given: far past L2, each launch reads it once), by 16-byte loads, by 16-byte cp.async, and by
-        cp.async.bulk copies of a K/V row or of a whole stage into a ring in shared memory of
-        4 or 2 stages. Per
-        case: blocks, distinct SMs, bytes, GPU seconds (the best of three after one untimed
-        launch), GB/s in all and per SM, and ``read_all``: whether the sum (mod 2^32) of what the
-        blocks read is that of the words streamed (the buffer holds 0, 1, 2, ... as uint32), so
-        a case whose copies did not land is not mistaken for a rate."""
+        (HBM_PROBE_MIB unless given: far past L2, each launch reads it once), by 16-byte
+        loads, by 16-byte cp.async, and by cp.async.bulk copies of a K/V row or of a whole
+        stage into a ring in shared memory of 4 or 2 stages. Per case: blocks, distinct SMs,
+        bytes, GPU seconds (the best of three after one untimed launch), GB/s in all and per
+        SM, and ``read_all``: whether the sum (mod 2^32) of what the blocks read is that of the
+        words streamed (the buffer holds 0, 1, 2, ... as uint32), so a case whose copies did
+        not land is not mistaken for a rate."""
         cp = self.cp
         mib = HBM_PROBE_MIB if mib is None else mib
         blocks = self.num_sms
