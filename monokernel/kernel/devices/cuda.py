@@ -410,14 +410,17 @@ class CupyDevice:
         return self._probe_module
 
     @staticmethod
-    def _scalars(*typed: tuple[int, type]) -> list[np.ndarray]:
-        """A raw launch's arguments: each (value, NumPy type) as a one-element array, whose
-        address goes into the kernel's parameter list (a pointer is np.uint64)."""
-        return [np.array([v], t) for v, t in typed]
+    def _params(typed) -> tuple[list[np.ndarray], np.ndarray]:
+        """A raw launch's kernelParams from its arguments, each (value, NumPy type; a pointer
+        is np.uint64): (the one-element arrays, which must outlive the launch call, the array
+        of their addresses)."""
+        args = [np.array([v], t) for v, t in typed]
+        return args, np.array([a.ctypes.data for a in args], dtype=np.uintp)
 
-    def _launch_raw(self, kernel, args: list[np.ndarray], blocks: int = 1,
-                    threads: int = 32, shared_bytes: int = 0) -> None:
-        ptrs = np.array([a.ctypes.data for a in args], dtype=np.uintp)
+    def _launch_raw(self, kernel, typed, blocks: int = 1, threads: int = 32,
+                    shared_bytes: int = 0) -> None:
+        """``kernel`` with the arguments ``typed`` ((value, NumPy type) each, _params)."""
+        _args, ptrs = self._params(typed)
         with self.device:
             self.cp.cuda.driver.launchKernel(kernel.kernel.ptr, blocks, 1, 1, threads, 1, 1,
                                              shared_bytes, self.stream.ptr, ptrs.ctypes.data, 0)
@@ -447,7 +450,7 @@ class CupyDevice:
                                                              words),
                                      ("every_sm_same_lines", self.num_sms, 0)):
             def launch(blocks=blocks, stride=stride):
-                self._launch_raw(kernel, self._scalars(
+                self._launch_raw(kernel, (
                     (buf.data.ptr, np.uint64), (words, np.int64), (stride, np.int64),
                     (reps, np.int32), (sink.data.ptr, np.uint64), (smid.data.ptr, np.uint64)),
                     blocks, threads, L2_PROBE_SHARED)
@@ -496,7 +499,7 @@ class CupyDevice:
         out = {}
         for name, mode, chunk, ring in HBM_CASES:
             def launch(mode=mode, chunk=chunk, ring=ring, name=name):
-                self._launch_raw(kernel, self._scalars(
+                self._launch_raw(kernel, (
                     (buf.data.ptr, np.uint64), (block_bytes, np.int64), (mode, np.int32),
                     (chunk, np.int32), (HBM_STAGE_BYTES, np.int32), (ring, np.int32),
                     (sink.data.ptr, np.uint64), (smid.data.ptr, np.uint64)),
@@ -551,8 +554,8 @@ class CupyDevice:
                                         cluster=cluster, cooperative=coop)
             with self.device:
                 rc_occ, most = ex.max_active_clusters(func, ctypes.addressof(cfg))
-                args = self._scalars((words.data.ptr, np.uint64), (CLUSTER_WAIT_NS, np.int64))
-                ptrs = np.array([a.ctypes.data for a in args], dtype=np.uintp)
+                _args, ptrs = self._params([(words.data.ptr, np.uint64),
+                                            (CLUSTER_WAIT_NS, np.int64)])
                 rc = ex.launch(ctypes.addressof(cfg), func, ptrs.ctypes.data)
             row = {"cluster": cluster, "cooperative": coop, "blocks": blocks,
                    "max_active_clusters": most if rc_occ == libcuda.CUDA_SUCCESS
@@ -572,7 +575,7 @@ class CupyDevice:
 
     def hold(self, ns: int) -> None:
         """Queue a kernel that keeps the stream busy for ``ns`` nanoseconds."""
-        self._launch_raw(self._probes().kernels["mk_hold"], self._scalars((ns, np.int64)))
+        self._launch_raw(self._probes().kernels["mk_hold"], [(ns, np.int64)])
         self._in_flight.append(f"mk_hold({ns} ns)")
 
     def timer_tick_ns(self, reads: int = 4096) -> tuple[int, int]:
@@ -580,7 +583,7 @@ class CupyDevice:
         with self.device, self.stream:
             out = self.cp.zeros(2, self.cp.uint64)
         self._launch_raw(self._probes().kernels["mk_timer_tick"],
-                         self._scalars((out.data.ptr, np.uint64), (reads, np.int32)))
+                         [(out.data.ptr, np.uint64), (reads, np.int32)])
         self._in_flight.append("mk_timer_tick")
         tick, distinct = (int(v) for v in self.read(out))
         return tick, distinct
