@@ -173,6 +173,15 @@ class KernelDesign:
     # next one into L2, so each walk's dependent rounds after its first range wait on L2, not
     # HBM (the stream's HBM share is unchanged; Phases.rolling)
     mma_rows_prefetch: bool = False
+    # (PREDICTED, not built) a mat-mul's reads run beside its mma: block_mma's and
+    # block_mma_rows' next round's weights (and inputs where they are a copy) in flight, by
+    # cp.async into a ring per warp, while the warp multiplies this round's, so the bytes a
+    # block reads from L2 (its token group's other tiles' weights, a token pass's re-reads, its
+    # inputs) cost what they take at the SM's L2 share beside the mma, with the HBM stream's
+    # bytes through the same share: the slower of the two bounds the mat-mul. False (as
+    # built): they are loads into registers of a round its mma then waits on, charged after
+    # the stream (tokens.widen_matmul)
+    mma_l2_overlap: bool = False
     # the RMS ops (QKV, GATE_UP, the LM head) whose block's share of a step is at most this
     # many rows stage their normed bf16 inputs in shared memory (megakernel.cu mma_rms: each
     # row read from L2 once, for its sum of squares, then again from L1 by the same warp to
@@ -392,6 +401,9 @@ V6_MMA_TILES = V6_MMA_PIPE.replace(name="v6-mma-tiles", attn_tile_pipeline=True,
 # ops/attention.py _warp_unit; benchmarks/NOTES.md "Decode units a warp each").
 V6_MMA_WARP = V6_MMA_TILES.replace(name="v6-mma-warp-units", attn_units_in_flight=8,
                                    attn_warp_unit_positions=32)
+# V6-MMA-OVERLAP (PREDICTED, not built): the built design with each mat-mul's L2 reads beside
+# its mma (mma_l2_overlap; benchmarks/NOTES.md "A mat-mul's L2 reads beside its mma").
+V6_MMA_OVERLAP = V6_MMA_TILES.replace(name="v6-mma-overlap", mma_l2_overlap=True)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg", "v6-mma-tiles")
 # Every design a prediction can name (`monokernel plan --design`).
@@ -399,6 +411,7 @@ DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
                                     "v6-mma-pipe": V6_MMA_PIPE, "v6-mma-tiles": V6_MMA_TILES,
                                     "v6-mma-warp-units": V6_MMA_WARP,
+                                    "v6-mma-overlap": V6_MMA_OVERLAP,
                                     "v7": V7, "v7-rows": V7_ROWS,
                                     "v8": V8, "v8-cluster": V8_CLUSTER}
 

@@ -285,8 +285,13 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
     if sliced > 1:  # the sum stores residual_in in its own loop: 2 bytes an output, no pass
         copy_rounds, copy_bytes = 0, 2.0
     epilogue = epilogue + busy * T * rows * copy_bytes / (g.l2_bw / g.sms)
+    reads = busy * (t_in + t_w) + t_again  # its L2 reads: after the stream, as built
+    if d.mma_l2_overlap:  # beside the mma, with the stream's bytes through the same L2 share
+        compute = np.maximum(compute, reads + np.asarray(ph.stream_bytes, np.float64)
+                             / (g.l2_bw / g.sms))
+        reads = 0.0
     return Phases(ph.l2_trips + busy * copy_rounds, ph.hbm_trips,
-                  ph.other_us + busy * (t_in + t_w + t_red) + t_again + epilogue,
+                  ph.other_us + reads + busy * t_red + epilogue,
                   np.maximum(ph.rounds, rounds), ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue,
                   compute, (c, s), rolling=rolling)
 
