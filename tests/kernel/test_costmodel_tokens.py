@@ -632,3 +632,51 @@ def test_a_share_past_the_staged_rows_reads_only_the_rest_again():
     assert r_part[0] == r_none[0]  # the walk's rounds do not change
     assert cm.predict(prog, g, built, shape=StepShape.decode(64, 16)).total_us < \
         cm.predict(prog, g, whole, shape=StepShape.decode(64, 16)).total_us
+
+
+def test_mma_l2_overlap_moves_a_mat_muls_l2_reads_beside_its_mma_and_loses_none():
+    """v6-mma-overlap (mma_l2_overlap, predicted, not built): on Llama-3.2-1B's prompt chunk of
+    256 tokens at position 512, each mat-mul instruction's L2 reads (its token group's other
+    tiles' weights, its inputs, the passes' re-reads) leave its serial work and bound its mma
+    time from below together with its HBM stream's bytes at the SM's L2 share: nothing else
+    moves (trips, rounds, stream bytes, ATTENTION), no byte is dropped (what leaves other_us
+    is inside the new floor), and the step is faster, GATE_UP the most."""
+    from monokernel.kernel.costmodel.simulate import _batches
+    from monokernel.kernel.ops import down, gate_up, o_proj, qkv
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    cfg = ModelConfig.from_name("llama-3.2-1b")
+    splits, min_chunk = tensor_core_splits(cfg, 132, 2048)
+    prog = schedule(cfg, 132, 2048, splits, min_chunk, merge_ticket_min=1, tokens=256,
+                    token_groups=True, tensor_cores=True)
+    shape = StepShape.chunk(512, 256, False)
+    g = cm.gpu("h200")
+    built = cm.design_for(prog, tensor_cores=True)
+    over = built.replace(mma_l2_overlap=True)
+    assert cm.design("v6-mma-overlap") == cm.DESIGNS["v6-mma-tiles"].replace(
+        name="v6-mma-overlap", mma_l2_overlap=True)
+    assert not built.mma_l2_overlap
+    l2_share = g.l2_bw / g.sms
+    batches = _batches(prog, shape.max_context, shape)
+    saved = {}
+    for op, mod in ((Op.RMS_QKV_ROPE, qkv), (Op.O_PROJ_RESIDUAL, o_proj),
+                    (Op.RMS_GATE_UP, gate_up), (Op.DOWN_RESIDUAL, down)):
+        _, batch = batches[op]
+        a, b = mod.cost(batch, g, built), mod.cost(batch, g, over)
+        for f in ("l2_trips", "hbm_trips", "rounds", "stream_bytes", "prefetch_bytes"):
+            assert np.array_equal(getattr(a, f), getattr(b, f)), (op, f)
+        moved = np.asarray(a.other_us) - np.asarray(b.other_us)
+        assert (moved > 0).all(), op  # every instruction of a chunk step reads L2
+        floor = moved + np.asarray(a.stream_bytes, np.float64) / l2_share
+        assert np.allclose(b.compute, np.maximum(a.compute, floor)), op
+        saved[op] = float(np.mean(moved + a.compute - b.compute))
+    assert max(saved, key=saved.get) == Op.RMS_GATE_UP and min(saved.values()) > 0, saved
+    _, att = batches[Op.ATTENTION]
+    from monokernel.kernel.ops import attention
+
+    pa, pb = attention.cost(att, g, built), attention.cost(att, g, over)
+    for f in ("l2_trips", "hbm_trips", "other_us", "rounds", "stream_bytes", "compute"):
+        assert np.array_equal(getattr(pa, f), getattr(pb, f)), f
+    slow, fast = (cm.predict(prog, g, d, shape=shape).step_us for d in (built, over))
+    assert fast < 0.8 * slow, (fast, slow)
