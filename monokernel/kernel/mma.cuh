@@ -157,6 +157,8 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async_wait() {
 #ifdef __CUDA_ARCH__
   asm volatile("cp.async.wait_all;" ::: "memory");
+#elif !defined(__CUDACC__)
+  emu::cp_async_wait_all();
 #endif
 }
 

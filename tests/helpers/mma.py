@@ -87,6 +87,19 @@ extern "C" __global__ void cp_async_chunks(const CpParams p) {
     *reinterpret_cast<uint4*>(p.out + 16 * i) = tile[(i + 1) % p.chunks];  // another thread's
 }
 
+// ---- a thread's own chunk read before its copy's wait (out: chunks x 16 bytes) and after it
+// (out + chunks x 16): the emulator's twin lands a copy at the wait, not before
+extern "C" __global__ void cp_async_before_wait(const CpParams p) {
+  __shared__ uint4 tile[64];
+  for (int i = threadIdx.x; i < p.chunks; i += blockDim.x)
+    cp_async_16(&tile[i], p.src + p.offset + 16 * i);
+  for (int i = threadIdx.x; i < p.chunks; i += blockDim.x)
+    *reinterpret_cast<uint4*>(p.out + 16 * i) = tile[i];
+  cp_async_wait();
+  for (int i = threadIdx.x; i < p.chunks; i += blockDim.x)
+    *reinterpret_cast<uint4*>(p.out + 16 * (p.chunks + i)) = tile[i];
+}
+
 // ---- Y [tokens, n_out] = X [tokens, k] W [n_out, k]^T, as mma.cuh's header describes: each
 // block takes 16 rows of W, each of its WX_WARPS warps 8 tokens. W's k16 tile is staged once per
 // block (shared by both warps), each warp's X tile by that warp.
@@ -158,8 +171,8 @@ extern "C" __global__ void mma_missing_lane(const FragParams p) {
   p.d[threadIdx.x] = d[0];
 }
 """
-KERNEL_NAMES = ["mma_fragments", "ldmatrix_fragments", "cp_async_chunks", "mma_wx",
-                "mma_missing_lane"]
+KERNEL_NAMES = ["mma_fragments", "ldmatrix_fragments", "cp_async_chunks", "cp_async_before_wait",
+                "mma_wx", "mma_missing_lane"]
 WX_THREADS = 64  # WX_WARPS warps
 WX_SMEM_BYTES = (16 * 24 + 2 * 8 * 24) * 2
 

@@ -103,6 +103,27 @@ def test_negative_control_a_wrong_next_tile_changes_the_logits(synth_model, monk
     assert len(bad) > len(want) // 4, bad
 
 
+# the tile's copies land before the barrier that shows them to the block (attention_segment)
+TILE_WAIT = "cp_async_wait();\n      __syncthreads();  // the tiles (and the query tiles) are in"
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_negative_control_a_tile_read_before_its_copies_land_changes_the_logits(
+        synth_model, monkeypatch, pipelined):
+    """The emulator's cp.async lands a copy at its thread's cp_async_wait, not before (its
+    destination reads as 0xff bytes, NaN, until then: emulator/cuda_cpu_mma.h): without the
+    tile's wait every copied tile is read unlanded, so rows differ and turn NaN, with or
+    without the pipeline. (The GPU's copies may land early; a kernel that passes only because
+    they did is wrong there.)"""
+    model = synth_model("llama3-tiny")
+    want = _run(model, monkeypatch, False)
+    got = _run(model, monkeypatch, pipelined,
+               edit=(TILE_WAIT, TILE_WAIT.replace("cp_async_wait();", "")))
+    bad = _differing(want, got, finite=False)
+    assert len(bad) > len(want) // 2, bad
+    assert any(not np.isfinite(got[k]).all() for k in bad)
+
+
 # Units of many tiles and passes (megakernel.cu attention_segment, segment_pass): a block a KV
 # group, one split, so a unit is a whole row's context. The third step's slot-1 decode row copies
 # slot 0's first tile; slot 0's 52 rows at positions 96..147 are 52 GROUP queries over 148

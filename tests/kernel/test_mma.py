@@ -135,6 +135,24 @@ def test_cp_async_copies_16_bytes_a_thread_into_shared_memory(runner):
     assert np.array_equal(out.reshape(64, 16), np.roll(src.reshape(64, 16), -1, axis=0))
 
 
+def test_cp_async_twin_lands_a_copy_at_the_wait_not_before(mod):
+    """The emulator's cp.async (cuda_cpu_mma.h): a thread reading its own chunk after the
+    issue and before cp_async_wait sees 0xff bytes (NaN as bf16 and fp32), not the source, so a
+    kernel that reads a tile before its wait shows it in its numbers; after the wait, the
+    source's bytes. (A GPU's copy may land early; the twin takes the latest the ISA allows.)"""
+    from helpers.mma import CP_PARAMS
+
+    runner = EmulatorRunner(mod)
+    src = np.random.default_rng(3).integers(0, 255, 64 * 16, dtype=np.uint8)  # no 0xff byte
+    bufs = [runner.buffer(v) for v in (src, np.zeros(2 * 64 * 16, np.uint8))]
+    runner.launch("cp_async_before_wait", 1, 32,
+                  struct(CP_PARAMS, src=runner.ptr(bufs[0]), out=runner.ptr(bufs[1]), chunks=64,
+                         offset=0))
+    out = runner.read(bufs[1])
+    assert (out[:64 * 16] == 0xff).all()
+    assert np.array_equal(out[64 * 16:], src)
+
+
 def test_cp_async_of_a_misaligned_source_is_an_error_naming_cp_async(mod):
     """cp.async.cg of 16 bytes needs 16-byte aligned addresses (the PTX ISA); the twin refuses a
     source 8 bytes off, naming cp.async, instead of copying what the GPU would not."""

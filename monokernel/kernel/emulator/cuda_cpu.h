@@ -230,6 +230,7 @@ struct Fiber {
   unsigned int wait_mask = 0;    // mask of the warp collective it waits at
   const char* where = "";        // what it waits at, for error messages
   Block* block = nullptr;
+  std::vector<AsyncCopy> copies;  // its cp.async copies not landed yet
 #if !defined(__x86_64__)
   ucontext_t uc;
 #endif
@@ -473,6 +474,8 @@ inline Fiber* current_fiber() {
   return f;
 }
 
+inline std::vector<AsyncCopy>& async_copies() { return current_fiber()->copies; }
+
 inline void check_abort(const Block* b) {
   if (b->abort->load(std::memory_order_relaxed)) throw LaunchAborted{};
 }
@@ -599,6 +602,7 @@ inline void on_fiber_exit(Fiber* f) {
   const unsigned int bit = 1u << (f->tid.x & 31u);
   Warp& w = b->warps[warp];
   f->wait = Wait::Done;
+  f->copies.clear();  // copies it never waited for: nothing may read them (they never land)
   --b->live;
   ++b->exited;
   w.exited |= bit;

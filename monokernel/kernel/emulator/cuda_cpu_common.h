@@ -125,6 +125,14 @@ struct BarrierState {
 // get 64 bits computed lane by lane; a wide exchange (warp_exchange: the tensor-core twins of
 // kernel/mma.cuh) deposits up to kLaneInBytes per lane and gets up to kLaneOutBytes, computed for
 // the whole warp in one call (an mma is one 16x8 product, not 32 separate ones).
+// A cp.async copy of 16 bytes issued and not yet landed (cuda_cpu_mma.h emu::cp_async_16): its
+// destination and the source bytes it read at the issue. Each CUDA thread keeps its own, in
+// issue order, until its cp_async_wait_all.
+struct AsyncCopy {
+  void* dst;
+  unsigned char bytes[16];
+};
+
 struct Warp;
 using WarpCompute = std::uint64_t (*)(const Warp&, unsigned int lane);
 using WarpComputeAll = void (*)(Warp&);

@@ -131,16 +131,29 @@ inline void ldmatrix(unsigned int (&r)[N], const void* row) {
                         detail::ldmatrix_warp<N, Trans>);
 }
 
-// The twin of cp.async.cg.shared.global [smem], [gmem], 16: the thread's own 16-byte copy, done
-// at once (the GPU's lands by cp.async.wait_all, before the barrier that shows it to the block;
-// ThreadSanitizer sees this thread's read and write either way).
+// The twin of cp.async.cg.shared.global [smem], [gmem], 16. On a GPU the copy lands some time
+// before the issuing thread's cp.async.wait_all returns, not before: so here it reads its 16
+// source bytes now, fills the destination with 0xff bytes (a NaN as bf16 and as fp32, so a read
+// of it before the wait shows in the numbers), and lands by this thread's cp_async_wait_all.
+// ThreadSanitizer and ASan see the source read and a destination write at the issue, and the
+// destination written again at the landing: both ends of the copy's window.
 inline void cp_async_16(void* smem, const void* gmem) {
   if (reinterpret_cast<std::uintptr_t>(smem) % 16 != 0 ||
       reinterpret_cast<std::uintptr_t>(gmem) % 16 != 0)
     detail::fail_here(kTrap,
                       detail::fmt("block %u thread %u: cp.async addresses %p <- %p are not "
                                   "16-byte aligned", blockIdx.x, threadIdx.x, smem, gmem));
-  std::memcpy(smem, gmem, 16);
+  detail::AsyncCopy c{smem, {}};
+  std::memcpy(c.bytes, gmem, 16);
+  std::memset(smem, 0xff, 16);
+  detail::async_copies().push_back(c);
+}
+
+// The twin of cp.async.wait_all: every copy this thread issued lands, in issue order.
+inline void cp_async_wait_all() {
+  std::vector<detail::AsyncCopy>& copies = detail::async_copies();
+  for (const detail::AsyncCopy& c : copies) std::memcpy(c.dst, c.bytes, 16);
+  copies.clear();
 }
 
 }  // namespace emu
