@@ -7,7 +7,8 @@
 //                       a smem_addr, so constant offsets fold into the instruction)
 //   ldmatrix_a / _b     the lane's row address for an A (16x16) / B (8 tokens x 16) tile; _bt:
 //                       a B tile stored k-major (16 k rows of 8 n), by ldmatrix .trans
-//   cp_async_16         16 bytes global -> shared without registers (cp.async.cg), cp_async_wait
+//   cp_async_16         16 bytes global -> shared without registers (cp.async.cg), cp_async_wait;
+//                       cp_async_commit / cp_async_wait_group<N>: a thread's copies in groups
 //   load_a_global / load_b_global   the same fragments straight from global memory, zero padded
 //   mma_d_row / mma_d_col           where element i of a lane's D fragment sits
 // The twins can share a bug with this file's reading of the ISA; only a GPU run proves the PTX
@@ -159,6 +160,25 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_all;" ::: "memory");
 #elif !defined(__CUDACC__)
   emu::cp_async_wait_all();
+#endif
+}
+
+// This thread's cp_async_16 copies since its last commit are a group (a ring's round).
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#elif !defined(__CUDACC__)
+  emu::cp_async_commit();
+#endif
+}
+
+// Every group this thread committed but its newest N has landed (copies in no group need not).
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#elif !defined(__CUDACC__)
+  emu::cp_async_wait_group(N);
 #endif
 }
 

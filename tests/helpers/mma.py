@@ -100,6 +100,29 @@ extern "C" __global__ void cp_async_before_wait(const CpParams p) {
     *reinterpret_cast<uint4*>(p.out + 16 * (p.chunks + i)) = tile[i];
 }
 
+// ---- a thread's chunks j * blockDim + t in four rounds, the first three committed as groups:
+// read back after cp_async_wait_group<1> (out: chunks x 16 bytes) and after cp_async_wait
+// (out + chunks x 16)
+extern "C" __global__ void cp_async_groups(const CpParams p) {
+  __shared__ uint4 tile[64];
+  const int rounds = p.chunks / blockDim.x;
+  for (int j = 0; j < rounds; ++j) {
+    const int i = j * blockDim.x + threadIdx.x;
+    cp_async_16(&tile[i], p.src + p.offset + 16 * i);
+    if (j < 3) cp_async_commit();
+  }
+  cp_async_wait_group<1>();
+  for (int j = 0; j < rounds; ++j) {
+    const int i = j * blockDim.x + threadIdx.x;
+    *reinterpret_cast<uint4*>(p.out + 16 * i) = tile[i];
+  }
+  cp_async_wait();
+  for (int j = 0; j < rounds; ++j) {
+    const int i = j * blockDim.x + threadIdx.x;
+    *reinterpret_cast<uint4*>(p.out + 16 * (p.chunks + i)) = tile[i];
+  }
+}
+
 // ---- Y [tokens, n_out] = X [tokens, k] W [n_out, k]^T, as mma.cuh's header describes: each
 // block takes 16 rows of W, each of its WX_WARPS warps 8 tokens. W's k16 tile is staged once per
 // block (shared by both warps), each warp's X tile by that warp.
@@ -172,7 +195,7 @@ extern "C" __global__ void mma_missing_lane(const FragParams p) {
 }
 """
 KERNEL_NAMES = ["mma_fragments", "ldmatrix_fragments", "cp_async_chunks", "cp_async_before_wait",
-                "mma_wx", "mma_missing_lane"]
+                "cp_async_groups", "mma_wx", "mma_missing_lane"]
 WX_THREADS = 64  # WX_WARPS warps
 WX_SMEM_BYTES = (16 * 24 + 2 * 8 * 24) * 2
 

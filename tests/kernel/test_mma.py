@@ -153,6 +153,25 @@ def test_cp_async_twin_lands_a_copy_at_the_wait_not_before(mod):
     assert np.array_equal(out[64 * 16:], src)
 
 
+def test_cp_async_wait_group_lands_all_but_the_newest_groups(mod):
+    """cp_async_commit / cp_async_wait_group<1> (the PTX ISA's commit_group and wait_group): 16
+    threads copy 4 rounds of their own chunks, committing the first three as groups; after
+    wait_group 1 the first two groups' chunks (0-31) are the source's, the newest group's
+    (32-47) and the uncommitted round's (48-63) not yet (0xff); after cp_async_wait, all."""
+    from helpers.mma import CP_PARAMS
+
+    runner = EmulatorRunner(mod)
+    src = np.random.default_rng(4).integers(0, 255, 64 * 16, dtype=np.uint8)  # no 0xff byte
+    bufs = [runner.buffer(v) for v in (src, np.zeros(2 * 64 * 16, np.uint8))]
+    runner.launch("cp_async_groups", 1, 16,
+                  struct(CP_PARAMS, src=runner.ptr(bufs[0]), out=runner.ptr(bufs[1]), chunks=64,
+                         offset=0))
+    out = runner.read(bufs[1])
+    assert np.array_equal(out[:32 * 16], src[:32 * 16])
+    assert (out[32 * 16:64 * 16] == 0xff).all()
+    assert np.array_equal(out[64 * 16:], src)
+
+
 def test_cp_async_of_a_misaligned_source_is_an_error_naming_cp_async(mod):
     """cp.async.cg of 16 bytes needs 16-byte aligned addresses (the PTX ISA); the twin refuses a
     source 8 bytes off, naming cp.async, instead of copying what the GPU would not."""
@@ -229,6 +248,10 @@ def test_sass_has_tensor_core_mma_and_ldmatrix(cubins):
     assert re.search(r"\bLDSM\.16\.MT88\.2\b", funcs["ldmatrix_fragments"])
     assert re.search(r"\bLDGSTS\.E\.BYPASS\.128\b", funcs["cp_async_chunks"])
     assert re.search(r"\bLDGDEPBAR\b", funcs["cp_async_chunks"])
+    # commit_group a round, wait_group 1 (all but the newest group), then wait_all
+    groups = funcs["cp_async_groups"]
+    assert len(re.findall(r"\bLDGSTS\.E\.BYPASS\.128\b", groups)) >= 4
+    assert re.search(r"\bDEPBAR\.LE SB0, 0x1\b", groups) and re.search(r"\bDEPBAR\.LE SB0, 0x0\b", groups)
     assert "HMMA.16816.F32.BF16" in funcs["mma_fragments"]
 
 

@@ -230,7 +230,7 @@ struct Fiber {
   unsigned int wait_mask = 0;    // mask of the warp collective it waits at
   const char* where = "";        // what it waits at, for error messages
   Block* block = nullptr;
-  std::vector<AsyncCopy> copies;  // its cp.async copies not landed yet
+  AsyncCopies copies;  // its cp.async copies not landed yet
 #if !defined(__x86_64__)
   ucontext_t uc;
 #endif
@@ -474,7 +474,7 @@ inline Fiber* current_fiber() {
   return f;
 }
 
-inline std::vector<AsyncCopy>& async_copies() { return current_fiber()->copies; }
+inline AsyncCopies& async_copies() { return current_fiber()->copies; }
 
 inline void check_abort(const Block* b) {
   if (b->abort->load(std::memory_order_relaxed)) throw LaunchAborted{};

@@ -126,11 +126,21 @@ struct BarrierState {
 // kernel/mma.cuh) deposits up to kLaneInBytes per lane and gets up to kLaneOutBytes, computed for
 // the whole warp in one call (an mma is one 16x8 product, not 32 separate ones).
 // A cp.async copy of 16 bytes issued and not yet landed (cuda_cpu_mma.h emu::cp_async_16): its
-// destination and the source bytes it read at the issue. Each CUDA thread keeps its own, in
-// issue order, until its cp_async_wait_all.
+// destination and the source bytes it read at the issue.
 struct AsyncCopy {
   void* dst;
   unsigned char bytes[16];
+};
+
+// A CUDA thread's copies not landed yet, in issue order, and where each group it committed
+// (cp.async.commit_group) ends in that list; the copies past the last end are in no group.
+struct AsyncCopies {
+  std::vector<AsyncCopy> pending;
+  std::vector<std::size_t> group_ends;
+  void clear() {
+    pending.clear();
+    group_ends.clear();
+  }
 };
 
 struct Warp;

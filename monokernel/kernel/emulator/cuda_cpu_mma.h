@@ -146,14 +146,33 @@ inline void cp_async_16(void* smem, const void* gmem) {
   detail::AsyncCopy c{smem, {}};
   std::memcpy(c.bytes, gmem, 16);
   std::memset(smem, 0xff, 16);
-  detail::async_copies().push_back(c);
+  detail::async_copies().pending.push_back(c);
+}
+
+// The twin of cp.async.commit_group: this thread's copies since its last commit are a group.
+inline void cp_async_commit() {
+  detail::AsyncCopies& q = detail::async_copies();
+  q.group_ends.push_back(q.pending.size());
+}
+
+// The twin of cp.async.wait_group n: every group this thread committed but its newest n lands,
+// in issue order (the copies of no group stay pending, as the ISA says).
+inline void cp_async_wait_group(int n) {
+  detail::AsyncCopies& q = detail::async_copies();
+  const std::size_t groups = q.group_ends.size();
+  if (groups <= static_cast<std::size_t>(n)) return;
+  const std::size_t landed = q.group_ends[groups - n - 1];
+  for (std::size_t i = 0; i < landed; ++i) std::memcpy(q.pending[i].dst, q.pending[i].bytes, 16);
+  q.pending.erase(q.pending.begin(), q.pending.begin() + static_cast<std::ptrdiff_t>(landed));
+  q.group_ends.erase(q.group_ends.begin(), q.group_ends.end() - n);
+  for (std::size_t& e : q.group_ends) e -= landed;
 }
 
 // The twin of cp.async.wait_all: every copy this thread issued lands, in issue order.
 inline void cp_async_wait_all() {
-  std::vector<detail::AsyncCopy>& copies = detail::async_copies();
-  for (const detail::AsyncCopy& c : copies) std::memcpy(c.dst, c.bytes, 16);
-  copies.clear();
+  detail::AsyncCopies& q = detail::async_copies();
+  for (const detail::AsyncCopy& c : q.pending) std::memcpy(c.dst, c.bytes, 16);
+  q.clear();
 }
 
 }  // namespace emu

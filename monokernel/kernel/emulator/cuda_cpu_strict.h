@@ -81,7 +81,7 @@ inline void Launch::fail(int c, const std::string& msg) {
 struct Thread {
   ::uint3 tid{0, 0, 0};
   Block* block = nullptr;
-  std::vector<AsyncCopy> copies;  // its cp.async copies not landed yet (dropped at its exit)
+  AsyncCopies copies;  // its cp.async copies not landed yet (dropped at its exit)
 };
 
 inline thread_local Thread* tl_thread = nullptr;
@@ -96,7 +96,7 @@ inline Thread* current_thread() {
   return t;
 }
 
-inline std::vector<AsyncCopy>& async_copies() { return current_thread()->copies; }
+inline AsyncCopies& async_copies() { return current_thread()->copies; }
 
 inline bool aborting(const Block* b) { return b->launch->abort.load(std::memory_order_relaxed); }
 
