@@ -119,12 +119,6 @@ struct BarrierState {
   }
 };
 
-// The exchange buffer of one warp. One collective is open at a time; the lane that completes it
-// computes every lane's result, so the buffer is free again at once. Two kinds of collective use
-// it: the shuffles, votes and reductions deposit 64 bits (plus a shuffle argument and width) and
-// get 64 bits computed lane by lane; a wide exchange (warp_exchange: the tensor-core twins of
-// kernel/mma.cuh) deposits up to kLaneInBytes per lane and gets up to kLaneOutBytes, computed for
-// the whole warp in one call (an mma is one 16x8 product, not 32 separate ones).
 // A cp.async copy of 16 bytes issued and not yet landed (cuda_cpu_mma.h emu::cp_async_16): its
 // destination and the source bytes it read at the issue.
 struct AsyncCopy {
@@ -143,6 +137,12 @@ struct AsyncCopies {
   }
 };
 
+// The exchange buffer of one warp. One collective is open at a time; the lane that completes it
+// computes every lane's result, so the buffer is free again at once. Two kinds of collective use
+// it: the shuffles, votes and reductions deposit 64 bits (plus a shuffle argument and width) and
+// get 64 bits computed lane by lane; a wide exchange (warp_exchange: the tensor-core twins of
+// kernel/mma.cuh) deposits up to kLaneInBytes per lane and gets up to kLaneOutBytes, computed for
+// the whole warp in one call (an mma is one 16x8 product, not 32 separate ones).
 struct Warp;
 using WarpCompute = std::uint64_t (*)(const Warp&, unsigned int lane);
 using WarpComputeAll = void (*)(Warp&);
