@@ -135,20 +135,26 @@ def test_cp_async_copies_16_bytes_a_thread_into_shared_memory(runner):
     assert np.array_equal(out.reshape(64, 16), np.roll(src.reshape(64, 16), -1, axis=0))
 
 
+def _cp_async_read_twice(mod, kernel: str, threads: int, seed: int):
+    """(64 source chunks of 16 bytes, none 0xff; the 2 x 64 chunks ``kernel`` read back: before
+    and after its wait) on the emulator."""
+    from helpers.mma import CP_PARAMS
+
+    runner = EmulatorRunner(mod)
+    src = np.random.default_rng(seed).integers(0, 255, 64 * 16, dtype=np.uint8)  # no 0xff byte
+    bufs = [runner.buffer(v) for v in (src, np.zeros(2 * 64 * 16, np.uint8))]
+    runner.launch(kernel, 1, threads,
+                  struct(CP_PARAMS, src=runner.ptr(bufs[0]), out=runner.ptr(bufs[1]), chunks=64,
+                         offset=0))
+    return src, runner.read(bufs[1])
+
+
 def test_cp_async_twin_lands_a_copy_at_the_wait_not_before(mod):
     """The emulator's cp.async (cuda_cpu_mma.h): a thread reading its own chunk after the
     issue and before cp_async_wait sees 0xff bytes (NaN as bf16 and fp32), not the source, so a
     kernel that reads a tile before its wait shows it in its numbers; after the wait, the
     source's bytes. (A GPU's copy may land early; the twin takes the latest the ISA allows.)"""
-    from helpers.mma import CP_PARAMS
-
-    runner = EmulatorRunner(mod)
-    src = np.random.default_rng(3).integers(0, 255, 64 * 16, dtype=np.uint8)  # no 0xff byte
-    bufs = [runner.buffer(v) for v in (src, np.zeros(2 * 64 * 16, np.uint8))]
-    runner.launch("cp_async_before_wait", 1, 32,
-                  struct(CP_PARAMS, src=runner.ptr(bufs[0]), out=runner.ptr(bufs[1]), chunks=64,
-                         offset=0))
-    out = runner.read(bufs[1])
+    src, out = _cp_async_read_twice(mod, "cp_async_before_wait", 32, seed=3)
     assert (out[:64 * 16] == 0xff).all()
     assert np.array_equal(out[64 * 16:], src)
 
@@ -158,15 +164,7 @@ def test_cp_async_wait_group_lands_all_but_the_newest_groups(mod):
     threads copy 4 rounds of their own chunks, committing the first three as groups; after
     wait_group 1 the first two groups' chunks (0-31) are the source's, the newest group's
     (32-47) and the uncommitted round's (48-63) not yet (0xff); after cp_async_wait, all."""
-    from helpers.mma import CP_PARAMS
-
-    runner = EmulatorRunner(mod)
-    src = np.random.default_rng(4).integers(0, 255, 64 * 16, dtype=np.uint8)  # no 0xff byte
-    bufs = [runner.buffer(v) for v in (src, np.zeros(2 * 64 * 16, np.uint8))]
-    runner.launch("cp_async_groups", 1, 16,
-                  struct(CP_PARAMS, src=runner.ptr(bufs[0]), out=runner.ptr(bufs[1]), chunks=64,
-                         offset=0))
-    out = runner.read(bufs[1])
+    src, out = _cp_async_read_twice(mod, "cp_async_groups", 16, seed=4)
     assert np.array_equal(out[:32 * 16], src[:32 * 16])
     assert (out[32 * 16:64 * 16] == 0xff).all()
     assert np.array_equal(out[64 * 16:], src)
