@@ -655,7 +655,7 @@ def test_mma_l2_overlap_moves_a_mat_muls_l2_reads_beside_its_mma_and_loses_none(
     built = cm.design_for(prog, tensor_cores=True)
     over = built.replace(mma_l2_overlap=True)
     assert cm.design("v6-mma-overlap") == cm.DESIGNS["v6-mma-tiles"].replace(
-        name="v6-mma-overlap", mma_l2_overlap=True)
+        name="v6-mma-overlap", mma_l2_overlap=True, mma_rows_l2_overlap=True)
     assert not built.mma_l2_overlap
     l2_share = g.l2_bw / g.sms
     batches = _batches(prog, shape.max_context, shape)
@@ -680,3 +680,57 @@ def test_mma_l2_overlap_moves_a_mat_muls_l2_reads_beside_its_mma_and_loses_none(
         assert np.array_equal(getattr(pa, f), getattr(pb, f)), f
     slow, fast = (cm.predict(prog, g, d, shape=shape).step_us for d in (built, over))
     assert fast < 0.8 * slow, (fast, slow)
+
+
+def test_the_ring_moves_only_block_mma_rows_reads_beside_its_mma():
+    """v6-mma-ring (mma_rows_l2_overlap, megakernel.cu block_mma_rows' cp.async ring): an
+    instruction's L2 reads move beside its mma exactly as mma_l2_overlap moves them where its
+    passes split the rows, the kernel's test (block_mma: a member's tokens above
+    isa.MMA_ROWS_SPLIT_ABOVE, its k, K / slices, at most MMA_ROWS_SPLIT_MAX_K), and nowhere
+    else (block_mma's k split loads a round into registers): Llama's chunk of 256 moves every
+    O_PROJ and GATE_UP instruction, some of QKV's, none of DOWN's (members of 32 tokens); a
+    step of 32 tokens moves nothing; the chunk step is faster."""
+    from monokernel.kernel.costmodel.simulate import _batches
+    from monokernel.kernel.isa import MMA_ROWS_SPLIT_ABOVE, MMA_ROWS_SPLIT_MAX_K
+    from monokernel.kernel.ops import down, gate_up, o_proj, qkv
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    cfg = ModelConfig.from_name("llama-3.2-1b")
+    splits, min_chunk = tensor_core_splits(cfg, 132, 2048)
+    prog = schedule(cfg, 132, 2048, splits, min_chunk, merge_ticket_min=1, tokens=256,
+                    token_groups=True, tensor_cores=True)
+    g = cm.gpu("h200")
+    built = cm.design_for(prog, tensor_cores=True)
+    ring, over = (built.replace(mma_rows_l2_overlap=True), built.replace(mma_l2_overlap=True))
+    assert cm.design("v6-mma-ring") == cm.DESIGNS["v6-mma-tiles"].replace(
+        name="v6-mma-ring", mma_rows_l2_overlap=True)
+    K = {Op.RMS_QKV_ROPE: cfg.hidden_size, Op.O_PROJ_RESIDUAL: cfg.q_dim,
+         Op.RMS_GATE_UP: cfg.hidden_size, Op.DOWN_RESIDUAL: cfg.intermediate_size}
+    moved = {}
+    for T in (256, 32):
+        shape = StepShape.chunk(512, T, False)
+        batches = _batches(prog, shape.max_context, shape)
+        for op, mod in ((Op.RMS_QKV_ROPE, qkv), (Op.O_PROJ_RESIDUAL, o_proj),
+                        (Op.RMS_GATE_UP, gate_up), (Op.DOWN_RESIDUAL, down)):
+            _, batch = batches[op]
+            a, r, b = (mod.cost(batch, g, d) for d in (built, ring, over))
+            for i, ins in enumerate(batch.instructions):
+                grp, split = getattr(ins, "group", None), getattr(ins, "split", None)
+                shares = grp is not None and grp.members > 1 and T >= grp.min_tokens
+                tokens = -(-T // grp.members) if shares else T
+                k = K[op] // (split.slices if split is not None else 1)
+                rows_split = tokens > MMA_ROWS_SPLIT_ABOVE and k <= MMA_ROWS_SPLIT_MAX_K
+                want = b if rows_split else a
+                for f in ("other_us", "compute", "rounds", "stream_bytes"):
+                    assert np.isclose(np.asarray(getattr(r, f))[i],
+                                      np.asarray(getattr(want, f))[i]), (T, op, i, f)
+                moved[T, op] = moved.get((T, op), 0) + rows_split
+            if T == 32 or op == Op.DOWN_RESIDUAL:
+                assert moved[T, op] == 0, (T, op)
+            elif op != Op.RMS_QKV_ROPE:
+                assert moved[T, op] == len(batch.instructions), (T, op)
+    assert 0 < moved[256, Op.RMS_QKV_ROPE] < moved[256, Op.RMS_GATE_UP], moved
+    shape = StepShape.chunk(512, 256, False)
+    slow, fast = (cm.predict(prog, g, d, shape=shape).step_us for d in (built, ring))
+    assert fast < 0.9 * slow, (fast, slow)

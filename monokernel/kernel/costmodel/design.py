@@ -182,6 +182,10 @@ class KernelDesign:
     # built): they are loads into registers of a round its mma then waits on, charged after
     # the stream (tokens.widen_matmul)
     mma_l2_overlap: bool = False
+    # ... block_mma_rows' alone (megakernel.cu: its weights through a per-lane cp.async ring of
+    # isa.MMA_RING rounds, MMA_RING - 1 in flight during a round's mma; block_mma's k split
+    # loads a round into registers): the slower of its mma and its bytes at the L2 share
+    mma_rows_l2_overlap: bool = False
     # the RMS ops (QKV, GATE_UP, the LM head) whose block's share of a step is at most this
     # many rows stage their normed bf16 inputs in shared memory (megakernel.cu mma_rms: each
     # row read from L2 once, for its sum of squares, then again from L1 by the same warp to
@@ -401,16 +405,20 @@ V6_MMA_TILES = V6_MMA_PIPE.replace(name="v6-mma-tiles", attn_tile_pipeline=True,
 # ops/attention.py _warp_unit; benchmarks/NOTES.md "Decode units a warp each").
 V6_MMA_WARP = V6_MMA_TILES.replace(name="v6-mma-warp-units", attn_units_in_flight=8,
                                    attn_warp_unit_positions=32)
-# V6-MMA-OVERLAP (PREDICTED, not built): the built design with each mat-mul's L2 reads beside
-# its mma (mma_l2_overlap; benchmarks/NOTES.md "A mat-mul's L2 reads beside its mma").
-V6_MMA_OVERLAP = V6_MMA_TILES.replace(name="v6-mma-overlap", mma_l2_overlap=True)
+# V6-MMA-RING (PREDICTED, not built): v6-mma-tiles with block_mma_rows' weights through a
+# cp.async ring, its L2 reads beside its mma (mma_rows_l2_overlap; benchmarks/NOTES.md "The ring
+# in block_mma_rows").
+V6_MMA_RING = V6_MMA_TILES.replace(name="v6-mma-ring", mma_rows_l2_overlap=True)
+# V6-MMA-OVERLAP (PREDICTED, not built): ... and block_mma's too, every mat-mul's L2 reads
+# beside its mma (mma_l2_overlap; benchmarks/NOTES.md "A mat-mul's L2 reads beside its mma").
+V6_MMA_OVERLAP = V6_MMA_RING.replace(name="v6-mma-overlap", mma_l2_overlap=True)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg", "v6-mma-tiles")
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
                                     "v6-mma-pipe": V6_MMA_PIPE, "v6-mma-tiles": V6_MMA_TILES,
-                                    "v6-mma-warp-units": V6_MMA_WARP,
+                                    "v6-mma-warp-units": V6_MMA_WARP, "v6-mma-ring": V6_MMA_RING,
                                     "v6-mma-overlap": V6_MMA_OVERLAP,
                                     "v7": V7, "v7-rows": V7_ROWS,
                                     "v8": V8, "v8-cluster": V8_CLUSTER}

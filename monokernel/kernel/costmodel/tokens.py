@@ -285,11 +285,14 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
     if sliced > 1:  # the sum stores residual_in in its own loop: 2 bytes an output, no pass
         copy_rounds, copy_bytes = 0, 2.0
     epilogue = epilogue + busy * T * rows * copy_bytes / (g.l2_bw / g.sms)
-    reads = busy * (t_in + t_w) + t_again  # its L2 reads: after the stream, as built
-    if d.mma_l2_overlap:  # beside the mma, with the stream's bytes through the same L2 share
-        compute = np.maximum(compute, reads + np.asarray(ph.stream_bytes, np.float64)
-                             / (g.l2_bw / g.sms))
-        reads = 0.0
+    reads = busy * (t_in + t_w) + t_again  # its L2 reads: after the stream (loads a round)
+    # ... or beside the mma, with the stream's bytes through the same L2 share (a ring)
+    ring = d.mma_l2_overlap | (d.mma_rows_l2_overlap & rows_split(k / s, mm_tokens, d))
+    if np.any(ring):
+        compute = np.where(ring, np.maximum(compute, reads + np.asarray(ph.stream_bytes,
+                                                                        np.float64)
+                                            / (g.l2_bw / g.sms)), compute)
+        reads = np.where(ring, 0.0, reads)
     return Phases(ph.l2_trips + busy * copy_rounds, ph.hbm_trips,
                   ph.other_us + reads + busy * t_red + epilogue,
                   np.maximum(ph.rounds, rounds), ph.stream_bytes, ph.prefetch_bytes, ph.early, ph.issue,
@@ -316,8 +319,7 @@ def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = Fal
     if not d.mma_token_tiles:
         return np.zeros_like(rows), np.zeros_like(rows)
     chunks = -(-int(k) // MMA_KC)
-    split = d.mma_rows_split_above > 0 and k <= d.mma_rows_split_max_k
-    by_rows = (tokens > d.mma_rows_split_above) if split else np.zeros(len(rows), bool)
+    by_rows = rows_split(k, tokens, d) & np.ones(len(rows), bool)
     per_pass = np.where(by_rows, 8 * d.mma_rows_split_tiles, 8 * d.mma_token_tiles)
     pass_rows = np.where(by_rows, 16 * d.warps, d.mma_pass_rows)
     walk = np.where(by_rows, rows_walk(chunks, d.warps, d.mma_rows_split_unroll),
@@ -335,9 +337,18 @@ def _passes(rows, k: float, tokens, g, d, in_bytes: int, local_input: bool = Fal
         reads = reads + (tokens * unstaged * k * in_bytes > d.l1_input_bytes)
     inputs = reads * tokens * unstaged * k * in_bytes * levers.flag_factor(d) \
         / levers.input_rate(g, d)
-    rounds = np.where(split & by_rows, row_passes * token_passes * walk, 0.0)
+    rounds = np.where(by_rows, row_passes * token_passes * walk, 0.0)
     busy = rows > 0
     return np.where(busy, weights + inputs, 0.0), np.where(busy, rounds, 0.0)
+
+
+def rows_split(k: float, tokens, d) -> np.ndarray:
+    """Whether block_mma's passes over ``k`` input columns and ``tokens`` tokens (an array:
+    each instruction's) split the rows over the warps (block_mma_rows: a step of more than
+    ``mma_rows_split_above`` tokens, k at most ``mma_rows_split_max_k``)."""
+    split = d.mma_rows_split_above > 0 and k <= d.mma_rows_split_max_k
+    return np.asarray(tokens) > d.mma_rows_split_above if split \
+        else np.zeros(np.shape(tokens), bool)
 
 
 def rows_walk(chunks: int, warps: int, unroll: int) -> int:
