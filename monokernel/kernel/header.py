@@ -136,11 +136,13 @@ def residual_in_epilogue(cfg: ModelConfig) -> bool:
 
 
 def row_split_sums_bytes(tokens: int) -> int:
-    """block_mma_rows' sums at the start of dynamic shared memory (a kernel of steps of more
-    than isa.MMA_ROWS_SPLIT_ABOVE tokens): [token tiles][warps][16][8] fp32; 0 otherwise."""
+    """block_mma_rows' shared memory at the start of dynamic shared memory (a kernel of steps
+    of more than isa.MMA_ROWS_SPLIT_ABOVE tokens): its sums [token tiles][warps][16][8] fp32,
+    then its ring [isa.MMA_RING][MMA_ROWS_UNROLL][2][threads] of 16 bytes; 0 otherwise."""
     if tokens <= isa.MMA_ROWS_SPLIT_ABOVE:
         return 0
-    return min(isa.MMA_RT, -(-tokens // 8)) * NUM_THREADS // 32 * 16 * 8 * 4
+    sums = min(isa.MMA_RT, -(-tokens // 8)) * NUM_THREADS // 32 * 16 * 8 * 4
+    return sums + isa.MMA_RING * isa.MMA_ROWS_UNROLL * 2 * NUM_THREADS * 16
 
 
 def rms_stage_ld(hidden: int) -> int:

@@ -302,6 +302,9 @@ MMA_ROWS_SPLIT_ABOVE = 32
 MMA_ROWS_SPLIT_MAX_K = 2048
 MMA_RT = 8
 MMA_ROWS_UNROLL = 2
+# rounds of a warp's weight chunks block_mma_rows keeps in a ring of shared memory a lane its
+# own (cp.async, a group a round): this many - 1 in flight while it multiplies one
+MMA_RING = 3
 # the RMS ops stage a block's share of a step of up to this many rows in shared memory (a
 # prompt chunk of 128 in token groups of two, the LM head of 64 sequences; header.rms_stage_rows)
 RMS_STAGE_MAX_ROWS = 64
@@ -310,7 +313,7 @@ RMS_STAGE_MAX_ROWS = 64
 # half the warps, the SM's 4 tensor cores busy (benchmarks/NOTES.md: 8 and 16 predicted slower).
 ROW_PART_MTILES = 4
 MMA_CONSTANTS = ("MMA_KC", "MMA_RG", "MMA_UNROLL", "MMA_NT", "MMA_ROWS_SPLIT_ABOVE",
-                 "MMA_ROWS_SPLIT_MAX_K", "MMA_RT", "MMA_ROWS_UNROLL", "ROW_PART_MTILES")
+                 "MMA_ROWS_SPLIT_MAX_K", "MMA_RT", "MMA_ROWS_UNROLL", "MMA_RING", "ROW_PART_MTILES")
 
 
 def row_shape(n: int) -> tuple[int, int, int]:

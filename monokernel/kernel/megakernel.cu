@@ -493,13 +493,19 @@ __device__ __forceinline__ void mma_tiles(float (&acc)[NT][4], const uint4 (&a)[
 // bit, but a block reads its weight tile once per 64 tokens and the pass's inputs once per
 // NWARPS row groups. The sums live in dynamic shared memory (registers: the megakernel
 // spilled), each lane's own words until the epilogue. A warp walks every chunk of k (C /
-// MMA_ROWS_UNROLL dependent rounds), so long k (DOWN's) and small steps keep the k split.
+// MMA_ROWS_UNROLL rounds, their weights copied MMA_RING - 1 rounds ahead into a cp.async ring
+// after the sums), so long k (DOWN's) and small steps keep the k split.
 #define MMA_ROWS_SPLIT_ABOVE MK_MMA_ROWS_SPLIT_ABOVE  // isa.MMA_ROWS_SPLIT_ABOVE
 #define MMA_ROWS_SPLIT_MAX_K MK_MMA_ROWS_SPLIT_MAX_K  // isa.MMA_ROWS_SPLIT_MAX_K
 #define MMA_RT cmin(MK_MMA_RT, (MK_T_MAX + 7) / 8)    // isa.MMA_RT: token tiles a pass
 #define MMA_ROWS_UNROLL MK_MMA_ROWS_UNROLL  // isa.MMA_ROWS_UNROLL: chunks' weights loaded at once
+#define MMA_RING MK_MMA_RING  // isa.MMA_RING: rounds in a lane's ring (MMA_RING - 1 in flight)
+#define MMA_SUMS_BYTES (MMA_RT * NWARPS * 16 * 8 * 4)
 #if MK_MMA && MK_T_MAX > MMA_ROWS_SPLIT_ABOVE
-static_assert(MK_DYN_SMEM >= MMA_RT * NWARPS * 16 * 8 * 4, "block_mma_rows' sums");
+static_assert(MK_DYN_SMEM >= MMA_SUMS_BYTES + MMA_RING * MMA_ROWS_UNROLL * 2 * MK_THREADS * 16,
+              "block_mma_rows' sums and ring");
+static_assert(MK_RMS_STAGE_AT >= MMA_SUMS_BYTES + MMA_RING * MMA_ROWS_UNROLL * 2 * MK_THREADS * 16,
+              "the staged rows over block_mma_rows' ring");
 #endif
 
 template <int K, class RowPtr, class LoadX, class Epi>
@@ -508,6 +514,11 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   // the pass's sums: [token tile][row group of the pass][16][8]
   float (*sums)[NWARPS][16][8] = static_cast<float (*)[NWARPS][16][8]>(dynamic_smem());
+  // the ring: [MMA_RING][MMA_ROWS_UNROLL][2][threads] 16 bytes, each a lane's own (cp.async by
+  // the lane, read by the lane after its wait: no barrier), MMA_RING - 1 rounds in flight while
+  // one is multiplied, so the weights' L2 and HBM reads run beside the mma
+  uint4* const ring =
+      reinterpret_cast<uint4*>(static_cast<char*>(dynamic_smem()) + MMA_SUMS_BYTES) + threadIdx.x;
   __syncthreads();  // the op before (attention's tiles) is done with dynamic shared memory
   for (int tb0 = 0; tb0 < ntok; tb0 += 8 * NT) {
     const int nt = min(NT, (ntok - tb0 + 7) / 8);  // the pass's token tiles (warp-uniform)
@@ -535,23 +546,40 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
         for (int j = 0; j < NT; ++j)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
-        for (int c0 = c_begin; c0 < c_end; c0 += MMA_ROWS_UNROLL) {
-          uint4 a[MMA_ROWS_UNROLL][2];  // the chunks' weights first (the stream in flight)
+        // the range's round c (its chunks c0 = c_begin + c MMA_ROWS_UNROLL ...) into ring slot
+        // c mod MMA_RING, a cp.async group (empty past the range)
+        const auto issue = [&](int c0, int slot) {
 #pragma unroll
           for (int u = 0; u < MMA_ROWS_UNROLL; ++u) {
             const int col = (c0 + u) * MMA_KC + 8 * t;
-            const bool ok = c0 + u < c_end && col < K;
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-              a[u][h] = ok && w[h] ? __ldg(reinterpret_cast<const uint4*>(w[h] + col))
-                                   : make_uint4(0u, 0u, 0u, 0u);
+              if (c0 + u < c_end && col < K && w[h])
+                cp_async_16(ring + ((slot * MMA_ROWS_UNROLL + u) * 2 + h) * MK_THREADS, w[h] + col);
           }
+          cp_async_commit();
+        };
 #pragma unroll
-          for (int u = 0; u < MMA_ROWS_UNROLL; ++u) {  // then each chunk's inputs (L1: every
-            const int col = (c0 + u) * MMA_KC + 8 * t;  // warp of the block reads them)
+        for (int c = 0; c + 1 < MMA_RING; ++c) issue(c_begin + c * MMA_ROWS_UNROLL, c);
+        int slot = 0;  // this round's
+        for (int c0 = c_begin; c0 < c_end; c0 += MMA_ROWS_UNROLL) {
+          // MMA_RING - 1 rounds ahead, then this round's copies landed
+          issue(c0 + (MMA_RING - 1) * MMA_ROWS_UNROLL, slot == 0 ? MMA_RING - 1 : slot - 1);
+          cp_async_wait_group<MMA_RING - 1>();
+          const int take = slot;
+          slot = slot + 1 == MMA_RING ? 0 : slot + 1;
+#pragma unroll
+          for (int u = 0; u < MMA_ROWS_UNROLL; ++u) {  // each chunk: its inputs (L1: every warp
+            const int col = (c0 + u) * MMA_KC + 8 * t;  // of the block reads them), then its
+            const bool ok = c0 + u < c_end && col < K;  // weights from the lane's ring slot
             unsigned x[NT][4];
-            mma_load_tiles<NT>(load_x, tb0, nt, ntok, col, c0 + u < c_end && col < K, x);
-            mma_tiles<NT>(acc, a[u], x, nt);
+            mma_load_tiles<NT>(load_x, tb0, nt, ntok, col, ok, x);
+            uint4 a[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              a[h] = ok && w[h] ? ring[((take * MMA_ROWS_UNROLL + u) * 2 + h) * MK_THREADS]
+                                : make_uint4(0u, 0u, 0u, 0u);
+            mma_tiles<NT>(acc, a, x, nt);
           }
         }
 #pragma unroll
@@ -886,10 +914,13 @@ __device__ void record_error(const Params& P, int code, int instr, int op, int c
 }
 
 // Returns false when the launch is being aborted (this or another block hit an error).
+// watchdog_ms: the state word S_WATCHDOG_MS, read by the caller from shared memory (a deadline
+// held in registers through every op spilled Qwen3's tensor-core megakernel).
 __device__ bool wait_counter(const Params& P, int counter, int target, int instr, int op,
-                             long long deadline_ns) {
+                             int watchdog_ms) {
   __shared__ int s_ok;
   if (threadIdx.x == 0) {
+    const long long deadline_ns = (long long)watchdog_ms * 1000000LL;
     int ok = 1;
     int seen = load_acquire(&P.counters[counter]);
     if (seen < target) {
@@ -2558,7 +2589,7 @@ __device__ void slice_mma(const Params& P, OpShared& s, const int* ins, const in
   const int counter = ins[W_SIGNAL_COUNTER] + 1 + blockIdx.x / members;
   signal_counter(P, counter);  // (its barrier: every thread's partials are issued)
   if (!wait_counter(P, counter, members * (st[S_STEP] + 1), instr, ins[W_OP],
-                    (long long)st[S_WATCHDOG_MS] * 1000000LL))
+                    st[S_WATCHDOG_MS]))
     return;
   const int x0 = ins[W_TILE_BEGIN], w = ins[W_TILE_END] - x0;
   for (int x = threadIdx.x; x < w * ntok; x += MK_THREADS) {
@@ -3196,16 +3227,17 @@ __device__ void fetch_first(const Params& P, OpShared& s, int len, int begin, in
 // this launch (the word ring's position), advanced by every instruction.
 template <int ONLY>
 __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin, int end,
-                         long long deadline_ns, int& n) {
-  const int len = st[S_PROGRAM_LEN];
-  const int target_scale = st[S_STEP] + 1;  // counters are monotonic across steps
+                         int& n) {
+  // the program's length and the step are read from the state words (shared memory) where
+  // used, not held in registers through every op (with them, and the program's address they
+  // give, Qwen3's tensor-core megakernel spilled)
   for (int i = begin; i < end; ++i, ++n) {
     int w[MK_WIDTH];
 #pragma unroll
     for (int k = 0; k < MK_WIDTH; ++k) w[k] = s.words[n % 3][k];
     // the words of the instruction after the next: in flight during this one
     const int later = threadIdx.x < MK_WIDTH
-        ? program_word(P, len, slot_ahead(i, 2, begin, end), threadIdx.x) : 0;
+        ? program_word(P, st[S_PROGRAM_LEN], slot_ahead(i, 2, begin, end), threadIdx.x) : 0;
     int* later_slot = s.words[(n + 2) % 3];
     const int op = w[W_OP];
     if (op == OP_NOOP) {
@@ -3214,7 +3246,8 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
       continue;
     }
 #ifdef MK_TRACE
-    unsigned long long* tr = P.trace + ((size_t)blockIdx.x * len + i) * MK_TRACE_WORDS;
+    unsigned long long* tr =
+        P.trace + ((size_t)blockIdx.x * st[S_PROGRAM_LEN] + i) * MK_TRACE_WORDS;
     if (threadIdx.x == 0) {
       tr[T_START] = global_timer_ns();
       tr[T_START_CLK] = clock64();
@@ -3234,8 +3267,9 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
     else if (op == OP_RMS_LM_HEAD) rms_load_weights(P.final_norm, g);
     // the host's stop flag for the block that will end the step: its PCIe trip under the wait
     const int host_stop = op == OP_RMS_LM_HEAD && threadIdx.x == 0 ? lm_head_host_stop(P, w) : 0;
-    if (w[W_WAIT_COUNTER] >= 0 &&
-        !wait_counter(P, w[W_WAIT_COUNTER], w[W_WAIT_COUNT] * target_scale, i, op, deadline_ns))
+    if (w[W_WAIT_COUNTER] >= 0 &&  // (counters are monotonic across steps)
+        !wait_counter(P, w[W_WAIT_COUNTER], w[W_WAIT_COUNT] * (st[S_STEP] + 1), i, op,
+                      st[S_WATCHDOG_MS]))
       return false;
 #ifdef MK_TRACE
     if (threadIdx.x == 0) {
@@ -3304,17 +3338,16 @@ __device__ void run_instructions(const Params& P, int begin, int end) {
   __shared__ int st[ST_WORDS];
   const int steps = ONLY == OP_NOOP ? max(P.state[S_STEPS], 1) : 1;
   load_state(P, st, steps);
-  const long long deadline_ns = (long long)st[S_WATCHDOG_MS] * 1000000LL;
   if (end <= begin) return;
   fetch_first(P, s, st[S_PROGRAM_LEN], begin, end);
   int n = 0;  // instructions run (the word ring's position)
   for (;;) {
     // the steps left are read from the state words (shared memory), not held in a register
     // through every op (Qwen3's tensor-core megakernel spilled it)
-    if (!run_step<ONLY>(P, s, st, begin, end, deadline_ns, n) || st[S_STEPS] <= 1) return;
+    if (!run_step<ONLY>(P, s, st, begin, end, n) || st[S_STEPS] <= 1) return;
     const int left = st[S_STEPS] - 1;  // read before wait_counter's barrier, load_state's write
     if (!wait_counter(P, st[S_STEP_COUNTER], st[S_STEP] + 1, st[S_PROGRAM_LEN], OP_NOOP,
-                      deadline_ns))
+                      st[S_WATCHDOG_MS]))
       return;
     load_state(P, st, left);
     if (!st[S_RUN]) return;

@@ -274,6 +274,16 @@ if sys.argv[2] == "past":  # the walk's prefetch 16 rows on: past the last row g
         return src.replace(OLD, "if (w[h]) prefetch_line(w[h] + c + 16 * K);")
 
     executor.kernel_source = mutated
+if sys.argv[2] == "ring-past":  # the cp.async ring from dynamic shared memory's end on
+    OLD = "+ MMA_SUMS_BYTES) + threadIdx.x;"
+    real = executor.kernel_source
+
+    def mutated(*a, **k):
+        src = real(*a, **k)
+        assert src.count(OLD) == 1, "block_mma_rows' ring is not where this test expects"
+        return src.replace(OLD, "+ MK_DYN_SMEM) + threadIdx.x;")
+
+    executor.kernel_source = mutated
 # 2 blocks in row tiles, a step of 34 rows (two prompts of 17): every mat-mul and the LM head
 # split their rows over the warps (block_mma_rows), whose walk prefetches its next k range
 N, BLOCKS = 17, 2
@@ -309,9 +319,10 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_row_split_walk_prefetch_under_address_sanitizer(synth_dir):
     """block_mma_rows' walk prefetches each next k range of its row group's rows (the design's
-    mma_rows_prefetch; the emulator's prefetch reads a byte of the line): a step of 34 rows on
-    2 blocks in row tiles, every mat-mul and the LM head in the row split, under ASan: no
-    report, the reference's logits."""
+    mma_rows_prefetch; the emulator's prefetch reads a byte of the line) and copies its
+    weights through a cp.async ring after its sums in dynamic shared memory: a step of 34
+    rows on 2 blocks in row tiles, every mat-mul and the LM head in the row split, under ASan:
+    no report, the reference's logits."""
     proc = _run(ROW_SPLIT_SCRIPT, str(synth_dir("llama3-tiny")), "full")
     assert "AddressSanitizer" not in proc.stderr and proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.startswith("ok"), proc.stdout
@@ -326,3 +337,14 @@ def test_negative_control_row_split_prefetch_past_the_rows(synth_dir):
     assert "AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-3000:]
     assert "prefetch_line" in proc.stderr and "block_mma_rows" in proc.stderr, \
         proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_negative_control_row_split_ring_past_dynamic_shared_memory(synth_dir):
+    """The same step with block_mma_rows' cp.async ring placed at the end of dynamic shared
+    memory instead of after its sums: every copy lands past the block's dynamic shared
+    memory, which ASan must report in the cp.async twin under block_mma_rows."""
+    proc = _run(ROW_SPLIT_SCRIPT, str(synth_dir("llama3-tiny")), "ring-past")
+    assert proc.returncode != 0 and "ok" not in proc.stdout
+    assert "AddressSanitizer" in proc.stderr, proc.stderr[-3000:]
+    assert "cp_async" in proc.stderr and "block_mma_rows" in proc.stderr, proc.stderr[-3000:]

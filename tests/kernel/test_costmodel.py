@@ -52,10 +52,11 @@ def test_design_for_is_the_kernel_as_built():
     # (MK_ATTN_PIPE: header.attn_pipeline)
     mma = cm.design_for(prog, tensor_cores=True)
     assert not prog.config.qk_norm
-    assert mma is cm.DESIGNS["v6-mma-tiles"] and mma.tensor_cores and mma.token_loop
-    assert mma == cm.DESIGNS["v6-mma-seg"].replace(name="v6-mma-tiles", attn_unit_pipeline=True,
+    assert mma is cm.DESIGNS["v6-mma-ring"] and mma.tensor_cores and mma.token_loop
+    assert mma == cm.DESIGNS["v6-mma-seg"].replace(name="v6-mma-ring", attn_unit_pipeline=True,
                                                    attn_tile_pipeline=True,
-                                                   residual_copy_epilogue=True)
+                                                   residual_copy_epilogue=True,
+                                                   mma_rows_l2_overlap=True)
     assert mma.attn_segments and mma.attn_stage_async
     assert mma.replace(name="v6-mma", attn_segments=False, attn_stage_async=False,
                        mma_token_tiles=1, mma_rows_split_above=0,
@@ -64,12 +65,14 @@ def test_design_for_is_the_kernel_as_built():
                        residual_copy_pass=False, attn_stage_first=False,
                        attn_unit_pipeline=False, attn_tile_pipeline=False,
                        residual_copy_epilogue=False,
-                       mma_rows_prefetch=False,
+                       mma_rows_prefetch=False, mma_rows_l2_overlap=False,
                        rms_stage_partial=False) == cm.DESIGNS["v6-mma"]
     # the row split's walk prefetches its next k range (megakernel.cu block_mma_rows); mma_rms
     # stages a share's first rows where the whole does not fit
     assert mma.mma_rows_prefetch and not cm.DESIGNS["v6-mma"].mma_rows_prefetch
     assert mma.rms_stage_partial and not cm.DESIGNS["v6-mma"].rms_stage_partial
+    # block_mma_rows' weights through its cp.async ring (isa.MMA_RING), block_mma's not
+    assert mma.mma_rows_l2_overlap and not mma.mma_l2_overlap
     # block_mma's and block_mma_rows' constants: isa.py's, as the header renders them for
     # megakernel.cu (which defines none of its own) and as the built design reads them
     import re
@@ -99,9 +102,9 @@ def test_design_for_is_the_kernel_as_built():
     # head_dim 128: pipelined too, in tiles of 64 (header.segment_tile); residual_in stored
     # in a pass after O_PROJ's and DOWN's unsliced mat-mul (header.residual_in_epilogue: in the
     # epilogue it spills)
-    assert cm.design_for(late, tensor_cores=True) == cm.DESIGNS["v6-mma-tiles"].replace(
+    assert cm.design_for(late, tensor_cores=True) == cm.DESIGNS["v6-mma-ring"].replace(
         residual_copy_epilogue=False)
-    assert cm.BUILT_MMA == ("v6-mma-seg", "v6-mma-tiles")
+    assert cm.BUILT_MMA == ("v6-mma-seg", "v6-mma-ring")
     # v7 and v8 (issue 17's steps of many tokens and its levers) are predicted only: no backend
     # implements them yet
     assert not any(getattr(cm.V6, k) for k in ("tensor_cores", "tile_2d", "attn_tensor_cores",

@@ -750,8 +750,8 @@ _ROW_SPLIT_SUMS = "      __syncthreads();\n      for (int j = 0; j < nt; ++j)\n"
 def test_strict_tsan_row_split_mat_muls_no_race_match_the_reference(tiny):
     """block_mma_rows (a step of 34 rows on 2 blocks in row tiles: every mat-mul splits its
     rows over the warps): the sums in dynamic shared memory, each lane's own until the
-    epilogue's barrier, race-free; every row's logits the bf16-inputs reference's
-    (test_tensor_cores.py's tolerance)."""
+    epilogue's barrier, and the cp.async ring of its weights, each lane's own slots, race-free;
+    every row's logits the bf16-inputs reference's (test_tensor_cores.py's tolerance)."""
     ex = row_split_executor(tiny)
     assert ex.source.count(_ROW_SPLIT_SUMS) == 1
     _, logits, report = run_strict(ex, [], table=row_split_step(ex))
@@ -779,6 +779,24 @@ def test_negative_control_row_split_sums_without_their_barrier_are_reported(tiny
             _ROW_SPLIT_SUMS, "      for (int j = 0; j < nt; ++j)\n"))
     assert re.search(r"block_mma_rows|mma_add_rows|qkv_store|op_rms|op_down|op_o_proj",
                      info.value.report), info.value.report[:4000]
+
+
+_RING_LANE = "+ MMA_SUMS_BYTES) + threadIdx.x;"
+
+
+@pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
+@needs_tsan
+def test_negative_control_a_ring_slot_shared_by_a_warps_lanes_is_reported(tiny):
+    """block_mma_rows' cp.async ring with each warp's 32 lanes copying into one slot (the
+    ring's lane offset dropped): every lane's 16 bytes land where its warp's other lanes land
+    and read theirs, with nothing ordering them. TSan must see it (the ring as built, each
+    lane its own slot, is race-free: test_strict_tsan_row_split_mat_muls_no_race_...)."""
+    ex = row_split_executor(tiny)
+    assert ex.source.count(_RING_LANE) == 1
+    with pytest.raises(DataRaceError) as info:
+        run_strict(ex, [], table=row_split_step(ex), source=ex.source.replace(
+            _RING_LANE, "+ MMA_SUMS_BYTES) + (threadIdx.x & ~31);"))
+    assert re.search(r"block_mma_rows|cp_async", info.value.report), info.value.report[:4000]
 
 
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast

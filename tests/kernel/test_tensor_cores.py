@@ -456,7 +456,7 @@ def test_staged_rows_fit_and_load_without_bank_conflicts():
         banks = {(g * ld + 16 * t) % 128 // 4 + w for g in (0, 1) for t in range(4)
                  for w in range(4)}
         assert banks == set(range(32)), hidden
-    want = {"smollm2-135m": 64, "qwen3-0.6b": 64, "llama-3.2-1b": 33}
+    want = {"smollm2-135m": 64, "qwen3-0.6b": 42, "llama-3.2-1b": 21}  # beside the ring too
     for name, rows in want.items():
         cfg = ModelConfig.from_name(name)
         for tokens in (64, MAX_STEP_TOKENS):

@@ -405,7 +405,7 @@ V6_MMA_TILES = V6_MMA_PIPE.replace(name="v6-mma-tiles", attn_tile_pipeline=True,
 # ops/attention.py _warp_unit; benchmarks/NOTES.md "Decode units a warp each").
 V6_MMA_WARP = V6_MMA_TILES.replace(name="v6-mma-warp-units", attn_units_in_flight=8,
                                    attn_warp_unit_positions=32)
-# V6-MMA-RING (PREDICTED, not built): v6-mma-tiles with block_mma_rows' weights through a
+# V6-MMA-RING (as built: design_for): v6-mma-tiles with block_mma_rows' weights through a
 # cp.async ring, its L2 reads beside its mma (mma_rows_l2_overlap; benchmarks/NOTES.md "The ring
 # in block_mma_rows").
 V6_MMA_RING = V6_MMA_TILES.replace(name="v6-mma-ring", mma_rows_l2_overlap=True)
@@ -413,7 +413,7 @@ V6_MMA_RING = V6_MMA_TILES.replace(name="v6-mma-ring", mma_rows_l2_overlap=True)
 # beside its mma (mma_l2_overlap; benchmarks/NOTES.md "A mat-mul's L2 reads beside its mma").
 V6_MMA_OVERLAP = V6_MMA_RING.replace(name="v6-mma-overlap", mma_l2_overlap=True)
 # The tensor-core designs megakernel.cu builds.
-BUILT_MMA = ("v6-mma-seg", "v6-mma-tiles")
+BUILT_MMA = ("v6-mma-seg", "v6-mma-ring")
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
@@ -430,9 +430,9 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
     per launch; its A/B twins with one launch per step (backend cuda-1step) or the fenced hop
     (MK_SYNC=1, backend cuda-sync1); with a program of steps of up to T tokens (``tokens``),
     the token loop and prompts in chunks of T; ``tensor_cores`` (a kernel of slots built with
-    them, MK_MMA): V6_MMA_TILES where two K/V tile buffers fit (else V6_MMA_SEG), residual_in's
-    copy in a pass where the epilogue's store would spill (head_dim 128). A kernel change
-    updates these in the same commit."""
+    them, MK_MMA): V6_MMA_RING where two K/V tile buffers fit (else V6_MMA_SEG with the ring),
+    residual_in's copy in a pass where the epilogue's store would spill (head_dim 128). A
+    kernel change updates these in the same commit."""
     if tensor_cores:
         from ..header import attn_pipeline, residual_in_epilogue, rms_stage_rows
 
@@ -440,8 +440,10 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
         cfg = getattr(program, "config", None)
         # MK_ATTN_PIPE where two K/V tile buffers (header.segment_tile) fit the shape's
         # shared memory: every shape served
-        d = V6_MMA_TILES if cfg is not None and attn_pipeline(cfg) else V6_MMA_SEG
-        if d is V6_MMA_TILES and cfg is not None and not residual_in_epilogue(cfg):
+        # (block_mma_rows' ring is in every tensor-core kernel of steps of many tokens)
+        d = V6_MMA_RING if cfg is not None and attn_pipeline(cfg) \
+            else V6_MMA_SEG.replace(mma_rows_l2_overlap=True)
+        if d is V6_MMA_RING and cfg is not None and not residual_in_epilogue(cfg):
             # MK_RES_IN_EPI 0 (head_dim 128): the copy in a pass after the mat-mul
             d = d.replace(residual_copy_epilogue=False)
         if tokens > 1:
