@@ -741,3 +741,38 @@ def test_the_ring_moves_only_block_mma_rows_reads_beside_its_mma():
     shape = StepShape.chunk(512, 256, False)
     slow, fast = (cm.predict(prog, g, d, shape=shape).step_us for d in (built, ring))
     assert fast < 0.9 * slow, (fast, slow)
+
+
+def test_a_rows_ticket_merge_is_shared_over_its_own_layers_holders():
+    """attn_row_tickets (_row_ticket_merge): an instruction's share of the rows it merges is
+    over the instructions of its own layer and KV group that hold them, so a layer's
+    ATTENTION costs the same whether the batch holds one layer or every layer (the model
+    had counted every layer's instructions as holders: each layer's merges charged 1 / L)."""
+    import dataclasses
+
+    from monokernel.kernel.costmodel.parts import OpBatch
+    from monokernel.kernel.costmodel.simulate import _batches
+    from monokernel.kernel.group_picks import tensor_core_program
+    from monokernel.kernel.ops import attention
+    from monokernel.kernel.schedule import tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    cfg = dataclasses.replace(ModelConfig.from_name("qwen3-0.6b"), num_layers=4)
+    splits, min_chunk = tensor_core_splits(cfg, 132, 2048)
+    prog = tensor_core_program(cfg, 132, 2048, splits, min_chunk, 64)
+    g, shape = cm.gpu("h200"), StepShape.decode(64, 1024)
+    d = cm.design_for(prog, tensor_cores=True)
+    assert d.attn_rotate_rows and d.attn_row_tickets
+    where, batch = _batches(prog, shape.max_context, shape)[Op.ATTENTION]
+    every = attention.cost(batch, g, d)
+    merged = 0
+    for layer in range(cfg.num_layers):
+        mask = batch.layer == layer
+        ins = [x for x in batch.instructions if x.layer == layer]
+        alone = attention.cost(OpBatch(prog, shape.max_context, batch.layer[mask],
+                                       batch.lo[mask], batch.hi[mask],
+                                       batch.weight_bytes[mask], ins, shape), g, d)
+        for f in ("l2_trips", "other_us"):
+            assert np.allclose(np.asarray(getattr(every, f))[mask], getattr(alone, f)), (layer, f)
+        merged += float(np.sum(alone.l2_trips))
+    assert merged > 0

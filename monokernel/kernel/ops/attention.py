@@ -416,25 +416,26 @@ def _row_ticket_merge(b: OpBatch, g, d, ph: Phases, merging: list[tuple[int, int
     block's threads. An instruction holding no merging row draws nothing."""
     c, S = b.program.config, b.program.attn_splits
     l2, other = ph.l2_trips.copy(), ph.other_us.copy()
-    # the instructions of a group: their slot ranges (each instruction's share is computed
-    # over its own group's instructions)
-    groups: dict[int, list[tuple[int, int]]] = {}
-    for lo, hi in zip(b.lo.tolist(), b.hi.tolist()):
+    # the instructions of a layer's group: their slot ranges (each instruction's share is
+    # computed over its own layer's and group's instructions)
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for layer, lo, hi in zip(b.layer.tolist(), b.lo.tolist(), b.hi.tolist()):
         if hi > lo:
-            groups.setdefault(lo // S, []).append((lo % S, hi - lo))
-    share: dict[tuple[int, int, int], tuple[bool, float]] = {}
-    for gi, insts in groups.items():
+            groups.setdefault((layer, lo // S), []).append((lo % S, hi - lo))
+    share: dict[tuple[int, int, int, int], tuple[bool, float]] = {}
+    for (layer, gi), insts in groups.items():
         holds = np.array([[any((j - off) % S < u for j in range(j0, j0 + n)) for u, off in merging]
                           for j0, n in insts], dtype=np.float64)
         holders = np.maximum(holds.sum(axis=0), 1.0)
         for (j0, n), h in zip(insts, holds):
-            share[(gi, j0, n)] = (bool(h.any()), float(np.ceil(np.sum(h / holders) - 1e-9)))
+            share[(layer, gi, j0, n)] = (bool(h.any()),
+                                         float(np.ceil(np.sum(h / holders) - 1e-9)))
     lanes = np.mean([merge_row_lanes(c, u) for u, _ in merging])
     row_bytes = np.mean([_merge_row_bytes(c, u) for u, _ in merging])
-    for i, (lo, hi) in enumerate(zip(b.lo.tolist(), b.hi.tolist())):
+    for i, (layer, lo, hi) in enumerate(zip(b.layer.tolist(), b.lo.tolist(), b.hi.tolist())):
         if hi <= lo:
             continue
-        draws, k = share[(lo // S, lo % S, hi - lo)]
+        draws, k = share[(layer, lo // S, lo % S, hi - lo)]
         if not draws:
             continue
         passes = -(-int(k * lanes) // d.threads) if k else 0
