@@ -46,7 +46,8 @@ def test_design_for_is_the_kernel_as_built():
         assert getattr(cm.V6, knob) == value, knob
     assert set(cm.DESIGNS) == {"v5", "v6", "v6-mma", "v6-mma-seg", "v6-mma-split",
                                "v6-mma-pipe", "v6-mma-tiles", "v6-mma-warp-units", "v6-mma-ring",
-                               "v6-mma-overlap", "v7", "v7-rows", "v8", "v8-cluster"}
+                               "v6-mma-overlap", "v6-mma-last-layer", "v7", "v7-rows", "v8",
+                               "v8-cluster"}
     # a kernel of slots with tensor cores (slice 6a): mma with row tiles; attention per
     # segment on mma (SEG_ATTN), late q/k too; at head_dim 64 its tiles pipelined
     # (MK_ATTN_PIPE: header.attn_pipeline)

@@ -743,6 +743,52 @@ def test_the_ring_moves_only_block_mma_rows_reads_beside_its_mma():
     assert fast < 0.9 * slow, (fast, slow)
 
 
+def test_the_last_layer_on_the_logits_rows_drops_only_the_dead_rows_work():
+    """v6-mma-last-layer (last_layer_logits, predicted, not built): tokens.logits_rows keeps
+    each segment's rows needing logits (a chunk's last token at its position; every decode
+    row; none of a chunk without logits); the last layer's ATTENTION, O_PROJ, GATE_UP and
+    DOWN then cost that step (nothing where it is empty: the instructions only wait and
+    signal), every other instruction and every decode step exactly as built, and a prompt's
+    chunks are faster."""
+    import dataclasses
+
+    from monokernel.kernel.costmodel.simulate import LAST_LAYER_OPS, Static
+    from monokernel.kernel.costmodel.tokens import Segment, logits_rows
+    from monokernel.kernel.group_picks import tensor_core_program
+    from monokernel.kernel.schedule import tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    assert logits_rows(StepShape.chunk(512, 256, True)) == StepShape((Segment(767, 1, 1),))
+    assert logits_rows(StepShape.chunk(512, 256, False)).segments == ()
+    assert logits_rows(StepShape.decode(4, 30)) == StepShape.decode(4, 30)
+    cfg = dataclasses.replace(ModelConfig.from_name("qwen3-0.6b"), num_layers=2)
+    splits, min_chunk = tensor_core_splits(cfg, 132, 2048)
+    prog = tensor_core_program(cfg, 132, 2048, splits, min_chunk, 256)
+    g = cm.gpu("h200")
+    built = cm.design_for(prog, tensor_cores=True)
+    assert cm.design("v6-mma-last-layer") == cm.DESIGNS["v6-mma-ring"].replace(
+        name="v6-mma-last-layer", last_layer_logits=True)
+    last = built.replace(last_layer_logits=True)
+    # which slots hold the last layer's pruned ops, which any other instruction
+    pruned = np.zeros((prog.num_blocks, prog.max_len), bool)
+    for b, q in enumerate(prog.queues):
+        for i, ins in enumerate(q):
+            pruned[b, i] = ins.layer == cfg.num_layers - 1 and ins.op in LAST_LAYER_OPS
+    one_row = StepShape((Segment(767, 1, 1),))
+    for shape in (StepShape.chunk(512, 256, True), StepShape.chunk(512, 256, False)):
+        a, b = Static(prog, 0, g, built, shape), Static(prog, 0, g, last, shape)
+        row = Static(prog, 0, g, built, one_row)
+        for f in a.fields:
+            assert np.array_equal(a.fields[f][~pruned], b.fields[f][~pruned]), f
+            want = row.fields[f][pruned] if shape.logits else 0.0
+            assert np.allclose(b.fields[f][pruned], want), (shape, f)
+        assert cm.predict(prog, g, last, shape=shape).step_us < \
+            cm.predict(prog, g, built, shape=shape).step_us
+    for shape in (StepShape.decode(64, 16), StepShape.decode(1, 100)):
+        assert cm.predict(prog, g, last, shape=shape).step_us == \
+            cm.predict(prog, g, built, shape=shape).step_us
+
+
 def test_a_rows_ticket_merge_is_shared_over_its_own_layers_holders():
     """attn_row_tickets (_row_ticket_merge): an instruction's share of the rows it merges is
     over the instructions of its own layer and KV group that hold them, so a layer's

@@ -186,6 +186,11 @@ class KernelDesign:
     # isa.MMA_RING rounds, MMA_RING - 1 in flight during a round's mma; block_mma's k split
     # loads a round into registers): the slower of its mma and its bytes at the L2 share
     mma_rows_l2_overlap: bool = False
+    # (PREDICTED, not built) the last layer's ATTENTION, O_PROJ, GATE_UP and DOWN run only the
+    # step's rows that need logits (a prompt chunk's last token; every decode row): once QKV has
+    # written every row's K/V, nothing reads the other rows' residual again (simulate.py
+    # _step_batches); False (as built): every row through every layer
+    last_layer_logits: bool = False
     # the RMS ops (QKV, GATE_UP, the LM head) whose block's share of a step is at most this
     # many rows stage their normed bf16 inputs in shared memory (megakernel.cu mma_rms: each
     # row read from L2 once, for its sum of squares, then again from L1 by the same warp to
@@ -412,6 +417,10 @@ V6_MMA_RING = V6_MMA_TILES.replace(name="v6-mma-ring", mma_rows_l2_overlap=True)
 # V6-MMA-OVERLAP (PREDICTED, not built): ... and block_mma's too, every mat-mul's L2 reads
 # beside its mma (mma_l2_overlap; benchmarks/NOTES.md "A mat-mul's L2 reads beside its mma").
 V6_MMA_OVERLAP = V6_MMA_RING.replace(name="v6-mma-overlap", mma_l2_overlap=True)
+# V6-MMA-LAST-LAYER (PREDICTED, not built): the built design with the last layer's ops after
+# QKV on the rows needing logits alone (last_layer_logits; benchmarks/NOTES.md "The last
+# layer on the logits rows").
+V6_MMA_LAST = V6_MMA_RING.replace(name="v6-mma-last-layer", last_layer_logits=True)
 # The tensor-core designs megakernel.cu builds.
 BUILT_MMA = ("v6-mma-seg", "v6-mma-ring")
 # Every design a prediction can name (`monokernel plan --design`).
@@ -420,6 +429,7 @@ DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-pipe": V6_MMA_PIPE, "v6-mma-tiles": V6_MMA_TILES,
                                     "v6-mma-warp-units": V6_MMA_WARP, "v6-mma-ring": V6_MMA_RING,
                                     "v6-mma-overlap": V6_MMA_OVERLAP,
+                                    "v6-mma-last-layer": V6_MMA_LAST,
                                     "v7": V7, "v7-rows": V7_ROWS,
                                     "v8": V8, "v8-cluster": V8_CLUSTER}
 

@@ -22,7 +22,7 @@ from . import levers
 from .design import KernelDesign, design_for
 from .gpu import GPU, constant_range, corner, gpu
 from .parts import OpBatch, fetch_us, hop_parts, step_end_us
-from .tokens import StepShape, step_end_extra_us
+from .tokens import StepShape, logits_rows, step_end_extra_us
 
 
 @dataclass
@@ -98,13 +98,42 @@ def _batches(program, context: int, shape: StepShape | None = None
                 by_op.setdefault(ins.op, []).append((blk, i, ins))
     out = {}
     for op, items in by_op.items():
-        ins = [t[2] for t in items]
-        batch = OpBatch(program, context,
-                        np.array([x.layer for x in ins], np.int64),
-                        np.array([x.tile[0] for x in ins], np.int64),
-                        np.array([x.tile[1] for x in ins], np.int64),
-                        np.array([x.weight_bytes for x in ins], np.int64), ins, shape)
-        out[op] = ([(t[0], t[1]) for t in items], batch)
+        out[op] = ([(t[0], t[1]) for t in items], _batch(program, context, items, shape))
+    return out
+
+
+def _batch(program, context: int, items: list, shape: StepShape | None) -> OpBatch:
+    ins = [t[2] for t in items]
+    return OpBatch(program, context, np.array([x.layer for x in ins], np.int64),
+                   np.array([x.tile[0] for x in ins], np.int64),
+                   np.array([x.tile[1] for x in ins], np.int64),
+                   np.array([x.weight_bytes for x in ins], np.int64), ins, shape)
+
+
+# the ops of the last layer that only the rows needing logits need (last_layer_logits): after
+# RMS_QKV_ROPE has written every row's K/V, no later step reads the other rows' residual
+LAST_LAYER_OPS = (Op.ATTENTION, Op.O_PROJ_RESIDUAL, Op.RMS_GATE_UP, Op.DOWN_RESIDUAL)
+
+
+def _step_batches(program, context: int, shape: StepShape | None, d: KernelDesign
+                  ) -> list[tuple[Op, list[tuple[int, int]], OpBatch, bool]]:
+    """(op, where, batch, whether its tiles are the op's) of a step: _batches', and with
+    ``last_layer_logits`` the last layer's LAST_LAYER_OPS apart, on the rows needing logits
+    (tokens.logits_rows; a batch of None where no row does: the instructions only wait and
+    signal)."""
+    out = []
+    last = program.config.num_layers - 1
+    rows = logits_rows(shape) if d.last_layer_logits and shape is not None else shape
+    for op, (where, batch) in _batches(program, context, shape).items():
+        if rows == shape or op not in LAST_LAYER_OPS:  # (every row needs its logits)
+            out.append((op, where, batch, True))
+            continue
+        items = [(b, i, ins) for (b, i), ins in zip(where, batch.instructions)]
+        rest = [t for t in items if t[2].layer != last]
+        tail = [t for t in items if t[2].layer == last]
+        out.append((op, [t[:2] for t in rest], _batch(program, context, rest, shape), True))
+        out.append((op, [t[:2] for t in tail],
+                    _batch(program, context, tail, rows) if rows.segments else None, False))
     return out
 
 
@@ -134,7 +163,9 @@ class Static:
                        ("l2", "hbm", "other", "rounds", "bytes", "pref", "early", "issue",
                         "compute", "copy", "rolling")}
         self.tiles: dict[str, tuple[int, int]] = {}  # per op: tokens.tile_split's (c, s)
-        for op, (where, batch) in _batches(program, context, shape).items():
+        for op, where, batch, own_tiles in _step_batches(program, context, shape, d):
+            if batch is None or not where:  # (last_layer_logits) nothing to compute
+                continue
             ph = levers.apply(op, batch, ops.module(op).cost(batch, g, d), g, d)
             bi = tuple(np.array(where).T)
             f = self.fields
@@ -144,7 +175,8 @@ class Static:
             for name in ("early", "issue", "compute", "copy", "rolling"):
                 if getattr(ph, name) is not None:
                     f[name][bi] = getattr(ph, name)
-            self.tiles[op.name] = ph.tiles
+            if own_tiles:
+                self.tiles[op.name] = ph.tiles
 
 
 def predict(program, g: GPU | str = "h200", d: KernelDesign | None = None, context: int = 16,

@@ -92,6 +92,14 @@ class StepShape:
         return self.tokens == 1 and self.logits == 1
 
 
+def logits_rows(shape: StepShape) -> StepShape:
+    """The rows of ``shape`` that need logits, each segment's last ``logits`` tokens (a prompt
+    chunk's last token, every decode row): what the last layer's ops after its K/V need to
+    run (design knob ``last_layer_logits``); no segments where no row needs logits."""
+    return StepShape(tuple(Segment(s.context + s.tokens - s.logits, s.logits, s.logits)
+                           for s in shape.segments if s.logits))
+
+
 def prefill_shapes(prompt: int, chunk: int) -> list[StepShape]:
     """The steps that prefill a ``prompt``-token prompt ``chunk`` tokens at a time."""
     if prompt < 1 or chunk < 1:
