@@ -302,8 +302,9 @@ def test_the_kernels_slices_are_the_default_programs(shape, tokens):
     kernel with) is the executor's default program's slices of each op (its token groups the
     cost model's picks: group_picks.tensor_core_program), without building it; and
     schedule.tensor_core_slices the slices of schedule's closed-form groups (Qwen3 at 64
-    tokens: 4 / 8 either way; SmolLM2 at 128: 1 / 4, O_PROJ unsliced; Llama at 256, whose
-    picks differ from the closed form's: 2 / 4 picked)."""
+    tokens: 8 / 8 picked, its O_PROJ, GATE_UP and DOWN in row tiles; SmolLM2 at 128: 1 / 8,
+    O_PROJ unsliced; Llama at 256: 2 / 4; picks with block_mma_rows' ring, NOTES "The ring in
+    block_mma_rows, as built")."""
     from monokernel.kernel import group_picks
     from monokernel.kernel.schedule import tensor_core_slices
 
@@ -317,7 +318,7 @@ def test_the_kernels_slices_are_the_default_programs(shape, tokens):
     splits, min_chunk = tensor_core_splits(cfg, 132, MAX_SEQ)
     picked = of(group_picks.tensor_core_program(cfg, 132, MAX_SEQ, splits, min_chunk, tokens))
     assert group_picks.tensor_core_slices(cfg, 132, MAX_SEQ, tokens) == picked
-    assert picked == {"qwen3-0.6b": (4, 8), "smollm2-135m": (1, 4),
+    assert picked == {"qwen3-0.6b": (8, 8), "smollm2-135m": (1, 8),
                       "llama-3.2-1b": (2, 4)}[shape]
 
 
