@@ -297,9 +297,8 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
     # ... or beside the mma, with the stream's bytes through the same L2 share (a ring)
     ring = d.mma_l2_overlap | (d.mma_rows_l2_overlap & rows_split(k / s, mm_tokens, d))
     if np.any(ring):
-        compute = np.where(ring, np.maximum(compute, reads + np.asarray(ph.stream_bytes,
-                                                                        np.float64)
-                                            / (g.l2_bw / g.sms)), compute)
+        floor = reads + np.asarray(ph.stream_bytes, np.float64) / (g.l2_bw / g.sms)
+        compute = np.where(ring, np.maximum(compute, floor), compute)
         reads = np.where(ring, 0.0, reads)
     return Phases(ph.l2_trips + busy * copy_rounds, ph.hbm_trips,
                   ph.other_us + reads + busy * t_red + epilogue,
