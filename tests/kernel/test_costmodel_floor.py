@@ -146,7 +146,8 @@ def test_the_spread_split_cuts_o_proj_and_down_only_and_beats_the_last_drawers_r
     after = cm.predict(prog, g, split, static=st)
     busy = [{r["op"]: r["busy_mean_us"] for r in p.op_rows()} for p in (before, after)]
     assert busy[1]["DOWN_RESIDUAL"] < 0.95 * busy[0]["DOWN_RESIDUAL"]
-    assert busy[1]["RMS_GATE_UP"] == busy[0]["RMS_GATE_UP"]
+    # (equal but for the float sums' order: busy_us' lead follows DOWN's end)
+    assert busy[1]["RMS_GATE_UP"] == pytest.approx(busy[0]["RMS_GATE_UP"], rel=1e-9)
     assert after.step_us < before.step_us
     for s in (2, 4, 8):
         spread = _tile_us(8, 3072, 64, 2, s, g, split)
