@@ -264,26 +264,25 @@ from monokernel.model.loader import load_model
 from monokernel.model.reference import ReferenceModel
 
 m = load_model(sys.argv[1], progress=False)
+
+
+def mutate(old, new, what):  # executor.kernel_source with old (once in it) replaced by new
+    real = executor.kernel_source
+
+    def mutated(*a, **k):
+        src = real(*a, **k)
+        assert src.count(old) == 1, f"{what} is not where this test expects"
+        return src.replace(old, new)
+
+    executor.kernel_source = mutated
+
+
 if sys.argv[2] == "past":  # the walk's prefetch 16 rows on: past the last row group's weights
-    OLD = "if (w[h]) prefetch_line(w[h] + c);"
-    real = executor.kernel_source
-
-    def mutated(*a, **k):
-        src = real(*a, **k)
-        assert src.count(OLD) == 1, "block_mma_rows' prefetch is not where this test expects"
-        return src.replace(OLD, "if (w[h]) prefetch_line(w[h] + c + 16 * K);")
-
-    executor.kernel_source = mutated
+    mutate("if (w[h]) prefetch_line(w[h] + c);", "if (w[h]) prefetch_line(w[h] + c + 16 * K);",
+           "block_mma_rows' prefetch")
 if sys.argv[2] == "ring-past":  # the cp.async ring from dynamic shared memory's end on
-    OLD = "+ MMA_SUMS_BYTES) + threadIdx.x;"
-    real = executor.kernel_source
-
-    def mutated(*a, **k):
-        src = real(*a, **k)
-        assert src.count(OLD) == 1, "block_mma_rows' ring is not where this test expects"
-        return src.replace(OLD, "+ MK_DYN_SMEM) + threadIdx.x;")
-
-    executor.kernel_source = mutated
+    mutate("+ MMA_SUMS_BYTES) + threadIdx.x;", "+ MK_DYN_SMEM) + threadIdx.x;",
+           "block_mma_rows' ring")
 # 2 blocks in row tiles, a step of 34 rows (two prompts of 17): every mat-mul and the LM head
 # split their rows over the warps (block_mma_rows), whose walk prefetches its next k range
 N, BLOCKS = 17, 2
