@@ -416,7 +416,8 @@ __device__ __forceinline__ void* dynamic_smem() {
 // Y[tok][r] = W[r] . X[tok] for a tile's weight rows and a step's rows (tokens) at once, on
 // mma.sync m16n8k16 (bf16 x bf16, fp32 accumulate; mma.cuh): the weights fill the 16-row side,
 // 8 tokens the other. Rows come in groups of 16 (rowptr(q, r): row r of group q, nullptr past
-// the tile: zeros), tokens in groups of 8 (past ntok: zeros).
+// the tile: zeros; row 0 of a group inside the tile never null), tokens in groups of 8 (past
+// ntok: zeros).
 //   - Each lane loads 16 bytes (8 bf16) of a weight row per 32-column chunk: lane (g, t) columns
 //     8t..8t+7 of rows g and g + 8. Two mma k-steps take them: step j's k slots 2t+{0,1} and
 //     2t+8+{0,1} are columns 8t+4j+{0,1} and 8t+4j+2+{0,1}, and the input fragment permutes
@@ -523,9 +524,17 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
   for (int tb0 = 0; tb0 < ntok; tb0 += 8 * NT) {
     const int nt = min(NT, (ntok - tb0 + 7) / 8);  // the pass's token tiles (warp-uniform)
     for (int qb = 0; qb < groups; qb += NWARPS) {
-      const int q = qb + warp;  // this warp's row group (none past the tile: zeros)
-      const unsigned short* w[2] = {q < groups ? rowptr(q, g) : nullptr,
-                                    q < groups ? rowptr(q, g + 8) : nullptr};
+      const int q = qb + warp;  // this warp's row group (none past the tile: no k loop)
+      // a group's row past the tile multiplies the group's row 0: every epilogue stops at the
+      // tile's rows and a row of an mma's D depends on its own row of A alone, so those sums
+      // are never read, and the ring needs no null check (with one, Qwen3's 8/8 kernel spilled)
+      const unsigned short* w[2] = {nullptr, nullptr};
+      if (q < groups) {
+        w[0] = rowptr(q, g);
+        w[1] = rowptr(q, g + 8);
+        if (w[0] == nullptr) w[0] = rowptr(q, 0);
+        if (w[1] == nullptr) w[1] = rowptr(q, 0);
+      }
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -534,12 +543,11 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
         const int c_begin = r * C / NWARPS, c_end = (r + 1) * C / NWARPS;
         if (MK_PREFETCH && r + 1 < NWARPS) {  // the walk's next range into L2 while this
           // one's loads wait on HBM (the design's mma_rows_prefetch): lane (g, t) the 128-byte
-          // lines t, t + 4, ... of its rows g and g + 8 (w: none past the tile)
+          // lines t, t + 4, ... of its rows g and g + 8
           const int e = min(K, (r + 2) * C / NWARPS * MMA_KC);
           for (int c = c_end * MMA_KC + 64 * t; c < e; c += 256)
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-              if (w[h]) prefetch_line(w[h] + c);
+            for (int h = 0; h < 2; ++h) prefetch_line(w[h] + c);
         }
         float acc[NT][4];
 #pragma unroll
@@ -554,7 +562,7 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
             const int col = (c0 + u) * MMA_KC + 8 * t;
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-              if (c0 + u < c_end && col < K && w[h])
+              if (c0 + u < c_end && col < K)
                 cp_async_16(ring + ((slot * MMA_ROWS_UNROLL + u) * 2 + h) * MK_THREADS, w[h] + col);
           }
           cp_async_commit();
@@ -577,8 +585,8 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
             uint4 a[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-              a[h] = ok && w[h] ? ring[((take * MMA_ROWS_UNROLL + u) * 2 + h) * MK_THREADS]
-                                : make_uint4(0u, 0u, 0u, 0u);
+              a[h] = ok ? ring[((take * MMA_ROWS_UNROLL + u) * 2 + h) * MK_THREADS]
+                        : make_uint4(0u, 0u, 0u, 0u);
             mma_tiles<NT>(acc, a, x, nt);
           }
         }

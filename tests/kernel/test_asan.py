@@ -278,7 +278,7 @@ def mutate(old, new, what):  # executor.kernel_source with old (once in it) repl
 
 
 if sys.argv[2] == "past":  # the walk's prefetch 16 rows on: past the last row group's weights
-    mutate("if (w[h]) prefetch_line(w[h] + c);", "if (w[h]) prefetch_line(w[h] + c + 16 * K);",
+    mutate("prefetch_line(w[h] + c);", "prefetch_line(w[h] + c + 16 * K);",
            "block_mma_rows' prefetch")
 if sys.argv[2] == "ring-past":  # the cp.async ring from dynamic shared memory's end on
     mutate("+ MMA_SUMS_BYTES) + threadIdx.x;", "+ MK_DYN_SMEM) + threadIdx.x;",

@@ -340,6 +340,36 @@ def test_a_big_steps_row_split_passes_leave_every_logit_bitwise(synth_model):
     assert any(not np.array_equal(mutant[k], want[k]) for k in want)
 
 
+def test_row_split_passes_with_partial_row_groups_are_bitwise(tmp_path):
+    """block_mma_rows where tiles end inside a row group (hidden 104: O_PROJ's and DOWN's tiles
+    of 34 and 35 rows on 3 blocks; QKV's of 26 and 27 pairs; the LM head's of 334 and 335): a group's rows past the
+    tile multiply the group's row 0 (no null check in the cp.async ring) and their sums are
+    never stored. One step of 43 rows (20, 14, 9: every block's mat-muls and LM head split
+    the rows) against the same prompts in steps of at most 32 rows (the k split, whose rows
+    past the tile are zeros): every row's logits bit for bit; with the ranges added in
+    reverse order some row differs (the big step took the row split)."""
+    import dataclasses
+
+    from monokernel.model.config import ModelConfig
+    from monokernel.model.loader import load_model
+    from monokernel.model.synth import write_synthetic
+
+    cfg = dataclasses.replace(ModelConfig.from_name("llama3-tiny"), hidden_size=104,
+                              intermediate_size=168, vocab_size=1003)
+    model = load_model(write_synthetic(cfg, tmp_path / "awkward", seed=0), progress=False)
+    prompts = [prompt_of(model, n, seed) for n, seed in ((20, 1), (14, 2), (9, 3))]
+    want = _row_split_logits(model, 32, [{0: 16, 1: 14}, {0: 4, 2: 9}], prompts)
+    got = _row_split_logits(model, 48, [{0: 20, 1: 14, 2: 9}], prompts)
+    assert len(got) == len(want) == 43
+    bad = [k for k in want if not np.array_equal(got[k], want[k])]
+    assert not bad, f"rows {bad[:5]} differ"
+    mutant = _row_split_logits(
+        model, 48, [{0: 20, 1: 14, 2: 9}], prompts,
+        (_RANGES, "const int c_begin = (NWARPS - 1 - r) * C / NWARPS, "
+                  "c_end = (NWARPS - r) * C / NWARPS;"))
+    assert any(not np.array_equal(mutant[k], want[k]) for k in want)
+
+
 _STAGE_STORE = "rms_bf16_x8(v, r, w, col, b);"
 
 
