@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from ...errors import CostModelError
 from .. import sass_facts
-from ..isa import (MMA_NT, MMA_RG, MMA_ROWS_SPLIT_ABOVE, MMA_ROWS_SPLIT_MAX_K, MMA_ROWS_UNROLL,
-                   MMA_RT, NUM_THREADS, RMS_STAGE_MAX_ROWS, ROW_PART_MTILES)
+from ..isa import (KEY_CACHE_KEYS, MMA_NT, MMA_RG, MMA_ROWS_SPLIT_ABOVE, MMA_ROWS_SPLIT_MAX_K,
+                   MMA_ROWS_UNROLL, MMA_RT, NUM_THREADS, RMS_STAGE_MAX_ROWS, ROW_PART_MTILES)
 
 # Steps a multi-step launch shares its overhead with: the 64 greedy tokens of issue 8's
 # generation (a longer prompt in the same launch only shares it further).
@@ -66,6 +66,12 @@ class KernelDesign:
     # together, the weights and the RoPE row prefetched into L2 (False: three dependent trips,
     # the weights from HBM)
     late_qk_one_trip: bool = True
+    # late q/k: O_PROJ's owner blocks cache the step's keys of their KV heads. 0 (before the
+    # thirty-fourth session): a warp per head, one token after another (a step of T tokens: T
+    # dependent rounds); N > 0: the step's (token, head) pairs over the block's warps, N keys a
+    # warp round (warp_qk_norm_rope_n<N>: every load of the N issued together), so
+    # ceil(T x heads / (warps x N)) rounds
+    k_cache_keys_per_warp: int = 0
     # ATTENTION prefetches its units' K/V rows of the positions cached before this step into L2
     # before its wait
     attn_kv_prefetch: bool = True
@@ -191,6 +197,11 @@ class KernelDesign:
     # written every row's K/V, nothing reads the other rows' residual again (simulate.py
     # _step_batches); False (as built): every row through every layer
     last_layer_logits: bool = False
+    # a step where no row needs logits (a prompt chunk before the prompt's last) runs nothing of
+    # the last layer after QKV but what later steps read (late q/k: O_PROJ caching the keys;
+    # the input slices' group counters): simulate.py _step_batches, megakernel.cu
+    # last_layer_idle; a step with any row needing logits runs every row
+    last_layer_skip: bool = False
     # the RMS ops (QKV, GATE_UP, the LM head) whose block's share of a step is at most this
     # many rows stage their normed bf16 inputs in shared memory (megakernel.cu mma_rms: each
     # row read from L2 once, for its sum of squares, then again from L1 by the same warp to
@@ -414,6 +425,14 @@ V6_MMA_WARP = V6_MMA_TILES.replace(name="v6-mma-warp-units", attn_units_in_fligh
 # cp.async ring, its L2 reads beside its mma (mma_rows_l2_overlap; benchmarks/NOTES.md "The ring
 # in block_mma_rows").
 V6_MMA_RING = V6_MMA_TILES.replace(name="v6-mma-ring", mma_rows_l2_overlap=True)
+# V6-MMA-KEYS (PREDICTED, not built): v6-mma-ring with late q/k's key caching in O_PROJ spread
+# over the owner block's warps, 4 keys a warp round (k_cache_keys_per_warp; benchmarks/NOTES.md
+# "Late q/k's key caching, a token at a time").
+V6_MMA_KEYS = V6_MMA_RING.replace(name="v6-mma-keys", k_cache_keys_per_warp=KEY_CACHE_KEYS)
+# V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-ring with a step that needs no logits
+# skipping its last layer after QKV (last_layer_skip; benchmarks/NOTES.md "A chunk without
+# logits skips the last layer").
+V6_MMA_SKIP = V6_MMA_RING.replace(name="v6-mma-last-skip", last_layer_skip=True)
 # V6-MMA-OVERLAP (PREDICTED, not built): ... and block_mma's too, every mat-mul's L2 reads
 # beside its mma (mma_l2_overlap; benchmarks/NOTES.md "A mat-mul's L2 reads beside its mma").
 V6_MMA_OVERLAP = V6_MMA_RING.replace(name="v6-mma-overlap", mma_l2_overlap=True)
@@ -429,6 +448,7 @@ DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-pipe": V6_MMA_PIPE, "v6-mma-tiles": V6_MMA_TILES,
                                     "v6-mma-warp-units": V6_MMA_WARP, "v6-mma-ring": V6_MMA_RING,
                                     "v6-mma-overlap": V6_MMA_OVERLAP,
+                                    "v6-mma-keys": V6_MMA_KEYS, "v6-mma-last-skip": V6_MMA_SKIP,
                                     "v6-mma-last-layer": V6_MMA_LAST,
                                     "v7": V7, "v7-rows": V7_ROWS,
                                     "v8": V8, "v8-cluster": V8_CLUSTER}

@@ -120,10 +120,13 @@ def _step_batches(program, context: int, shape: StepShape | None, d: KernelDesig
     """(op, where, batch, whether its tiles are the op's) of a step: _batches', and with
     ``last_layer_logits`` the last layer's LAST_LAYER_OPS apart, on the rows needing logits
     (tokens.logits_rows; a batch of None where no row does: the instructions only wait and
-    signal)."""
+    signal); with ``last_layer_skip`` the same where no row needs logits, every row
+    otherwise."""
     out = []
     last = program.config.num_layers - 1
-    rows = logits_rows(shape) if d.last_layer_logits and shape is not None else shape
+    rows = logits_rows(shape) if shape is not None and (
+        d.last_layer_logits or d.last_layer_skip and not any(s.logits for s in shape.segments)
+    ) else shape
     for op, (where, batch) in _batches(program, context, shape).items():
         if rows == shape or op not in LAST_LAYER_OPS:  # (every row needs its logits)
             out.append((op, where, batch, True))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..costmodel.tokens import widen_matmul
-from ..costmodel.parts import OpBatch, Phases, copy_rounds, matvec, prefetched, trips
+from ..costmodel.parts import (OpBatch, Phases, copy_rounds, issue_us, matvec, prefetched,
+                               trips)
 from ..isa import MERGE_CHUNK, Args, Op, merge_block_ways
 from ..program import Instruction, split_even
 from .attention import merges_by_ticket, used_splits
@@ -78,6 +79,17 @@ def tile(plan, layer: int) -> list[Instruction]:
     return out
 
 
+def key_cache_rounds(heads, tokens: int, d) -> np.ndarray:
+    """Dependent warp rounds of an owner block's key caching for a step of ``tokens`` rows
+    (late q/k): a warp per head, a token a round (k_cache_keys_per_warp 0), or the (token,
+    head) pairs over the block's warps, N keys a warp round."""
+    heads = np.asarray(heads)
+    n = d.k_cache_keys_per_warp
+    if n <= 0:
+        return tokens * -(-heads // d.warps)
+    return -(-(tokens * heads) // (d.warps * n))
+
+
 def cost(b: OpBatch, g, d) -> Phases:
     c = b.program.config
     busy = b.busy()
@@ -94,12 +106,17 @@ def cost(b: OpBatch, g, d) -> Phases:
         merge_bytes = busy * c.num_kv_heads * c.group_size * (c.head_dim + 2) * 4 * used
     other = busy * (g.bar_sync + merge_bytes / (g.l2_bw / g.sms))
     if c.qk_norm:
-        # before the merge, the blocks owning KV heads cache their keys: one warp per head,
-        # warp_qk_norm_rope of k_raw (L2), then the k-norm weights and the RoPE row (both in
-        # L2: ATTENTION read them this layer), a barrier
-        owner = (b.arg("kv_end") > b.arg("kv_first")).astype(np.float64)
-        l2 = l2 + (1 if d.late_qk_one_trip else 3) * owner
-        other = other + owner * (5 * g.shfl + g.bar_sync)
+        # before the merge, the blocks owning KV heads cache the step's keys: each a
+        # warp_qk_norm_rope of k_raw (L2) with the k-norm weights and the RoPE row (both in
+        # L2: ATTENTION read them this layer), its warp_sum, a barrier after them all; a warp
+        # round after another (design.k_cache_keys_per_warp)
+        heads = np.maximum(b.arg("kv_end") - b.arg("kv_first"), 0)
+        owner = (heads > 0).astype(np.float64)
+        rounds = owner * key_cache_rounds(heads, 1 if b.shape is None else b.shape.tokens, d)
+        l2 = l2 + (1 if d.late_qk_one_trip else 3) * rounds
+        keys = max(d.k_cache_keys_per_warp, 1)
+        other = other + rounds * (5 * g.shfl + issue_us(g, d, keys * c.head_dim // 32 * 12)) \
+            + owner * g.bar_sync
     rounds, issue = matvec(b.n, c.q_dim, g, d)
     pref = prefetched(d, b.n * c.q_dim * 2)
     return widen_matmul(b, g, d, Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64),
