@@ -1039,6 +1039,7 @@ __device__ bool op_embed(const Params& P, const int* ins, const int* st, int ins
 // and the new k raw; each attention unit norms and ropes its group's queries and key (a few
 // hundred values, redundant across splits), and O_PROJ caches the key afterwards.
 #define LATE_QK MK_QK_NORM
+#define KEY_CACHE_KEYS MK_KEY_CACHE_KEYS  // isa.KEY_CACHE_KEYS: keys an O_PROJ warp caches at once
 
 // One warp: N head vectors k < N, out(k, j, v) for v = rope(rmsnorm(x_k) * w)[j], x_k = x(k)
 // (global or shared) at position pos(k); live(k) false: the vector is skipped (its loads
@@ -2614,6 +2615,34 @@ __device__ void slice_mma(const Params& P, OpShared& s, const int* ins, const in
 }
 #endif  // MK_MMA
 
+#if LATE_QK
+// Late q/k: pairs [0, pairs) of the step's (row, KV head kv0 + h) keys, pair i the row i / heads
+// and head kv0 + i % heads, normed, roped and cached, N a warp at once (warp_qk_norm_rope_n:
+// their loads issued together; segment_keys' pinned arithmetic, so the cache gets the bf16
+// value attention's K tile used), stored from the lanes.
+template <int N>
+__device__ __forceinline__ void cache_keys(const Params& P, const int* st, int layer, int kv0,
+                                           int heads, int pairs) {
+  for (int i0 = (int)(threadIdx.x >> 5) * N; i0 < pairs; i0 += NWARPS * N) {
+    size_t at[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const int i = min(i0 + n, pairs - 1), tok = i / heads;
+      at[n] = kv_at(P, layer, row_slot(st, tok), row_pos(st, tok), kv0 + i % heads);
+    }
+    warp_qk_norm_rope_n<N>(
+        P,
+        [&](int n) {
+          const int i = i0 + n;
+          return P.k_raw + (size_t)(i / heads) * MK_KV_DIM + (kv0 + i % heads) * D;
+        },
+        P.k_norm + (size_t)layer * D, [&](int n) { return row_pos(st, (i0 + n) / heads); },
+        [&](int n) { return i0 + n < pairs; },
+        [&](int n, int j, float v) { P.k_cache[at[n] + j] = f32_to_bf16(v); });
+  }
+}
+#endif
+
 // ================================================================================================
 // Op: O_PROJ_RESIDUAL - merge the attention splits (every block, into shared memory), then
 // residual[r] += Wo[r] . attn for the tile's rows.
@@ -2628,22 +2657,16 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   const int splits = ins[A_O_PROJ_RESIDUAL_SPLITS];
 #endif
 #if LATE_QK
-  {  // this block caches the step's keys of KV heads [ARG2, ARG3): one warp per head
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int kv_end = ins[A_O_PROJ_RESIDUAL_KV_END];
-    for (int tok = 0; tok < ntok; ++tok) {
-      const int pos = row_pos(st, tok), slot = row_slot(st, tok);
-      for (int kvh = ins[A_O_PROJ_RESIDUAL_KV_FIRST] + warp; kvh < kv_end; kvh += NWARPS) {
-        float* out = s.vec + warp * D;  // scratch: the merge below rewrites s.vec after a barrier
-        warp_qk_norm_rope(P, P.k_raw + (size_t)tok * MK_KV_DIM + kvh * D,
-                          P.k_norm + (size_t)layer * D, pos, out);
-        const size_t at = kv_at(P, layer, slot, pos, kvh);
-        for (int d = lane; d < D; d += 32) P.k_cache[at + d] = f32_to_bf16(out[d]);
-      }
-    }
+  {  // this block caches the step's keys of KV heads [ARG2, ARG3): the step's (row, head)
+    // pairs over the warps, KEY_CACHE_KEYS a warp at once
+    const int kv0 = ins[A_O_PROJ_RESIDUAL_KV_FIRST];
+    const int heads = ins[A_O_PROJ_RESIDUAL_KV_END] - kv0, pairs = ntok * heads;
+    if (pairs <= NWARPS)  // (one key a warp: a decode step's, without the dead vectors' work)
+      cache_keys<1>(P, st, layer, kv0, heads, pairs);
+    else
+      cache_keys<KEY_CACHE_KEYS>(P, st, layer, kv0, heads, pairs);
     __syncthreads();
   }
-  static_assert(!LATE_QK || NWARPS * MK_HEAD_DIM <= VEC_MAX, "late q/k scratch in s.vec");
 #endif
   // the tile's residual rows (of a row tile: this block's own; EMBED, O_PROJ and DOWN share
   // the row tiles) are read in the same round trip as the weights

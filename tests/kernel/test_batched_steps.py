@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers.batch import PAGE, Batch, chunkings_agree, prompt_of, round_robin
-from helpers.kernel import assert_logits_match
+from helpers.kernel import assert_logits_match, mutate_kernel_source
 from monokernel.batching import batch_options
 from monokernel.errors import KernelError, ParameterError
 from monokernel.kernel.base import StepTable
@@ -97,6 +97,24 @@ def test_mixed_steps_are_bitwise_each_sequence_alone(synth_model, arch, slots, T
     crossing a page boundary, one sequence ending and two joining (one into its slot, on its
     recycled pages) between steps; every logits row and K/V row bitwise the one-sequence
     kernel's (the same program options: the same splits and merges for every row)."""
+    mixed_steps(synth_model, arch, slots, T, blocks, options)
+
+
+def test_negative_control_a_steps_last_key_left_uncached(synth_model, monkeypatch):
+    """O_PROJ's late q/k key caching (megakernel.cu cache_keys: the step's (row, head) pairs
+    over the warps, KEY_CACHE_KEYS a warp at once where there are more than warps) with such a
+    step's last pair left out: that row's key stays poisoned in the cache, which the mixed
+    steps above must catch (their prompt chunks of up to 17 rows; the one-sequence kernel's
+    steps of one row keep every key)."""
+    mutate_kernel_source(monkeypatch,
+                         ("cache_keys<KEY_CACHE_KEYS>(P, st, layer, kv0, heads, pairs);",
+                          "cache_keys<KEY_CACHE_KEYS>(P, st, layer, kv0, heads, pairs - 1);"),
+                         "O_PROJ's caching of more keys than warps")
+    with pytest.raises(AssertionError):
+        mixed_steps(synth_model, *ARCHS[0])
+
+
+def mixed_steps(synth_model, arch, slots, T, blocks, options) -> None:
     model = synth_model(arch)
     ex = KernelExecutor(model, MAX_SEQ, blocks=blocks, slots=slots, step_tokens=T,
                         page_size=PAGE, **options)

@@ -418,7 +418,7 @@ def test_plan_batch_and_prompt_end_with_their_predictions(capsys):
     out = capsys.readouterr().out
     # by default the design built (the tensor-core kernel of slots; SmolLM2's head_dim 64 has
     # the attention pipeline, MK_ATTN_PIPE), prompts in its chunks
-    assert "PREDICTION" in out and "design v6-mma-ring (built: backend option tensor_cores)" in out
+    assert "PREDICTION" in out and "design v6-mma-keys (built: backend option tensor_cores)" in out
     assert "2 steps of up to 256 tokens" in out  # schedule.MAX_STEP_TOKENS
     m = [line for line in out.splitlines() if line.startswith("predicted")]
     assert m[0].startswith("predicted on h200:") and "us/token" in m[0]
@@ -446,16 +446,16 @@ def test_plan_batch_refuses_bad_input(argv, message, capsys):
 
 
 def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsys):
-    """`plan --design v6-mma-ring` (the design of backend option tensor_cores) predicts on the
+    """`plan --design v6-mma-keys` (the design of backend option tensor_cores) predicts on the
     program that option builds: splits fixed by absolute position, every step's attention
     merged by ticket (merge_ticket_min 1); a design not built yet keeps the default program."""
     from monokernel.kernel.schedule import default_attn_splits, schedule, tensor_core_splits
     from monokernel.model.config import ModelConfig
 
     assert main(["plan", "--shape", "qwen3-0.6b", "--blocks", "32", "--context", "1024",
-                 "--predict", "h200", "--design", "v6-mma-ring", "--batch", "16"]) == 0
+                 "--predict", "h200", "--design", "v6-mma-keys", "--batch", "16"]) == 0
     out = capsys.readouterr().out
-    assert "design v6-mma-ring (built: backend option tensor_cores" in out
+    assert "design v6-mma-keys (built: backend option tensor_cores" in out
     got = float(out.strip().splitlines()[-1].split(", ")[1].split()[0])
     cfg = ModelConfig.from_name("qwen3-0.6b")
     splits, chunk = tensor_core_splits(cfg, 32, 2048)
@@ -468,9 +468,9 @@ def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsy
     built = schedule(cfg, 32, 2048, splits, chunk, merge_ticket_min=1, tokens=16,
                      token_groups=True, tensor_cores=True, input_slices=True)
     assert built.merge_ticket_min == 1
-    # (the built design for Qwen3: v6-mma-ring with residual_in in a pass, design_for)
+    # (the built design for Qwen3: v6-mma-keys with residual_in in a pass, design_for)
     d = cm.design_for(built, tensor_cores=True)
-    assert d.name == "v6-mma-ring" and not d.residual_copy_epilogue
+    assert d.name == "v6-mma-keys" and not d.residual_copy_epilogue
     want = cm.predict(built, "h200", d, 1024, shape=StepShape.decode(16, 1024)).tokens_per_s
     default = cm.predict(schedule(cfg, 32, 2048), "h200", d, 1024,
                          shape=StepShape.decode(16, 1024)).tokens_per_s
@@ -766,7 +766,7 @@ def test_the_last_layer_on_the_logits_rows_drops_only_the_dead_rows_work():
     prog = tensor_core_program(cfg, 132, 2048, splits, min_chunk, 256)
     g = cm.gpu("h200")
     built = cm.design_for(prog, tensor_cores=True)
-    assert cm.design("v6-mma-last-layer") == cm.DESIGNS["v6-mma-ring"].replace(
+    assert cm.design("v6-mma-last-layer") == cm.DESIGNS["v6-mma-keys"].replace(
         name="v6-mma-last-layer", last_layer_logits=True)
     last = built.replace(last_layer_logits=True)
     # which slots hold the last layer's pruned ops, which any other instruction
@@ -822,3 +822,52 @@ def test_a_rows_ticket_merge_is_shared_over_its_own_layers_holders():
             assert np.allclose(np.asarray(getattr(every, f))[mask], getattr(alone, f)), (layer, f)
         merged += float(np.sum(alone.l2_trips))
     assert merged > 0
+
+
+def test_late_qk_key_caching_costs_its_rounds():
+    """O_PROJ's owner blocks cache a step's keys (late q/k, megakernel.cu cache_keys): before
+    the thirty-fourth session a warp per KV head, a row a round (k_cache_keys_per_warp 0: T
+    rounds at T rows, which the model had charged as one); as built the (row, head) pairs over
+    the warps, KEY_CACHE_KEYS keys a warp round, one where a round of one a warp does (a decode
+    step: the same as before). In Qwen3's chunk of 256 rows the owner blocks' O_PROJ is
+    slower by about the 248 rounds saved; the other blocks' and a one-row step's are equal;
+    Llama (no q/k norm) does not move."""
+    import dataclasses
+
+    from monokernel.kernel.costmodel.simulate import _batches
+    from monokernel.kernel.isa import KEY_CACHE_KEYS
+    from monokernel.kernel.ops import o_proj
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    built = cm.design("v6-mma-keys")
+    old = built.replace(k_cache_keys_per_warp=0)
+    w = built.warps
+    r, k = o_proj.key_cache_rounds(np.array([1, 3, 0]), 256, old)
+    assert r.tolist() == [256, 256, 0] and k.tolist() == [1, 1, 1]
+    r, k = o_proj.key_cache_rounds(np.array([1, 3, 1]), 256, built)
+    assert r.tolist() == [-(-256 // (w * KEY_CACHE_KEYS)), -(-768 // (w * KEY_CACHE_KEYS)),
+                          -(-256 // (w * KEY_CACHE_KEYS))]
+    assert k.tolist() == [KEY_CACHE_KEYS] * 3
+    r, k = o_proj.key_cache_rounds(np.array([1, w]), 1, built)
+    assert r.tolist() == [1, 1] and k.tolist() == [1, 1]
+    g = cm.gpu("h200")
+    for name, late in (("qwen3-0.6b", True), ("llama-3.2-1b", False)):
+        cfg = dataclasses.replace(ModelConfig.from_name(name), num_layers=1)
+        splits, min_chunk = tensor_core_splits(cfg, 132, 2048)
+        prog = schedule(cfg, 132, 2048, splits, min_chunk, merge_ticket_min=1, tokens=256,
+                        token_groups=True, tensor_cores=True)
+        for shape, slower in ((StepShape.chunk(0, 256, True), late),
+                              (StepShape.decode(1, 100), False)):
+            batch = _batches(prog, shape.max_context, shape)[Op.O_PROJ_RESIDUAL][1]
+            owner = batch.arg("kv_end") > batch.arg("kv_first")
+            a, b = (o_proj.cost(batch, g, d) for d in (old, built))
+            ta, tb = (ph.l2_trips * g.l2_latency + ph.other_us for ph in (a, b))
+            np.testing.assert_allclose(ta[~owner], tb[~owner], rtol=1e-12)
+            if slower:
+                assert owner.sum() == cfg.num_kv_heads
+                # the rounds saved, an L2 trip and more each
+                assert (ta[owner] - tb[owner] >= (256 - 256 // (w * KEY_CACHE_KEYS)) * g.l2_latency
+                        ).all()
+            else:
+                np.testing.assert_allclose(ta, tb, rtol=1e-12)

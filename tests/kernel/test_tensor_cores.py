@@ -341,13 +341,14 @@ def test_a_big_steps_row_split_passes_leave_every_logit_bitwise(synth_model):
 
 
 def test_row_split_passes_with_partial_row_groups_are_bitwise(tmp_path):
-    """block_mma_rows where tiles end inside a row group (hidden 104: O_PROJ's and DOWN's tiles
-    of 34 and 35 rows on 3 blocks; QKV's of 26 and 27 pairs; the LM head's of 334 and 335): a group's rows past the
-    tile multiply the group's row 0 (no null check in the cp.async ring) and their sums are
-    never stored. One step of 43 rows (20, 14, 9: every block's mat-muls and LM head split
-    the rows) against the same prompts in steps of at most 32 rows (the k split, whose rows
-    past the tile are zeros): every row's logits bit for bit; with the ranges added in
-    reverse order some row differs (the big step took the row split)."""
+    """block_mma_rows where tiles end inside a row group (hidden 104: O_PROJ's and DOWN's
+    tiles of 34 and 35 rows on 3 blocks; QKV's of 26 and 27 pairs; the LM head's of 334 and
+    335): a group's rows past the tile multiply the group's row 0 (no null check in the
+    cp.async ring) and their sums are never stored. One step of 43 rows (20, 14, 9: every
+    block's mat-muls and LM head split the rows) against the same prompts in steps of at most
+    32 rows (the k split, whose rows past the tile are zeros): every row's logits bit for bit;
+    with the ranges added in reverse order some row differs (the big step took the row
+    split)."""
     import dataclasses
 
     from monokernel.model.config import ModelConfig

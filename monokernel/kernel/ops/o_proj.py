@@ -79,15 +79,18 @@ def tile(plan, layer: int) -> list[Instruction]:
     return out
 
 
-def key_cache_rounds(heads, tokens: int, d) -> np.ndarray:
-    """Dependent warp rounds of an owner block's key caching for a step of ``tokens`` rows
-    (late q/k): a warp per head, a token a round (k_cache_keys_per_warp 0), or the (token,
-    head) pairs over the block's warps, N keys a warp round."""
+def key_cache_rounds(heads, tokens: int, d) -> tuple[np.ndarray, np.ndarray]:
+    """(dependent warp rounds, keys a warp round) of an owner block's key caching for a step
+    of ``tokens`` rows (late q/k): a warp per head, a token a round (k_cache_keys_per_warp 0),
+    or the (row, head) pairs over the block's warps, N keys a warp round (one where a round
+    of one a warp does: megakernel.cu cache_keys<1>)."""
     heads = np.asarray(heads)
     n = d.k_cache_keys_per_warp
     if n <= 0:
-        return tokens * -(-heads // d.warps)
-    return -(-(tokens * heads) // (d.warps * n))
+        return tokens * -(-heads // d.warps), np.ones(heads.shape)
+    pairs = tokens * heads
+    keys = np.where(pairs <= d.warps, 1, n)
+    return -(-pairs // (d.warps * keys)), keys
 
 
 def cost(b: OpBatch, g, d) -> Phases:
@@ -112,9 +115,9 @@ def cost(b: OpBatch, g, d) -> Phases:
         # round after another (design.k_cache_keys_per_warp)
         heads = np.maximum(b.arg("kv_end") - b.arg("kv_first"), 0)
         owner = (heads > 0).astype(np.float64)
-        rounds = owner * key_cache_rounds(heads, 1 if b.shape is None else b.shape.tokens, d)
+        rounds, keys = key_cache_rounds(heads, 1 if b.shape is None else b.shape.tokens, d)
+        rounds = owner * rounds
         l2 = l2 + (1 if d.late_qk_one_trip else 3) * rounds
-        keys = max(d.k_cache_keys_per_warp, 1)
         other = other + rounds * (5 * g.shfl + issue_us(g, d, keys * c.head_dim // 32 * 12)) \
             + owner * g.bar_sync
     rounds, issue = matvec(b.n, c.q_dim, g, d)
