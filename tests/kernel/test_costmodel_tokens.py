@@ -787,6 +787,18 @@ def test_the_last_layer_on_the_logits_rows_drops_only_the_dead_rows_work():
     for shape in (StepShape.decode(64, 16), StepShape.decode(1, 100)):
         assert cm.predict(prog, g, last, shape=shape).step_us == \
             cm.predict(prog, g, built, shape=shape).step_us
+    # v6-mma-last-skip (last_layer_skip, predicted, not built): the same as last_layer_logits
+    # in a step where no row needs logits; a step with any is as built
+    skip = built.replace(last_layer_skip=True)
+    assert cm.design("v6-mma-last-skip") == cm.DESIGNS["v6-mma-keys"].replace(
+        name="v6-mma-last-skip", last_layer_skip=True)
+    none = StepShape.chunk(512, 256, False)
+    a, b = Static(prog, 0, g, last, none), Static(prog, 0, g, skip, none)
+    assert all(np.array_equal(a.fields[f], b.fields[f]) for f in a.fields)
+    assert not b.fields["l2"][pruned].any()
+    for shape in (StepShape.chunk(512, 256, True), StepShape.decode(64, 16)):
+        a, b = Static(prog, 0, g, built, shape), Static(prog, 0, g, skip, shape)
+        assert all(np.array_equal(a.fields[f], b.fields[f]) for f in a.fields), shape
 
 
 def test_a_rows_ticket_merge_is_shared_over_its_own_layers_holders():

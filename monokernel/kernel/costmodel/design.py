@@ -430,8 +430,8 @@ V6_MMA_RING = V6_MMA_TILES.replace(name="v6-mma-ring", mma_rows_l2_overlap=True)
 # "Late q/k's key caching, a token at a time").
 V6_MMA_KEYS = V6_MMA_RING.replace(name="v6-mma-keys", k_cache_keys_per_warp=KEY_CACHE_KEYS)
 # V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-keys with a step that needs no logits
-# skipping its last layer after QKV (last_layer_skip; benchmarks/NOTES.md "A chunk without
-# logits skips the last layer").
+# skipping its last layer after QKV (last_layer_skip; benchmarks/NOTES.md "Late q/k's key
+# caching, a token at a time", its as-built part: what building it must keep).
 V6_MMA_SKIP = V6_MMA_KEYS.replace(name="v6-mma-last-skip", last_layer_skip=True)
 # V6-MMA-OVERLAP (PREDICTED, not built): ... and block_mma's too, every mat-mul's L2 reads
 # beside its mma (mma_l2_overlap; benchmarks/NOTES.md "A mat-mul's L2 reads beside its mma").
