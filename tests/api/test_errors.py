@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -48,14 +49,37 @@ def broken(tmp_path, synth_dir):
 
 
 def expect_clean_failure(exc, match, fn, *watched: Path):
-    """Run fn, expect exc matching `match`, and check the watched folders did not change."""
-    cache = Path(os.environ["MONOKERNEL_CACHE"])
-    before = snapshot(cache, *watched)
-    with pytest.raises(exc, match=match) as e:
-        fn()
-    assert isinstance(e.value, MonokernelError) or exc is FileExistsError
-    assert snapshot(cache, *watched) == before
+    """Run fn on a private, empty MONOKERNEL_CACHE, expect exc matching `match`, and check
+    that neither that cache nor the watched folders changed. (The session's cache is shared
+    with the other pytest-xdist workers, which write builds, proofs and models into it at any
+    time: a snapshot of it raced them in CI.)"""
+    with tempfile.TemporaryDirectory(prefix="monokernel-clean-failure-") as private:
+        cache = Path(private) / "cache"
+        shared = os.environ["MONOKERNEL_CACHE"]
+        os.environ["MONOKERNEL_CACHE"] = str(cache)
+        try:
+            before = snapshot(cache, *watched)
+            with pytest.raises(exc, match=match) as e:
+                fn()
+            assert isinstance(e.value, MonokernelError) or exc is FileExistsError
+            assert snapshot(cache, *watched) == before
+        finally:
+            os.environ["MONOKERNEL_CACHE"] = shared
     return e.value
+
+
+def test_a_failure_that_leaves_a_cache_entry_is_caught():
+    """expect_clean_failure's negative control: a call that writes an entry into the cache it
+    runs on (cache_dir(), read when it runs), then fails, does not pass it."""
+    from monokernel.model.cache import cache_dir
+
+    def leaves_one():
+        (cache_dir() / "models").mkdir(parents=True)
+        (cache_dir() / "models" / "half-written").write_bytes(b"x")
+        raise ConfigError("bad")
+
+    with pytest.raises(AssertionError):
+        expect_clean_failure(ConfigError, "bad", leaves_one)
 
 
 def edit_config(d: Path, **changes):
