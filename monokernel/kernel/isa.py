@@ -283,7 +283,7 @@ def seg_sub(head_dim: int) -> int:
 SEG_KEYS = 4
 # Late q/k keys of a step a warp of O_PROJ's owner block norms, ropes and caches at once
 # (megakernel.cu op_o_proj_residual: the step's (token, head) pairs over the block's warps).
-KEY_CACHE_KEYS = 4
+KEY_CACHE_KEYS = 8
 # Late q/k queries of an m-tile a warp norms and ropes at once when it builds its query tile
 # (megakernel.cu segment_q_tile): a 16-query m-tile in two rounds.
 SEG_QUERIES = 8
