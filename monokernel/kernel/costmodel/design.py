@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from ...errors import CostModelError
 from .. import sass_facts
-from ..isa import (KEY_CACHE_KEYS, MMA_NT, MMA_RG, MMA_ROWS_SPLIT_ABOVE, MMA_ROWS_SPLIT_MAX_K,
-                   MMA_ROWS_UNROLL, MMA_RT, NUM_THREADS, RMS_STAGE_MAX_ROWS, ROW_PART_MTILES)
+from ..isa import (EMBED_LOADS, KEY_CACHE_KEYS, MMA_NT, MMA_RG, MMA_ROWS_SPLIT_ABOVE,
+                   MMA_ROWS_SPLIT_MAX_K, MMA_ROWS_UNROLL, MMA_RT, NUM_THREADS,
+                   RMS_STAGE_MAX_ROWS, ROW_PART_MTILES)
 
 # Steps a multi-step launch shares its overhead with: the 64 greedy tokens of issue 8's
 # generation (a longer prompt in the same launch only shares it further).
@@ -72,6 +73,11 @@ class KernelDesign:
     # warp round (warp_qk_norm_rope_n<N>: every load of the N issued together), so
     # ceil(T x heads / (warps x N)) rounds
     k_cache_keys_per_warp: int = 0
+    # EMBED in a step of T rows. 0 (before the thirty-fourth session): a row after another,
+    # each the tile's columns a thread, its load and stores before the next row's load (T
+    # dependent HBM trips); U > 0: the step's (row, column) pairs over the threads, U loads a
+    # thread issued before their stores, so ceil(T x tile / (threads x U)) trips
+    embed_loads: int = 0
     # ATTENTION prefetches its units' K/V rows of the positions cached before this step into L2
     # before its wait
     attn_kv_prefetch: bool = True
@@ -429,6 +435,10 @@ V6_MMA_RING = V6_MMA_TILES.replace(name="v6-mma-ring", mma_rows_l2_overlap=True)
 # over the owner block's warps, 4 keys a warp round (k_cache_keys_per_warp; benchmarks/NOTES.md
 # "Late q/k's key caching, a token at a time").
 V6_MMA_KEYS = V6_MMA_RING.replace(name="v6-mma-keys", k_cache_keys_per_warp=KEY_CACHE_KEYS)
+# V6-MMA-EMBED (PREDICTED, not built): v6-mma-keys with EMBED's step of many rows in
+# isa.EMBED_LOADS loads a thread at once over the (row, column) pairs (embed_loads;
+# benchmarks/NOTES.md "EMBED, a row at a time").
+V6_MMA_EMBED = V6_MMA_KEYS.replace(name="v6-mma-embed", embed_loads=EMBED_LOADS)
 # V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-keys with a step that needs no logits
 # skipping its last layer after QKV (last_layer_skip; benchmarks/NOTES.md "Late q/k's key
 # caching, a token at a time", its as-built part: what building it must keep).
@@ -448,7 +458,8 @@ DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-pipe": V6_MMA_PIPE, "v6-mma-tiles": V6_MMA_TILES,
                                     "v6-mma-warp-units": V6_MMA_WARP, "v6-mma-ring": V6_MMA_RING,
                                     "v6-mma-overlap": V6_MMA_OVERLAP,
-                                    "v6-mma-keys": V6_MMA_KEYS, "v6-mma-last-skip": V6_MMA_SKIP,
+                                    "v6-mma-keys": V6_MMA_KEYS, "v6-mma-embed": V6_MMA_EMBED,
+                                    "v6-mma-last-skip": V6_MMA_SKIP,
                                     "v6-mma-last-layer": V6_MMA_LAST,
                                     "v7": V7, "v7-rows": V7_ROWS,
                                     "v8": V8, "v8-cluster": V8_CLUSTER}

@@ -24,8 +24,20 @@ def tile(plan, layer: int) -> list[Instruction]:
     return out
 
 
+def row_rounds(columns, rows: int, d) -> np.ndarray:
+    """Dependent HBM rounds of an EMBED instruction of ``columns`` columns (its tile) for a
+    step of ``rows`` rows: a row a round (embed_loads 0), or the (row, column) pairs over the
+    threads, embed_loads of them a thread in flight."""
+    columns = np.asarray(columns)
+    if d.embed_loads <= 0:
+        return np.full(columns.shape, float(rows))
+    return np.ceil(rows * columns / (d.threads * d.embed_loads))
+
+
 def cost(b: OpBatch, g, d) -> Phases:
     l2, hbm = trips(d, "EMBED", b.busy())
     z = b.zeros()
     rows = 1 if b.shape is None else b.shape.tokens  # one embedding row per token
+    # the embedding rows' trip, once a round
+    hbm = hbm * row_rounds(b.n, rows, d)
     return Phases(l2, hbm, z, z.copy(), rows * b.weight_bytes.astype(np.float64), z.copy())
