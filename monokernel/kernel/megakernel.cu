@@ -1005,33 +1005,53 @@ __device__ __forceinline__ unsigned short* chunk_keys() {
 // ================================================================================================
 // Op: EMBED - residual[b:e] = embed[token, b:e]
 // ================================================================================================
+#define EMBED_LOADS MK_EMBED_LOADS  // isa.EMBED_LOADS: loads a thread issues before their stores
 // false (every block then stops) for a token outside the vocabulary: a NaN step leaves -1 in
 // the state (the host reads it as the NaN), and a launch repeated as it is (the bench's
 // replays) must not embed it from outside the table.
 // A chunk's tokens after the first come from feed[] (the prompt, written before the launch);
 // a step of many sequences' from its token table.
 __device__ bool op_embed(const Params& P, const int* ins, const int* st, int instr) {
-  const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], ntok = step_tokens(st);
-  for (int tok = 0; tok < ntok; ++tok) {
-    const int token = MK_SLOTS ? step_row(st, tok)[R_TOKEN]
-                      : tok == 0 ? st[S_TOKEN] : P.feed[st[S_POS] + tok];
-    if (token < 0 || token >= MK_VOCAB) {
-      if (threadIdx.x == 0) record_error(P, ERR_BAD_TOKEN, instr, OP_EMBED, -1, MK_VOCAB, token);
-      return false;
+  const int b = ins[W_TILE_BEGIN], w = ins[W_TILE_END] - b, ntok = step_tokens(st);
+  const auto token_of = [&](int tok) {
+    return MK_SLOTS ? step_row(st, tok)[R_TOKEN]
+                    : tok == 0 ? st[S_TOKEN] : P.feed[st[S_POS] + tok];
+  };
+  const auto outside = [](int token) { return token < 0 || token >= MK_VOCAB; };
+  // every row's token checked first (a thread a row); the first row's outside the vocabulary
+  // is the one reported
+  bool bad = false;
+  for (int tok = threadIdx.x; tok < ntok; tok += MK_THREADS) bad |= outside(token_of(tok));
+  if (__syncthreads_or(bad)) {
+    if (threadIdx.x == 0) {
+      int tok = 0;
+      while (!outside(token_of(tok))) ++tok;
+      record_error(P, ERR_BAD_TOKEN, instr, OP_EMBED, -1, MK_VOCAB, token_of(tok));
     }
-    const unsigned short* row = P.embed + (size_t)token * H;
-    float* res = P.residual + (size_t)tok * H;
-#if MK_MMA
-    mk_in_t* res_in = P.residual_in + (size_t)tok * H;  // its bf16 copy: the embedding's bits
-    for (int i = b + threadIdx.x; i < e; i += MK_THREADS) {
-      const unsigned short v = __ldg(row + i);
-      res[i] = bf16_to_f32(v);
-      res_in[i] = v;
-    }
-#else
-    for (int i = b + threadIdx.x; i < e; i += MK_THREADS) res[i] = bf16_to_f32(__ldg(row + i));
-#endif
+    return false;
   }
+  // the tile's columns over the threads, R rows a pass (a thread's column c, its rows r0,
+  // r0 + R, ...), EMBED_LOADS rows a thread loaded before their stores (a row after another
+  // kept one load in flight: a step of T rows cost T dependent trips to HBM)
+  if (w <= 0) return true;
+  const int R = max(MK_THREADS / max(w, 1), 1), r0 = w >= MK_THREADS ? 0 : threadIdx.x / w;
+  for (int c = w >= MK_THREADS ? threadIdx.x : threadIdx.x % w; c < w && r0 < R;
+       c += MK_THREADS)
+    for (int r = r0; r < ntok; r += EMBED_LOADS * R) {
+      unsigned short v[EMBED_LOADS];
+#pragma unroll
+      for (int u = 0; u < EMBED_LOADS; ++u)
+        if (r + u * R < ntok) v[u] = __ldg(P.embed + (size_t)token_of(r + u * R) * H + b + c);
+#pragma unroll
+      for (int u = 0; u < EMBED_LOADS; ++u) {
+        if (r + u * R >= ntok) break;
+        const size_t at = (size_t)(r + u * R) * H + b + c;
+        P.residual[at] = bf16_to_f32(v[u]);
+#if MK_MMA
+        P.residual_in[at] = v[u];  // its bf16 copy: the embedding's bits
+#endif
+      }
+    }
   return true;
 }
 

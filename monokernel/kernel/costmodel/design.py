@@ -75,8 +75,8 @@ class KernelDesign:
     k_cache_keys_per_warp: int = 0
     # EMBED in a step of T rows. 0 (before the thirty-fourth session): a row after another,
     # each the tile's columns a thread, its load and stores before the next row's load (T
-    # dependent HBM trips); U > 0: the step's (row, column) pairs over the threads, U loads a
-    # thread issued before their stores, so ceil(T x tile / (threads x U)) trips
+    # dependent HBM trips); U > 0: the tile's columns over the threads, threads // tile rows a
+    # pass, U rows a thread loaded before their stores (ops/embed.py row_rounds)
     embed_loads: int = 0
     # ATTENTION prefetches its units' K/V rows of the positions cached before this step into L2
     # before its wait
@@ -431,27 +431,27 @@ V6_MMA_WARP = V6_MMA_TILES.replace(name="v6-mma-warp-units", attn_units_in_fligh
 # cp.async ring, its L2 reads beside its mma (mma_rows_l2_overlap; benchmarks/NOTES.md "The ring
 # in block_mma_rows").
 V6_MMA_RING = V6_MMA_TILES.replace(name="v6-mma-ring", mma_rows_l2_overlap=True)
-# V6-MMA-KEYS (as built: design_for): v6-mma-ring with late q/k's key caching in O_PROJ spread
+# V6-MMA-KEYS (built before v6-mma-embed): v6-mma-ring with late q/k's key caching in O_PROJ spread
 # over the owner block's warps, 4 keys a warp round (k_cache_keys_per_warp; benchmarks/NOTES.md
 # "Late q/k's key caching, a token at a time").
 V6_MMA_KEYS = V6_MMA_RING.replace(name="v6-mma-keys", k_cache_keys_per_warp=KEY_CACHE_KEYS)
-# V6-MMA-EMBED (PREDICTED, not built): v6-mma-keys with EMBED's step of many rows in
-# isa.EMBED_LOADS loads a thread at once over the (row, column) pairs (embed_loads;
+# V6-MMA-EMBED (as built: design_for): v6-mma-keys with EMBED's step of many rows over the
+# threads, 256 // tile rows a pass, isa.EMBED_LOADS a thread at once (embed_loads;
 # benchmarks/NOTES.md "EMBED, a row at a time").
 V6_MMA_EMBED = V6_MMA_KEYS.replace(name="v6-mma-embed", embed_loads=EMBED_LOADS)
-# V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-keys with a step that needs no logits
+# V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-embed with a step that needs no logits
 # skipping its last layer after QKV (last_layer_skip; benchmarks/NOTES.md "Late q/k's key
 # caching, a token at a time", its as-built part: what building it must keep).
-V6_MMA_SKIP = V6_MMA_KEYS.replace(name="v6-mma-last-skip", last_layer_skip=True)
+V6_MMA_SKIP = V6_MMA_EMBED.replace(name="v6-mma-last-skip", last_layer_skip=True)
 # V6-MMA-OVERLAP (PREDICTED, not built): ... and block_mma's too, every mat-mul's L2 reads
 # beside its mma (mma_l2_overlap; benchmarks/NOTES.md "A mat-mul's L2 reads beside its mma").
 V6_MMA_OVERLAP = V6_MMA_RING.replace(name="v6-mma-overlap", mma_l2_overlap=True)
 # V6-MMA-LAST-LAYER (PREDICTED, not built): the built design with the last layer's ops after
 # QKV on the rows needing logits alone (last_layer_logits; benchmarks/NOTES.md "The last
 # layer on the logits rows").
-V6_MMA_LAST = V6_MMA_KEYS.replace(name="v6-mma-last-layer", last_layer_logits=True)
+V6_MMA_LAST = V6_MMA_EMBED.replace(name="v6-mma-last-layer", last_layer_logits=True)
 # The tensor-core designs megakernel.cu builds.
-BUILT_MMA = ("v6-mma-seg", "v6-mma-keys")
+BUILT_MMA = ("v6-mma-seg", "v6-mma-embed")
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
@@ -471,8 +471,8 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
     per launch; its A/B twins with one launch per step (backend cuda-1step) or the fenced hop
     (MK_SYNC=1, backend cuda-sync1); with a program of steps of up to T tokens (``tokens``),
     the token loop and prompts in chunks of T; ``tensor_cores`` (a kernel of slots built with
-    them, MK_MMA): V6_MMA_KEYS where two K/V tile buffers fit (else V6_MMA_SEG with the ring
-    and the keys over the warps),
+    them, MK_MMA): V6_MMA_EMBED where two K/V tile buffers fit (else V6_MMA_SEG with the ring,
+    the keys and EMBED's rows over the threads),
     residual_in's copy in a pass where the epilogue's store would spill (head_dim 128). A
     kernel change updates these in the same commit."""
     if tensor_cores:
@@ -483,11 +483,12 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
         # MK_ATTN_PIPE where two K/V tile buffers (header.segment_tile) fit the shape's
         # shared memory: every shape served
         # (block_mma_rows' ring is in every tensor-core kernel of steps of many tokens)
-        # (and O_PROJ's late q/k key caching over the warps: cache_keys)
-        d = V6_MMA_KEYS if cfg is not None and attn_pipeline(cfg) \
+        # (and O_PROJ's late q/k key caching over the warps, cache_keys; EMBED's rows over the
+        # threads)
+        d = V6_MMA_EMBED if cfg is not None and attn_pipeline(cfg) \
             else V6_MMA_SEG.replace(mma_rows_l2_overlap=True,
-                                    k_cache_keys_per_warp=KEY_CACHE_KEYS)
-        if d is V6_MMA_KEYS and cfg is not None and not residual_in_epilogue(cfg):
+                                    k_cache_keys_per_warp=KEY_CACHE_KEYS, embed_loads=EMBED_LOADS)
+        if d is V6_MMA_EMBED and cfg is not None and not residual_in_epilogue(cfg):
             # MK_RES_IN_EPI 0 (head_dim 128): the copy in a pass after the mat-mul
             d = d.replace(residual_copy_epilogue=False)
         if tokens > 1:
@@ -502,7 +503,8 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
         d = d.replace(steps_per_launch=1)
     tokens = getattr(program, "tokens", 1)
     if tokens > 1:  # prompt chunks of up to `tokens` (MK_T_MAX), late q/k's keys over the warps
-        d = d.replace(token_loop=True, prefill_chunk=tokens, k_cache_keys_per_warp=KEY_CACHE_KEYS)
+        d = d.replace(token_loop=True, prefill_chunk=tokens, k_cache_keys_per_warp=KEY_CACHE_KEYS,
+                      embed_loads=EMBED_LOADS)
     if d is V6:
         return d
     return d.replace(name="v6" + ("" if sync >= 2 else "-sync1") + ("" if multi_step else "-1step")

@@ -26,12 +26,15 @@ def tile(plan, layer: int) -> list[Instruction]:
 
 def row_rounds(columns, rows: int, d) -> np.ndarray:
     """Dependent HBM rounds of an EMBED instruction of ``columns`` columns (its tile) for a
-    step of ``rows`` rows: a row a round (embed_loads 0), or the (row, column) pairs over the
-    threads, embed_loads of them a thread in flight."""
+    step of ``rows`` rows: a row a round (embed_loads 0), or the tile's columns over the
+    threads, threads // columns rows a pass, embed_loads rows a thread in flight (megakernel.cu
+    op_embed)."""
     columns = np.asarray(columns)
     if d.embed_loads <= 0:
         return np.full(columns.shape, float(rows))
-    return np.ceil(rows * columns / (d.threads * d.embed_loads))
+    per_pass = np.maximum(d.threads // np.maximum(columns, 1), 1)
+    column_passes = np.ceil(columns / d.threads)
+    return column_passes * np.ceil(rows / (per_pass * d.embed_loads))
 
 
 def cost(b: OpBatch, g, d) -> Phases:
