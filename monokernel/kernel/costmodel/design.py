@@ -78,6 +78,11 @@ class KernelDesign:
     # dependent HBM trips); U > 0: the tile's columns over the threads, threads // tile rows a
     # pass, U rows a thread loaded before their stores (ops/embed.py row_rounds)
     embed_loads: int = 0
+    # a step's end with many logits rows: finish_step hands each row's drawn token on (its
+    # out_tokens word, its stop check, the next table's row) on one thread, a row after
+    # another (False, before the thirty-fourth session), or a thread a row at once with a
+    # block scan for the next table's order (tokens.step_end_extra_us)
+    finish_rows_parallel: bool = False
     # ATTENTION prefetches its units' K/V rows of the positions cached before this step into L2
     # before its wait
     attn_kv_prefetch: bool = True
@@ -439,6 +444,9 @@ V6_MMA_KEYS = V6_MMA_RING.replace(name="v6-mma-keys", k_cache_keys_per_warp=KEY_
 # threads, 256 // tile rows a pass, isa.EMBED_LOADS a thread at once (embed_loads;
 # benchmarks/NOTES.md "EMBED, a row at a time").
 V6_MMA_EMBED = V6_MMA_KEYS.replace(name="v6-mma-embed", embed_loads=EMBED_LOADS)
+# V6-MMA-FINISH (PREDICTED, not built): v6-mma-embed with finish_step's rows a thread each
+# (finish_rows_parallel; benchmarks/NOTES.md "The step's end, a row at a time").
+V6_MMA_FINISH = V6_MMA_EMBED.replace(name="v6-mma-finish", finish_rows_parallel=True)
 # V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-embed with a step that needs no logits
 # skipping its last layer after QKV (last_layer_skip; benchmarks/NOTES.md "Late q/k's key
 # caching, a token at a time", its as-built part: what building it must keep).
@@ -459,6 +467,7 @@ DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-warp-units": V6_MMA_WARP, "v6-mma-ring": V6_MMA_RING,
                                     "v6-mma-overlap": V6_MMA_OVERLAP,
                                     "v6-mma-keys": V6_MMA_KEYS, "v6-mma-embed": V6_MMA_EMBED,
+                                    "v6-mma-finish": V6_MMA_FINISH,
                                     "v6-mma-last-skip": V6_MMA_SKIP,
                                     "v6-mma-last-layer": V6_MMA_LAST,
                                     "v7": V7, "v7-rows": V7_ROWS,

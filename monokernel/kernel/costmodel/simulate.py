@@ -352,7 +352,7 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> P
     st_a = np.array(start, np.float64)
     trips = st.fields["l2"] + st.fields["hbm"] + st.fields["rounds"]
     return Prediction(program, g, d, context, st_a, np.array(ready, np.float64), end_a, trips,
-                      float(np.nanmax(end_a)) + step_end_us(g, d) + step_end_extra_us(st.step, g),
+                      float(np.nanmax(end_a)) + step_end_us(g, d) + step_end_extra_us(st.step, g, d),
                       g.launch / d.steps_per_launch, chain, hops, st.step)
 
 

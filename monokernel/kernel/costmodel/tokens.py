@@ -451,9 +451,17 @@ def widen_attention(b: OpBatch, g, d, one_token) -> Phases:
                   tot["bytes"], tot["pref"], compute=compute)
 
 
-def step_end_extra_us(shape: StepShape | None, g) -> float:
-    """The step's end for many logits rows: the reducer reads every row's per-tile partials
-    (one L2 round, the rows over its warps) and draws each row's token."""
+def step_end_extra_us(shape: StepShape | None, g, d) -> float:
+    """The step's end for many logits rows (megakernel.cu lm_head_ticket, finish_step), past
+    the one row step_end_us charges: the reducer's warps draw the rows, a row a warp round
+    (an L2 round of its partials, the warp's shuffles); then finish_step hands every row's
+    token on: one thread a row after another (finish_rows_parallel False: two dependent L2
+    trips a row, its drawn token, then its slot's stop mask), or a thread a row at once and
+    a block scan for the next table's order."""
     if shape is None or shape.single or shape.logits == 0:
         return 0.0
-    return (shape.logits - 1) * 10 * g.shfl / 8
+    rounds = -(-shape.logits // d.warps)
+    t = (rounds - 1) * (g.l2_latency + 10 * g.shfl)
+    if d.finish_rows_parallel:
+        return t + 2 * g.bar_sync + 10 * g.shfl
+    return t + (shape.logits - 1) * 2 * g.l2_latency
