@@ -281,10 +281,6 @@ def seg_sub(head_dim: int) -> int:
 # Late q/k keys of a segment's own rows a warp norms and ropes at once when it stages a K tile
 # (megakernel.cu segment_keys: every key's loads issued before the first one's arithmetic).
 SEG_KEYS = 4
-# EMBED's rows a thread loads before their stores (megakernel.cu op_embed: the tile's columns
-# over the threads, 256 // tile rows a pass). 2 spilled Qwen3's megakernel of 8 / 8 slices
-# (ptxas, 2026-12-07); 1 already takes a chunk of 256 rows in 5-16 rounds, not 256.
-EMBED_LOADS = 1
 # Late q/k keys of a step a warp of O_PROJ's owner block norms, ropes and caches at once
 # (megakernel.cu op_o_proj_residual: the step's (token, head) pairs over the block's warps).
 KEY_CACHE_KEYS = 8

@@ -1005,53 +1005,33 @@ __device__ __forceinline__ unsigned short* chunk_keys() {
 // ================================================================================================
 // Op: EMBED - residual[b:e] = embed[token, b:e]
 // ================================================================================================
-#define EMBED_LOADS MK_EMBED_LOADS  // isa.EMBED_LOADS: loads a thread issues before their stores
 // false (every block then stops) for a token outside the vocabulary: a NaN step leaves -1 in
 // the state (the host reads it as the NaN), and a launch repeated as it is (the bench's
 // replays) must not embed it from outside the table.
 // A chunk's tokens after the first come from feed[] (the prompt, written before the launch);
 // a step of many sequences' from its token table.
 __device__ bool op_embed(const Params& P, const int* ins, const int* st, int instr) {
-  const int b = ins[W_TILE_BEGIN], w = ins[W_TILE_END] - b, ntok = step_tokens(st);
-  const auto token_of = [&](int tok) {
-    return MK_SLOTS ? step_row(st, tok)[R_TOKEN]
-                    : tok == 0 ? st[S_TOKEN] : P.feed[st[S_POS] + tok];
-  };
-  const auto outside = [](int token) { return token < 0 || token >= MK_VOCAB; };
-  // every row's token checked first (a thread a row); the first row's outside the vocabulary
-  // is the one reported
-  bool bad = false;
-  for (int tok = threadIdx.x; tok < ntok; tok += MK_THREADS) bad |= outside(token_of(tok));
-  if (__syncthreads_or(bad)) {
-    if (threadIdx.x == 0) {
-      int tok = 0;
-      while (!outside(token_of(tok))) ++tok;
-      record_error(P, ERR_BAD_TOKEN, instr, OP_EMBED, -1, MK_VOCAB, token_of(tok));
+  const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], ntok = step_tokens(st);
+  for (int tok = 0; tok < ntok; ++tok) {
+    const int token = MK_SLOTS ? step_row(st, tok)[R_TOKEN]
+                      : tok == 0 ? st[S_TOKEN] : P.feed[st[S_POS] + tok];
+    if (token < 0 || token >= MK_VOCAB) {
+      if (threadIdx.x == 0) record_error(P, ERR_BAD_TOKEN, instr, OP_EMBED, -1, MK_VOCAB, token);
+      return false;
     }
-    return false;
-  }
-  // the tile's columns over the threads, R rows a pass (a thread's column c, its rows r0,
-  // r0 + R, ...), EMBED_LOADS rows a thread loaded before their stores (a row after another
-  // kept one load in flight: a step of T rows cost T dependent trips to HBM)
-  if (w <= 0) return true;
-  const int R = max(MK_THREADS / max(w, 1), 1), r0 = w >= MK_THREADS ? 0 : threadIdx.x / w;
-  for (int c = w >= MK_THREADS ? threadIdx.x : threadIdx.x % w; c < w && r0 < R;
-       c += MK_THREADS)
-    for (int r = r0; r < ntok; r += EMBED_LOADS * R) {
-      unsigned short v[EMBED_LOADS];
-#pragma unroll
-      for (int u = 0; u < EMBED_LOADS; ++u)
-        if (r + u * R < ntok) v[u] = __ldg(P.embed + (size_t)token_of(r + u * R) * H + b + c);
-#pragma unroll
-      for (int u = 0; u < EMBED_LOADS; ++u) {
-        if (r + u * R >= ntok) break;
-        const size_t at = (size_t)(r + u * R) * H + b + c;
-        P.residual[at] = bf16_to_f32(v[u]);
+    const unsigned short* row = P.embed + (size_t)token * H;
+    float* res = P.residual + (size_t)tok * H;
 #if MK_MMA
-        P.residual_in[at] = v[u];  // its bf16 copy: the embedding's bits
-#endif
-      }
+    mk_in_t* res_in = P.residual_in + (size_t)tok * H;  // its bf16 copy: the embedding's bits
+    for (int i = b + threadIdx.x; i < e; i += MK_THREADS) {
+      const unsigned short v = __ldg(row + i);
+      res[i] = bf16_to_f32(v);
+      res_in[i] = v;
     }
+#else
+    for (int i = b + threadIdx.x; i < e; i += MK_THREADS) res[i] = bf16_to_f32(__ldg(row + i));
+#endif
+  }
   return true;
 }
 
@@ -2892,41 +2872,70 @@ __device__ __forceinline__ int lm_head_host_stop(const Params& P, const int* ins
   return ins[A_RMS_LM_HEAD_SLOT] == 0 ? read_host_stop(P) : 0;
 }
 
-__device__ __forceinline__ void finish_step(const Params& P, const int* st, int token,
-                                            int host_stop) {
 #if MK_SLOTS
-  // a step of the token table. Every row with logits: its drawn token to its slot's row of
-  // out_tokens, at the row's position; in a launch of more steps, the row becomes a decode row
-  // of the next table (P.rows, which every block copies after the step counter moves), fed
-  // that token at the next position, unless its slot stops there (isa.RowWord.STOP_POS).
-  (void)token;
+// The end of a step of the token table, by every thread of the block that ends it, after its
+// warps drew the rows' tokens (P.row_tokens). Every row with logits, a thread each: its drawn
+// token to its slot's row of out_tokens, at the row's position; in a launch of more steps,
+// the row becomes a decode row of the next table (P.rows, which every block copies after the
+// step counter moves), fed that token at the next position, unless its slot stops there
+// (isa.RowWord.STOP_POS). The next table keeps the rows' order (a ballot scan over the
+// warps). Thread 0 then writes the state words and releases the step counter (one thread a
+// row after another put two dependent L2 trips a row on the step's end: its token, then its
+// slot's stop mask).
+__device__ void finish_rows(const Params& P, const int* st, int host_stop) {
+  static_assert(MK_T_MAX <= MK_THREADS, "finish_rows: a thread a row");
+  __shared__ int s_kept[NWARPS + 1];  // each warp's kept rows; [NWARPS]: the host's stop flag
+  if (threadIdx.x == 0) s_kept[NWARPS] = host_stop;  // (thread 0's: lm_head_ticket)
+  __syncthreads();
+  host_stop = s_kept[NWARPS];
   const bool more = st[S_STEPS] > 1 && host_stop == 0;
-  int k = 0;
-  for (int tok = 0; tok < step_tokens(st); ++tok) {
-    const int* row = step_row(st, tok);
-    if (row[R_LOGITS] < 0) continue;
-    const int slot = row[R_SLOT], next_pos = row[R_POS] + 1, t = P.row_tokens[tok];
+  const int tok = threadIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int* row = step_row(st, min(tok, max(step_tokens(st) - 1, 0)));
+  bool keep = false;
+  int t = 0;
+  if (tok < step_tokens(st) && row[R_LOGITS] >= 0) {
+    const int slot = row[R_SLOT], next_pos = row[R_POS] + 1;
+    t = P.row_tokens[tok];
     *reinterpret_cast<volatile int*>(P.out_tokens + (size_t)slot * MK_MAX_SEQ + row[R_POS]) = t;
-    const bool stop = t < 0 || stop_token(P, slot, t) || next_pos >= row[R_STOP_POS] ||
-                      next_pos >= MK_MAX_SEQ;
-    if (stop || !more) continue;
+    keep = more && !(t < 0 || stop_token(P, slot, t) || next_pos >= row[R_STOP_POS] ||
+                     next_pos >= MK_MAX_SEQ);
+  }
+  const unsigned kept = __ballot_sync(FULL_MASK, keep);
+  if (lane == 0) s_kept[warp] = __popc(kept);
+  __syncthreads();
+  int k = __popc(kept & ((1u << lane) - 1u)), total = 0;
+  for (int w = 0; w < NWARPS; ++w) {
+    k += w < warp ? s_kept[w] : 0;
+    total += s_kept[w];
+  }
+  if (keep) {
     int* next = P.rows + k * MK_ROW_WORDS;
     next[R_TOKEN] = t;
-    next[R_SLOT] = slot;
-    next[R_POS] = next_pos;
+    next[R_SLOT] = row[R_SLOT];
+    next[R_POS] = row[R_POS] + 1;
     next[R_SEG] = k;
     next[R_LOGITS] = k;
     next[R_TEMPERATURE] = row[R_TEMPERATURE];
     next[R_SEED] = row[R_SEED];
     next[R_STOP_POS] = row[R_STOP_POS];
-    ++k;
   }
-  P.state[S_NTOK] = k;
+  __syncthreads();  // every row's stores are issued before thread 0's release
+  if (threadIdx.x != 0) return;
+  P.state[S_NTOK] = total;
   P.state[S_STEP] = st[S_STEP] + 1;
-  P.state[S_RUN] = k > 0;
-  P.state[S_STOP_REASON] = k > 0 ? STOP_NONE : host_stop ? STOP_HOST
+  P.state[S_RUN] = total > 0;
+  P.state[S_STOP_REASON] = total > 0 ? STOP_NONE : host_stop ? STOP_HOST
                          : st[S_STEPS] <= 1 ? STOP_BUDGET : STOP_TOKEN;
+#if MK_SYNC >= 2
+  red_add_release(&P.counters[st[S_STEP_COUNTER]], 1);  // after the barrier: every row's
 #else
+  __threadfence();
+  atomicAdd(&P.counters[st[S_STEP_COUNTER]], 1);
+#endif
+}
+#else
+__device__ __forceinline__ void finish_step(const Params& P, const int* st, int token,
+                                            int host_stop) {
   // a chunk's positions pos..pos+NTOK-1: the next token of each but the last is fed
   const int first = st[S_POS], pos = first + step_tokens(st) - 1, next_pos = pos + 1;
   const bool prompt = next_pos < st[S_FEED_END];
@@ -2949,7 +2958,6 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
   P.state[S_STEP] = st[S_STEP] + 1;
   P.state[S_RUN] = reason == STOP_NONE;
   P.state[S_STOP_REASON] = reason;
-#endif
 #if MK_SYNC >= 2
   red_add_release(&P.counters[st[S_STEP_COUNTER]], 1);  // this thread wrote all of it
 #else
@@ -2957,6 +2965,7 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
   atomicAdd(&P.counters[st[S_STEP_COUNTER]], 1);
 #endif
 }
+#endif
 
 // The best of n partials (score, token id as float bits) by one warp, in one round trip:
 // every lane ends with it.
@@ -3001,8 +3010,8 @@ __device__ void lm_head_ticket(const Params& P, OpShared& s, const int* st, int 
     warp_best_of(P.lm_part + (size_t)tok * tickets * 2, tickets, best, best_id);
     if (lane == 0) P.row_tokens[tok] = best == best ? best_id : -1;
   }
-  __syncthreads();  // the rows' tokens are issued before thread 0's release (finish_step)
-  if (threadIdx.x == 0) finish_step(P, st, -1, host_stop);
+  __syncthreads();  // the rows' tokens are issued before finish_rows reads them
+  finish_rows(P, st, host_stop);
 #else
   if (threadIdx.x >= 32) return;
   warp_best_of(P.lm_part, tickets, best, best_id);

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ...errors import CostModelError
 from .. import sass_facts
-from ..isa import (EMBED_LOADS, KEY_CACHE_KEYS, MMA_NT, MMA_RG, MMA_ROWS_SPLIT_ABOVE,
+from ..isa import (KEY_CACHE_KEYS, MMA_NT, MMA_RG, MMA_ROWS_SPLIT_ABOVE,
                    MMA_ROWS_SPLIT_MAX_K, MMA_ROWS_UNROLL, MMA_RT, NUM_THREADS,
                    RMS_STAGE_MAX_ROWS, ROW_PART_MTILES)
 
@@ -78,7 +78,7 @@ class KernelDesign:
     # dependent HBM trips); U > 0: the tile's columns over the threads, threads // tile rows a
     # pass, U rows a thread loaded before their stores (ops/embed.py row_rounds)
     embed_loads: int = 0
-    # a step's end with many logits rows: finish_step hands each row's drawn token on (its
+    # a step's end with many logits rows: finish_rows hands each row's drawn token on (its
     # out_tokens word, its stop check, the next table's row) on one thread, a row after
     # another (False, before the thirty-fourth session), or a thread a row at once with a
     # block scan for the next table's order (tokens.step_end_extra_us)
@@ -437,29 +437,29 @@ V6_MMA_WARP = V6_MMA_TILES.replace(name="v6-mma-warp-units", attn_units_in_fligh
 # in block_mma_rows").
 V6_MMA_RING = V6_MMA_TILES.replace(name="v6-mma-ring", mma_rows_l2_overlap=True)
 # V6-MMA-KEYS (built before v6-mma-embed): v6-mma-ring with late q/k's key caching in O_PROJ spread
-# over the owner block's warps, 4 keys a warp round (k_cache_keys_per_warp; benchmarks/NOTES.md
+# over the owner block's warps, isa.KEY_CACHE_KEYS a warp round (k_cache_keys_per_warp; NOTES.md
 # "Late q/k's key caching, a token at a time").
 V6_MMA_KEYS = V6_MMA_RING.replace(name="v6-mma-keys", k_cache_keys_per_warp=KEY_CACHE_KEYS)
-# V6-MMA-EMBED (as built: design_for): v6-mma-keys with EMBED's step of many rows over the
-# threads, 256 // tile rows a pass, isa.EMBED_LOADS a thread at once (embed_loads;
-# benchmarks/NOTES.md "EMBED, a row at a time").
-V6_MMA_EMBED = V6_MMA_KEYS.replace(name="v6-mma-embed", embed_loads=EMBED_LOADS)
-# V6-MMA-FINISH (PREDICTED, not built): v6-mma-embed with finish_step's rows a thread each
+# V6-MMA-FINISH (as built: design_for): v6-mma-keys with the step's end a thread a row
 # (finish_rows_parallel; benchmarks/NOTES.md "The step's end, a row at a time").
-V6_MMA_FINISH = V6_MMA_EMBED.replace(name="v6-mma-finish", finish_rows_parallel=True)
-# V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-embed with a step that needs no logits
+V6_MMA_FINISH = V6_MMA_KEYS.replace(name="v6-mma-finish", finish_rows_parallel=True)
+# V6-MMA-EMBED (PREDICTED, not built: built, it spilled Qwen3's megakernel): v6-mma-finish with
+# EMBED's step of many rows over the threads, 256 // tile rows a pass, one a thread (embed_loads;
+# benchmarks/NOTES.md "EMBED, a row at a time").
+V6_MMA_EMBED = V6_MMA_FINISH.replace(name="v6-mma-embed", embed_loads=1)
+# V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-finish with a step that needs no logits
 # skipping its last layer after QKV (last_layer_skip; benchmarks/NOTES.md "Late q/k's key
 # caching, a token at a time", its as-built part: what building it must keep).
-V6_MMA_SKIP = V6_MMA_EMBED.replace(name="v6-mma-last-skip", last_layer_skip=True)
+V6_MMA_SKIP = V6_MMA_FINISH.replace(name="v6-mma-last-skip", last_layer_skip=True)
 # V6-MMA-OVERLAP (PREDICTED, not built): ... and block_mma's too, every mat-mul's L2 reads
 # beside its mma (mma_l2_overlap; benchmarks/NOTES.md "A mat-mul's L2 reads beside its mma").
 V6_MMA_OVERLAP = V6_MMA_RING.replace(name="v6-mma-overlap", mma_l2_overlap=True)
 # V6-MMA-LAST-LAYER (PREDICTED, not built): the built design with the last layer's ops after
 # QKV on the rows needing logits alone (last_layer_logits; benchmarks/NOTES.md "The last
 # layer on the logits rows").
-V6_MMA_LAST = V6_MMA_EMBED.replace(name="v6-mma-last-layer", last_layer_logits=True)
+V6_MMA_LAST = V6_MMA_FINISH.replace(name="v6-mma-last-layer", last_layer_logits=True)
 # The tensor-core designs megakernel.cu builds.
-BUILT_MMA = ("v6-mma-seg", "v6-mma-embed")
+BUILT_MMA = ("v6-mma-seg", "v6-mma-finish")
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
@@ -480,8 +480,8 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
     per launch; its A/B twins with one launch per step (backend cuda-1step) or the fenced hop
     (MK_SYNC=1, backend cuda-sync1); with a program of steps of up to T tokens (``tokens``),
     the token loop and prompts in chunks of T; ``tensor_cores`` (a kernel of slots built with
-    them, MK_MMA): V6_MMA_EMBED where two K/V tile buffers fit (else V6_MMA_SEG with the ring,
-    the keys and EMBED's rows over the threads),
+    them, MK_MMA): V6_MMA_FINISH where two K/V tile buffers fit (else V6_MMA_SEG with the ring,
+    the keys and the step's end over the threads),
     residual_in's copy in a pass where the epilogue's store would spill (head_dim 128). A
     kernel change updates these in the same commit."""
     if tensor_cores:
@@ -492,12 +492,13 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
         # MK_ATTN_PIPE where two K/V tile buffers (header.segment_tile) fit the shape's
         # shared memory: every shape served
         # (block_mma_rows' ring is in every tensor-core kernel of steps of many tokens)
-        # (and O_PROJ's late q/k key caching over the warps, cache_keys; EMBED's rows over the
-        # threads)
-        d = V6_MMA_EMBED if cfg is not None and attn_pipeline(cfg) \
+        # (and O_PROJ's late q/k key caching over the warps, cache_keys; the step's end a
+        # thread a row, finish_rows)
+        d = V6_MMA_FINISH if cfg is not None and attn_pipeline(cfg) \
             else V6_MMA_SEG.replace(mma_rows_l2_overlap=True,
-                                    k_cache_keys_per_warp=KEY_CACHE_KEYS, embed_loads=EMBED_LOADS)
-        if d is V6_MMA_EMBED and cfg is not None and not residual_in_epilogue(cfg):
+                                    k_cache_keys_per_warp=KEY_CACHE_KEYS,
+                                    finish_rows_parallel=True)
+        if d is V6_MMA_FINISH and cfg is not None and not residual_in_epilogue(cfg):
             # MK_RES_IN_EPI 0 (head_dim 128): the copy in a pass after the mat-mul
             d = d.replace(residual_copy_epilogue=False)
         if tokens > 1:
@@ -512,8 +513,10 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
         d = d.replace(steps_per_launch=1)
     tokens = getattr(program, "tokens", 1)
     if tokens > 1:  # prompt chunks of up to `tokens` (MK_T_MAX), late q/k's keys over the warps
+        # (finish_rows_parallel: a kernel of slots' end, finish_rows; one sequence's chunk
+        # ends in finish_step, one row, charged the scan it does not run: ~0.3 us)
         d = d.replace(token_loop=True, prefill_chunk=tokens, k_cache_keys_per_warp=KEY_CACHE_KEYS,
-                      embed_loads=EMBED_LOADS)
+                      finish_rows_parallel=True)
     if d is V6:
         return d
     return d.replace(name="v6" + ("" if sync >= 2 else "-sync1") + ("" if multi_step else "-1step")

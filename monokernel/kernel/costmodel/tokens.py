@@ -452,9 +452,9 @@ def widen_attention(b: OpBatch, g, d, one_token) -> Phases:
 
 
 def step_end_extra_us(shape: StepShape | None, g, d) -> float:
-    """The step's end for many logits rows (megakernel.cu lm_head_ticket, finish_step), past
+    """The step's end for many logits rows (megakernel.cu lm_head_ticket, finish_rows), past
     the one row step_end_us charges: the reducer's warps draw the rows, a row a warp round
-    (an L2 round of its partials, the warp's shuffles); then finish_step hands every row's
+    (an L2 round of its partials, the warp's shuffles); then finish_rows hands every row's
     token on: one thread a row after another (finish_rows_parallel False: two dependent L2
     trips a row, its drawn token, then its slot's stop mask), or a thread a row at once and
     a block scan for the next table's order."""
