@@ -482,7 +482,7 @@ def test_negative_control_next_table_written_after_the_release_is_reported(tiny)
     ex = table_executor(tiny)
     source = ex.source
     final = ("#if MK_SYNC >= 2\n  red_add_release(&P.counters[st[S_STEP_COUNTER]], 1);  "
-             "// after the barrier")
+             "// after the barrier: every row's\n")
     early = "  const bool more = st[S_STEPS] > 1 && host_stop == 0;\n"
     assert source.count(final) == 1 and source.count(early) == 1
     source = source.replace(final, "#if MK_SYNC >= 2\n").replace(
