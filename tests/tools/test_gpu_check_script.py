@@ -43,7 +43,11 @@ REPO = Path(__file__).resolve().parents[2]
 # vector clocks and with the token-group picks kept on disk: 285 user CPU-s, 324 with sys, a unit
 # of 4.30 CPU-s: 66 units of user CPU, 75 with sys. The budget is that plus ~35 %, and for sys
 # the old ceiling's ratio to the user budget (700 / 300).
-HOST_USER_UNITS = 90
+# The units do not carry across machines: on the 2-core CI machine of 2026-12-07 (a unit of
+# 1.62 CPU-s) the same work at 9ce3a63 measured 89.6 units of user CPU, at the 90 budget, and
+# the thirty-fourth session's kernel (cache_keys, finish_rows: longer NVRTC compiles) 91.6. The
+# budget is that machine's measurement plus ~35 %, the same rule.
+HOST_USER_UNITS = 120
 HOST_CPU_UNITS = 210
 WALL_CEILING_S = 1200
 # The steps' limits are the 16-core GPU machine's; this host has 2 cores (and NVRTC compiles in
