@@ -323,18 +323,27 @@ def test_a_big_steps_row_split_passes_leave_every_logit_bitwise(synth_model):
     smaller steps: the same sums. Three prompts (48, 48, 32) in one step of 128 rows on row
     tiles (every block all 128 rows: its QKV, O_PROJ, GATE_UP, DOWN and LM head split the
     rows) against the same prompts in steps of 32 rows, chunks of 16 (a kernel built for 32:
-    the k split only; a prompt's numbers do not depend on its chunks): every row's logits bit for bit. Negative control: the ranges added
-    in the reverse order change some row's logits (so the big step did take the row split,
-    and the order is what keeps it bitwise)."""
+    the k split only; a prompt's numbers do not depend on its chunks): every row's logits
+    bit for bit. Negative control: the ranges added in the reverse order change some row's
+    logits (so the big step did take the row split, and the order is what keeps it
+    bitwise)."""
     model = synth_model("llama3-tiny")
     prompts = [prompt_of(model, n, seed) for n, seed in ((48, 4), (48, 5), (32, 6))]
-    want = _row_split_logits(model, 32, [{0: 16, 1: 16}] * 3 + [{2: 16}] * 2, prompts)
-    got = _row_split_logits(model, 128, [{0: 48, 1: 48, 2: 32}], prompts)
-    assert len(got) == len(want) == 128
+    _assert_row_split_is_the_k_split(model, prompts, [{0: 16, 1: 16}] * 3 + [{2: 16}] * 2, 128)
+
+
+def _assert_row_split_is_the_k_split(model, prompts, small: list[dict[int, int]], big: int):
+    """Every row's logits of ``prompts`` in one step of ``big`` rows (the row split) bit for
+    bit those of the steps ``small`` on a kernel of 32 rows (the k split only); with the
+    ranges added in reverse order some row differs (the big step took the row split)."""
+    one = [{s: len(p) for s, p in enumerate(prompts)}]
+    want = _row_split_logits(model, 32, small, prompts)
+    got = _row_split_logits(model, big, one, prompts)
+    assert len(got) == len(want) == sum(map(len, prompts))
     bad = [k for k in want if not np.array_equal(got[k], want[k])]
     assert not bad, f"rows {bad[:5]} differ"
     mutant = _row_split_logits(
-        model, 128, [{0: 48, 1: 48, 2: 32}], prompts,
+        model, big, one, prompts,
         (_RANGES, "const int c_begin = (NWARPS - 1 - r) * C / NWARPS, "
                   "c_end = (NWARPS - r) * C / NWARPS;"))
     assert any(not np.array_equal(mutant[k], want[k]) for k in want)
@@ -359,16 +368,7 @@ def test_row_split_passes_with_partial_row_groups_are_bitwise(tmp_path):
                               intermediate_size=168, vocab_size=1003)
     model = load_model(write_synthetic(cfg, tmp_path / "awkward", seed=0), progress=False)
     prompts = [prompt_of(model, n, seed) for n, seed in ((20, 1), (14, 2), (9, 3))]
-    want = _row_split_logits(model, 32, [{0: 16, 1: 14}, {0: 4, 2: 9}], prompts)
-    got = _row_split_logits(model, 48, [{0: 20, 1: 14, 2: 9}], prompts)
-    assert len(got) == len(want) == 43
-    bad = [k for k in want if not np.array_equal(got[k], want[k])]
-    assert not bad, f"rows {bad[:5]} differ"
-    mutant = _row_split_logits(
-        model, 48, [{0: 20, 1: 14, 2: 9}], prompts,
-        (_RANGES, "const int c_begin = (NWARPS - 1 - r) * C / NWARPS, "
-                  "c_end = (NWARPS - r) * C / NWARPS;"))
-    assert any(not np.array_equal(mutant[k], want[k]) for k in want)
+    _assert_row_split_is_the_k_split(model, prompts, [{0: 16, 1: 14}, {0: 4, 2: 9}], 48)
 
 
 _STAGE_STORE = "rms_bf16_x8(v, r, w, col, b);"
