@@ -351,9 +351,9 @@ def _simulate(program, g: GPU, d: KernelDesign, context: int, st: "Static") -> P
     chain.reverse()
     st_a = np.array(start, np.float64)
     trips = st.fields["l2"] + st.fields["hbm"] + st.fields["rounds"]
+    end = float(np.nanmax(end_a)) + step_end_us(g, d) + step_end_extra_us(st.step, g, d)
     return Prediction(program, g, d, context, st_a, np.array(ready, np.float64), end_a, trips,
-                      float(np.nanmax(end_a)) + step_end_us(g, d) + step_end_extra_us(st.step, g, d),
-                      g.launch / d.steps_per_launch, chain, hops, st.step)
+                      end, g.launch / d.steps_per_launch, chain, hops, st.step)
 
 
 def predict_range(program, gpu_name: str, d: KernelDesign, context: int) -> tuple[float, float]:
