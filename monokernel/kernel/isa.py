@@ -284,6 +284,10 @@ SEG_KEYS = 4
 # Late q/k keys of a step a warp of O_PROJ's owner block norms, ropes and caches at once
 # (megakernel.cu op_o_proj_residual: the step's (token, head) pairs over the block's warps).
 KEY_CACHE_KEYS = 8
+# EMBED in a step of many rows (megakernel.cu op_embed): the rows' 16-byte chunks of the
+# block's tile copied by cp.async into this many bytes of shared memory a pass (s.embed, in a
+# union with s.vec), every copy of a pass issued before the wait: a pass one HBM round.
+EMBED_STAGE_BYTES = 8192
 # Late q/k queries of an m-tile a warp norms and ropes at once when it builds its query tile
 # (megakernel.cu segment_q_tile): a 16-query m-tile in two rounds.
 SEG_QUERIES = 8

@@ -70,7 +70,7 @@ def test_design_for_is_the_kernel_as_built():
                        attn_unit_pipeline=False, attn_tile_pipeline=False,
                        residual_copy_epilogue=False,
                        mma_rows_prefetch=False, mma_rows_l2_overlap=False,
-                       k_cache_keys_per_warp=0, embed_loads=0, finish_rows_parallel=False,
+                       k_cache_keys_per_warp=0, embed_stage_bytes=0, finish_rows_parallel=False,
                        rms_stage_partial=False) == cm.DESIGNS["v6-mma"]
     # the row split's walk prefetches its next k range (megakernel.cu block_mma_rows); mma_rms
     # stages a share's first rows where the whole does not fit

@@ -887,34 +887,39 @@ def test_late_qk_key_caching_costs_its_rounds():
 
 
 def test_embed_costs_its_row_rounds():
-    """EMBED in a step of T rows (megakernel.cu op_embed): as built a row after another, one
-    HBM trip each (embed_loads 0: T rounds, which the model had charged as one); v6-mma-embed
-    (predicted, not built: it spilled Qwen3's megakernel) the tile's columns over the
-    threads, 256 // tile rows a pass, embed_loads rows a thread at once. One row: one round
+    """EMBED in a step of T rows (megakernel.cu op_embed): before the thirty-fifth session a
+    row after another, one HBM trip each (embed_stage_bytes 0: T rounds, which the model had
+    charged as one); v6-mma-embed the rows' 16-byte chunks of the tile staged by cp.async,
+    isa.EMBED_STAGE_BYTES a pass, a pass one round and its barriers. One row: one round
     either way."""
     from monokernel.kernel.costmodel.parts import OpBatch
+    from monokernel.kernel.isa import EMBED_STAGE_BYTES
     from monokernel.kernel.ops import embed
 
     built = cm.design("v6-mma-embed")
-    old = built.replace(embed_loads=0)
+    old = built.replace(embed_stage_bytes=0)
     assert old == cm.design("v6-mma-finish").replace(name="v6-mma-embed")
-    EMBED_LOADS = built.embed_loads
-    assert EMBED_LOADS >= 1
-    cols = np.array([8, 16, 5, 0, 300])
-    assert embed.row_rounds(cols, 256, old).tolist() == [256] * 5
-    per_pass = np.maximum(256 // np.maximum(cols, 1), 1)
-    want = np.ceil(cols / 256) * np.ceil(256 / (per_pass * EMBED_LOADS))
-    assert embed.row_rounds(cols, 256, built).tolist() == want.tolist()
-    assert embed.row_rounds(np.array([8, 16]), 1, built).tolist() == [1, 1]
+    assert built.embed_stage_bytes == EMBED_STAGE_BYTES
+    # tiles: 8 columns aligned (1 chunk), 8 misaligned (2), 16 at 4 (3), empty, 300 at 0 (38)
+    lo = np.array([8, 12, 4, 9, 0])
+    hi = np.array([16, 20, 20, 9, 300])
+    assert embed.row_rounds(lo, hi, 256, old).tolist() == [256] * 5
+    chunks = np.array([1, 2, 3, 1, 38])
+    want = np.ceil(256 / np.maximum(EMBED_STAGE_BYTES // (16 * chunks), 1))
+    assert embed.row_rounds(lo, hi, 256, built).tolist() == want.tolist()
+    assert embed.row_rounds(lo, hi, 1, built).tolist() == [1] * 5
     prog = program("qwen3-0.6b", 132, 2048, num_layers=1)
     ins = [q[0] for q in prog.queues if q and q[0].op == Op.EMBED]
     lo = np.array([i.tile[0] for i in ins])
     hi = np.array([i.tile[1] for i in ins])
     wb = np.array([i.weight_bytes for i in ins])
     g = cm.gpu("h200")
-    for shape, rounds in ((StepShape.chunk(0, 256, True), np.ceil(256 / (256 // (hi - lo)))),
-                          (StepShape.decode(1, 10), 1)):
+    for shape in (StepShape.chunk(0, 256, True), StepShape.decode(1, 10)):
         b = OpBatch(prog, 10, np.zeros(len(ins), np.int64), lo, hi, wb, ins, shape)
         a, c = embed.cost(b, g, old), embed.cost(b, g, built)
+        rounds = embed.row_rounds(lo, hi, shape.tokens, built)
         np.testing.assert_allclose(a.hbm_trips, shape.tokens * c.hbm_trips / rounds)
-        assert np.all(np.asarray(rounds) <= 8)  # Qwen3's tiles of 7 and 8 columns: 36 rows a pass
+        # Qwen3's tiles of 7 and 8 columns: at most 2 chunks a row, 256 rows a pass
+        assert np.all(rounds == 1)
+        np.testing.assert_allclose(c.other_us, (2 * rounds - 1) * g.bar_sync)
+        assert np.all(a.other_us == 0)

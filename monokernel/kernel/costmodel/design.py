@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ...errors import CostModelError
 from .. import sass_facts
-from ..isa import (KEY_CACHE_KEYS, MMA_NT, MMA_RG, MMA_ROWS_SPLIT_ABOVE,
+from ..isa import (EMBED_STAGE_BYTES, KEY_CACHE_KEYS, MMA_NT, MMA_RG, MMA_ROWS_SPLIT_ABOVE,
                    MMA_ROWS_SPLIT_MAX_K, MMA_ROWS_UNROLL, MMA_RT, NUM_THREADS,
                    RMS_STAGE_MAX_ROWS, ROW_PART_MTILES)
 
@@ -73,11 +73,12 @@ class KernelDesign:
     # warp round (warp_qk_norm_rope_n<N>: every load of the N issued together), so
     # ceil(T x heads / (warps x N)) rounds
     k_cache_keys_per_warp: int = 0
-    # EMBED in a step of T rows. 0 (before the thirty-fourth session): a row after another,
+    # EMBED in a step of T rows. 0 (before the thirty-fifth session): a row after another,
     # each the tile's columns a thread, its load and stores before the next row's load (T
-    # dependent HBM trips); U > 0: the tile's columns over the threads, threads // tile rows a
-    # pass, U rows a thread loaded before their stores (ops/embed.py row_rounds)
-    embed_loads: int = 0
+    # dependent HBM trips); N > 0: the rows' 16-byte chunks of the tile copied by cp.async into
+    # N bytes of shared memory a pass, every copy of a pass issued before the wait, then stored
+    # from there (ops/embed.py row_rounds: a pass one round)
+    embed_stage_bytes: int = 0
     # a step's end with many logits rows: finish_rows hands each row's drawn token on (its
     # out_tokens word, its stop check, the next table's row) on one thread, a row after
     # another (False, before the thirty-fourth session), or a thread a row at once with a
@@ -443,10 +444,10 @@ V6_MMA_KEYS = V6_MMA_RING.replace(name="v6-mma-keys", k_cache_keys_per_warp=KEY_
 # V6-MMA-FINISH (as built: design_for): v6-mma-keys with the step's end a thread a row
 # (finish_rows_parallel; benchmarks/NOTES.md "The step's end, a row at a time").
 V6_MMA_FINISH = V6_MMA_KEYS.replace(name="v6-mma-finish", finish_rows_parallel=True)
-# V6-MMA-EMBED (PREDICTED, not built: built, it spilled Qwen3's megakernel): v6-mma-finish with
-# EMBED's step of many rows over the threads, 256 // tile rows a pass, one a thread (embed_loads;
-# benchmarks/NOTES.md "EMBED, a row at a time").
-V6_MMA_EMBED = V6_MMA_FINISH.replace(name="v6-mma-embed", embed_loads=1)
+# V6-MMA-EMBED (PREDICTED, not built): v6-mma-finish with EMBED's rows staged by cp.async,
+# isa.EMBED_STAGE_BYTES a pass (embed_stage_bytes; benchmarks/NOTES.md "EMBED, a row at a time"
+# and "EMBED's rows by cp.async").
+V6_MMA_EMBED = V6_MMA_FINISH.replace(name="v6-mma-embed", embed_stage_bytes=EMBED_STAGE_BYTES)
 # V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-finish with a step that needs no logits
 # skipping its last layer after QKV (last_layer_skip; benchmarks/NOTES.md "Late q/k's key
 # caching, a token at a time", its as-built part: what building it must keep).

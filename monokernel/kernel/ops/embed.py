@@ -24,17 +24,17 @@ def tile(plan, layer: int) -> list[Instruction]:
     return out
 
 
-def row_rounds(columns, rows: int, d) -> np.ndarray:
-    """Dependent HBM rounds of an EMBED instruction of ``columns`` columns (its tile) for a
-    step of ``rows`` rows: a row a round (embed_loads 0), or the tile's columns over the
-    threads, threads // columns rows a pass, embed_loads rows a thread in flight (megakernel.cu
-    op_embed)."""
-    columns = np.asarray(columns)
-    if d.embed_loads <= 0:
-        return np.full(columns.shape, float(rows))
-    per_pass = np.maximum(d.threads // np.maximum(columns, 1), 1)
-    column_passes = np.ceil(columns / d.threads)
-    return column_passes * np.ceil(rows / (per_pass * d.embed_loads))
+def row_rounds(lo, hi, rows: int, d) -> np.ndarray:
+    """Dependent HBM rounds of EMBED instructions of tiles [lo, hi) for a step of ``rows``
+    rows: a row a round (embed_stage_bytes 0), or the rows' 16-byte chunks of the tile (8
+    columns each, from the chunk holding lo to the one holding hi - 1) staged by cp.async,
+    embed_stage_bytes a pass, a pass one round (megakernel.cu op_embed)."""
+    lo, hi = np.asarray(lo), np.asarray(hi)
+    if d.embed_stage_bytes <= 0:
+        return np.full(lo.shape, float(rows))
+    chunks = np.maximum((hi + 7) // 8 - lo // 8, 1)
+    per_pass = np.maximum(d.embed_stage_bytes // (16 * chunks), 1)
+    return np.ceil(rows / per_pass)
 
 
 def cost(b: OpBatch, g, d) -> Phases:
@@ -42,5 +42,9 @@ def cost(b: OpBatch, g, d) -> Phases:
     z = b.zeros()
     rows = 1 if b.shape is None else b.shape.tokens  # one embedding row per token
     # the embedding rows' trip, once a round
-    hbm = hbm * row_rounds(b.n, rows, d)
-    return Phases(l2, hbm, z, z.copy(), rows * b.weight_bytes.astype(np.float64), z.copy())
+    rounds = row_rounds(b.lo, b.hi, rows, d)
+    hbm = hbm * rounds
+    # staged: a pass's barrier after its copies land, and one after its stores when another
+    # pass reuses the stage
+    other = z if d.embed_stage_bytes <= 0 else b.busy() * (2 * rounds - 1) * g.bar_sync
+    return Phases(l2, hbm, other, z.copy(), rows * b.weight_bytes.astype(np.float64), z.copy())
