@@ -983,8 +983,17 @@ __device__ void signal_counter(const Params& P, int counter) {
 // ================================================================================================
 // Shared memory of the ops (static: the shim gives each emulated block its own copy)
 // ================================================================================================
+// EMBED stages a step's rows by cp.async in a kernel of many tokens on tensor cores (op_embed)
+#define EMBED_STAGED (MK_MMA && MK_T_MAX > 1)
+#define EMBED_STAGE MK_EMBED_STAGE_BYTES  // isa.EMBED_STAGE_BYTES: the stage's bytes
+
 struct OpShared {
-  alignas(16) float vec[VEC_MAX];           // normed residual / merged attention / ffn h
+  union {
+    alignas(16) float vec[VEC_MAX];  // normed residual / merged attention / ffn h
+#if EMBED_STAGED
+    alignas(16) unsigned short embed[EMBED_STAGE / 2];  // EMBED: a pass's rows (op_embed)
+#endif
+  };
   alignas(16) float row[MK_HEAD_DIM];       // RMS_QKV_ROPE: one head's q, k or v rows
   alignas(16) float q[MK_GROUP * MK_HEAD_DIM];  // ATTENTION: the group's queries
   alignas(16) float o[MK_GROUP * MK_HEAD_DIM];  // ATTENTION: running outputs
@@ -1010,11 +1019,59 @@ __device__ __forceinline__ unsigned short* chunk_keys() {
 // replays) must not embed it from outside the table.
 // A chunk's tokens after the first come from feed[] (the prompt, written before the launch);
 // a step of many sequences' from its token table.
-__device__ bool op_embed(const Params& P, const int* ins, const int* st, int instr) {
+__device__ bool op_embed(const Params& P, OpShared& s, const int* ins, const int* st,
+                         int instr) {
   const int b = ins[W_TILE_BEGIN], e = ins[W_TILE_END], ntok = step_tokens(st);
+  const auto token_of = [&](int tok) {
+    return MK_SLOTS ? step_row(st, tok)[R_TOKEN]
+                    : tok == 0 ? st[S_TOKEN] : P.feed[st[S_POS] + tok];
+  };
+#if EMBED_STAGED
+  // A step of many rows: a row after another would be a dependent HBM trip each (T of them).
+  // A pass of EMBED_STAGE bytes at a time, the rows' 16-byte chunks of the tile (8 columns
+  // each, from the chunk holding b to the one holding e - 1) go by cp.async into s.embed,
+  // every copy issued before the wait (no register holds a loaded value: the megakernel has
+  // none to spare), each copy's thread checking its row's token; then the tile's (row,
+  // column) elements over the threads from there. The first row outside the vocabulary is
+  // the one reported (earlier passes' rows were all inside it).
+  static_assert(H % 8 == 0, "an embedding row is whole 16-byte chunks (cp.async)");
+  static_assert(EMBED_STAGE % 16 == 0 && EMBED_STAGE >= 16 * (H / 8 + 1),
+                "a pass holds at least a row of the widest tile's chunks");
+  const int c0 = b / 8, chunks = max((e + 7) / 8 - c0, 1), w = e - b;
+  const int per_pass = EMBED_STAGE / (16 * chunks);
+  for (int r0 = 0; r0 < ntok; r0 += per_pass) {
+    const int rows = min(per_pass, ntok - r0);
+    if (r0 > 0) __syncthreads();  // the previous pass's reads of the stage are done
+    bool bad = false;
+    for (int i = threadIdx.x; i < rows * chunks; i += MK_THREADS) {
+      const int r = i / chunks, token = token_of(r0 + r);
+      if (token < 0 || token >= MK_VOCAB) bad = true;
+      else if (w > 0)
+        cp_async_16(s.embed + 8 * i, P.embed + (size_t)token * H + 8 * (c0 + i - r * chunks));
+    }
+    cp_async_wait();
+    if (__syncthreads_or(bad)) {
+      if (threadIdx.x == 0) {
+        int r = r0;
+        while (token_of(r) >= 0 && token_of(r) < MK_VOCAB) ++r;
+        record_error(P, ERR_BAD_TOKEN, instr, OP_EMBED, -1, MK_VOCAB, token_of(r));
+      }
+      return false;
+    }
+    for (int i = threadIdx.x; i < rows * w; i += MK_THREADS) {
+      const int r = i / w, c = i - r * w;
+      const unsigned short v = s.embed[8 * chunks * r + b - 8 * c0 + c];
+      const size_t at = (size_t)(r0 + r) * H + b + c;
+      P.residual[at] = bf16_to_f32(v);
+      P.residual_in[at] = v;  // its bf16 copy: the embedding's bits
+    }
+  }
+  return true;
+#else
+  // one row (the one-token kernel) or the CUDA-core kernel of many tokens: a row after another
+  (void)s;
   for (int tok = 0; tok < ntok; ++tok) {
-    const int token = MK_SLOTS ? step_row(st, tok)[R_TOKEN]
-                      : tok == 0 ? st[S_TOKEN] : P.feed[st[S_POS] + tok];
+    const int token = token_of(tok);
     if (token < 0 || token >= MK_VOCAB) {
       if (threadIdx.x == 0) record_error(P, ERR_BAD_TOKEN, instr, OP_EMBED, -1, MK_VOCAB, token);
       return false;
@@ -1033,6 +1090,7 @@ __device__ bool op_embed(const Params& P, const int* ins, const int* st, int ins
 #endif
   }
   return true;
+#endif
 }
 
 // Late q/k (QK_NORM models): RMS_QKV_ROPE tiles are row pairs as for every model and leave q
@@ -3343,7 +3401,7 @@ __device__ bool run_step(const Params& P, OpShared& s, const int* st, int begin,
     }
     switch (ONLY == OP_NOOP ? op : ONLY) {
       case OP_EMBED:
-        if (!op_embed(P, w, st, i)) return false;
+        if (!op_embed(P, s, w, st, i)) return false;
         break;
       case OP_RMS_QKV_ROPE: op_rms_qkv_rope(P, s, w, st, g); break;
 #if SEG_ATTN

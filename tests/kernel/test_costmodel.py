@@ -17,7 +17,7 @@ from helpers.kernel import program
 from monokernel.cli import main
 from monokernel.errors import CostModelError
 from monokernel.kernel import costmodel as cm
-from monokernel.kernel.isa import KEY_CACHE_KEYS, Op
+from monokernel.kernel.isa import EMBED_STAGE_BYTES, KEY_CACHE_KEYS, Op
 from monokernel.kernel.schedule import schedule
 from monokernel.model.config import ModelConfig
 from monokernel.tools import calibrate as cal
@@ -54,13 +54,14 @@ def test_design_for_is_the_kernel_as_built():
     # (MK_ATTN_PIPE: header.attn_pipeline)
     mma = cm.design_for(prog, tensor_cores=True)
     assert not prog.config.qk_norm
-    assert mma is cm.DESIGNS["v6-mma-finish"] and mma.tensor_cores and mma.token_loop
-    assert mma == cm.DESIGNS["v6-mma-seg"].replace(name="v6-mma-finish", attn_unit_pipeline=True,
+    assert mma is cm.DESIGNS["v6-mma-embed"] and mma.tensor_cores and mma.token_loop
+    assert mma == cm.DESIGNS["v6-mma-seg"].replace(name="v6-mma-embed", attn_unit_pipeline=True,
                                                    attn_tile_pipeline=True,
                                                    residual_copy_epilogue=True,
                                                    mma_rows_l2_overlap=True,
                                                    k_cache_keys_per_warp=KEY_CACHE_KEYS,
-                                                   finish_rows_parallel=True)
+                                                   finish_rows_parallel=True,
+                                                   embed_stage_bytes=EMBED_STAGE_BYTES)
     assert mma.attn_segments and mma.attn_stage_async
     assert mma.replace(name="v6-mma", attn_segments=False, attn_stage_async=False,
                        mma_token_tiles=1, mma_rows_split_above=0,
@@ -107,9 +108,9 @@ def test_design_for_is_the_kernel_as_built():
     # head_dim 128: pipelined too, in tiles of 64 (header.segment_tile); residual_in stored
     # in a pass after O_PROJ's and DOWN's unsliced mat-mul (header.residual_in_epilogue: in the
     # epilogue it spills)
-    assert cm.design_for(late, tensor_cores=True) == cm.DESIGNS["v6-mma-finish"].replace(
+    assert cm.design_for(late, tensor_cores=True) == cm.DESIGNS["v6-mma-embed"].replace(
         residual_copy_epilogue=False)
-    assert cm.BUILT_MMA == ("v6-mma-seg", "v6-mma-finish")
+    assert cm.BUILT_MMA == ("v6-mma-seg", "v6-mma-embed")
     # v7 and v8 (issue 17's steps of many tokens and its levers) are predicted only: no backend
     # implements them yet
     assert not any(getattr(cm.V6, k) for k in ("tensor_cores", "tile_2d", "attn_tensor_cores",

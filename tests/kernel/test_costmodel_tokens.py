@@ -419,7 +419,7 @@ def test_plan_batch_and_prompt_end_with_their_predictions(capsys):
     # by default the design built (the tensor-core kernel of slots; SmolLM2's head_dim 64 has
     # the attention pipeline, MK_ATTN_PIPE), prompts in its chunks
     assert "PREDICTION" in out
-    assert "design v6-mma-finish (built: backend option tensor_cores)" in out
+    assert "design v6-mma-embed (built: backend option tensor_cores)" in out
     assert "2 steps of up to 256 tokens" in out  # schedule.MAX_STEP_TOKENS
     m = [line for line in out.splitlines() if line.startswith("predicted")]
     assert m[0].startswith("predicted on h200:") and "us/token" in m[0]
@@ -447,16 +447,16 @@ def test_plan_batch_refuses_bad_input(argv, message, capsys):
 
 
 def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsys):
-    """`plan --design v6-mma-finish` (the design of backend option tensor_cores) predicts on the
+    """`plan --design v6-mma-embed` (the design of backend option tensor_cores) predicts on the
     program that option builds: splits fixed by absolute position, every step's attention
     merged by ticket (merge_ticket_min 1); a design not built yet keeps the default program."""
     from monokernel.kernel.schedule import default_attn_splits, schedule, tensor_core_splits
     from monokernel.model.config import ModelConfig
 
     assert main(["plan", "--shape", "qwen3-0.6b", "--blocks", "32", "--context", "1024",
-                 "--predict", "h200", "--design", "v6-mma-finish", "--batch", "16"]) == 0
+                 "--predict", "h200", "--design", "v6-mma-embed", "--batch", "16"]) == 0
     out = capsys.readouterr().out
-    assert "design v6-mma-finish (built: backend option tensor_cores" in out
+    assert "design v6-mma-embed (built: backend option tensor_cores" in out
     got = float(out.strip().splitlines()[-1].split(", ")[1].split()[0])
     cfg = ModelConfig.from_name("qwen3-0.6b")
     splits, chunk = tensor_core_splits(cfg, 32, 2048)
@@ -469,9 +469,9 @@ def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsy
     built = schedule(cfg, 32, 2048, splits, chunk, merge_ticket_min=1, tokens=16,
                      token_groups=True, tensor_cores=True, input_slices=True)
     assert built.merge_ticket_min == 1
-    # (the built design for Qwen3: v6-mma-finish with residual_in in a pass, design_for)
+    # (the built design for Qwen3: v6-mma-embed with residual_in in a pass, design_for)
     d = cm.design_for(built, tensor_cores=True)
-    assert d.name == "v6-mma-finish" and not d.residual_copy_epilogue
+    assert d.name == "v6-mma-embed" and not d.residual_copy_epilogue
     want = cm.predict(built, "h200", d, 1024, shape=StepShape.decode(16, 1024)).tokens_per_s
     default = cm.predict(schedule(cfg, 32, 2048), "h200", d, 1024,
                          shape=StepShape.decode(16, 1024)).tokens_per_s
@@ -767,7 +767,7 @@ def test_the_last_layer_on_the_logits_rows_drops_only_the_dead_rows_work():
     prog = tensor_core_program(cfg, 132, 2048, splits, min_chunk, 256)
     g = cm.gpu("h200")
     built = cm.design_for(prog, tensor_cores=True)
-    assert cm.design("v6-mma-last-layer") == cm.DESIGNS["v6-mma-finish"].replace(
+    assert cm.design("v6-mma-last-layer") == cm.DESIGNS["v6-mma-embed"].replace(
         name="v6-mma-last-layer", last_layer_logits=True)
     last = built.replace(last_layer_logits=True)
     # which slots hold the last layer's pruned ops, which any other instruction
@@ -791,7 +791,7 @@ def test_the_last_layer_on_the_logits_rows_drops_only_the_dead_rows_work():
     # v6-mma-last-skip (last_layer_skip, predicted, not built): the same as last_layer_logits
     # in a step where no row needs logits; a step with any is as built
     skip = built.replace(last_layer_skip=True)
-    assert cm.design("v6-mma-last-skip") == cm.DESIGNS["v6-mma-finish"].replace(
+    assert cm.design("v6-mma-last-skip") == cm.DESIGNS["v6-mma-embed"].replace(
         name="v6-mma-last-skip", last_layer_skip=True)
     none = StepShape.chunk(512, 256, False)
     a, b = Static(prog, 0, g, last, none), Static(prog, 0, g, skip, none)
@@ -889,7 +889,7 @@ def test_late_qk_key_caching_costs_its_rounds():
 def test_embed_costs_its_row_rounds():
     """EMBED in a step of T rows (megakernel.cu op_embed): before the thirty-fifth session a
     row after another, one HBM trip each (embed_stage_bytes 0: T rounds, which the model had
-    charged as one); v6-mma-embed the rows' 16-byte chunks of the tile staged by cp.async,
+    charged as one); v6-mma-embed (built) the rows' 16-byte chunks of the tile staged by cp.async,
     isa.EMBED_STAGE_BYTES a pass, a pass one round and its barriers. One row: one round
     either way."""
     from monokernel.kernel.costmodel.parts import OpBatch

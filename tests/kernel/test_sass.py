@@ -323,7 +323,7 @@ def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, rms, token
 
     ops = [m.group(0) for t in sf._texts(sass)
            for m in [re.search(r"\b(LDG|HMMA|LDS|DEPBAR)\S*( SB0, 0x\d+)?", t)] if m]
-    d = cm.design_for(None, tensor_cores=True)  # the built design, v6-mma-finish
+    d = cm.design_for(None, tensor_cores=True)  # the built design, v6-mma-embed
     paths = [(2 * 2 * 2, d.mma_token_tiles)]  # (weight loads, token tiles) of each pass
     split = tokens > d.mma_rows_split_above
     if split:

@@ -717,3 +717,53 @@ def test_the_options_are_checked(synth_model):
     with pytest.raises(KernelError, match="one KV group"):
         KernelExecutor(synth_model("qwen3-gqa-tiny"), MAX_SEQ, blocks=3, slots=2,
                        attn_splits=4, tensor_cores=True)
+
+
+def _embedded_logits(model, rows_of=None):
+    """A step of 28 rows (two prompts, 17 and 11) on tensor cores, 3 blocks (tiles of 32
+    columns: 4 chunks of 16 bytes a row); ``rows_of(rows)`` edits the table's rows."""
+    ex = tc_executor(model, slots=2, step_tokens=32)
+    prompts = [prompt_of(model, 17, 41), prompt_of(model, 11, 42)]
+    free = list(ex.add_pages(ex.slots * ex.slot_pages))
+    pages = {s: [free.pop(0) for _ in range(-(-len(p) // PAGE))] for s, p in enumerate(prompts)}
+    rows = [(t, s, pos, True, True) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
+    return ex.run_table(StepTable.of(rows_of(rows) if rows_of else rows, pages)).logits
+
+
+def test_embed_stages_a_steps_rows_in_passes_bitwise(synth_model, monkeypatch):
+    """EMBED in a step of many rows on tensor cores (megakernel.cu op_embed, EMBED_STAGED):
+    the rows' 16-byte chunks of a block's tile by cp.async into a stage of
+    isa.EMBED_STAGE_BYTES a pass, then stored from there. The 8 KB stage holds the step in
+    one pass; a stage of 208 bytes (the least the kernel allows at hidden 96: a row of the
+    widest tile's chunks) holds 3 rows of a 4-chunk tile, so 28 rows take 10 passes: every
+    logits row bitwise the one-pass kernel's. A token outside the vocabulary (let past the
+    host's check) is refused on the device, in the first pass or the seventh: the first such
+    row's token reported. Negative control: without the barrier between passes, a pass's
+    copies overwrite the stage while other threads still read the previous pass."""
+    from monokernel.kernel import isa
+
+    model = synth_model("qwen3-gqa-tiny")
+    H, V = model.config.hidden_size, model.config.vocab_size
+    assert H == 96 and isa.EMBED_STAGE_BYTES >= 28 * 4 * 16
+    want = _embedded_logits(model)
+    assert want.shape == (28, V)
+    monkeypatch.setattr(KernelExecutor, "_check_tokens", lambda self, tokens, what: None)
+
+    def bad(rows):
+        rows = list(rows)
+        rows[20] = (V + 5,) + rows[20][1:]  # slot 1's fourth row: the seventh pass of three
+        rows[25] = (-3,) + rows[25][1:]
+        return rows
+
+    small = 16 * (H // 8 + 1)
+    for stage in (isa.EMBED_STAGE_BYTES, small):
+        monkeypatch.setattr(isa, "EMBED_STAGE_BYTES", stage)
+        got = _embedded_logits(model)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"stage {stage}"
+        with pytest.raises(KernelError, match=rf"EMBED.* was given token {V + 5}, outside the "
+                                              rf"vocabulary \[0, {V}\)"):
+            _embedded_logits(model, bad)
+    mutate_kernel_source(monkeypatch, ("    if (r0 > 0) __syncthreads();  // the previous pass",
+                                       "    if (false) __syncthreads();  // the previous pass"),
+                         "EMBED's barrier between passes")
+    assert not np.array_equal(_embedded_logits(model), want)

@@ -441,26 +441,26 @@ V6_MMA_RING = V6_MMA_TILES.replace(name="v6-mma-ring", mma_rows_l2_overlap=True)
 # over the owner block's warps, isa.KEY_CACHE_KEYS a warp round (k_cache_keys_per_warp; NOTES.md
 # "Late q/k's key caching, a token at a time").
 V6_MMA_KEYS = V6_MMA_RING.replace(name="v6-mma-keys", k_cache_keys_per_warp=KEY_CACHE_KEYS)
-# V6-MMA-FINISH (as built: design_for): v6-mma-keys with the step's end a thread a row
+# V6-MMA-FINISH (built before v6-mma-embed): v6-mma-keys with the step's end a thread a row
 # (finish_rows_parallel; benchmarks/NOTES.md "The step's end, a row at a time").
 V6_MMA_FINISH = V6_MMA_KEYS.replace(name="v6-mma-finish", finish_rows_parallel=True)
-# V6-MMA-EMBED (PREDICTED, not built): v6-mma-finish with EMBED's rows staged by cp.async,
+# V6-MMA-EMBED (as built: design_for): v6-mma-finish with EMBED's rows staged by cp.async,
 # isa.EMBED_STAGE_BYTES a pass (embed_stage_bytes; benchmarks/NOTES.md "EMBED, a row at a time"
 # and "EMBED's rows by cp.async").
 V6_MMA_EMBED = V6_MMA_FINISH.replace(name="v6-mma-embed", embed_stage_bytes=EMBED_STAGE_BYTES)
-# V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-finish with a step that needs no logits
+# V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-embed with a step that needs no logits
 # skipping its last layer after QKV (last_layer_skip; benchmarks/NOTES.md "Late q/k's key
 # caching, a token at a time", its as-built part: what building it must keep).
-V6_MMA_SKIP = V6_MMA_FINISH.replace(name="v6-mma-last-skip", last_layer_skip=True)
+V6_MMA_SKIP = V6_MMA_EMBED.replace(name="v6-mma-last-skip", last_layer_skip=True)
 # V6-MMA-OVERLAP (PREDICTED, not built): ... and block_mma's too, every mat-mul's L2 reads
 # beside its mma (mma_l2_overlap; benchmarks/NOTES.md "A mat-mul's L2 reads beside its mma").
 V6_MMA_OVERLAP = V6_MMA_RING.replace(name="v6-mma-overlap", mma_l2_overlap=True)
 # V6-MMA-LAST-LAYER (PREDICTED, not built): the built design with the last layer's ops after
 # QKV on the rows needing logits alone (last_layer_logits; benchmarks/NOTES.md "The last
 # layer on the logits rows").
-V6_MMA_LAST = V6_MMA_FINISH.replace(name="v6-mma-last-layer", last_layer_logits=True)
+V6_MMA_LAST = V6_MMA_EMBED.replace(name="v6-mma-last-layer", last_layer_logits=True)
 # The tensor-core designs megakernel.cu builds.
-BUILT_MMA = ("v6-mma-seg", "v6-mma-finish")
+BUILT_MMA = ("v6-mma-seg", "v6-mma-embed")
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
@@ -481,8 +481,8 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
     per launch; its A/B twins with one launch per step (backend cuda-1step) or the fenced hop
     (MK_SYNC=1, backend cuda-sync1); with a program of steps of up to T tokens (``tokens``),
     the token loop and prompts in chunks of T; ``tensor_cores`` (a kernel of slots built with
-    them, MK_MMA): V6_MMA_FINISH where two K/V tile buffers fit (else V6_MMA_SEG with the ring,
-    the keys and the step's end over the threads),
+    them, MK_MMA): V6_MMA_EMBED where two K/V tile buffers fit (else V6_MMA_SEG with the ring,
+    the keys and the step's end over the threads, EMBED's rows staged),
     residual_in's copy in a pass where the epilogue's store would spill (head_dim 128). A
     kernel change updates these in the same commit."""
     if tensor_cores:
@@ -494,12 +494,13 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
         # shared memory: every shape served
         # (block_mma_rows' ring is in every tensor-core kernel of steps of many tokens)
         # (and O_PROJ's late q/k key caching over the warps, cache_keys; the step's end a
-        # thread a row, finish_rows)
-        d = V6_MMA_FINISH if cfg is not None and attn_pipeline(cfg) \
+        # thread a row, finish_rows; EMBED's rows staged by cp.async)
+        d = V6_MMA_EMBED if cfg is not None and attn_pipeline(cfg) \
             else V6_MMA_SEG.replace(mma_rows_l2_overlap=True,
                                     k_cache_keys_per_warp=KEY_CACHE_KEYS,
-                                    finish_rows_parallel=True)
-        if d is V6_MMA_FINISH and cfg is not None and not residual_in_epilogue(cfg):
+                                    finish_rows_parallel=True,
+                                    embed_stage_bytes=EMBED_STAGE_BYTES)
+        if d is V6_MMA_EMBED and cfg is not None and not residual_in_epilogue(cfg):
             # MK_RES_IN_EPI 0 (head_dim 128): the copy in a pass after the mat-mul
             d = d.replace(residual_copy_epilogue=False)
         if tokens > 1:
