@@ -2674,27 +2674,27 @@ __device__ void slice_mma(const Params& P, OpShared& s, const int* ins, const in
 #endif  // MK_MMA
 
 #if LATE_QK
-// Late q/k: pairs [0, pairs) of the step's (row, KV head kv0 + h) keys, pair i the row i / heads
-// and head kv0 + i % heads, normed, roped and cached, N a warp at once (warp_qk_norm_rope_n:
-// their loads issued together; segment_keys' pinned arithmetic, so the cache gets the bf16
-// value attention's K tile used), stored from the lanes.
+// Late q/k: pairs [0, pairs) of the step's (row, KV head kv0 + h) keys from row r0 on, pair i
+// the row r0 + i / heads and head kv0 + i % heads, normed, roped and cached, N a warp at once
+// (warp_qk_norm_rope_n: their loads issued together; segment_keys' pinned arithmetic, so the
+// cache gets the bf16 value attention's K tile used), stored from the lanes.
 template <int N>
 __device__ __forceinline__ void cache_keys(const Params& P, const int* st, int layer, int kv0,
-                                           int heads, int pairs) {
+                                           int heads, int r0, int pairs) {
   for (int i0 = (int)(threadIdx.x >> 5) * N; i0 < pairs; i0 += NWARPS * N) {
     size_t at[N];
 #pragma unroll
     for (int n = 0; n < N; ++n) {
-      const int i = min(i0 + n, pairs - 1), tok = i / heads;
+      const int i = min(i0 + n, pairs - 1), tok = r0 + i / heads;
       at[n] = kv_at(P, layer, row_slot(st, tok), row_pos(st, tok), kv0 + i % heads);
     }
     warp_qk_norm_rope_n<N>(
         P,
         [&](int n) {
           const int i = i0 + n;
-          return P.k_raw + (size_t)(i / heads) * MK_KV_DIM + (kv0 + i % heads) * D;
+          return P.k_raw + (size_t)(r0 + i / heads) * MK_KV_DIM + (kv0 + i % heads) * D;
         },
-        P.k_norm + (size_t)layer * D, [&](int n) { return row_pos(st, (i0 + n) / heads); },
+        P.k_norm + (size_t)layer * D, [&](int n) { return row_pos(st, r0 + (i0 + n) / heads); },
         [&](int n) { return i0 + n < pairs; },
         [&](int n, int j, float v) { P.k_cache[at[n] + j] = f32_to_bf16(v); });
   }
@@ -2715,14 +2715,17 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   const int splits = ins[A_O_PROJ_RESIDUAL_SPLITS];
 #endif
 #if LATE_QK
-  {  // this block caches the step's keys of KV heads [ARG2, ARG3): the step's (row, head)
-    // pairs over the warps, KEY_CACHE_KEYS a warp at once
-    const int kv0 = ins[A_O_PROJ_RESIDUAL_KV_FIRST];
-    const int heads = ins[A_O_PROJ_RESIDUAL_KV_END] - kv0, pairs = ntok * heads;
+  {  // this block caches the keys of KV heads [kv0, kv0 + heads) of its part of the step's
+    // rows (ops/o_proj.py key_parts): its (row, head) pairs over the warps, KEY_CACHE_KEYS a
+    // warp at once
+    const int keys = ins[A_O_PROJ_RESIDUAL_KEYS], kv0 = keys & 0xff;
+    const int heads = ((keys >> 8) & 0xff) - kv0, parts = (keys >> 16) & 0xff;
+    const int part = (keys >> 24) & 0xff;
+    const int r0 = part * ntok / parts, pairs = ((part + 1) * ntok / parts - r0) * heads;
     if (pairs <= NWARPS)  // (one key a warp: a decode step's, without the dead vectors' work)
-      cache_keys<1>(P, st, layer, kv0, heads, pairs);
+      cache_keys<1>(P, st, layer, kv0, heads, r0, pairs);
     else
-      cache_keys<KEY_CACHE_KEYS>(P, st, layer, kv0, heads, pairs);
+      cache_keys<KEY_CACHE_KEYS>(P, st, layer, kv0, heads, r0, pairs);
     __syncthreads();
   }
 #endif

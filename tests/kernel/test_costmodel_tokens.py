@@ -838,13 +838,13 @@ def test_a_rows_ticket_merge_is_shared_over_its_own_layers_holders():
 
 
 def test_late_qk_key_caching_costs_its_rounds():
-    """O_PROJ's owner blocks cache a step's keys (late q/k, megakernel.cu cache_keys): before
-    the thirty-fourth session a warp per KV head, a row a round (k_cache_keys_per_warp 0: T
-    rounds at T rows, which the model had charged as one); as built the (row, head) pairs over
-    the warps, KEY_CACHE_KEYS keys a warp round, one where a round of one a warp does (a decode
-    step: the same as before). In Qwen3's chunk of 256 rows the owner blocks' O_PROJ is
-    slower by about the 248 rounds saved; the other blocks' and a one-row step's are equal;
-    Llama (no q/k norm) does not move."""
+    """O_PROJ's blocks cache a step's keys (late q/k, megakernel.cu cache_keys): before the
+    thirty-fourth session a warp per KV head, a row a round (k_cache_keys_per_warp 0: T rounds
+    at T rows, which the model had charged as one); as built the (row, head) pairs of the
+    block's part of the rows over the warps, KEY_CACHE_KEYS keys a warp round, one where a
+    round of one a warp does (a decode step: the same as before). In Qwen3's chunk of 256 rows
+    the caching blocks' O_PROJ is slower by about the rounds saved; the other blocks' and a
+    one-row step's are equal; Llama (no q/k norm) does not move."""
     import dataclasses
 
     from monokernel.kernel.costmodel.simulate import _batches
@@ -873,17 +873,56 @@ def test_late_qk_key_caching_costs_its_rounds():
         for shape, slower in ((StepShape.chunk(0, 256, True), late),
                               (StepShape.decode(1, 100), False)):
             batch = _batches(prog, shape.max_context, shape)[Op.O_PROJ_RESIDUAL][1]
-            owner = batch.arg("kv_end") > batch.arg("kv_first")
+            k0, k1, parts, part = o_proj.keys_of(batch.arg("keys"))
+            n = shape.tokens
+            rows = (part + 1) * n // parts - part * n // parts
+            owner = (k1 > k0) & (rows > 0)
             a, b = (o_proj.cost(batch, g, d) for d in (old, built))
             ta, tb = (ph.l2_trips * g.l2_latency + ph.other_us for ph in (a, b))
             np.testing.assert_allclose(ta[~owner], tb[~owner], rtol=1e-12)
             if slower:
-                assert owner.sum() == cfg.num_kv_heads
+                # every head's rows over 15 blocks (o_proj.key_parts): 17 or 18 rows each, one
+                # warp round as built, a round a row before
+                assert owner.sum() == cfg.num_kv_heads * 15 and set(parts[owner]) == {15}
+                assert set(rows[owner]) == {17, 18}
                 # the rounds saved, an L2 trip and more each
-                assert (ta[owner] - tb[owner] >= (256 - 256 // (w * KEY_CACHE_KEYS)) * g.l2_latency
-                        ).all()
+                assert (ta[owner] - tb[owner] >= (rows[owner] - 1) * g.l2_latency).all()
             else:
                 np.testing.assert_allclose(ta, tb, rtol=1e-12)
+
+
+@pytest.mark.parametrize("heads,blocks", [(8, 132), (2, 3), (3, 3), (8, 3), (1, 132), (4, 7)])
+def test_key_parts_cache_every_key_once(heads, blocks):
+    """O_PROJ's key caching (late q/k; ops/o_proj.py key_parts, megakernel.cu cache_keys):
+    in a step of any number of rows every (row, KV head) key is one block's, each head's rows
+    over as many blocks as fit and divide TOKEN_SHARES (the verifier's token shares: a part's
+    rows are its Tokens share's), the words round-trip."""
+    from monokernel.kernel.ops import o_proj
+    from monokernel.kernel.program import TOKEN_SHARES
+
+    keys = o_proj.key_parts(heads, blocks)
+    assert len(keys) == blocks
+    for k in keys:
+        assert o_proj.keys_of(o_proj.keys_word(*k)) == k
+    parts = {p for k0, k1, p, _ in keys if k1 > k0}
+    assert len(parts) == 1 and TOKEN_SHARES % parts.pop() == 0
+    used = sum(k1 > k0 for k0, k1, _, _ in keys)
+    assert used == (blocks if heads > blocks else heads * keys[0][2])
+    if heads <= blocks:  # the most parts that fit (a part's word below 128) and divide
+        fit = min(blocks // heads, 127)
+        assert keys[0][2] <= fit and \
+            not any(TOKEN_SHARES % q == 0 for q in range(keys[0][2] + 1, fit + 1))
+    for n in (1, 2, 17, 64, 255, 256):
+        seen = {}
+        for b, (k0, k1, p, j) in enumerate(keys):
+            lo, hi = j * n // p, (j + 1) * n // p
+            s0, s1 = j * TOKEN_SHARES // p, (j + 1) * TOKEN_SHARES // p
+            assert (lo, hi) == (s0 * n // TOKEN_SHARES, s1 * n // TOKEN_SHARES)
+            for h in range(k0, k1):
+                for r in range(lo, hi):
+                    assert (r, h) not in seen, f"{n} rows: key ({r}, {h}) twice"
+                    seen[r, h] = b
+        assert len(seen) == n * heads
 
 
 def test_embed_costs_its_row_rounds():

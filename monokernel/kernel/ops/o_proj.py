@@ -1,8 +1,9 @@
 """O_PROJ_RESIDUAL: merge the attention splits, then residual += attn @ Wo (megakernel.cu "Op:
 O_PROJ_RESIDUAL"). Tiles: even slices of Wo's rows. Every block merges all used splits itself,
 unless ATTENTION merged them by ticket this step (then it reads the merged vector). With
-q/k-norm, the block owning KV heads [kv_first, kv_end) first caches their roped, normed keys
-(late q/k: after every attention unit of the layer has read them raw)."""
+q/k-norm, blocks first cache the step's roped, normed keys (late q/k: after every attention
+unit of the layer has read them raw, which every O_PROJ instruction waits for): each its KV
+heads' keys of its part of the step's rows (``keys``: key_parts)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from ..costmodel.tokens import widen_matmul
 from ..costmodel.parts import (OpBatch, Phases, copy_rounds, issue_us, matvec, prefetched,
                                trips)
 from ..isa import MERGE_CHUNK, Args, Op, merge_block_ways
-from ..program import Instruction, split_even
+from ..program import TOKEN_SHARES, Instruction, Tokens, split_even
 from .attention import merges_by_ticket, used_splits
 
 OP = Op.O_PROJ_RESIDUAL
 ARGS = Args("splits",  # position splits per KV head (as ATTENTION's)
             "min_chunk",  # fewest positions per split (as ATTENTION's)
-            "kv_first",  # late q/k: the first KV head whose key this block caches
-            "kv_end",  # ... one past the last
+            "keys",  # late q/k: the KV heads and the part of the rows whose keys this block
+            # caches, kv_first | kv_end << 8 | parts << 16 | part << 24 (key_parts)
             "merge_min")  # fewest used splits that ATTENTION merged by ticket (0: never)
 SIGNALS = True
 # token groups (token_groups.py): the input (the merged attention, stored bf16) bytes an
@@ -52,19 +53,47 @@ def row_accesses(plan, layer: int, lo: int, hi: int) -> tuple[list, list]:
     return [("residual", lo, hi), ("attn", 0, c.q_dim)], plan.residual_writes(lo, hi)
 
 
+def key_parts(heads: int, blocks: int) -> list[tuple[int, int, int, int]]:
+    """Late q/k: each block's (kv_first, kv_end, parts, part) of O_PROJ's key caching: the
+    step's keys of KV heads [kv_first, kv_end), of its rows [part n / parts, (part + 1) n /
+    parts) in a step of n. Each head's rows over ``parts`` blocks, the most that fit the blocks
+    and divide TOKEN_SHARES (so a part is a whole share of the verifier's Tokens); with more
+    heads than blocks, the heads over the blocks, every row each. (Before the thirty-fifth
+    session a head's keys were one block's: a chunk of 256 rows, 4 warp rounds there.)"""
+    if heads > blocks:
+        return [(k0, k1, 1, 0) for k0, k1 in split_even(heads, blocks)]
+    parts = max(p for p in range(1, min(blocks // heads, 127) + 1) if TOKEN_SHARES % p == 0)
+    # the units (head, part) spread over the blocks as evenly as their count allows
+    units = heads * parts
+    out = [(0, 0, 1, 0)] * blocks
+    for u in range(units):
+        out[u * blocks // units] = (u // parts, u // parts + 1, parts, u % parts)
+    return out
+
+
+def keys_word(kv_first: int, kv_end: int, parts: int, part: int) -> int:
+    assert 0 <= kv_first <= kv_end < 256 and 0 <= part < parts < 128  # (an int32 word)
+    return kv_first | kv_end << 8 | parts << 16 | part << 24
+
+
+def keys_of(word) -> tuple:
+    """(kv_first, kv_end, parts, part) of ``keys`` words (ints or arrays)."""
+    return word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF, (word >> 24) & 0xFF
+
+
 def tile(plan, layer: int) -> list[Instruction]:
     c, S, B = plan.config, plan.attn_splits, plan.num_blocks
     D, gd = c.head_dim, c.group_size * c.head_dim
     merged = [("attn", 0, c.q_dim)] if plan.merge_min else []
+    keys = key_parts(c.num_kv_heads, B) if c.qk_norm else [(0, 0, 1, 0)] * B
     out = []
-    for (lo, hi), (k0, k1) in zip(split_even(tile_rows(plan), B), split_even(c.num_kv_heads, B)):
-        if not c.qk_norm:
-            k0 = k1 = 0
-        cache = ([("k_raw", k0 * D, k1 * D),
-                  ("k_cache", layer * c.kv_dim + k0 * D, layer * c.kv_dim + k1 * D)]
+    for (lo, hi), (k0, k1, parts, part) in zip(split_even(tile_rows(plan), B), keys):
+        rows = Tokens(part * TOKEN_SHARES // parts, (part + 1) * TOKEN_SHARES // parts)
+        cache = ([("k_raw", k0 * D, k1 * D, rows),
+                  ("k_cache", layer * c.kv_dim + k0 * D, layer * c.kv_dim + k1 * D, rows)]
                  if k1 > k0 else [])
-        args = ARGS.pack({"splits": S, "min_chunk": plan.min_chunk, "kv_first": k0,
-                          "kv_end": k1, "merge_min": plan.merge_min})
+        args = ARGS.pack({"splits": S, "min_chunk": plan.min_chunk,
+                          "keys": keys_word(k0, k1, parts, part), "merge_min": plan.merge_min})
         if hi <= lo:
             out.append(Instruction(OP, layer, (lo, hi), args=args, reads=cache[:1],
                                    writes=cache[1:]))
@@ -79,15 +108,15 @@ def tile(plan, layer: int) -> list[Instruction]:
     return out
 
 
-def key_cache_rounds(heads, tokens: int, d) -> tuple[np.ndarray, np.ndarray]:
-    """(dependent warp rounds, keys a warp round) of an owner block's key caching for a step
-    of ``tokens`` rows (late q/k): a warp per head, a token a round (k_cache_keys_per_warp 0),
-    or the (row, head) pairs over the block's warps, N keys a warp round (one where a round
-    of one a warp does: megakernel.cu cache_keys<1>)."""
-    heads = np.asarray(heads)
+def key_cache_rounds(heads, tokens, d) -> tuple[np.ndarray, np.ndarray]:
+    """(dependent warp rounds, keys a warp round) of a block's key caching of ``heads`` KV
+    heads for ``tokens`` rows (late q/k; arrays or numbers): a warp per head, a token a round
+    (k_cache_keys_per_warp 0), or the (row, head) pairs over the block's warps, N keys a warp
+    round (one where a round of one a warp does: megakernel.cu cache_keys<1>)."""
+    heads, tokens = np.asarray(heads), np.asarray(tokens)
     n = d.k_cache_keys_per_warp
     if n <= 0:
-        return tokens * -(-heads // d.warps), np.ones(heads.shape)
+        return tokens * -(-heads // d.warps), np.ones(np.broadcast(heads, tokens).shape)
     pairs = tokens * heads
     keys = np.where(pairs <= d.warps, 1, n)
     return -(-pairs // (d.warps * keys)), keys
@@ -109,13 +138,16 @@ def cost(b: OpBatch, g, d) -> Phases:
         merge_bytes = busy * c.num_kv_heads * c.group_size * (c.head_dim + 2) * 4 * used
     other = busy * (g.bar_sync + merge_bytes / (g.l2_bw / g.sms))
     if c.qk_norm:
-        # before the merge, the blocks owning KV heads cache the step's keys: each a
-        # warp_qk_norm_rope of k_raw (L2) with the k-norm weights and the RoPE row (both in
-        # L2: ATTENTION read them this layer), its warp_sum, a barrier after them all; a warp
-        # round after another (design.k_cache_keys_per_warp)
-        heads = np.maximum(b.arg("kv_end") - b.arg("kv_first"), 0)
-        owner = (heads > 0).astype(np.float64)
-        rounds, keys = key_cache_rounds(heads, 1 if b.shape is None else b.shape.tokens, d)
+        # before the merge, blocks cache the step's keys, each its heads' keys of its part of
+        # the rows (key_parts): each a warp_qk_norm_rope of k_raw (L2) with the k-norm weights
+        # and the RoPE row (both in L2: ATTENTION read them this layer), its warp_sum, a
+        # barrier after them all; a warp round after another (design.k_cache_keys_per_warp)
+        k0, k1, parts, part = keys_of(b.arg("keys"))
+        heads = np.maximum(k1 - k0, 0)
+        n = 1 if b.shape is None else b.shape.tokens
+        rows = (part + 1) * n // parts - part * n // parts  # its part of the step's rows
+        owner = ((heads > 0) & (rows > 0)).astype(np.float64)
+        rounds, keys = key_cache_rounds(heads, rows, d)
         rounds = owner * rounds
         l2 = l2 + (1 if d.late_qk_one_trip else 3) * rounds
         other = other + rounds * (5 * g.shfl + issue_us(g, d, keys * c.head_dim // 32 * 12)) \
