@@ -100,39 +100,35 @@ def test_mixed_steps_are_bitwise_each_sequence_alone(synth_model, arch, slots, T
     mixed_steps(synth_model, arch, slots, T, blocks, options)
 
 
-def test_negative_control_a_steps_last_key_left_uncached(synth_model, monkeypatch):
-    """O_PROJ's late q/k key caching (megakernel.cu cache_keys: the (row, head) pairs of a
-    block's part of the step's rows over the warps, KEY_CACHE_KEYS a warp at once where there
-    are more than warps) with such a block's last pair left out: that row's key stays poisoned
-    in the cache, which the mixed steps above must catch (on 3 blocks a head's rows are one
-    block's; prompt chunks of up to 17 rows; the one-sequence kernel's steps of one row keep
-    every key)."""
+# O_PROJ's late q/k key caching (megakernel.cu cache_keys: the (row, head) pairs of a block's
+# part of the step's rows over the warps, KEY_CACHE_KEYS a warp at once where there are more
+# than warps; ops/o_proj.py key_parts), mutated: (ARCHS case, parts a head there, edit, what)
+KEY_MUTANTS = [
+    # a block's last pair left out (3 blocks: a head's rows one block's, prompt chunks of up to
+    # 17 rows; the one-sequence kernel's steps of one row keep every key): that row's key
+    # stays poisoned in the cache
+    (0, 1, ("cache_keys<KEY_CACHE_KEYS>(P, st, layer, kv0, heads, r0, pairs);",
+            "cache_keys<KEY_CACHE_KEYS>(P, st, layer, kv0, heads, r0, pairs - 1);"),
+     "O_PROJ's caching of more keys than warps"),
+    # a part's keys stored at rows counted from the step's first row instead of its part's (4
+    # blocks: each of the 2 KV heads' rows in 2 parts): the second part's rows stay poisoned,
+    # the first part's are overwritten; so those steps do run the parts
+    (4, 2, ("const int i = min(i0 + n, pairs - 1), tok = r0 + i / heads;",
+            "const int i = min(i0 + n, pairs - 1), tok = i / heads;"),
+     "cache_keys' cache address")]
+
+
+@pytest.mark.parametrize("case,parts,edit,what", KEY_MUTANTS,
+                         ids=["last-key-left-uncached", "parts-cached-at-the-first-rows"])
+def test_negative_control_keys_cached_wrong_are_caught(synth_model, monkeypatch, case, parts,
+                                                       edit, what):
+    """The mixed steps above catch a key the caching leaves out or puts in the wrong row."""
     from monokernel.kernel.ops.o_proj import key_parts
 
-    assert {p for _, _, p, _ in key_parts(2, ARCHS[0][3])} == {1}
-    mutate_kernel_source(monkeypatch,
-                         ("cache_keys<KEY_CACHE_KEYS>(P, st, layer, kv0, heads, r0, pairs);",
-                          "cache_keys<KEY_CACHE_KEYS>(P, st, layer, kv0, heads, r0, pairs - 1);"),
-                         "O_PROJ's caching of more keys than warps")
+    assert {p for _, _, p, _ in key_parts(2, ARCHS[case][3])} == {parts}
+    mutate_kernel_source(monkeypatch, edit, what)
     with pytest.raises(AssertionError):
-        mixed_steps(synth_model, *ARCHS[0])
-
-
-def test_negative_control_a_parts_keys_cached_at_the_first_rows(synth_model, monkeypatch):
-    """A head's keys over several blocks (ops/o_proj.py key_parts: on 4 blocks each of the 2
-    KV heads' rows in 2 parts), with a part's keys stored at rows counted from the step's first
-    row instead of its part's (megakernel.cu cache_keys without r0 in the cache address): the
-    second part's rows stay poisoned and the first part's are overwritten, which the mixed
-    steps must catch; so those steps do run the parts."""
-    from monokernel.kernel.ops.o_proj import key_parts
-
-    assert {p for _, _, p, _ in key_parts(2, ARCHS[4][3])} == {2}
-    mutate_kernel_source(monkeypatch,
-                         ("const int i = min(i0 + n, pairs - 1), tok = r0 + i / heads;",
-                          "const int i = min(i0 + n, pairs - 1), tok = i / heads;"),
-                         "cache_keys' cache address")
-    with pytest.raises(AssertionError):
-        mixed_steps(synth_model, *ARCHS[4])
+        mixed_steps(synth_model, *ARCHS[case])
 
 
 def mixed_steps(synth_model, arch, slots, T, blocks, options) -> None:
