@@ -137,6 +137,18 @@ def residual_in_epilogue(cfg: ModelConfig) -> bool:
     return cfg.head_dim <= 64
 
 
+def k_split_ring(cfg: ModelConfig, tokens: int) -> bool:
+    """Whether the tensor-core kernel's block_mma copies the k split's weights into
+    block_mma_rows' cp.async ring (MK_K_RING; megakernel.cu block_mma, not slice_mma's):
+    where the kernel has that ring (steps of more than isa.MMA_ROWS_SPLIT_ABOVE tokens,
+    row_split_sums_bytes) and the registers for it, head_dim 64 (SmolLM2, Llama: 254-255, no
+    spills). At 128 (Qwen3-0.6B, 255 registers) it spills 20-32 bytes of the run loop's state,
+    with the ring in QKV's, GATE_UP's or the LM head's k split alone, however the copies are
+    laid out; the model predicts nothing from it there (benchmarks/NOTES.md "block_mma's
+    weights through the ring")."""
+    return tokens > isa.MMA_ROWS_SPLIT_ABOVE and cfg.head_dim <= 64
+
+
 def row_split_sums_bytes(tokens: int) -> int:
     """block_mma_rows' shared memory at the start of dynamic shared memory (a kernel of steps
     of more than isa.MMA_ROWS_SPLIT_ABOVE tokens): its sums [token tiles][warps][16][8] fp32,
@@ -226,6 +238,7 @@ def render_header(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: in
     out.append(f"#define MK_MMA {int(bool(mma))}")
     out.append(f"#define MK_ATTN_PIPE {int(bool(mma) and attn_pipeline(cfg))}")
     out.append(f"#define MK_RES_IN_EPI {int(bool(mma) and residual_in_epilogue(cfg))}")
+    out.append(f"#define MK_K_RING {int(bool(mma) and k_split_ring(cfg, tokens))}")
     out.append(f"#define MK_O_PROJ_SLICES {slices[0]}")
     out.append(f"#define MK_DOWN_SLICES {slices[1]}")
     out.append(f"#define MK_PARTIALS_LD {cfg.hidden_size * max(slices)}")

@@ -502,12 +502,29 @@ __device__ __forceinline__ void mma_tiles(float (&acc)[NT][4], const uint4 (&a)[
 #define MMA_ROWS_UNROLL MK_MMA_ROWS_UNROLL  // isa.MMA_ROWS_UNROLL: chunks' weights loaded at once
 #define MMA_RING MK_MMA_RING  // isa.MMA_RING: rounds in a lane's ring (MMA_RING - 1 in flight)
 #define MMA_SUMS_BYTES (MMA_RT * NWARPS * 16 * 8 * 4)
+// A kernel with block_mma_rows' ring (steps of more than MMA_ROWS_SPLIT_ABOVE tokens) and the
+// registers for it (header.k_split_ring: head_dim 64) runs block_mma's k split through it too:
+// a round of one chunk, MMA_RG row groups x 2 halves of 16 bytes a lane, the size of
+// block_mma_rows' round (benchmarks/NOTES.md "block_mma's weights through the ring"); other
+// kernels load those weights into registers
+#define MMA_K_RING MK_K_RING
+static_assert(!MMA_K_RING || (MK_MMA && MK_T_MAX > MMA_ROWS_SPLIT_ABOVE),
+              "block_mma's ring is block_mma_rows'");
 #if MK_MMA && MK_T_MAX > MMA_ROWS_SPLIT_ABOVE
+static_assert(MMA_RG <= MMA_ROWS_UNROLL, "block_mma's round in block_mma_rows' ring slot");
 static_assert(MK_DYN_SMEM >= MMA_SUMS_BYTES + MMA_RING * MMA_ROWS_UNROLL * 2 * MK_THREADS * 16,
               "block_mma_rows' sums and ring");
 static_assert(MK_RMS_STAGE_AT >= MMA_SUMS_BYTES + MMA_RING * MMA_ROWS_UNROLL * 2 * MK_THREADS * 16,
               "the staged rows over block_mma_rows' ring");
 #endif
+
+// The cp.async ring block_mma_rows and block_mma's k split copy their weights into, after
+// block_mma_rows' sums in dynamic shared memory: [MMA_RING][4][threads] 16 bytes, this
+// thread's slots (each a lane's own: it copies them and reads them after its wait).
+__device__ __forceinline__ uint4* mma_ring() {
+  return
+      reinterpret_cast<uint4*>(static_cast<char*>(dynamic_smem()) + MMA_SUMS_BYTES) + threadIdx.x;
+}
 
 template <int K, class RowPtr, class LoadX, class Epi>
 __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x, Epi epi) {
@@ -518,8 +535,7 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
   // the ring: [MMA_RING][MMA_ROWS_UNROLL][2][threads] 16 bytes, each a lane's own (cp.async by
   // the lane, read by the lane after its wait: no barrier), MMA_RING - 1 rounds in flight while
   // one is multiplied, so the weights' L2 and HBM reads run beside the mma
-  uint4* const ring =
-      reinterpret_cast<uint4*>(static_cast<char*>(dynamic_smem()) + MMA_SUMS_BYTES) + threadIdx.x;
+  uint4* const ring = mma_ring();
   __syncthreads();  // the op before (attention's tiles) is done with dynamic shared memory
   for (int tb0 = 0; tb0 < ntok; tb0 += 8 * NT) {
     const int nt = min(NT, (ntok - tb0 + 7) / 8);  // the pass's token tiles (warp-uniform)
@@ -605,7 +621,7 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
   }
 }
 
-template <int K, class RowPtr, class LoadX, class Epi>
+template <int K, bool RING = MMA_K_RING, class RowPtr, class LoadX, class Epi>
 __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, LoadX load_x,
                           Epi epi) {
   static_assert(K % 8 == 0, "a lane loads 8 columns at a time");
@@ -617,6 +633,7 @@ __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, Lo
   constexpr int C = (K + MMA_KC - 1) / MMA_KC, NT = MMA_NT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int c_begin = warp * C / NWARPS, c_end = (warp + 1) * C / NWARPS;
+  if (RING) __syncthreads();  // the op before (attention's tiles) is done with the ring
   for (int tb0 = 0; tb0 < ntok; tb0 += 8 * NT) {
     const int nt = min(NT, (ntok - tb0 + 7) / 8);  // the pass's token tiles (warp-uniform)
     for (int q0 = 0; q0 < groups; q0 += MMA_RG) {
@@ -633,25 +650,75 @@ __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, Lo
         for (int j = 0; j < NT; ++j)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[q][j][i] = 0.f;
-      for (int c0 = c_begin; c0 < c_end; c0 += MMA_UNROLL) {
-        uint4 a[MMA_UNROLL][MMA_RG][2];
-        unsigned x[MMA_UNROLL][NT][4];  // the input fragments' words: bf16 of columns 2i, 2i + 1
+      if constexpr (RING) {
+        // the ring (mma_ring): a round is one chunk, [MMA_RG][2][threads] 16 bytes, each a
+        // lane's own, MMA_RING - 1 chunks in flight while one is multiplied
+        uint4* const ring = mma_ring();
+        // a row past the tile multiplies row 0 of group q0 (block_mma_rows' reason: the
+        // epilogue stops at the tile's rows, a row of D depends on its own row of A alone)
+        const unsigned short* const w0 = rowptr(q0, 0);
+        int off[MMA_RG][2];  // each row as an offset (elements) from w0
 #pragma unroll
-        for (int u = 0; u < MMA_UNROLL; ++u) {  // every load of the chunks first
-          const int col = (c0 + u) * MMA_KC + 8 * t;
-          const bool ok = c0 + u < c_end && col < K;
+        for (int q = 0; q < MMA_RG; ++q)
 #pragma unroll
-          for (int q = 0; q < MMA_RG; ++q)
+          for (int h = 0; h < 2; ++h) off[q][h] = w[q][h] == nullptr ? 0 : (int)(w[q][h] - w0);
+        // chunk c's weights into ring slot `slot`, a cp.async group (empty past the range)
+        const auto issue = [&](int c, int slot) {
+          const int col = c * MMA_KC + 8 * t;
+          if (c < c_end && col < K) {
+#pragma unroll
+            for (int q = 0; q < MMA_RG; ++q)
+#pragma unroll
+              for (int h = 0; h < 2; ++h)
+                cp_async_16(ring + ((slot * MMA_RG + q) * 2 + h) * MK_THREADS,
+                            w0 + off[q][h] + col);
+          }
+          cp_async_commit();
+        };
+#pragma unroll
+        for (int c = 0; c + 1 < MMA_RING; ++c) issue(c_begin + c, c);
+        int slot = 0;  // this chunk's
+        for (int c0 = c_begin; c0 < c_end; ++c0) {
+          // MMA_RING - 1 chunks ahead, then this chunk's copies landed
+          issue(c0 + MMA_RING - 1, slot == 0 ? MMA_RING - 1 : slot - 1);
+          cp_async_wait_group<MMA_RING - 1>();
+          const int take = slot;
+          slot = slot + 1 == MMA_RING ? 0 : slot + 1;
+          const int col = c0 * MMA_KC + 8 * t;
+          const bool ok = col < K;
+          unsigned x[NT][4];  // the input fragments' words, then the weights from the ring
+          mma_load_tiles<NT>(load_x, tb0, nt, ntok, col, ok, x);
+#pragma unroll
+          for (int q = 0; q < MMA_RG; ++q) {
+            uint4 a[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-              a[u][q][h] = ok && w[q][h] ? __ldg(reinterpret_cast<const uint4*>(w[q][h] + col))
-                                         : make_uint4(0u, 0u, 0u, 0u);
-          mma_load_tiles<NT>(load_x, tb0, nt, ntok, col, ok, x[u]);
+              a[h] = ok ? ring[((take * MMA_RG + q) * 2 + h) * MK_THREADS]
+                        : make_uint4(0u, 0u, 0u, 0u);
+            mma_tiles<NT>(acc[q], a, x, nt);
+          }
         }
+      } else {
+        for (int c0 = c_begin; c0 < c_end; c0 += MMA_UNROLL) {
+          uint4 a[MMA_UNROLL][MMA_RG][2];
+          unsigned x[MMA_UNROLL][NT][4];  // the input fragments' words: bf16 of columns 2i, 2i + 1
 #pragma unroll
-        for (int u = 0; u < MMA_UNROLL; ++u)
+          for (int u = 0; u < MMA_UNROLL; ++u) {  // every load of the chunks first
+            const int col = (c0 + u) * MMA_KC + 8 * t;
+            const bool ok = c0 + u < c_end && col < K;
 #pragma unroll
-          for (int q = 0; q < MMA_RG; ++q) mma_tiles<NT>(acc[q], a[u][q], x[u], nt);
+            for (int q = 0; q < MMA_RG; ++q)
+#pragma unroll
+              for (int h = 0; h < 2; ++h)
+                a[u][q][h] = ok && w[q][h] ? __ldg(reinterpret_cast<const uint4*>(w[q][h] + col))
+                                           : make_uint4(0u, 0u, 0u, 0u);
+            mma_load_tiles<NT>(load_x, tb0, nt, ntok, col, ok, x[u]);
+          }
+#pragma unroll
+          for (int u = 0; u < MMA_UNROLL; ++u)
+#pragma unroll
+            for (int q = 0; q < MMA_RG; ++q) mma_tiles<NT>(acc[q], a[u][q], x[u], nt);
+        }
       }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
@@ -2638,7 +2705,9 @@ __device__ void slice_mma(const Params& P, OpShared& s, const int* ins, const in
       // the slice's weights, input and partials from their first row, token and column
       const mk_in_t* x_in = X + (size_t)t0 * K + j * KS;
       float* part = P.partials + (size_t)t0 * MK_PARTIALS_LD + j * H + b;
-      block_mma<KS>(
+      // (the k split's weights in registers, not the ring: a warp's chunks of K / SLICES are
+      // mostly one, and with the ring SmolLM2's kernel of (1, 8) slices spilled 8 bytes)
+      block_mma<KS, false>(
           s.mma, (rows + 15) / 16, n, tile_rows(W + (size_t)b * K + j * KS, rows, K),
           [&](int tok, int col, unsigned (&x)[4]) { load_bf16_x8(x_in + (size_t)tok * K, col, x); },
           [&](int q0, int tok0, auto sum) {

@@ -281,15 +281,16 @@ if sys.argv[2] == "past":  # the walk's prefetch 16 rows on: past the last row g
     mutate("prefetch_line(w[h] + c);", "prefetch_line(w[h] + c + 16 * K);",
            "block_mma_rows' prefetch")
 if sys.argv[2] == "ring-past":  # the cp.async ring from dynamic shared memory's end on
-    mutate("+ MMA_SUMS_BYTES) + threadIdx.x;", "+ MK_DYN_SMEM) + threadIdx.x;",
-           "block_mma_rows' ring")
-# 2 blocks in row tiles, a step of 34 rows (two prompts of 17): every mat-mul and the LM head
-# split their rows over the warps (block_mma_rows), whose walk prefetches its next k range
-N, BLOCKS = 17, 2
-seq = 2 * N
+    mutate("+ MMA_SUMS_BYTES) + threadIdx.x;", "+ MK_DYN_SMEM) + threadIdx.x;", "mma_ring")
+# 2 blocks in row tiles, a kernel of 34 rows a step; a step of 34 rows (two prompts of 17):
+# every mat-mul and the LM head split their rows over the warps (block_mma_rows), whose walk
+# prefetches its next k range; or (argv[3] 16) of 32 rows: the k split, through the same ring
+# (MK_K_RING)
+N, BLOCKS = int(sys.argv[3]) if len(sys.argv) > 3 else 17, 2
+seq = 2 * 17
 prog = schedule(m.config, BLOCKS, seq, *tensor_core_splits(m.config, BLOCKS, seq),
-                merge_ticket_min=1, tokens=2 * N, token_groups=False, tensor_cores=True)
-ex = KernelExecutor(m, seq, blocks=BLOCKS, slots=2, step_tokens=2 * N, page_size=2,
+                merge_ticket_min=1, tokens=seq, token_groups=False, tensor_cores=True)
+ex = KernelExecutor(m, seq, blocks=BLOCKS, slots=2, step_tokens=seq, page_size=2,
                     tensor_cores=True, program=prog, device=EmulatorDevice(sanitize="address"))
 assert "prefetch_line(w[h] + c" in ex.source
 pages = list(ex.add_pages(2 * -(-N // 2)))
@@ -316,13 +317,15 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_row_split_walk_prefetch_under_address_sanitizer(synth_dir):
+@pytest.mark.parametrize("rows", [17, 16])
+def test_row_split_walk_prefetch_under_address_sanitizer(synth_dir, rows):
     """block_mma_rows' walk prefetches each next k range of its row group's rows (the design's
     mma_rows_prefetch; the emulator's prefetch reads a byte of the line) and copies its
     weights through a cp.async ring after its sums in dynamic shared memory: a step of 34
     rows on 2 blocks in row tiles, every mat-mul and the LM head in the row split, under ASan:
-    no report, the reference's logits."""
-    proc = _run(ROW_SPLIT_SCRIPT, str(synth_dir("llama3-tiny")), "full")
+    no report, the reference's logits. A step of 32 rows on the same kernel: every mat-mul's
+    k split through that ring (MK_K_RING), the same."""
+    proc = _run(ROW_SPLIT_SCRIPT, str(synth_dir("llama3-tiny")), "full", str(rows))
     assert "AddressSanitizer" not in proc.stderr and proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.startswith("ok"), proc.stdout
 
@@ -339,11 +342,13 @@ def test_negative_control_row_split_prefetch_past_the_rows(synth_dir):
 
 
 @pytest.mark.slow
-def test_negative_control_row_split_ring_past_dynamic_shared_memory(synth_dir):
-    """The same step with block_mma_rows' cp.async ring placed at the end of dynamic shared
-    memory instead of after its sums: every copy lands past the block's dynamic shared
-    memory, which ASan must report in the cp.async twin under block_mma_rows."""
-    proc = _run(ROW_SPLIT_SCRIPT, str(synth_dir("llama3-tiny")), "ring-past")
+@pytest.mark.parametrize("rows,where", [(17, "block_mma_rows"), (16, "block_mma")])
+def test_negative_control_row_split_ring_past_dynamic_shared_memory(synth_dir, rows, where):
+    """The same steps with the cp.async ring (mma_ring) placed at the end of dynamic shared
+    memory instead of after block_mma_rows' sums: every copy lands past the block's dynamic
+    shared memory, which ASan must report in the cp.async twin under block_mma_rows (the
+    step of 34 rows) or block_mma's k split (32 rows)."""
+    proc = _run(ROW_SPLIT_SCRIPT, str(synth_dir("llama3-tiny")), "ring-past", str(rows))
     assert proc.returncode != 0 and "ok" not in proc.stdout
     assert "AddressSanitizer" in proc.stderr, proc.stderr[-3000:]
-    assert "cp_async" in proc.stderr and "block_mma_rows" in proc.stderr, proc.stderr[-3000:]
+    assert "cp_async" in proc.stderr and where in proc.stderr, proc.stderr[-3000:]

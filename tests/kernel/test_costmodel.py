@@ -47,7 +47,7 @@ def test_design_for_is_the_kernel_as_built():
     assert set(cm.DESIGNS) == {"v5", "v6", "v6-mma", "v6-mma-seg", "v6-mma-split",
                                "v6-mma-pipe", "v6-mma-tiles", "v6-mma-warp-units", "v6-mma-ring",
                                "v6-mma-overlap", "v6-mma-keys", "v6-mma-embed", "v6-mma-finish",
-                               "v6-mma-last-skip",
+                               "v6-mma-k-ring", "v6-mma-last-skip",
                                "v6-mma-last-layer", "v7", "v7-rows", "v8", "v8-cluster"}
     # a kernel of slots with tensor cores (slice 6a): mma with row tiles; attention per
     # segment on mma (SEG_ATTN), late q/k too; at head_dim 64 its tiles pipelined
@@ -110,7 +110,23 @@ def test_design_for_is_the_kernel_as_built():
     # epilogue it spills)
     assert cm.design_for(late, tensor_cores=True) == cm.DESIGNS["v6-mma-embed"].replace(
         residual_copy_epilogue=False)
-    assert cm.BUILT_MMA == ("v6-mma-seg", "v6-mma-embed")
+    assert cm.BUILT_MMA == ("v6-mma-seg", "v6-mma-embed", "v6-mma-k-ring")
+    # a kernel of steps of more than isa.MMA_ROWS_SPLIT_ABOVE tokens has block_mma_rows' ring
+    # and runs block_mma's k split through it (MMA_K_RING); one of 32 loads into registers
+    from monokernel.kernel.isa import MMA_ROWS_SPLIT_ABOVE
+
+    for tokens, ring in ((MMA_ROWS_SPLIT_ABOVE, False), (MMA_ROWS_SPLIT_ABOVE + 1, True)):
+        cfg = ModelConfig.from_name("smollm2-135m")
+        big = schedule(cfg, 8, 64, tokens=tokens, tensor_cores=True)
+        d = cm.design_for(big, tensor_cores=True)
+        assert d.mma_k_ring is ring
+        assert d == cm.DESIGNS["v6-mma-k-ring" if ring else "v6-mma-embed"].replace(
+            prefill_chunk=tokens, rms_stage_rows=d.rms_stage_rows)
+    assert cm.DESIGNS["v6-mma-k-ring"] == cm.DESIGNS["v6-mma-embed"].replace(
+        name="v6-mma-k-ring", mma_k_ring=True)
+    # ... where the registers allow: not at head_dim 128 (header.k_split_ring)
+    qwen = schedule(ModelConfig.from_name("qwen3-0.6b"), 8, 64, tokens=64, tensor_cores=True)
+    assert not cm.design_for(qwen, tensor_cores=True).mma_k_ring
     # v7 and v8 (issue 17's steps of many tokens and its levers) are predicted only: no backend
     # implements them yet
     assert not any(getattr(cm.V6, k) for k in ("tensor_cores", "tile_2d", "attn_tensor_cores",

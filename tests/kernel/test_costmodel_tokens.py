@@ -661,7 +661,8 @@ def test_mma_l2_overlap_moves_a_mat_muls_l2_reads_beside_its_mma_and_loses_none(
     shape = StepShape.chunk(512, 256, False)
     g = cm.gpu("h200")
     # every round of every mat-mul loaded into registers (the build before the ring)
-    built = cm.design_for(prog, tensor_cores=True).replace(mma_rows_l2_overlap=False)
+    built = cm.design_for(prog, tensor_cores=True).replace(mma_rows_l2_overlap=False,
+                                                           mma_k_ring=False)
     over = built.replace(mma_l2_overlap=True)
     assert cm.design("v6-mma-overlap") == cm.DESIGNS["v6-mma-tiles"].replace(
         name="v6-mma-overlap", mma_l2_overlap=True, mma_rows_l2_overlap=True)
@@ -691,6 +692,43 @@ def test_mma_l2_overlap_moves_a_mat_muls_l2_reads_beside_its_mma_and_loses_none(
     assert fast < 0.8 * slow, (fast, slow)
 
 
+def test_the_k_split_ring_moves_the_unsliced_ops_reads_beside_their_mma():
+    """v6-mma-k-ring (mma_k_ring, megakernel.cu MK_K_RING: block_mma's k split through
+    block_mma_rows' ring): on the program of 64 tokens the executor runs (SmolLM2: DOWN in
+    input slices, slice_mma's k split in registers), a decode step of 32 rows (every mat-mul in
+    the k split) moves every instruction of the unsliced ops exactly as mma_l2_overlap would,
+    and none of the sliced DOWN's; the step is faster. The design is built where
+    header.k_split_ring says (head_dim 64, steps of more than 32 tokens)."""
+    from monokernel.kernel.costmodel.simulate import _batches
+    from monokernel.kernel.group_picks import tensor_core_program
+    from monokernel.kernel.ops import down, gate_up, o_proj, qkv
+    from monokernel.kernel.schedule import tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    cfg = ModelConfig.from_name("smollm2-135m")
+    splits, min_chunk = tensor_core_splits(cfg, 132, 2048)
+    prog = tensor_core_program(cfg, 132, 2048, splits, min_chunk, 64, True)
+    assert prog.slices_of(Op.DOWN_RESIDUAL) > 1 == prog.slices_of(Op.O_PROJ_RESIDUAL)
+    g = cm.gpu("h200")
+    kring = cm.design_for(prog, tensor_cores=True)  # as built
+    assert kring.name == "v6-mma-k-ring" and kring.mma_k_ring
+    rows = kring.replace(mma_k_ring=False)
+    over = rows.replace(mma_l2_overlap=True)
+    shape = StepShape.decode(32, 16)
+    batches = _batches(prog, shape.max_context, shape)
+    for op, mod in ((Op.RMS_QKV_ROPE, qkv), (Op.O_PROJ_RESIDUAL, o_proj),
+                    (Op.RMS_GATE_UP, gate_up), (Op.DOWN_RESIDUAL, down)):
+        _, batch = batches[op]
+        a, k, b = (mod.cost(batch, g, d) for d in (rows, kring, over))
+        want = a if op == Op.DOWN_RESIDUAL else b
+        for f in ("other_us", "compute", "rounds", "stream_bytes"):
+            assert np.allclose(getattr(k, f), getattr(want, f)), (op, f)
+        if op != Op.DOWN_RESIDUAL:
+            assert (np.asarray(k.other_us) < np.asarray(a.other_us)).all(), op
+    slow, fast = (cm.predict(prog, g, d, shape=shape).step_us for d in (rows, kring))
+    assert fast < slow, (fast, slow)
+
+
 def test_the_ring_moves_only_block_mma_rows_reads_beside_its_mma():
     """v6-mma-ring (mma_rows_l2_overlap, megakernel.cu block_mma_rows' cp.async ring): an
     instruction's L2 reads move beside its mma exactly as mma_l2_overlap moves them where its
@@ -710,7 +748,8 @@ def test_the_ring_moves_only_block_mma_rows_reads_beside_its_mma():
     prog = schedule(cfg, 132, 2048, splits, min_chunk, merge_ticket_min=1, tokens=256,
                     token_groups=True, tensor_cores=True)
     g = cm.gpu("h200")
-    ring = cm.design_for(prog, tensor_cores=True)  # as built
+    # the row split's ring alone (as built before block_mma's k split took it too)
+    ring = cm.design_for(prog, tensor_cores=True).replace(mma_k_ring=False)
     built = ring.replace(mma_rows_l2_overlap=False)  # every round loaded into registers
     over = built.replace(mma_l2_overlap=True)
     assert ring == built.replace(name=ring.name, mma_rows_l2_overlap=True)

@@ -304,7 +304,10 @@ def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, rms, token
     halves of one row group for 2 x 8 x 2 HMMA (8 token tiles), copied by cp.async into the
     lane's ring (LDGSTS.E.BYPASS.128: isa.MMA_RING rounds of 4, MMA_RING - 1 in the
     prologue and one a round, each a group, LDGDEPBAR; the round waits for all but the newest
-    MMA_RING - 1, DEPBAR.LE SB0 MMA_RING - 1) and read back as 4 LDS.128. Every input is bf16
+    MMA_RING - 1, DEPBAR.LE SB0 MMA_RING - 1) and read back as 4 LDS.128; there (head_dim 64:
+    header.k_split_ring) the k split copies its weights into the same ring too, a chunk a
+    round (MMA_RG x 2 halves: 4 copies, 4 LDS.128, 2 x 4 x 2 HMMA) and no read-only weight
+    load is left. Every input is bf16
     (isa.BF16_INPUTS: O_PROJ's and DOWN's as their producers store them, an RMS op's the
     residual's copy residual_in): one 16-byte load per chunk and token tile (the fp32
     residual took two); an RMS op (GATE_UP) reads its norm weights beside them (read-only
@@ -323,27 +326,34 @@ def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, rms, token
 
     ops = [m.group(0) for t in sf._texts(sass)
            for m in [re.search(r"\b(LDG|HMMA|LDS|DEPBAR)\S*( SB0, 0x\d+)?", t)] if m]
+    from monokernel.kernel.header import k_split_ring
+    from monokernel.model.config import ModelConfig
+
     d = cm.design_for(None, tensor_cores=True)  # the built design, v6-mma-embed
-    paths = [(2 * 2 * 2, d.mma_token_tiles)]  # (weight loads, token tiles) of each pass
+    kring = k_split_ring(ModelConfig.from_name("smollm2-135m"), tokens)
+    k_unroll = 1 if kring else 2  # the k split's chunks a loop body
+    paths = [(k_unroll * 2 * 2, d.mma_token_tiles)]  # (weights, token tiles) of each pass
     split = tokens > d.mma_rows_split_above
+    assert kring == split
     if split:
         paths.append((d.mma_rows_split_unroll * 2, d.mma_rows_split_tiles))
     assert (d.mma_token_tiles, d.mma_rows_split_tiles) == (4, 8)
     assert d.mma_rows_l2_overlap and not d.mma_l2_overlap  # the ring: block_mma_rows' alone
-    unroll = (2, d.mma_rows_split_unroll)
+    unroll = (k_unroll, d.mma_rows_split_unroll)
     ring = d.mma_rows_split_unroll * 2 if split else 0  # a round's copies and its reads
     loads = sum(u * tiles for u, (_, tiles) in zip(unroll, paths))  # a chunk and token tile
     norms = loads if rms else 0
     stage = 1 if rms else 0  # mma_rms's staging loop (its body once)
-    assert ops.count("LDG.E.128.CONSTANT") == paths[0][0] + norms + stage, ops
-    assert ops.count("LDGSTS.E.BYPASS.128") == MMA_RING * ring, ops
-    assert ops.count("LDGDEPBAR") == (MMA_RING if split else 0), ops
-    assert ops.count(f"DEPBAR.LE SB0, 0x{MMA_RING - 1}") == (1 if split else 0), ops
+    k_ring = 2 * 2 if kring else 0  # the k split's copies a round and its reads
+    assert ops.count("LDG.E.128.CONSTANT") == (0 if kring else paths[0][0]) + norms + stage, ops
+    assert ops.count("LDGSTS.E.BYPASS.128") == MMA_RING * (ring + k_ring), ops
+    assert ops.count("LDGDEPBAR") == MMA_RING * (split + kring), ops
+    assert ops.count(f"DEPBAR.LE SB0, 0x{MMA_RING - 1}") == split + kring, ops
     assert sum(o.startswith("HMMA.16816.F32.BF16") for o in ops) == \
         sum(w * tiles for w, tiles in paths), ops
     assert ops.count("LDG.E.128") == loads + stage, ops
     # the staged rows, as a stored input's loads; the ring's reads
-    assert ops.count("LDS.128") == (loads if rms else 0) + ring, ops
+    assert ops.count("LDS.128") == (loads if rms else 0) + ring + k_ring, ops
     assert d.stored_bf16_inputs and d.input_bytes == 2
 
 

@@ -733,10 +733,11 @@ def row_split_executor(model) -> KernelExecutor:
     return ex
 
 
-def row_split_step(ex: KernelExecutor):
+def row_split_step(ex: KernelExecutor, n: int = ROW_SPLIT_ROWS):
+    """A step of ``n`` rows a slot: 2 x 17 in the row split, 2 x 16 (32) in the k split, whose
+    weights go through the same ring (MK_K_RING)."""
     from monokernel.kernel.base import StepTable
 
-    n = ROW_SPLIT_ROWS
     pages = list(ex.add_pages(2 * -(-n // 2)))
     tables = {0: pages[:len(pages) // 2], 1: pages[len(pages) // 2:]}
     rows = [(5 + 3 * i, 0, i, True, True) for i in range(n)] + \
@@ -749,16 +750,18 @@ _ROW_SPLIT_SUMS = "      __syncthreads();\n      for (int j = 0; j < nt; ++j)\n"
 
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
-def test_strict_tsan_row_split_mat_muls_no_race_match_the_reference(tiny):
+@pytest.mark.parametrize("n", [ROW_SPLIT_ROWS, 16])
+def test_strict_tsan_row_split_mat_muls_no_race_match_the_reference(tiny, n):
     """block_mma_rows (a step of 34 rows on 2 blocks in row tiles: every mat-mul splits its
     rows over the warps): the sums in dynamic shared memory, each lane's own until the
     epilogue's barrier, and the cp.async ring of its weights, each lane's own slots, race-free;
-    every row's logits the bf16-inputs reference's (test_tensor_cores.py's tolerance)."""
+    every row's logits the bf16-inputs reference's (test_tensor_cores.py's tolerance). A step
+    of 32 rows on the same kernel: block_mma's k split through the same ring (MK_K_RING, its
+    barrier after the op before), the same."""
     ex = row_split_executor(tiny)
-    assert ex.source.count(_ROW_SPLIT_SUMS) == 1
-    _, logits, report = run_strict(ex, [], table=row_split_step(ex))
+    assert ex.source.count(_ROW_SPLIT_SUMS) == 1 and "#define MK_K_RING 1" in ex.source
+    _, logits, report = run_strict(ex, [], table=row_split_step(ex, n))
     assert report == ""
-    n = ROW_SPLIT_ROWS
     rows = logits[0].reshape(ex.program.tokens, -1)
     ref = ReferenceModel(tiny.config, tiny.weights, 2 * n, bf16_inputs=True,
                          attn_chunk=ex.program.attn_min_chunk)
@@ -788,15 +791,17 @@ _RING_LANE = "+ MMA_SUMS_BYTES) + threadIdx.x;"
 
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
-def test_negative_control_a_ring_slot_shared_by_a_warps_lanes_is_reported(tiny):
-    """block_mma_rows' cp.async ring with each warp's 32 lanes copying into one slot (the
+@pytest.mark.parametrize("n", [ROW_SPLIT_ROWS, 16])
+def test_negative_control_a_ring_slot_shared_by_a_warps_lanes_is_reported(tiny, n):
+    """The cp.async ring (mma_ring) with each warp's 32 lanes copying into one slot (the
     ring's lane offset dropped): every lane's 16 bytes land where its warp's other lanes land
-    and read theirs, with nothing ordering them. TSan must see it (the ring as built, each
-    lane its own slot, is race-free: test_strict_tsan_row_split_mat_muls_no_race_...)."""
+    and read theirs, with nothing ordering them, in block_mma_rows (34 rows) or block_mma's
+    k split (32). TSan must see it (the ring as built, each lane its own slot, is race-free:
+    test_strict_tsan_row_split_mat_muls_no_race_...)."""
     ex = row_split_executor(tiny)
     assert ex.source.count(_RING_LANE) == 1
     with pytest.raises(DataRaceError) as info:
-        run_strict(ex, [], table=row_split_step(ex), source=ex.source.replace(
+        run_strict(ex, [], table=row_split_step(ex, n), source=ex.source.replace(
             _RING_LANE, "+ MMA_SUMS_BYTES) + (threadIdx.x & ~31);"))
     assert re.search(r"block_mma_rows|cp_async", info.value.report), info.value.report[:4000]
 

@@ -304,7 +304,7 @@ def _row_split_logits(model, step_tokens: int, plan: list[dict[int, int]], promp
                         tensor_cores=True, program=prog, step_tokens=step_tokens)
     if source_edit is not None:
         old, new = source_edit
-        assert ex.source.count(old) == 1, "block_mma_rows is not as this test expects"
+        assert ex.source.count(old) == 1, "block_mma is not as this test expects"
         ex.module = ex.device.compile(ex.source.replace(old, new), KERNEL_NAMES,
                                       {"MK_PREFETCH": "1"})
     ex.poison()
@@ -369,6 +369,41 @@ def test_row_split_passes_with_partial_row_groups_are_bitwise(tmp_path):
     model = load_model(write_synthetic(cfg, tmp_path / "awkward", seed=0), progress=False)
     prompts = [prompt_of(model, n, seed) for n, seed in ((20, 1), (14, 2), (9, 3))]
     _assert_row_split_is_the_k_split(model, prompts, [{0: 16, 1: 14}, {0: 4, 2: 9}], 48)
+
+
+_K_RING_ISSUE = "          issue(c0 + MMA_RING - 1, slot == 0 ? MMA_RING - 1 : slot - 1);\n"
+_K_RING_WAIT = "          cp_async_wait_group<MMA_RING - 1>();\n"
+
+
+def test_the_k_split_through_the_ring_is_bitwise_its_register_loads(tmp_path):
+    """block_mma's k split in a kernel of steps of more than 32 tokens copies its weights into
+    block_mma_rows' cp.async ring (MMA_K_RING: a round of one chunk, MMA_RING - 1 in flight);
+    a kernel of 32 loads them into registers. Steps of at most 32 rows (the k split in both)
+    on a kernel of 48 and one of 32, a shape whose k ranges hold several chunks a warp
+    (hidden 776, 25 chunks; intermediate 840, DOWN's 27, the last partial) and whose tiles end
+    inside a row group (O_PROJ's and DOWN's 258 and 259 rows on 3 blocks: the ring's rows past
+    the tile multiply the group's row 0, never stored): every row's logits bit for bit.
+    Negative control: the ring's wait dropped (the emulator's copy lands at a wait, its
+    destination NaN until then) changes them."""
+    import dataclasses
+
+    from monokernel.model.config import ModelConfig
+    from monokernel.model.loader import load_model
+    from monokernel.model.synth import write_synthetic
+
+    cfg = dataclasses.replace(ModelConfig.from_name("llama3-tiny"), hidden_size=776,
+                              intermediate_size=840, vocab_size=1003)
+    model = load_model(write_synthetic(cfg, tmp_path / "k-ring", seed=0), progress=False)
+    prompts = [prompt_of(model, n, seed) for n, seed in ((20, 1), (14, 2), (9, 3))]
+    plan = [{0: 16, 1: 14}, {0: 4, 2: 9}]
+    want = _row_split_logits(model, 32, plan, prompts)
+    got = _row_split_logits(model, 48, plan, prompts)
+    assert len(got) == len(want) == sum(map(len, prompts))
+    bad = [k for k in want if not np.array_equal(got[k], want[k])]
+    assert not bad, f"rows {bad[:5]} differ"
+    mutant = _row_split_logits(model, 48, plan, prompts,
+                               (_K_RING_ISSUE + _K_RING_WAIT, _K_RING_ISSUE))
+    assert any(not np.array_equal(mutant[k], want[k]) for k in want)
 
 
 _STAGE_STORE = "rms_bf16_x8(v, r, w, col, b);"

@@ -204,6 +204,13 @@ class KernelDesign:
     # isa.MMA_RING rounds, MMA_RING - 1 in flight during a round's mma; block_mma's k split
     # loads a round into registers): the slower of its mma and its bytes at the L2 share
     mma_rows_l2_overlap: bool = False
+    # ... and block_mma's k split of an unsliced op (O_PROJ's and DOWN's without input slices,
+    # QKV, GATE_UP, the LM head) through the same ring, a round of one chunk (MMA_RG row
+    # groups x 2 halves), in a kernel with the ring's shared memory and the registers for it
+    # (header.k_split_ring); slice_mma's k split (a warp's chunks of K / SLICES,
+    # mostly one) keeps its register loads (benchmarks/NOTES.md "block_mma's weights through
+    # the ring")
+    mma_k_ring: bool = False
     # (PREDICTED, not built) the last layer's ATTENTION, O_PROJ, GATE_UP and DOWN run only the
     # step's rows that need logits (a prompt chunk's last token; every decode row): once QKV has
     # written every row's K/V, nothing reads the other rows' residual again (simulate.py
@@ -448,6 +455,11 @@ V6_MMA_FINISH = V6_MMA_KEYS.replace(name="v6-mma-finish", finish_rows_parallel=T
 # isa.EMBED_STAGE_BYTES a pass (embed_stage_bytes; benchmarks/NOTES.md "EMBED, a row at a time"
 # and "EMBED's rows by cp.async").
 V6_MMA_EMBED = V6_MMA_FINISH.replace(name="v6-mma-embed", embed_stage_bytes=EMBED_STAGE_BYTES)
+# V6-MMA-K-RING (as built: design_for where header.k_split_ring, a kernel of steps of more than
+# isa.MMA_ROWS_SPLIT_ABOVE tokens at head_dim 64): v6-mma-embed with block_mma's k split of the
+# unsliced ops through block_mma_rows' ring (mma_k_ring; benchmarks/NOTES.md "block_mma's
+# weights through the ring"). Other kernels: v6-mma-embed.
+V6_MMA_K_RING = V6_MMA_EMBED.replace(name="v6-mma-k-ring", mma_k_ring=True)
 # V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-embed with a step that needs no logits
 # skipping its last layer after QKV (last_layer_skip; benchmarks/NOTES.md "Late q/k's key
 # caching, a token at a time", its as-built part: what building it must keep).
@@ -460,7 +472,7 @@ V6_MMA_OVERLAP = V6_MMA_RING.replace(name="v6-mma-overlap", mma_l2_overlap=True)
 # layer on the logits rows").
 V6_MMA_LAST = V6_MMA_EMBED.replace(name="v6-mma-last-layer", last_layer_logits=True)
 # The tensor-core designs megakernel.cu builds.
-BUILT_MMA = ("v6-mma-seg", "v6-mma-embed")
+BUILT_MMA = ("v6-mma-seg", "v6-mma-embed", "v6-mma-k-ring")
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
@@ -469,6 +481,7 @@ DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-overlap": V6_MMA_OVERLAP,
                                     "v6-mma-keys": V6_MMA_KEYS, "v6-mma-embed": V6_MMA_EMBED,
                                     "v6-mma-finish": V6_MMA_FINISH,
+                                    "v6-mma-k-ring": V6_MMA_K_RING,
                                     "v6-mma-last-skip": V6_MMA_SKIP,
                                     "v6-mma-last-layer": V6_MMA_LAST,
                                     "v7": V7, "v7-rows": V7_ROWS,
@@ -482,11 +495,13 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
     (MK_SYNC=1, backend cuda-sync1); with a program of steps of up to T tokens (``tokens``),
     the token loop and prompts in chunks of T; ``tensor_cores`` (a kernel of slots built with
     them, MK_MMA): V6_MMA_EMBED where two K/V tile buffers fit (else V6_MMA_SEG with the ring,
-    the keys and the step's end over the threads, EMBED's rows staged),
-    residual_in's copy in a pass where the epilogue's store would spill (head_dim 128). A
+    the keys and the step's end over the threads, EMBED's rows staged), V6_MMA_K_RING where
+    the kernel runs block_mma's k split through block_mma_rows' ring (header.k_split_ring:
+    steps of more than isa.MMA_ROWS_SPLIT_ABOVE tokens, head_dim 64), residual_in's copy in a
+    pass where the epilogue's store would spill (head_dim 128). A
     kernel change updates these in the same commit."""
     if tensor_cores:
-        from ..header import attn_pipeline, residual_in_epilogue, rms_stage_rows
+        from ..header import attn_pipeline, k_split_ring, residual_in_epilogue, rms_stage_rows
 
         tokens = getattr(program, "tokens", 1)
         cfg = getattr(program, "config", None)
@@ -503,6 +518,10 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
         if d is V6_MMA_EMBED and cfg is not None and not residual_in_epilogue(cfg):
             # MK_RES_IN_EPI 0 (head_dim 128): the copy in a pass after the mat-mul
             d = d.replace(residual_copy_epilogue=False)
+        if cfg is not None and k_split_ring(cfg, tokens):  # MK_K_RING: the k split's weights
+            # through block_mma_rows' ring
+            d = d.replace(mma_k_ring=True, name=V6_MMA_K_RING.name if d.name == V6_MMA_EMBED.name
+                          else d.name)
         if tokens > 1:
             d = d.replace(prefill_chunk=tokens)
         rows = d.rms_stage_rows if cfg is None else rms_stage_rows(cfg, tokens, True)

@@ -294,8 +294,11 @@ def widen_matmul(b: OpBatch, g, d, ph: Phases, k: int, rows=None, tokens: int | 
         copy_rounds, copy_bytes = 0, 2.0
     epilogue = epilogue + busy * T * rows * copy_bytes / (g.l2_bw / g.sms)
     reads = busy * (t_in + t_w) + t_again  # its L2 reads: after the stream (loads a round)
-    # ... or beside the mma, with the stream's bytes through the same L2 share (a ring)
-    ring = d.mma_l2_overlap | (d.mma_rows_l2_overlap & rows_split(k / s, mm_tokens, d))
+    # ... or beside the mma, with the stream's bytes through the same L2 share (a ring):
+    # every mat-mul's (mma_l2_overlap), the row split's (mma_rows_l2_overlap), the k split's
+    # of an unsliced op (mma_k_ring: slice_mma's k split keeps its loads in registers)
+    ring = d.mma_l2_overlap | (d.mma_rows_l2_overlap & rows_split(k / s, mm_tokens, d)) \
+        | (d.mma_k_ring & (sliced == 1))
     if np.any(ring):
         floor = reads + np.asarray(ph.stream_bytes, np.float64) / (g.l2_bw / g.sms)
         compute = np.where(ring, np.maximum(compute, floor), compute)
