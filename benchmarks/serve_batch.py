@@ -38,6 +38,8 @@ def start(args, log: Path) -> tuple[subprocess.Popen, str]:
              "--request-timeout", "3000"]
     if args.model:
         serve += ["--model", args.model]
+    for opt in args.option or ():
+        serve += ["--option", opt]
     p, url = launch(serve, log)
     httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=600)
     return p, url
@@ -118,12 +120,26 @@ def command_args() -> list[str]:
     return out
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or "unknown"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M")
     ap.add_argument("--backend", default="numpy")
+    ap.add_argument("-o", "--option", action="append", default=None, metavar="NAME=VALUE",
+                    help="a backend option for the server, e.g. batch_invariant=true "
+                         "(repeatable)")
     ap.add_argument("--out", default=None, help="a folder for the JSON")
     args = ap.parse_args()
     reqs = bodies(args.requests, args.max_tokens)
@@ -151,7 +167,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip() or "unknown"
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": commit,
-           "machine": f"CPU, {os.cpu_count()} cores, no GPU", "backend": args.backend,
+           "machine": f"CPU ({cpu_model()}), {os.cpu_count()} cores, no GPU",
+           "backend": args.backend, "options": args.option or [],
            "model": args.model or "bundled SmolLM2-135M-Instruct",
            "command": "python " + " ".join(["benchmarks/serve_batch.py"] + command_args()),
            "requests": args.requests, "max_tokens": args.max_tokens, "ratio": round(ratio, 2),
