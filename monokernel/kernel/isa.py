@@ -9,6 +9,7 @@ on the CUDA side.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import NamedTuple
 
 from ..model.config import ModelConfig
 
@@ -44,11 +45,11 @@ class Word(IntEnum):
     ARG3 = 10
     ARG4 = 11
     # token groups of a mat-mul (kernels of slots on tensor cores; program.Instruction.group):
-    # members | index << 8 | the op's fewest step tokens for them << 16 (0: none; at most
-    # 255), with an input slice of O_PROJ / DOWN (program.InputSlice, input_slices.py) log2
-    # of the slices << 24 | the slice << 27 (0: none; its row group's counter is the op's
-    # signal + 1 + block / (members x slices): Program.verify checks it); and the group's
-    # rows, begin | end << 16 (megakernel.cu token_group, slice_mma). No word of its own: a
+    # PACKED_WORDS["GROUP"]: its members, index and the op's fewest step tokens for them (0:
+    # none), with an input slice of O_PROJ / DOWN (program.InputSlice, input_slices.py) log2
+    # of the slices and the slice (0: none; its row group's counter is the op's signal + 1 +
+    # block / (members x slices): Program.verify checks it); and the group's rows,
+    # PACKED_WORDS["GROUP_TILE"] (megakernel.cu token_group, slice_mma). No word of its own: a
     # 15th word spilled Qwen3's tensor-core kernel (its VM loop holds the words in registers)
     GROUP = 12
     GROUP_TILE = 13
@@ -56,6 +57,59 @@ class Word(IntEnum):
 
 WIDTH = len(Word)
 ARG_WORDS = Word.GROUP - Word.ARG0
+
+
+class Field(NamedTuple):
+    """A field of a packed int32 word: ``bits`` bits from bit ``shift``, a value >= 0."""
+
+    name: str
+    shift: int
+    bits: int
+
+
+# Words that pack several small values: Python packs them (pack), the kernel reads each field
+# through the header's accessor MK_<WORD>_<FIELD>(w) (header.render_header), so the layout is
+# written here alone. Bit 31 stays clear (the words are int32).
+PACKED_WORDS: dict[str, tuple[Field, ...]] = {
+    # Word.GROUP: a token group's members, this member's index, the op's fewest step tokens
+    # for the groups (token_groups.MAX_MIN_TOKENS); an input slice's log2 of the slices and
+    # its slice (0 and 0 without slices)
+    "GROUP": (Field("MEMBERS", 0, 8), Field("INDEX", 8, 8), Field("MIN_TOKENS", 16, 8),
+              Field("SLICES_LOG2", 24, 3), Field("SLICE", 27, 4)),
+    # Word.GROUP_TILE: the group's rows [begin, end)
+    "GROUP_TILE": (Field("BEGIN", 0, 16), Field("END", 16, 15)),
+    # O_PROJ's argument `keys` (late q/k, ops/o_proj.py key_parts): the KV heads [kv_first,
+    # kv_end) whose keys of the step's rows part `part` of `parts` the block caches
+    "O_PROJ_KEYS": (Field("KV_FIRST", 0, 8), Field("KV_END", 8, 8), Field("PARTS", 16, 8),
+                    Field("PART", 24, 7)),
+}
+
+
+def field(word: str, name: str) -> Field:
+    """PACKED_WORDS[word]'s field ``name`` (upper case)."""
+    return next(f for f in PACKED_WORDS[word] if f.name == name)
+
+
+def pack(word: str, **values: int) -> int:
+    """PACKED_WORDS[word] of the fields ``values`` (by lower-case name; 0 for one not given).
+    A value outside its bits, or a name the word does not have, is a ValueError."""
+    fields = {f.name.lower(): f for f in PACKED_WORDS[word]}
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise ValueError(f"{word} has no field {sorted(unknown)} (its: {', '.join(fields)})")
+    out = 0
+    for name, v in values.items():
+        f, v = fields[name], int(v)
+        if not 0 <= v < 1 << f.bits:
+            raise ValueError(f"{word}.{name} = {v} does not fit its {f.bits} bits")
+        out |= v << f.shift
+    return out
+
+
+def unpack(word: str, w) -> dict:
+    """The fields of PACKED_WORDS[word] ``w`` (an int or an integer array), by lower-case
+    name, in layout order."""
+    return {f.name.lower(): (w >> f.shift) & ((1 << f.bits) - 1) for f in PACKED_WORDS[word]}
 
 
 class Args:

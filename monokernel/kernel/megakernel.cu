@@ -866,17 +866,18 @@ __device__ __forceinline__ void store_residual_in(const Params& P, int t0, int b
 }
 
 // A mat-mul instruction's rows [b, e) and tokens [t0, t1) this step (kernel/token_groups.py,
-// isa Word.GROUP): in a step of at least its op's min_tokens tokens, its token group's rows
-// for its share of them, [j n / c, (j + 1) n / c) of c members; else its own tile for every
-// token. Either way a token's rows have the same k-loop: its numbers do not change.
+// isa Word.GROUP and GROUP_TILE, their fields isa.PACKED_WORDS'): in a step of at least its
+// op's min_tokens tokens, its token group's rows for its share of them, [j n / c, (j + 1) n /
+// c) of c members; else its own tile for every token. Either way a token's rows have the same
+// k-loop: its numbers do not change.
 struct MmaTile {
   int b, e, t0, t1;
 };
 __device__ __forceinline__ MmaTile token_group(const int* ins, int ntok) {
-  const int g = ins[W_GROUP], c = g & 0xff, j = (g >> 8) & 0xff, min_tokens = (g >> 16) & 0xff;
-  if (c > 1 && ntok >= min_tokens)
-    return {ins[W_GROUP_TILE] & 0xffff, ins[W_GROUP_TILE] >> 16, j * ntok / c,
-            (j + 1) * ntok / c};
+  const int g = ins[W_GROUP], c = MK_GROUP_MEMBERS(g), j = MK_GROUP_INDEX(g);
+  if (c > 1 && ntok >= MK_GROUP_MIN_TOKENS(g))
+    return {MK_GROUP_TILE_BEGIN(ins[W_GROUP_TILE]), MK_GROUP_TILE_END(ins[W_GROUP_TILE]),
+            j * ntok / c, (j + 1) * ntok / c};
   return {ins[W_TILE_BEGIN], ins[W_TILE_END], 0, ntok};
 }
 #endif  // MK_MMA
@@ -2695,9 +2696,11 @@ __device__ void slice_mma(const Params& P, OpShared& s, const int* ins, const in
   static_assert(K % (16 * SLICES) == 0, "input_slices.check: whole 16-column chunks");
   const int ntok = step_tokens(st);
   {
-    const int g = ins[W_GROUP], c = g & 0xff, i = (g >> 8) & 0xff, j = (g >> 27) & 15;
-    const int lo = ins[W_GROUP_TILE] & 0xffff, hi = ins[W_GROUP_TILE] >> 16;
-    const bool shares = c > 1 && ntok >= ((g >> 16) & 0xff);
+    const int g = ins[W_GROUP], c = MK_GROUP_MEMBERS(g), i = MK_GROUP_INDEX(g);
+    const int j = MK_GROUP_SLICE(g);
+    const int tile = ins[W_GROUP_TILE], lo = MK_GROUP_TILE_BEGIN(tile);
+    const int hi = MK_GROUP_TILE_END(tile);
+    const bool shares = c > 1 && ntok >= MK_GROUP_MIN_TOKENS(g);
     const int b = shares ? lo : lo + i * (hi - lo) / c;
     const int rows = (shares ? hi : lo + (i + 1) * (hi - lo) / c) - b;
     const int t0 = shares ? i * ntok / c : 0, n = (shares ? (i + 1) * ntok / c : ntok) - t0;
@@ -2721,7 +2724,7 @@ __device__ void slice_mma(const Params& P, OpShared& s, const int* ins, const in
   }
   // the row group's counter: the op's signal + 1 + the group (its words read again here, not
   // held through the mat-mul)
-  const int members = (ins[W_GROUP] & 0xff) * SLICES;
+  const int members = MK_GROUP_MEMBERS(ins[W_GROUP]) * SLICES;
   const int counter = ins[W_SIGNAL_COUNTER] + 1 + blockIdx.x / members;
   signal_counter(P, counter);  // (its barrier: every thread's partials are issued)
   if (!wait_counter(P, counter, members * (st[S_STEP] + 1), instr, ins[W_OP],
@@ -2787,9 +2790,9 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   {  // this block caches the keys of KV heads [kv0, kv0 + heads) of its part of the step's
     // rows (ops/o_proj.py key_parts): its (row, head) pairs over the warps, KEY_CACHE_KEYS a
     // warp at once
-    const int keys = ins[A_O_PROJ_RESIDUAL_KEYS], kv0 = keys & 0xff;
-    const int heads = ((keys >> 8) & 0xff) - kv0, parts = (keys >> 16) & 0xff;
-    const int part = (keys >> 24) & 0xff;
+    const int keys = ins[A_O_PROJ_RESIDUAL_KEYS], kv0 = MK_O_PROJ_KEYS_KV_FIRST(keys);
+    const int heads = MK_O_PROJ_KEYS_KV_END(keys) - kv0, parts = MK_O_PROJ_KEYS_PARTS(keys);
+    const int part = MK_O_PROJ_KEYS_PART(keys);
     const int r0 = part * ntok / parts, pairs = ((part + 1) * ntok / parts - r0) * heads;
     if (pairs <= NWARPS)  // (one key a warp: a decode step's, without the dead vectors' work)
       cache_keys<1>(P, st, layer, kv0, heads, r0, pairs);
@@ -2805,7 +2808,7 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   // every instruction of the op with rows is sliced (Program.slices_of); one past the last
   // row group has none. The unsliced mat-mul is not compiled: a second block_mma beside the
   // slice's spilled Qwen3's kernel of 128 slots
-  if ((ins[W_GROUP] >> 24) != 0)
+  if (MK_GROUP_SLICES_LOG2(ins[W_GROUP]) != 0)
     slice_mma<MK_Q_DIM, MK_O_PROJ_SLICES>(P, s, ins, st, P.wo + (size_t)layer * H * MK_Q_DIM,
                                           P.attn, instr);
   return;
@@ -2921,7 +2924,7 @@ __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, c
   // every instruction of the op with rows is sliced (Program.slices_of); one past the last
   // row group has none. The unsliced mat-mul is not compiled: a second block_mma beside the
   // slice's spilled Qwen3's kernel of 128 slots
-  if ((ins[W_GROUP] >> 24) != 0)
+  if (MK_GROUP_SLICES_LOG2(ins[W_GROUP]) != 0)
     slice_mma<MK_FFN, MK_DOWN_SLICES>(P, s, ins, st, P.wd + (size_t)layer * H * MK_FFN, P.ffn_h,
                                       instr);
   return;

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..model.config import ModelConfig
 from ..errors import ProgramError
-from .isa import WIDTH, Op, Word
+from .isa import WIDTH, Op, Word, pack
 
 # Accesses the hazard check holds at once (verify(): ~40 bytes each)
 PAIRS = 1 << 21
@@ -75,9 +75,10 @@ class TokenGroup:
     tile: tuple[int, int]
 
     def words(self) -> tuple[int, int]:
-        """(Word.GROUP, Word.GROUP_TILE)."""
-        return (self.members | self.index << 8 | self.min_tokens << 16,
-                self.tile[0] | self.tile[1] << 16)
+        """(Word.GROUP, Word.GROUP_TILE) (isa.PACKED_WORDS)."""
+        return (pack("GROUP", members=self.members, index=self.index,
+                     min_tokens=self.min_tokens),
+                pack("GROUP_TILE", begin=self.tile[0], end=self.tile[1]))
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,8 @@ class InputSlice:
     members: int
 
     def bits(self) -> int:
-        """Its bits of Word.GROUP: log2 of the slices << 24 | the slice << 27."""
-        return (self.slices.bit_length() - 1) << 24 | self.index << 27
+        """Its fields of Word.GROUP (isa.PACKED_WORDS): log2 of the slices, the slice."""
+        return pack("GROUP", slices_log2=self.slices.bit_length() - 1, slice=self.index)
 
 
 @dataclass

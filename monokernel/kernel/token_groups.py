@@ -41,13 +41,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import ProgramError
-from .isa import MMA_RG, MMA_ROWS_SPLIT_ABOVE, MMA_ROWS_SPLIT_MAX_K, NUM_THREADS, Op
+from .isa import MMA_RG, MMA_ROWS_SPLIT_ABOVE, MMA_ROWS_SPLIT_MAX_K, NUM_THREADS, Op, field
 from .program import ANY_TOKENS, TOKEN_SHARES, Instruction, Tokens, TokenGroup
 
 GROUPED_OPS = (Op.RMS_QKV_ROPE, Op.O_PROJ_RESIDUAL, Op.RMS_GATE_UP, Op.DOWN_RESIDUAL)
 MIN_SHARE = 8  # tokens a member takes at least (mma m16n8k16: 8 tokens a fragment)
 MAX_MEMBERS = 8  # (TOKEN_SHARES divides by every group size up to it)
-MAX_MIN_TOKENS = 255  # isa Word.GROUP holds min_tokens in 8 bits (the slices' bits above)
+# the most min_tokens Word.GROUP holds (isa.PACKED_WORDS: the slices' bits above it)
+MAX_MIN_TOKENS = (1 << field("GROUP", "MIN_TOKENS").bits) - 1
 
 
 def input_reads(share: int, rows: int, k: int, staged: int | None = None) -> int:
@@ -170,9 +171,10 @@ def apply(plan, module, layer: int, tiles: list[Instruction],
             raise ProgramError(f"{group[0].op.name} tiles {[i.tile for i in group]} are not "
                                "consecutive: no token groups")
         lo, hi = group[0].tile[0], group[-1].tile[1]
-        if hi >= 1 << 15:  # Word.GROUP_TILE: begin | end << 16 in an int32
+        end_bits = field("GROUP_TILE", "END").bits  # Word.GROUP_TILE (isa.PACKED_WORDS)
+        if hi >= 1 << end_bits:
             raise ProgramError(f"{group[0].op.name} has {hi} tile rows: token groups take "
-                               f"fewer than {1 << 15}")
+                               f"fewer than {1 << end_bits}")
         for j, ins in enumerate(group):
             own_r, own_w = module.row_accesses(plan, layer, *ins.tile)
             grp_r, grp_w = module.row_accesses(plan, layer, lo, hi)

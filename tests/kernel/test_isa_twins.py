@@ -142,3 +142,44 @@ def test_a_kernel_helper_changed_alone_is_caught(tmp_path, monkeypatch, helper):
            for used, line in zip(ROTATIONS, lines[len(cases):])):
         caught.add("split_slot")  # through next_rotation
     assert helper in caught, caught
+
+
+def test_the_packed_words_fields_read_in_the_kernel_as_python_packs_them(tmp_path):
+    """isa.PACKED_WORDS (Word.GROUP, Word.GROUP_TILE, O_PROJ's keys) is written once: Python
+    packs a word (isa.pack), the kernel reads each field with the header's MK_<WORD>_<FIELD>
+    accessor. Words of each field at 0, 1 and its largest value, beside the other fields at
+    theirs, compiled with the rendered header: every field the value packed. A value past its
+    bits is refused."""
+    import random
+
+    from monokernel.kernel.header import render_header
+
+    rng = random.Random(0)
+    cases = []  # (word, {field: value})
+    for word, fields in isa.PACKED_WORDS.items():
+        for f in fields:
+            for v in (0, 1, (1 << f.bits) - 1):
+                values = {g.name.lower(): rng.randrange(1 << g.bits) for g in fields}
+                cases.append((word, {**values, f.name.lower(): v}))
+    lines = ["#include <cstdio>", "int main() {"]
+    for word, values in cases:
+        w = isa.pack(word, **values)
+        assert 0 <= w < 1 << 31
+        lines += [f'  std::printf("%d\\n", (int)MK_{word}_{name.upper()}({w}));'
+                  for name in values]
+    lines += ["  return 0;", "}"]
+    header = render_header(ModelConfig.from_name("qwen3-0.6b"), 64, tokens=16, slots=4,
+                           page_size=16, mma=True)
+    exe = tmp_path / "packed"
+    compile_unit(header + "\n".join(lines) + "\n", ["-std=c++20", "-O0"], exe,
+                 "the packed words driver", executable=True)
+    got = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60,
+                         check=True).stdout.split()
+    want = [v for _, values in cases for v in values.values()]
+    assert [int(x) for x in got] == want
+    for word, values in cases[:3]:
+        assert isa.unpack(word, isa.pack(word, **values)) == values
+    with pytest.raises(ValueError, match="does not fit"):
+        isa.pack("O_PROJ_KEYS", part=128)
+    with pytest.raises(ValueError, match="has no field"):
+        isa.pack("GROUP", parts=2)

@@ -12,7 +12,7 @@ import numpy as np
 from ..costmodel.tokens import widen_matmul
 from ..costmodel.parts import (OpBatch, Phases, copy_rounds, issue_us, matvec, prefetched,
                                trips)
-from ..isa import MERGE_CHUNK, Args, Op, merge_block_ways
+from ..isa import MERGE_CHUNK, Args, Op, field, merge_block_ways, pack, unpack
 from ..program import TOKEN_SHARES, Instruction, Tokens, split_even
 from .attention import merges_by_ticket, used_splits
 
@@ -20,7 +20,7 @@ OP = Op.O_PROJ_RESIDUAL
 ARGS = Args("splits",  # position splits per KV head (as ATTENTION's)
             "min_chunk",  # fewest positions per split (as ATTENTION's)
             "keys",  # late q/k: the KV heads and the part of the rows whose keys this block
-            # caches, kv_first | kv_end << 8 | parts << 16 | part << 24 (key_parts)
+            # caches (key_parts), isa.PACKED_WORDS["O_PROJ_KEYS"]
             "merge_min")  # fewest used splits that ATTENTION merged by ticket (0: never)
 SIGNALS = True
 # token groups (token_groups.py): the input (the merged attention, stored bf16) bytes an
@@ -62,7 +62,8 @@ def key_parts(heads: int, blocks: int) -> list[tuple[int, int, int, int]]:
     session a head's keys were one block's: a chunk of 256 rows, 4 warp rounds there.)"""
     if heads > blocks:
         return [(k0, k1, 1, 0) for k0, k1 in split_even(heads, blocks)]
-    parts = max(p for p in range(1, min(blocks // heads, 127) + 1) if TOKEN_SHARES % p == 0)
+    most = (1 << field("O_PROJ_KEYS", "PART").bits) - 1  # (part < parts: parts fits too)
+    parts = max(p for p in range(1, min(blocks // heads, most) + 1) if TOKEN_SHARES % p == 0)
     # the units (head, part) spread over the blocks as evenly as their count allows
     units = heads * parts
     out = [(0, 0, 1, 0)] * blocks
@@ -72,13 +73,14 @@ def key_parts(heads: int, blocks: int) -> list[tuple[int, int, int, int]]:
 
 
 def keys_word(kv_first: int, kv_end: int, parts: int, part: int) -> int:
-    assert 0 <= kv_first <= kv_end < 256 and 0 <= part < parts < 128  # (an int32 word)
-    return kv_first | kv_end << 8 | parts << 16 | part << 24
+    """The argument ``keys`` (isa.PACKED_WORDS["O_PROJ_KEYS"])."""
+    assert kv_first <= kv_end and part < parts
+    return pack("O_PROJ_KEYS", kv_first=kv_first, kv_end=kv_end, parts=parts, part=part)
 
 
 def keys_of(word) -> tuple:
     """(kv_first, kv_end, parts, part) of ``keys`` words (ints or arrays)."""
-    return word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF, (word >> 24) & 0xFF
+    return tuple(unpack("O_PROJ_KEYS", word).values())
 
 
 def tile(plan, layer: int) -> list[Instruction]:
