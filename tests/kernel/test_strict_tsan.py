@@ -819,9 +819,9 @@ def test_negative_control_token_group_members_on_the_same_share_are_reported(tin
     prog = schedule(tiny.config, BLOCKS, MAX_SEQ, s, c, merge_ticket_min=1, tokens=3,
                     token_groups=(2, 2), tensor_cores=True)
     ex = table_executor(tiny, tensor_cores=True, program=prog)
-    old = "j * ntok / c,\n            (j + 1) * ntok / c};"
+    old = "j * ntok / c, (j + 1) * ntok / c};"
     assert ex.source.count(old) == 1, "token_group's shares are not where this test expects"
-    source = ex.source.replace(old, "0 * ntok / c,\n            (0 + 1) * ntok / c};")
+    source = ex.source.replace(old, "0 * ntok / c, (0 + 1) * ntok / c};")
     with pytest.raises(DataRaceError) as info:
         run_strict(ex, [], table=table_steps(ex)[0], source=source)
     assert re.search(r"op_rms_qkv_rope|qkv_store|mma_add_rows|op_rms_gate_up|op_down_residual|"
