@@ -31,6 +31,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_replicas import REPO, launch  # noqa: E402  (the sibling script's helpers)
 
+from monokernel.tools.bench import cpu_name  # noqa: E402
+
 
 def start(args, log: Path) -> tuple[subprocess.Popen, str]:
     serve = ["--backend", args.backend, "--log-level", "warning", "--max-num-seqs",
@@ -120,17 +122,6 @@ def command_args() -> list[str]:
     return out
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), or "unknown"."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=32)
@@ -167,7 +158,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip() or "unknown"
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": commit,
-           "machine": f"CPU ({cpu_model()}), {os.cpu_count()} cores, no GPU",
+           "machine": f"{cpu_name()}, {os.cpu_count()} cores, no GPU",
            "backend": args.backend, "options": args.option or [],
            "model": args.model or "bundled SmolLM2-135M-Instruct",
            "command": "python " + " ".join(["benchmarks/serve_batch.py"] + command_args()),

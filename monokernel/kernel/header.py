@@ -217,7 +217,7 @@ def render_header(cfg: ModelConfig, max_seq_len: int, tokens: int = 1, slots: in
     out.append("// The packed words' fields (isa.PACKED_WORDS): MK_<WORD>_<FIELD>(w).")
     for word, fields in isa.PACKED_WORDS.items():
         for f in fields:
-            mask = hex((1 << f.bits) - 1)
+            mask = hex(f.most)
             value = f"((w) & {mask})" if f.shift == 0 else f"(((w) >> {f.shift}) & {mask})"
             out.append(f"#define MK_{word}_{f.name}(w) {value}")
     out.append("// Each op's named argument words (kernel/ops/<op>.py ARGS).")

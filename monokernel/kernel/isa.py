@@ -66,6 +66,11 @@ class Field(NamedTuple):
     shift: int
     bits: int
 
+    @property
+    def most(self) -> int:
+        """The largest value the field holds (its mask)."""
+        return (1 << self.bits) - 1
+
 
 # Words that pack several small values: Python packs them (pack), the kernel reads each field
 # through the header's accessor MK_<WORD>_<FIELD>(w) (header.render_header), so the layout is
@@ -100,7 +105,7 @@ def pack(word: str, **values: int) -> int:
     out = 0
     for name, v in values.items():
         f, v = fields[name], int(v)
-        if not 0 <= v < 1 << f.bits:
+        if not 0 <= v <= f.most:
             raise ValueError(f"{word}.{name} = {v} does not fit its {f.bits} bits")
         out |= v << f.shift
     return out
@@ -109,7 +114,7 @@ def pack(word: str, **values: int) -> int:
 def unpack(word: str, w) -> dict:
     """The fields of PACKED_WORDS[word] ``w`` (an int or an integer array), by lower-case
     name, in layout order."""
-    return {f.name.lower(): (w >> f.shift) & ((1 << f.bits) - 1) for f in PACKED_WORDS[word]}
+    return {f.name.lower(): (w >> f.shift) & f.most for f in PACKED_WORDS[word]}
 
 
 class Args:

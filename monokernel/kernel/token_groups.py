@@ -48,7 +48,7 @@ GROUPED_OPS = (Op.RMS_QKV_ROPE, Op.O_PROJ_RESIDUAL, Op.RMS_GATE_UP, Op.DOWN_RESI
 MIN_SHARE = 8  # tokens a member takes at least (mma m16n8k16: 8 tokens a fragment)
 MAX_MEMBERS = 8  # (TOKEN_SHARES divides by every group size up to it)
 # the most min_tokens Word.GROUP holds (isa.PACKED_WORDS: the slices' bits above it)
-MAX_MIN_TOKENS = (1 << field("GROUP", "MIN_TOKENS").bits) - 1
+MAX_MIN_TOKENS = field("GROUP", "MIN_TOKENS").most
 
 
 def input_reads(share: int, rows: int, k: int, staged: int | None = None) -> int:

@@ -533,6 +533,11 @@ def device_name() -> str:
         import torch
 
         return torch.cuda.get_device_name(0)
+    return cpu_name()
+
+
+def cpu_name() -> str:
+    """"CPU " and the CPU's model name (/proc/cpuinfo, else what platform says)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -62,7 +62,7 @@ def key_parts(heads: int, blocks: int) -> list[tuple[int, int, int, int]]:
     session a head's keys were one block's: a chunk of 256 rows, 4 warp rounds there.)"""
     if heads > blocks:
         return [(k0, k1, 1, 0) for k0, k1 in split_even(heads, blocks)]
-    most = (1 << field("O_PROJ_KEYS", "PART").bits) - 1  # (part < parts: parts fits too)
+    most = field("O_PROJ_KEYS", "PART").most  # (part < parts: parts fits too)
     parts = max(p for p in range(1, min(blocks // heads, most) + 1) if TOKEN_SHARES % p == 0)
     # the units (head, part) spread over the blocks as evenly as their count allows
     units = heads * parts
