@@ -462,8 +462,10 @@ V6_MMA_EMBED = V6_MMA_FINISH.replace(name="v6-mma-embed", embed_stage_bytes=EMBE
 V6_MMA_K_RING = V6_MMA_EMBED.replace(name="v6-mma-k-ring", mma_k_ring=True)
 # V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-embed with a step that needs no logits
 # skipping its last layer after QKV (last_layer_skip; benchmarks/NOTES.md "Late q/k's key
-# caching, a token at a time", its as-built part: what building it must keep).
+# caching, a token at a time", its as-built part: what building it must keep, and "The last
+# layer skipped where no row needs logits"); V6-MMA-K-RING-SKIP the same on v6-mma-k-ring.
 V6_MMA_SKIP = V6_MMA_EMBED.replace(name="v6-mma-last-skip", last_layer_skip=True)
+V6_MMA_K_RING_SKIP = V6_MMA_K_RING.replace(name="v6-mma-k-ring-skip", last_layer_skip=True)
 # V6-MMA-OVERLAP (PREDICTED, not built): ... and block_mma's too, every mat-mul's L2 reads
 # beside its mma (mma_l2_overlap; benchmarks/NOTES.md "A mat-mul's L2 reads beside its mma").
 V6_MMA_OVERLAP = V6_MMA_RING.replace(name="v6-mma-overlap", mma_l2_overlap=True)
@@ -483,6 +485,7 @@ DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-finish": V6_MMA_FINISH,
                                     "v6-mma-k-ring": V6_MMA_K_RING,
                                     "v6-mma-last-skip": V6_MMA_SKIP,
+                                    "v6-mma-k-ring-skip": V6_MMA_K_RING_SKIP,
                                     "v6-mma-last-layer": V6_MMA_LAST,
                                     "v7": V7, "v7-rows": V7_ROWS,
                                     "v8": V8, "v8-cluster": V8_CLUSTER}

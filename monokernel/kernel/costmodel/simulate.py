@@ -21,7 +21,7 @@ from ..isa import Op
 from . import levers
 from .design import KernelDesign, design_for
 from .gpu import GPU, constant_range, corner, gpu
-from .parts import OpBatch, fetch_us, hop_parts, step_end_us
+from .parts import OpBatch, Phases, fetch_us, hop_parts, step_end_us
 from .tokens import StepShape, logits_rows, step_end_extra_us
 
 
@@ -116,28 +116,52 @@ LAST_LAYER_OPS = (Op.ATTENTION, Op.O_PROJ_RESIDUAL, Op.RMS_GATE_UP, Op.DOWN_RESI
 
 
 def _step_batches(program, context: int, shape: StepShape | None, d: KernelDesign
-                  ) -> list[tuple[Op, list[tuple[int, int]], OpBatch, bool]]:
-    """(op, where, batch, whether its tiles are the op's) of a step: _batches', and with
-    ``last_layer_logits`` the last layer's LAST_LAYER_OPS apart, on the rows needing logits
-    (tokens.logits_rows; a batch of None where no row does: the instructions only wait and
-    signal); with ``last_layer_skip`` the same where no row needs logits, every row
-    otherwise."""
+                  ) -> list[tuple[Op, list[tuple[int, int]], OpBatch | None, bool, bool]]:
+    """(op, where, batch, whether its tiles are the op's, whether it idles) of a step:
+    _batches', and with ``last_layer_logits`` the last layer's LAST_LAYER_OPS apart, on the
+    rows needing logits (tokens.logits_rows; a batch of None where no row does: the
+    instructions only wait and signal); with ``last_layer_skip`` where no row needs logits,
+    those instructions idle (``idle_phases``), every row otherwise."""
     out = []
     last = program.config.num_layers - 1
-    rows = logits_rows(shape) if shape is not None and (
-        d.last_layer_logits or d.last_layer_skip and not any(s.logits for s in shape.segments)
-    ) else shape
+    skip = shape is not None and d.last_layer_skip and not any(s.logits for s in shape.segments)
+    rows = logits_rows(shape) if shape is not None and (d.last_layer_logits or skip) else shape
     for op, (where, batch) in _batches(program, context, shape).items():
         if rows == shape or op not in LAST_LAYER_OPS:  # (every row needs its logits)
-            out.append((op, where, batch, True))
+            out.append((op, where, batch, True, False))
             continue
         items = [(b, i, ins) for (b, i), ins in zip(where, batch.instructions)]
         rest = [t for t in items if t[2].layer != last]
         tail = [t for t in items if t[2].layer == last]
-        out.append((op, [t[:2] for t in rest], _batch(program, context, rest, shape), True))
+        out.append((op, [t[:2] for t in rest], _batch(program, context, rest, shape), True, False))
+        if skip:
+            out.append((op, [t[:2] for t in tail], _batch(program, context, tail, shape), False,
+                        True))
+            continue
         out.append((op, [t[:2] for t in tail],
-                    _batch(program, context, tail, rows) if rows.segments else None, False))
+                    _batch(program, context, tail, rows) if rows.segments else None, False,
+                    False))
     return out
+
+
+def idle_phases(op: Op, b: OpBatch, g: GPU, d: KernelDesign) -> Phases:
+    """An instruction of the last layer's LAST_LAYER_OPS in a step where no row needs logits
+    (last_layer_skip; megakernel.cu last_layer_idle): after its wait, the idle test (its
+    threads' rows of the token table, one __syncthreads_or); then only what later steps read:
+    late q/k's O_PROJ caching its part of the step's keys (ops/o_proj.py key_caching), and a
+    sliced op's signal of its row group's counter (slice_mma: the counters count every step).
+    No weights, no mat-mul, no outputs; its own signal after it, as always."""
+    n = len(b.lo)
+    z = np.zeros(n)
+    l2, other = z.copy(), np.full(n, g.bar_sync + g.shfl)
+    if op == Op.O_PROJ_RESIDUAL:
+        key_l2, key_other = ops.module(op).key_caching(b, g, d)
+        l2, other = l2 + key_l2, other + key_other
+    if op in (Op.O_PROJ_RESIDUAL, Op.DOWN_RESIDUAL) and \
+            any(getattr(i, "split", None) is not None for i in b.instructions):
+        sliced = np.array([getattr(i, "split", None) is not None for i in b.instructions])
+        other = other + sliced * hop_parts(g, d)["signal"]
+    return Phases(l2, z.copy(), other, z.copy(), z.copy(), z.copy())
 
 
 class Static:
@@ -166,10 +190,11 @@ class Static:
                        ("l2", "hbm", "other", "rounds", "bytes", "pref", "early", "issue",
                         "compute", "copy", "rolling")}
         self.tiles: dict[str, tuple[int, int]] = {}  # per op: tokens.tile_split's (c, s)
-        for op, where, batch, own_tiles in _step_batches(program, context, shape, d):
+        for op, where, batch, own_tiles, idle in _step_batches(program, context, shape, d):
             if batch is None or not where:  # (last_layer_logits) nothing to compute
                 continue
-            ph = levers.apply(op, batch, ops.module(op).cost(batch, g, d), g, d)
+            ph = idle_phases(op, batch, g, d) if idle else \
+                levers.apply(op, batch, ops.module(op).cost(batch, g, d), g, d)
             bi = tuple(np.array(where).T)
             f = self.fields
             f["l2"][bi], f["hbm"][bi], f["other"][bi] = ph.l2_trips, ph.hbm_trips, ph.other_us

@@ -124,6 +124,29 @@ def key_cache_rounds(heads, tokens, d) -> tuple[np.ndarray, np.ndarray]:
     return -(-pairs // (d.warps * keys)), keys
 
 
+def key_caching(b: OpBatch, g, d) -> tuple[np.ndarray, np.ndarray]:
+    """(L2 trips, fixed us) of late q/k's key caching before the merge (none without q/k
+    norm): blocks cache the step's keys, each its heads' keys of its part of the rows
+    (key_parts), each a warp_qk_norm_rope of k_raw (L2) with the k-norm weights and the RoPE
+    row (both in L2: ATTENTION read them this layer), its warp_sum, a barrier after them all;
+    a warp round after another (design.k_cache_keys_per_warp). A step that skips the last
+    layer (last_layer_skip) still runs it there: later steps read those keys."""
+    c = b.program.config
+    if not c.qk_norm:
+        z = np.zeros(len(b.lo))
+        return z, z.copy()
+    k0, k1, parts, part = keys_of(b.arg("keys"))
+    heads = np.maximum(k1 - k0, 0)
+    n = 1 if b.shape is None else b.shape.tokens
+    rows = (part + 1) * n // parts - part * n // parts  # its part of the step's rows
+    owner = ((heads > 0) & (rows > 0)).astype(np.float64)
+    rounds, keys = key_cache_rounds(heads, rows, d)
+    rounds = owner * rounds
+    return ((1 if d.late_qk_one_trip else 3) * rounds,
+            rounds * (5 * g.shfl + issue_us(g, d, keys * c.head_dim // 32 * 12))
+            + owner * g.bar_sync)
+
+
 def cost(b: OpBatch, g, d) -> Phases:
     c = b.program.config
     busy = b.busy()
@@ -139,22 +162,8 @@ def cost(b: OpBatch, g, d) -> Phases:
         l2 = l2 + busy * -(-used // (MERGE_CHUNK * ways))
         merge_bytes = busy * c.num_kv_heads * c.group_size * (c.head_dim + 2) * 4 * used
     other = busy * (g.bar_sync + merge_bytes / (g.l2_bw / g.sms))
-    if c.qk_norm:
-        # before the merge, blocks cache the step's keys, each its heads' keys of its part of
-        # the rows (key_parts): each a warp_qk_norm_rope of k_raw (L2) with the k-norm weights
-        # and the RoPE row (both in L2: ATTENTION read them this layer), its warp_sum, a
-        # barrier after them all; a warp round after another (design.k_cache_keys_per_warp)
-        k0, k1, parts, part = keys_of(b.arg("keys"))
-        heads = np.maximum(k1 - k0, 0)
-        n = 1 if b.shape is None else b.shape.tokens
-        rows = (part + 1) * n // parts - part * n // parts  # its part of the step's rows
-        owner = ((heads > 0) & (rows > 0)).astype(np.float64)
-        rounds, keys = key_cache_rounds(heads, rows, d)
-        rounds = owner * rounds
-        l2 = l2 + (1 if d.late_qk_one_trip else 3) * rounds
-        other = other + rounds * (5 * g.shfl + issue_us(g, d, keys * c.head_dim // 32 * 12)) \
-            + owner * g.bar_sync
+    key_l2, key_other = key_caching(b, g, d)
     rounds, issue = matvec(b.n, c.q_dim, g, d)
     pref = prefetched(d, b.n * c.q_dim * 2)
-    return widen_matmul(b, g, d, Phases(l2, hbm, other, rounds, b.weight_bytes.astype(np.float64),
+    return widen_matmul(b, g, d, Phases(l2 + key_l2, hbm, other + key_other, rounds, b.weight_bytes.astype(np.float64),
                                         pref, issue=busy * issue), c.q_dim)
