@@ -140,6 +140,28 @@ __device__ __forceinline__ size_t kv_at(const Params& P, int layer, int slot, in
   return (((size_t)layer * MK_KV_ROWS + kv_row(P, slot, pos)) * MK_KV_HEADS + kvh) * D;
 }
 
+// ---- The last layer of a step that needs no logits ----------------------------------------
+// A step none of whose rows needs logits (prompt chunks before their prompt's last) idles the
+// last layer after RMS_QKV_ROPE: QKV has written every row's K/V, and nothing reads those rows'
+// residual again (costmodel last_layer_skip; benchmarks/NOTES.md "The last layer skipped where
+// no row needs logits"). An idle instruction still waits and signals its counters, late q/k's
+// O_PROJ still caches the step's keys, and a slice still signals its row group's counter:
+// later steps read those. Block-uniform (its threads' rows of the table, one barrier), so every
+// thread of the block calls it; the tensor-core kernel of slots only (elsewhere: never idle).
+__device__ __forceinline__ bool last_layer_idle(const int* st, int layer) {
+#if MK_MMA && MK_SLOTS
+  if (layer != MK_LAYERS - 1) return false;
+  int wants = 0;
+  for (int tok = threadIdx.x; tok < step_tokens(st); tok += MK_THREADS)
+    wants |= step_row(st, tok)[R_LOGITS] >= 0;
+  return !__syncthreads_or(wants);
+#else
+  (void)st;
+  (void)layer;
+  return false;
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
   return __uint_as_float(((unsigned)b) << 16);
 }
@@ -2450,6 +2472,7 @@ __device__ bool attention_segment(const Params& P, const int* st, int layer, int
 // row's used splits) runs the instruction's units that hold its splits (attention_segment),
 // then each row's ticket as op_attention draws it.
 __device__ void op_attention_segments(const Params& P, const int* ins, const int* st) {
+  if (last_layer_idle(st, ins[W_LAYER])) return;  // (no unit run: no ticket drawn)
   const int layer = ins[W_LAYER], b = ins[W_TILE_BEGIN], e = ins[W_TILE_END];
   const int splits = ins[A_ATTENTION_SPLITS], min_chunk = ins[A_ATTENTION_MIN_CHUNK];
   const int least = ins[A_ATTENTION_MERGE_MIN], ntok = step_tokens(st);
@@ -2694,6 +2717,14 @@ __device__ void slice_mma(const Params& P, OpShared& s, const int* ins, const in
                           const unsigned short* W, const mk_in_t* X, int instr) {
   constexpr int KS = K / SLICES;
   static_assert(K % (16 * SLICES) == 0, "input_slices.check: whole 16-column chunks");
+  // the row group's counter: the op's signal + 1 + the group (the words read where used, not
+  // held through the mat-mul)
+#define SLICE_COUNTER(ins) \
+  ((ins)[W_SIGNAL_COUNTER] + 1 + blockIdx.x / (MK_GROUP_MEMBERS((ins)[W_GROUP]) * SLICES))
+  if (last_layer_idle(st, ins[W_LAYER])) {  // its row group's counter counts every step
+    signal_counter(P, SLICE_COUNTER(ins));
+    return;
+  }
   const int ntok = step_tokens(st);
   {
     const int g = ins[W_GROUP], c = MK_GROUP_MEMBERS(g), i = MK_GROUP_INDEX(g);
@@ -2722,10 +2753,9 @@ __device__ void slice_mma(const Params& P, OpShared& s, const int* ins, const in
           });
     }
   }
-  // the row group's counter: the op's signal + 1 + the group (its words read again here, not
-  // held through the mat-mul)
   const int members = MK_GROUP_MEMBERS(ins[W_GROUP]) * SLICES;
-  const int counter = ins[W_SIGNAL_COUNTER] + 1 + blockIdx.x / members;
+  const int counter = SLICE_COUNTER(ins);
+#undef SLICE_COUNTER
   signal_counter(P, counter);  // (its barrier: every thread's partials are issued)
   if (!wait_counter(P, counter, members * (st[S_STEP] + 1), instr, ins[W_OP],
                     st[S_WATCHDOG_MS]))
@@ -2814,6 +2844,7 @@ __device__ void op_o_proj_residual(const Params& P, OpShared& s, const int* ins,
   return;
 #endif
   (void)instr;
+  if (last_layer_idle(st, layer)) return;
   // the tile's rows [b, e) for tokens [t0, t0 + n) (token_group)
   const MmaTile m = token_group(ins, ntok);
   const int b = m.b, e = m.e, t0 = m.t0, n = m.t1 - m.t0;
@@ -2868,6 +2899,7 @@ __device__ void op_rms_gate_up(const Params& P, OpShared& s, const int* ins, con
   // the tile's rows [b, e) for tokens [t0, t0 + nt) (token_group); a row group: 8 rows' gate
   // rows (group rows 0-7) and their up rows (8-15)
   (void)g;
+  if (last_layer_idle(st, ins[W_LAYER])) return;
   const MmaTile m = token_group(ins, step_tokens(st));
   const int layer = ins[W_LAYER], b = m.b, e = m.e, t0 = m.t0, nt = m.t1 - m.t0;
   if (b >= e || nt <= 0) return;
@@ -2930,6 +2962,7 @@ __device__ void op_down_residual(const Params& P, OpShared& s, const int* ins, c
   return;
 #endif
   (void)instr;
+  if (last_layer_idle(st, layer)) return;
   // the tile's rows [b, e) for tokens [t0, t0 + n) (token_group)
   const MmaTile m = token_group(ins, step_tokens(st));
   const int b = m.b, e = m.e, t0 = m.t0, n = m.t1 - m.t0;

@@ -36,19 +36,28 @@ class Batch:
         self.free = s["pages"] + self.free  # the next pages handed out
         return s
 
-    def table(self, plan: dict[int, int]) -> tuple[StepTable, list[tuple]]:
-        """The step's table and rows (pages handed out for them), not run."""
+    def table(self, plan: dict[int, int], logits: bool = True) -> tuple[StepTable, list[tuple]]:
+        """The step's table and rows (pages handed out for them), not run; ``logits`` False:
+        no row needs logits (prompt chunks before their prompt's last)."""
         rows = []
         for slot, n in plan.items():
             s = self.seqs[slot]
             for p in range(s["done"], s["done"] + n):
-                rows.append((s["tokens"][p], slot, p, True, p < s["prompt"]))
+                rows.append((s["tokens"][p], slot, p, logits, p < s["prompt"]))
             while len(s["pages"]) * PAGE < s["done"] + n:
                 s["pages"].append(self.free.pop(0))
         return StepTable.of(rows, {slot: self.seqs[slot]["pages"] for slot in plan}), rows
 
-    def step(self, plan: dict[int, int]) -> None:
-        table, rows = self.table(plan)
+    def step(self, plan: dict[int, int], logits: bool = True) -> None:
+        """Run the plan's rows, every row's logits recorded (``logits`` False: none needed,
+        prompt rows only)."""
+        table, rows = self.table(plan, logits)
+        if not logits:
+            assert all(pos < self.seqs[slot]["prompt"] for _, slot, pos, _, _ in rows)
+            assert self.ex.run_table(table).logits.shape[0] == 0
+            for slot, n in plan.items():
+                self.seqs[slot]["done"] += n
+            return
         logits = self.ex.run_table(table).logits
         assert logits.shape == (len(rows), self.ex.config.vocab_size)
         for (tok, slot, pos, _, _), lg in zip(rows, logits):

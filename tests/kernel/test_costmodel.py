@@ -47,14 +47,17 @@ def test_design_for_is_the_kernel_as_built():
     assert set(cm.DESIGNS) == {"v5", "v6", "v6-mma", "v6-mma-seg", "v6-mma-split",
                                "v6-mma-pipe", "v6-mma-tiles", "v6-mma-warp-units", "v6-mma-ring",
                                "v6-mma-overlap", "v6-mma-keys", "v6-mma-embed", "v6-mma-finish",
-                               "v6-mma-k-ring", "v6-mma-last-skip",
+                               "v6-mma-k-ring", "v6-mma-last-skip", "v6-mma-k-ring-skip",
                                "v6-mma-last-layer", "v7", "v7-rows", "v8", "v8-cluster"}
     # a kernel of slots with tensor cores (slice 6a): mma with row tiles; attention per
     # segment on mma (SEG_ATTN), late q/k too; at head_dim 64 its tiles pipelined
     # (MK_ATTN_PIPE: header.attn_pipeline)
     mma = cm.design_for(prog, tensor_cores=True)
     assert not prog.config.qk_norm
-    assert mma is cm.DESIGNS["v6-mma-embed"] and mma.tensor_cores and mma.token_loop
+    # (with the last layer idle in a step that needs no logits: megakernel.cu last_layer_idle)
+    assert mma == cm.DESIGNS["v6-mma-last-skip"] and mma.last_layer_skip
+    mma = cm.DESIGNS["v6-mma-embed"]  # (its knobs but the skip)
+    assert mma.tensor_cores and mma.token_loop
     assert mma == cm.DESIGNS["v6-mma-seg"].replace(name="v6-mma-embed", attn_unit_pipeline=True,
                                                    attn_tile_pipeline=True,
                                                    residual_copy_epilogue=True,
@@ -108,9 +111,13 @@ def test_design_for_is_the_kernel_as_built():
     # head_dim 128: pipelined too, in tiles of 64 (header.segment_tile); residual_in stored
     # in a pass after O_PROJ's and DOWN's unsliced mat-mul (header.residual_in_epilogue: in the
     # epilogue it spills)
-    assert cm.design_for(late, tensor_cores=True) == cm.DESIGNS["v6-mma-embed"].replace(
+    # and a step that needs no logits idles its last layer after QKV (megakernel.cu
+    # last_layer_idle, in every tensor-core kernel of slots)
+    assert cm.design_for(late, tensor_cores=True) == cm.DESIGNS["v6-mma-last-skip"].replace(
         residual_copy_epilogue=False)
-    assert cm.BUILT_MMA == ("v6-mma-seg", "v6-mma-embed", "v6-mma-k-ring")
+    assert cm.DESIGNS["v6-mma-last-skip"] == cm.DESIGNS["v6-mma-embed"].replace(
+        name="v6-mma-last-skip", last_layer_skip=True)
+    assert cm.BUILT_MMA == ("v6-mma-seg", "v6-mma-last-skip", "v6-mma-k-ring-skip")
     # a kernel of steps of more than isa.MMA_ROWS_SPLIT_ABOVE tokens has block_mma_rows' ring
     # and runs block_mma's k split through it (MMA_K_RING); one of 32 loads into registers
     from monokernel.kernel.isa import MMA_ROWS_SPLIT_ABOVE
@@ -120,10 +127,12 @@ def test_design_for_is_the_kernel_as_built():
         big = schedule(cfg, 8, 64, tokens=tokens, tensor_cores=True)
         d = cm.design_for(big, tensor_cores=True)
         assert d.mma_k_ring is ring
-        assert d == cm.DESIGNS["v6-mma-k-ring" if ring else "v6-mma-embed"].replace(
+        assert d == cm.DESIGNS["v6-mma-k-ring-skip" if ring else "v6-mma-last-skip"].replace(
             prefill_chunk=tokens, rms_stage_rows=d.rms_stage_rows)
     assert cm.DESIGNS["v6-mma-k-ring"] == cm.DESIGNS["v6-mma-embed"].replace(
         name="v6-mma-k-ring", mma_k_ring=True)
+    assert cm.DESIGNS["v6-mma-k-ring-skip"] == cm.DESIGNS["v6-mma-k-ring"].replace(
+        name="v6-mma-k-ring-skip", last_layer_skip=True)
     # ... where the registers allow: not at head_dim 128 (header.k_split_ring)
     qwen = schedule(ModelConfig.from_name("qwen3-0.6b"), 8, 64, tokens=64, tensor_cores=True)
     assert not cm.design_for(qwen, tensor_cores=True).mma_k_ring

@@ -419,7 +419,7 @@ def test_plan_batch_and_prompt_end_with_their_predictions(capsys):
     # by default the design built (the tensor-core kernel of slots; SmolLM2's head_dim 64 has
     # the attention pipeline, MK_ATTN_PIPE), prompts in its chunks
     assert "PREDICTION" in out
-    assert "design v6-mma-embed (built: backend option tensor_cores)" in out
+    assert "design v6-mma-last-skip (built: backend option tensor_cores)" in out
     assert "2 steps of up to 256 tokens" in out  # schedule.MAX_STEP_TOKENS
     m = [line for line in out.splitlines() if line.startswith("predicted")]
     assert m[0].startswith("predicted on h200:") and "us/token" in m[0]
@@ -447,16 +447,16 @@ def test_plan_batch_refuses_bad_input(argv, message, capsys):
 
 
 def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsys):
-    """`plan --design v6-mma-embed` (the design of backend option tensor_cores) predicts on the
+    """`plan --design v6-mma-last-skip` (the design of backend option tensor_cores) predicts on the
     program that option builds: splits fixed by absolute position, every step's attention
     merged by ticket (merge_ticket_min 1); a design not built yet keeps the default program."""
     from monokernel.kernel.schedule import default_attn_splits, schedule, tensor_core_splits
     from monokernel.model.config import ModelConfig
 
     assert main(["plan", "--shape", "qwen3-0.6b", "--blocks", "32", "--context", "1024",
-                 "--predict", "h200", "--design", "v6-mma-embed", "--batch", "16"]) == 0
+                 "--predict", "h200", "--design", "v6-mma-last-skip", "--batch", "16"]) == 0
     out = capsys.readouterr().out
-    assert "design v6-mma-embed (built: backend option tensor_cores" in out
+    assert "design v6-mma-last-skip (built: backend option tensor_cores" in out
     got = float(out.strip().splitlines()[-1].split(", ")[1].split()[0])
     cfg = ModelConfig.from_name("qwen3-0.6b")
     splits, chunk = tensor_core_splits(cfg, 32, 2048)
@@ -469,9 +469,9 @@ def test_plan_predicts_the_built_tensor_core_design_on_the_program_it_runs(capsy
     built = schedule(cfg, 32, 2048, splits, chunk, merge_ticket_min=1, tokens=16,
                      token_groups=True, tensor_cores=True, input_slices=True)
     assert built.merge_ticket_min == 1
-    # (the built design for Qwen3: v6-mma-embed with residual_in in a pass, design_for)
+    # (the built design for Qwen3: v6-mma-last-skip with residual_in in a pass, design_for)
     d = cm.design_for(built, tensor_cores=True)
-    assert d.name == "v6-mma-embed" and not d.residual_copy_epilogue
+    assert d.name == "v6-mma-last-skip" and not d.residual_copy_epilogue
     want = cm.predict(built, "h200", d, 1024, shape=StepShape.decode(16, 1024)).tokens_per_s
     default = cm.predict(schedule(cfg, 32, 2048), "h200", d, 1024,
                          shape=StepShape.decode(16, 1024)).tokens_per_s
@@ -711,7 +711,7 @@ def test_the_k_split_ring_moves_the_unsliced_ops_reads_beside_their_mma():
     assert prog.slices_of(Op.DOWN_RESIDUAL) > 1 == prog.slices_of(Op.O_PROJ_RESIDUAL)
     g = cm.gpu("h200")
     kring = cm.design_for(prog, tensor_cores=True)  # as built
-    assert kring.name == "v6-mma-k-ring" and kring.mma_k_ring
+    assert kring.name == "v6-mma-k-ring-skip" and kring.mma_k_ring
     rows = kring.replace(mma_k_ring=False)
     over = rows.replace(mma_l2_overlap=True)
     shape = StepShape.decode(32, 16)
@@ -805,7 +805,8 @@ def test_the_last_layer_on_the_logits_rows_drops_only_the_dead_rows_work():
     splits, min_chunk = tensor_core_splits(cfg, 132, 2048)
     prog = tensor_core_program(cfg, 132, 2048, splits, min_chunk, 256)
     g = cm.gpu("h200")
-    built = cm.design_for(prog, tensor_cores=True)
+    # every row through every layer (the built design has last_layer_skip: below)
+    built = cm.design_for(prog, tensor_cores=True).replace(last_layer_skip=False)
     assert cm.design("v6-mma-last-layer") == cm.DESIGNS["v6-mma-embed"].replace(
         name="v6-mma-last-layer", last_layer_logits=True)
     last = built.replace(last_layer_logits=True)
@@ -827,15 +828,29 @@ def test_the_last_layer_on_the_logits_rows_drops_only_the_dead_rows_work():
     for shape in (StepShape.decode(64, 16), StepShape.decode(1, 100)):
         assert cm.predict(prog, g, last, shape=shape).step_us == \
             cm.predict(prog, g, built, shape=shape).step_us
-    # v6-mma-last-skip (last_layer_skip, predicted, not built): the same as last_layer_logits
-    # in a step where no row needs logits; a step with any is as built
-    skip = built.replace(last_layer_skip=True)
-    assert cm.design("v6-mma-last-skip") == cm.DESIGNS["v6-mma-embed"].replace(
-        name="v6-mma-last-skip", last_layer_skip=True)
+    # last_layer_skip (built: megakernel.cu last_layer_idle): in a step where no row needs
+    # logits the pruned instructions idle (simulate.idle_phases): no weights, rounds, mat-mul
+    # or pass; their idle test (a barrier) each; O_PROJ's late q/k key caching (later steps
+    # read the keys: the same trips as in a computing step) and a slice's group signal. A step
+    # with any row needing logits is every row's
+    skip = cm.design_for(prog, tensor_cores=True)
+    assert skip == built.replace(last_layer_skip=True, name="v6-mma-last-skip")
     none = StepShape.chunk(512, 256, False)
     a, b = Static(prog, 0, g, last, none), Static(prog, 0, g, skip, none)
-    assert all(np.array_equal(a.fields[f], b.fields[f]) for f in a.fields)
-    assert not b.fields["l2"][pruned].any()
+    assert all(np.array_equal(a.fields[f][~pruned], b.fields[f][~pruned]) for f in a.fields)
+    for f in ("hbm", "rounds", "bytes", "pref", "compute"):
+        assert not b.fields[f][pruned].any(), f
+    assert (b.fields["other"][pruned] >= g.bar_sync).all()
+    o_proj = np.zeros_like(pruned)
+    for bi, q in enumerate(prog.queues):
+        for i, ins in enumerate(q):
+            o_proj[bi, i] = pruned[bi, i] and ins.op == Op.O_PROJ_RESIDUAL
+    every = Static(prog, 0, g, built, none)
+    keys = b.fields["l2"][o_proj]
+    assert keys.sum() > 0 and not b.fields["l2"][pruned & ~o_proj].any()
+    assert (keys <= every.fields["l2"][o_proj]).all()  # (the merge's trips are not run)
+    idle, nothing, full = (cm.predict(prog, g, d, shape=none).step_us for d in (skip, last, built))
+    assert nothing < idle < full, (nothing, idle, full)
     for shape in (StepShape.chunk(512, 256, True), StepShape.decode(64, 16)):
         a, b = Static(prog, 0, g, built, shape), Static(prog, 0, g, skip, shape)
         assert all(np.array_equal(a.fields[f], b.fields[f]) for f in a.fields), shape

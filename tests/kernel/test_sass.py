@@ -329,7 +329,7 @@ def test_the_tensor_core_mat_muls_read_their_stored_input_as_bf16(op, rms, token
     from monokernel.kernel.header import k_split_ring
     from monokernel.model.config import ModelConfig
 
-    d = cm.design_for(None, tensor_cores=True)  # the built design, v6-mma-embed
+    d = cm.design_for(None, tensor_cores=True)  # the built design, v6-mma-last-skip
     kring = k_split_ring(ModelConfig.from_name("smollm2-135m"), tokens)
     k_unroll = 1 if kring else 2  # the k split's chunks a loop body
     paths = [(k_unroll * 2 * 2, d.mma_token_tiles)]  # (weights, token tiles) of each pass

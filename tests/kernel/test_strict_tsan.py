@@ -407,6 +407,36 @@ def test_strict_tsan_steps_of_two_sequences_no_race_match_reference(tiny, tensor
     assert ex.steps_run == 2
 
 
+@needs_tsan
+def test_strict_tsan_a_step_without_logits_idles_its_last_layer_no_race(tiny):
+    """A step none of whose rows needs logits (two slots' prompt rows) on tensor cores with
+    O_PROJ and DOWN in input slices: its last layer idles after QKV (megakernel.cu
+    last_layer_idle: each instruction's threads read their rows of the table, one
+    __syncthreads_or; a slice signals its row group's counter and returns). Race-free, and the
+    next step's rows (which attend over the idle step's K/V) the bf16-inputs reference's."""
+    from monokernel.kernel.base import StepTable
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+
+    s, c = tensor_core_splits(tiny.config, BLOCKS, MAX_SEQ)
+    ex = table_executor(tiny, True, program=schedule(tiny.config, BLOCKS, MAX_SEQ, s, c,
+                                                     merge_ticket_min=1, tokens=3,
+                                                     tensor_cores=True, input_slices=2))
+    pages = list(ex.add_pages(6))
+    tables = {0: [pages[5], pages[0]], 1: [pages[2], pages[3]]}
+    steps = [StepTable.of([(5, 0, 0, False, True), (999, 0, 1, False, True),
+                           (17, 1, 0, False, True)], tables),
+             StepTable.of([(23, 0, 2, True, True), (7, 1, 1, True, True)], tables)]
+    for t in steps:
+        _, logits, report = run_strict(ex, [], table=t)
+        assert report == ""
+    rows = logits[0].reshape(ex.program.tokens, -1)
+    for k, seq in enumerate(([5, 999, 23], [17, 7])):
+        want = ReferenceModel(tiny.config, tiny.weights, MAX_SEQ, bf16_inputs=True,
+                              attn_chunk=ex.program.attn_min_chunk).forward(seq, 0)[-1]
+        assert float(np.abs(rows[k] - want).max()) <= 4e-3 * float(np.abs(want).max()), k
+    assert ex.steps_run == 2
+
+
 @pytest.mark.slow  # past 20 s on 2 cores: not in make test-fast
 @needs_tsan
 def test_negative_control_a_segments_keys_without_their_barrier_is_reported(synth_dir):

@@ -802,3 +802,106 @@ def test_embed_stages_a_steps_rows_in_passes_bitwise(synth_model, monkeypatch):
                                        "    if (false) __syncthreads();  // the previous pass"),
                          "EMBED's barrier between passes")
     assert not np.array_equal(_embedded_logits(model), want)
+
+
+# (arch, blocks, token groups, input slices): late q/k with GQA, its last layer's O_PROJ
+# caching the step's keys, O_PROJ and DOWN in 2 slices (a group counter a row group); plain
+# Llama, sliced; Llama on row tiles, unsliced
+SKIP_CASES = [("qwen3-gqa-tiny", 4, 2, 2), ("llama3-tiny", 4, False, 2),
+              ("llama3-tiny", 3, False, 1)]
+SKIP_SEQ, SKIP_TOKENS = 64, 32
+
+
+def _skip_program(cfg, blocks: int, groups, slices: int):
+    from monokernel.kernel.schedule import schedule, tensor_core_splits
+
+    splits, min_chunk = tensor_core_splits(cfg, blocks, SKIP_SEQ)
+    return schedule(cfg, blocks, SKIP_SEQ, splits, min_chunk, merge_ticket_min=1,
+                    tokens=SKIP_TOKENS, token_groups=groups, tensor_cores=True,
+                    input_slices=slices)
+
+
+def _skip_run(model, prog, blocks: int, first_logits: bool, watchdog_ms: int = 20000):
+    """Two prompts (20 and 9 tokens): a first step of 12 and 8 of their rows, needing logits
+    or not (``first_logits``), then their last rows with logits, then 3 decode steps of both:
+    (the Batch's record, the residual's rows after the first step)."""
+    from helpers.batch import Batch
+
+    ex = KernelExecutor(model, SKIP_SEQ, blocks=blocks, slots=2, page_size=PAGE,
+                        tensor_cores=True, program=prog, step_tokens=SKIP_TOKENS,
+                        watchdog_ms=watchdog_ms)
+    ex.poison()
+    b = Batch(ex)
+    b.join(0, prompt_of(model, 20, 51))
+    b.join(1, prompt_of(model, 9, 52))
+    b.step({0: 12, 1: 8}, logits=first_logits)
+    residual = ex.read_buffer("residual").reshape(-1, model.config.hidden_size)[:20].copy()
+    b.step({0: 8, 1: 1})
+    for _ in range(3):
+        b.step({0: 1, 1: 1})
+    return b, residual
+
+
+def _same_after(idle, every) -> None:
+    """Every logits row the idle run recorded, its tokens and both slots' K/V: bitwise the run
+    whose every row needed logits."""
+    for slot in (0, 1):
+        a, z = idle.seqs[slot], every.seqs[slot]
+        assert sorted(a["logits"]) and set(a["logits"]) <= set(z["logits"])
+        for pos, lg in a["logits"].items():
+            assert np.array_equal(lg.view(np.uint32), z["logits"][pos].view(np.uint32)), \
+                (slot, pos)
+        assert a["tokens"] == z["tokens"], slot
+        n = len(a["tokens"]) - 1
+        for x, y in zip(idle.kv(slot, n), every.kv(slot, n)):
+            assert np.array_equal(x, y), slot
+
+
+@pytest.mark.parametrize("arch,blocks,groups,slices", SKIP_CASES,
+                         ids=["qwen3-gqa-tiny-sliced", "llama3-tiny-sliced", "llama3-tiny"])
+def test_a_step_without_logits_idles_its_last_layer_and_loses_nothing(synth_model, arch,
+                                                                      blocks, groups, slices):
+    """A step none of whose rows needs logits (two prompts' first chunks) idles the last
+    layer after its RMS_QKV_ROPE (megakernel.cu last_layer_idle; cost model last_layer_skip):
+    its rows' residual after the step is not the one a step needing their logits leaves (every
+    row differs: the last layer's attention and FFN did not add to it), and every number after
+    it is bitwise that run's: the prompts' last rows' logits, 3 decode steps of both, their
+    tokens and K/V (the last layer's keys cached by the idle O_PROJ under late q/k; a sliced
+    op's group counter signalled, or the next step's slices would wait out the watchdog)."""
+    model = synth_model(arch)
+    prog = _skip_program(model.config, blocks, groups, slices)
+    assert prog.slices_of(Op.DOWN_RESIDUAL) == slices
+    idle, idle_res = _skip_run(model, prog, blocks, first_logits=False)
+    every, every_res = _skip_run(model, prog, blocks, first_logits=True)
+    assert np.isfinite(idle_res).all() and np.isfinite(every_res).all()
+    assert (np.abs(idle_res - every_res).max(axis=1) > 0).all()
+    assert min(idle.seqs[0]["logits"]) == 12 and min(every.seqs[0]["logits"]) == 0
+    _same_after(idle, every)
+
+
+# the idle path mutated: (SKIP_CASES case, edit, what, the failure it must cause and its
+# message: the mutation's own check, that its code is where expected, fails otherwise)
+SKIP_MUTANTS = [
+    # late q/k's idle O_PROJ caches no key: the last layer's keys of the first step's rows
+    # stay NaN-poisoned, and the rows after them read them
+    (0, ("    if (pairs <= NWARPS)  // (one key a warp",
+         "    if (last_layer_idle(st, layer)) {} else if (pairs <= NWARPS)  // (one key a warp"),
+     "O_PROJ's key caching", AssertionError, r"^\(0, 12\)"),  # (_same_after's: slot, pos)
+    # an idle slice signals no group counter: the next step's last-layer slices wait for it
+    (1, ("    signal_counter(P, SLICE_COUNTER(ins));\n    return;", "    return;"),
+     "the idle slice's group signal", KernelError,
+     r"watchdog: .*O_PROJ_RESIDUAL\(layer 1, .* waited 1000 ms for counter")]
+
+
+@pytest.mark.parametrize("case,edit,what,error,match", SKIP_MUTANTS,
+                         ids=["keys-left-uncached", "group-counter-not-signalled"])
+def test_negative_control_the_idle_last_layer_must_keep_what_later_steps_read(
+        synth_model, monkeypatch, case, edit, what, error, match):
+    arch, blocks, groups, slices = SKIP_CASES[case]
+    model = synth_model(arch)
+    prog = _skip_program(model.config, blocks, groups, slices)
+    every, _ = _skip_run(model, prog, blocks, first_logits=True)
+    mutate_kernel_source(monkeypatch, edit, what)
+    with pytest.raises(error, match=match):
+        idle, _ = _skip_run(model, prog, blocks, first_logits=False, watchdog_ms=1000)
+        _same_after(idle, every)

@@ -219,7 +219,8 @@ class KernelDesign:
     # a step where no row needs logits (a prompt chunk before the prompt's last) runs nothing of
     # the last layer after QKV but what later steps read (late q/k: O_PROJ caching the keys;
     # the input slices' group counters): simulate.py _step_batches, megakernel.cu
-    # last_layer_idle; a step with any row needing logits runs every row
+    # last_layer_idle; a step with any row needing logits runs every row. Built in every
+    # tensor-core kernel of slots (design_for)
     last_layer_skip: bool = False
     # the RMS ops (QKV, GATE_UP, the LM head) whose block's share of a step is at most this
     # many rows stage their normed bf16 inputs in shared memory (megakernel.cu mma_rms: each
@@ -460,10 +461,10 @@ V6_MMA_EMBED = V6_MMA_FINISH.replace(name="v6-mma-embed", embed_stage_bytes=EMBE
 # unsliced ops through block_mma_rows' ring (mma_k_ring; benchmarks/NOTES.md "block_mma's
 # weights through the ring"). Other kernels: v6-mma-embed.
 V6_MMA_K_RING = V6_MMA_EMBED.replace(name="v6-mma-k-ring", mma_k_ring=True)
-# V6-MMA-LAST-SKIP (PREDICTED, not built): v6-mma-embed with a step that needs no logits
-# skipping its last layer after QKV (last_layer_skip; benchmarks/NOTES.md "Late q/k's key
-# caching, a token at a time", its as-built part: what building it must keep, and "The last
-# layer skipped where no row needs logits"); V6-MMA-K-RING-SKIP the same on v6-mma-k-ring.
+# V6-MMA-LAST-SKIP (as built: design_for's where the kernel has no MK_K_RING, Qwen3's):
+# v6-mma-embed with a step that needs no logits idling its last layer after QKV
+# (last_layer_skip; benchmarks/NOTES.md "The last layer skipped where no row needs logits");
+# V6-MMA-K-RING-SKIP (as built, SmolLM2's and Llama's) the same on v6-mma-k-ring.
 V6_MMA_SKIP = V6_MMA_EMBED.replace(name="v6-mma-last-skip", last_layer_skip=True)
 V6_MMA_K_RING_SKIP = V6_MMA_K_RING.replace(name="v6-mma-k-ring-skip", last_layer_skip=True)
 # V6-MMA-OVERLAP (PREDICTED, not built): ... and block_mma's too, every mat-mul's L2 reads
@@ -473,8 +474,9 @@ V6_MMA_OVERLAP = V6_MMA_RING.replace(name="v6-mma-overlap", mma_l2_overlap=True)
 # QKV on the rows needing logits alone (last_layer_logits; benchmarks/NOTES.md "The last
 # layer on the logits rows").
 V6_MMA_LAST = V6_MMA_EMBED.replace(name="v6-mma-last-layer", last_layer_logits=True)
-# The tensor-core designs megakernel.cu builds.
-BUILT_MMA = ("v6-mma-seg", "v6-mma-embed", "v6-mma-k-ring")
+# The tensor-core designs megakernel.cu builds (each with last_layer_skip: v6-mma-seg's kernels
+# too, design_for).
+BUILT_MMA = ("v6-mma-seg", "v6-mma-last-skip", "v6-mma-k-ring-skip")
 # Every design a prediction can name (`monokernel plan --design`).
 DESIGNS: dict[str, KernelDesign] = {"v5": V5, "v6": V6, "v6-mma": V6_MMA,
                                     "v6-mma-seg": V6_MMA_SEG, "v6-mma-split": V6_MMA_SPLIT,
@@ -501,7 +503,8 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
     the keys and the step's end over the threads, EMBED's rows staged), V6_MMA_K_RING where
     the kernel runs block_mma's k split through block_mma_rows' ring (header.k_split_ring:
     steps of more than isa.MMA_ROWS_SPLIT_ABOVE tokens, head_dim 64), residual_in's copy in a
-    pass where the epilogue's store would spill (head_dim 128). A
+    pass where the epilogue's store would spill (head_dim 128); each with the last layer idle
+    in a step that needs no logits (last_layer_skip: V6_MMA_SKIP, V6_MMA_K_RING_SKIP). A
     kernel change updates these in the same commit."""
     if tensor_cores:
         from ..header import attn_pipeline, k_split_ring, residual_in_epilogue, rms_stage_rows
@@ -525,6 +528,11 @@ def design_for(program=None, sync: int = 2, multi_step: bool = True,
             # through block_mma_rows' ring
             d = d.replace(mma_k_ring=True, name=V6_MMA_K_RING.name if d.name == V6_MMA_EMBED.name
                           else d.name)
+        # a step that needs no logits idles its last layer after QKV (megakernel.cu
+        # last_layer_idle): every tensor-core kernel of slots
+        d = d.replace(last_layer_skip=True, name={V6_MMA_EMBED.name: V6_MMA_SKIP.name,
+                                                   V6_MMA_K_RING.name: V6_MMA_K_RING_SKIP.name
+                                                   }.get(d.name, d.name))
         if tokens > 1:
             d = d.replace(prefill_chunk=tokens)
         rows = d.rms_stage_rows if cfg is None else rms_stage_rows(cfg, tokens, True)
