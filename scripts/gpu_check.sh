@@ -293,10 +293,12 @@ elif [ "$MODE" = tc ]; then
   # predicted 653.5 -> 537, 871.1 -> 724, 1033.2 -> 914 us (h200-fit)
   step bench_b1 45 "$PY" -m monokernel bench --shape "${SHAPES// /,}" --backends cuda \
     --context 16 --steps 30 --warmup 5 --max-seq "$MAX_SEQ" --out "$WORK"
-  # the tensor-core step of SmolLM2 (its bound now the 30 layers', its alone check first)
+  # the tensor-core step of SmolLM2 (its bound now the 30 layers', its alone check first),
+  # then a step that needs no logits idling its last layer (the same kernel: seconds)
   step tc_tests 75 env MONOKERNEL_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -v -s --tb=short -rs \
     -p no:cacheprovider "${PER_TEST[@]}" \
-    tests/kernel/test_cuda_backend.py::test_gpu_tensor_cores_agree_with_the_bf16_reference_and_alone
+    tests/kernel/test_cuda_backend.py::test_gpu_tensor_cores_agree_with_the_bf16_reference_and_alone \
+    tests/kernel/test_cuda_backend.py::test_gpu_a_step_without_logits_idles_its_last_layer
   # device time of a 1024-token prompt's 4 chunk steps (256 tokens a step) and of decode
   # steps of 64 sequences at context 1024 (device times only: the Engine's 64 prompts of 1024
   # took ~25 s a shape),

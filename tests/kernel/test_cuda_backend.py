@@ -1041,6 +1041,46 @@ def test_gpu_tensor_cores_agree_with_the_bf16_reference_and_alone(gpu_case):
     print(f"every row vs the bf16-inputs reference: {min(errs):.2e} to {max(errs):.2e}")
 
 
+def idle_first_step_is_bitwise(ex, prompts) -> int:
+    """The prompts' first 3 rows in a step that needs no logits (its last layer idles after
+    QKV: megakernel.cu last_layer_idle), then their other rows with logits: those rows'
+    logits bitwise the same rows' in one step of every row (a prompt's numbers do not depend
+    on its chunks, and the idle layer keeps every K/V row). The rows compared."""
+    from monokernel.kernel.base import StepTable
+
+    rows, tables, whole = tensor_core_step(ex, prompts)
+    ex.reset()
+    ex.add_pages(4 * 2)
+    first = [(t, s, i, False, True) for t, s, i, _, _ in rows if i < 3]
+    assert ex.run_table(StepTable.of(first, tables)).logits.shape[0] == 0
+    later = [k for k, r in enumerate(rows) if r[2] >= 3]
+    got = ex.run_table(StepTable.of([rows[k] for k in later], tables)).logits
+    assert np.array_equal(got.view(np.uint32), whole[later].view(np.uint32))
+    return len(later)
+
+
+def test_an_idle_first_step_on_the_emulator():
+    """idle_first_step_is_bitwise on the emulator's tensor-core kernel of 4 slots (a 2-layer
+    Llama: the GPU test's premise, and its host side)."""
+    from monokernel.model.loader import load_model
+    from monokernel.runtime import make_executor
+
+    m = load_model(synthetic_checkpoint("llama3-tiny"), progress=False)
+    ex = make_executor("emulator", m, 64, slots=4, step_tokens=64, tensor_cores=True, blocks=3)
+    assert idle_first_step_is_bitwise(ex, TC_PROMPTS) == sum(len(p) - 3 for p in TC_PROMPTS)
+
+
+@pytest.mark.gpu
+def test_gpu_a_step_without_logits_idles_its_last_layer(gpu_case):
+    """The last layer idle in a step whose rows need no logits (issue 17; prepared as
+    smollm2-135m:cuda:slots=4:tokens=64:mma) on the real grid: idle_first_step_is_bitwise."""
+    from monokernel.runtime import make_executor
+
+    m = gpu_case("smollm2-135m")[0]
+    ex = make_executor("cuda", m, GPU_MAX_SEQ, slots=4, step_tokens=64, tensor_cores=True)
+    assert idle_first_step_is_bitwise(ex, TC_PROMPTS) == 28
+
+
 @pytest.mark.gpu
 def test_gpu_prompt_chunks_are_bitwise_the_one_token_steps(gpu_case):
     """Prompt chunks (step_tokens=16, issue 17 slice 2; prepared as smollm2-135m:cuda:tokens=16)
