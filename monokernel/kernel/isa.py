@@ -484,6 +484,44 @@ def segment_part_rows(part: int, parts: int, rows: int) -> tuple[int, int]:
     return part * rows // parts, (part + 1) * rows // parts
 
 
+def split_parts(used: int, rows: int, first_pos: int, chunk: int, splits: int, group: int,
+                most_mtiles: int) -> list[int]:
+    """(design attn_split_parts; PREDICTED, not built) A segment's parts per split: split s
+    (positions [s chunk, (s + 1) chunk)) takes the segment's rows that reach it (positions
+    >= s chunk, a suffix of the rows: split_part_rows) in parts[s] parts, its units in the
+    slots after the earlier splits' (rotated as row_rotations), so the KV group's slots go to
+    the splits by their work: every split one part, then one more part at a time to the split
+    whose parts hold the most work (its rows reaching it x its positions up to the segment's
+    last, over its parts; the first of equals), while the slots last (sum <= splits), a part
+    keeps a row and at most the parts whose largest holds ``most_mtiles`` m-tiles of 16 (row,
+    head) queries (as segment_parts). A decode row (rows 1): one part a split, the splits'
+    slots as today. A row's partials are its own whichever unit holds them."""
+    reach = [rows - min(rows, max(0, s * chunk - first_pos)) for s in range(used)]
+    seen = [max(0, min(chunk, first_pos + rows - s * chunk)) for s in range(used)]
+    work = [r * n for r, n in zip(reach, seen)]
+
+    def most(r: int) -> int:  # the fewest parts of at most most_mtiles m-tiles, of a row each
+        return next((p for p in range(1, r + 1) if -(-(-(-r // p)) * group // 16) <= most_mtiles),
+                    max(r, 1))
+
+    parts = [1] * used
+    while sum(parts) < splits:
+        grow = [(work[s] / parts[s], -s) for s in range(used) if parts[s] < most(reach[s])]
+        if not grow:
+            break
+        parts[-max(grow)[1]] += 1
+    return parts
+
+
+def split_part_rows(split: int, part: int, parts: int, rows: int, first_pos: int,
+                    chunk: int) -> tuple[int, int]:
+    """(first, end) among a segment's ``rows`` of part ``part`` of ``parts`` of split
+    ``split``'s rows (split_parts): the rows reaching the split, in equal shares."""
+    first = min(rows, max(0, split * chunk - first_pos))
+    n = rows - first
+    return first + part * n // parts, first + (part + 1) * n // parts
+
+
 def unit_finishes(used: int, least: int) -> bool:
     """megakernel.cu unit_finishes: a row of one used split whose step merges by ticket
     (merge_ticket_min 1: the tensor-core kernel; a kernel of slots, the only one the executor

@@ -331,6 +331,58 @@ def test_segment_parts_split_a_chunks_rows_into_the_slots_its_splits_leave():
         assert all(end - first >= rows // parts for first, end in got)
 
 
+def test_split_parts_deal_a_chunks_slots_to_its_splits_by_work():
+    """isa.split_parts (design attn_split_parts, predicted, not built): every used split one
+    part, then the KV group's slots one at a time to the split whose parts hold the most work
+    (its reaching rows x its positions seen), none finer than the m-tile cap and none without
+    a row; split_part_rows cover each split's reaching rows (a suffix of the segment's) once,
+    in order, and nothing of the rows before them. A decode row: one part a split."""
+    from monokernel.kernel.isa import split_part_rows, split_parts
+
+    # Qwen3's chunks of 256 (16 slots of 128 positions, 2 queries a KV head, 4 m-tiles a part)
+    assert split_parts(2, 256, 0, 128, 16, 2, 4) == [8, 4]  # the m-tile cap: 32 rows a part
+    assert split_parts(6, 256, 512, 128, 16, 2, 4) == [3, 3, 3, 3, 3, 1]
+    assert split_parts(8, 256, 768, 128, 16, 2, 4) == [3, 2, 2, 2, 2, 2, 2, 1]
+    assert split_parts(3, 1, 300, 128, 16, 2, 4) == [1, 1, 1]  # a decode row
+    assert split_parts(16, 40, 1990, 128, 16, 2, 4) == [1] * 16  # every slot a split's
+    for used, rows, first_pos in ((2, 256, 0), (6, 256, 512), (8, 256, 768), (5, 100, 450),
+                                  (3, 7, 250)):
+        parts = split_parts(used, rows, first_pos, 128, 16, 2, 4)
+        assert len(parts) == used and sum(parts) <= 16 and min(parts) >= 1
+        for s, p in enumerate(parts):
+            got = [split_part_rows(s, k, p, rows, first_pos, 128) for k in range(p)]
+            reach = [r for r in range(rows) if first_pos + r >= s * 128]
+            assert [r for a, b in got for r in range(a, b)] == reach, (used, rows, s)
+            assert all(b > a for a, b in got)
+
+
+def test_split_parts_are_predicted_to_speed_a_chunks_attention_only():
+    """attn_split_parts on the built design: Qwen3's chunk steps of a 1024-token prompt each
+    as fast or faster (the one at position 512, whose 6 used splits left 4 of 16 slots a KV
+    group empty, by more than 3 %); a decode step (segments of one row) bit for bit as
+    without it."""
+    import dataclasses
+
+    from monokernel.kernel.group_picks import tensor_core_program
+    from monokernel.kernel.schedule import tensor_core_splits
+    from monokernel.model.config import ModelConfig
+
+    cfg = dataclasses.replace(ModelConfig.from_name("qwen3-0.6b"), num_layers=2)
+    splits, min_chunk = tensor_core_splits(cfg, 132, 2048)
+    prog = tensor_core_program(cfg, 132, 2048, splits, min_chunk, 256)
+    g = cm.gpu("h200")
+    built = cm.design_for(prog, tensor_cores=True)
+    dealt = built.replace(attn_split_parts=True)
+    for shape in prefill_shapes(1024, 256):
+        new, old = (cm.predict(prog, g, d, shape=shape).step_us for d in (dealt, built))
+        assert new <= old, (shape, new, old)
+        if shape.segments[0].context == 512:
+            assert new < 0.97 * old, (new, old)
+    for shape in (StepShape.decode(64, 16), StepShape.decode(64, 1024)):
+        assert cm.predict(prog, g, dealt, shape=shape).step_us == \
+            cm.predict(prog, g, built, shape=shape).step_us
+
+
 def test_row_parts_put_a_chunks_attention_on_more_blocks():
     """attn_row_parts (built: megakernel.cu segment_parts): a late prompt chunk of SmolLM2 (3
     KV heads, 44 slots a group, 5 used splits) runs its attention units on 7x the blocks

@@ -294,6 +294,12 @@ class KernelDesign:
     # fewest parts of at most this many m-tiles each; 0: every row of a segment in its split's
     # one unit
     attn_row_parts: int = 0
+    # (PREDICTED, not built; with attn_row_parts) a segment's slots dealt to its splits by their
+    # work (isa.split_parts): split s's reaching rows in its own number of parts, so a chunk's
+    # lighter splits (the diagonal ones, few rows) take fewer slots and the full ones more,
+    # and every slot of the KV group runs a unit (benchmarks/NOTES.md "A chunk's attention
+    # slots by the splits' work"); False: every split of a segment in the same parts
+    attn_split_parts: bool = False
     # ATTENTION's scores and values on tensor cores (every step, one token too: a sequence's
     # numbers must not depend on the step's other tokens); False: CUDA-core FMA as built
     attn_tensor_cores: bool = False

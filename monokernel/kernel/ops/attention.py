@@ -20,7 +20,8 @@ from ..costmodel.tokens import mma_us, widen_attention
 from ..isa import (KV_UNROLL, MERGE_CHUNK, MERGE_TICKET_WAYS, PREFETCH_MAX_BYTES, SEG_KEYS,
                    SEG_QUERIES, T_TILE, Args, Op, attn_k_vec, attn_round_positions,
                    merge_by_ticket, merge_row_lanes, merge_ways, row_finishes, row_rotations,
-                   seg_sub, segment_part_rows, segment_parts, split_chunk, splits_used,
+                   seg_sub, segment_part_rows, segment_parts, split_chunk, split_part_rows,
+                   split_parts, splits_used,
                    unit_finishes)
 from ..program import Instruction, Region, split_even
 
@@ -259,7 +260,9 @@ def _rotated(b: OpBatch, g, d) -> Phases:
     per_slot = {k: np.zeros(S) for k in keys}
     cache: dict[tuple[int, int], dict] = {}
     row_bytes, row_pref = [], []  # per row (part), its units' bytes and prefetchable bytes by slot
-    for r, first, end, at in _part_units(b, d, rows, used):
+    units = _split_units(b, d, rows, used) if d.attn_split_parts and d.attn_segments else \
+        ((r, first, end, at, None) for r, first, end, at in _part_units(b, d, rows, used))
+    for r, first, end, at, split in units:
         ctx, n = rows[r]
         ctx_p, n_p = ctx - n + end, end - first  # the part's last row, its rows
         if (ctx_p, n_p) not in cache:
@@ -270,11 +273,17 @@ def _rotated(b: OpBatch, g, d) -> Phases:
             for k in ("l2", "other", "rounds"):  # the warp units' share (waves below)
                 one["w_" + k] = one[k] * one["warp"]
             cache[ctx_p, n_p] = {k: np.where(probe < u_p, v, 0.0) for k, v in one.items()}
+        got = cache[ctx_p, n_p]
+        if split is not None:  # (attn_split_parts) one split's unit, in slot `at`
+            got = {k: np.roll(np.where(probe == split, v, 0.0), at - split)
+                   for k, v in got.items()}
+        else:
+            got = {k: np.roll(v, at) for k, v in got.items()}
         for k in keys:
             if k != "pref" or r == 0:  # prefetch_weights: the step's first row's units only
-                per_slot[k] += np.roll(cache[ctx_p, n_p][k], at)
-        row_bytes.append(np.roll(cache[ctx_p, n_p]["bytes"], at))
-        row_pref.append(np.roll(cache[ctx_p, n_p]["pref"], at))
+                per_slot[k] += got[k]
+        row_bytes.append(got["bytes"])
+        row_pref.append(got["pref"])
     # instruction i: its units [lo, hi) of g * S + slot, every group alike
     kv = prog.config.num_kv_heads
     out = {}
@@ -350,6 +359,26 @@ def _part_units(b: OpBatch, d, rows: list[tuple[int, int]], used: list[int]):
         for p in range(n_parts):
             first, end = segment_part_rows(p, n_parts, n)
             yield r, first, end, (off + p * u) % S
+
+
+def _split_units(b: OpBatch, d, rows: list[tuple[int, int]], used: list[int]):
+    """(attn_split_parts) (r, first, end, slot, split) of each unit of each unit-running row
+    ``rows[r]`` (context, rows: a segment) of ``used`` splits: isa.split_parts' parts of each
+    split s, the reaching rows [first, end) of the segment (isa.split_part_rows), in the
+    slots after the earlier splits' parts, from the rotation of the earlier segments'
+    units."""
+    S, chunk = b.program.attn_splits, b.program.attn_min_chunk
+    G = b.program.config.group_size
+    run = 0
+    for r, ((ctx, n), u) in enumerate(zip(rows, used)):
+        first_pos = ctx - n + 1
+        parts = split_parts(u, n, first_pos, chunk, S, G, d.attn_row_parts) if n > 1 else [1] * u
+        for s, p in enumerate(parts):
+            for k in range(p):
+                first, end = split_part_rows(s, k, p, n, first_pos, chunk)
+                if end > first:
+                    yield r, first, end, run % S, s
+                run += 1
 
 
 def _row_offsets(b: OpBatch, d, used: list[int]) -> list[int]:
