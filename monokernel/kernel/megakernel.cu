@@ -558,7 +558,8 @@ __device__ void block_mma_rows(int groups, int ntok, RowPtr rowptr, LoadX load_x
   // the lane, read by the lane after its wait: no barrier), MMA_RING - 1 rounds in flight while
   // one is multiplied, so the weights' L2 and HBM reads run beside the mma
   uint4* const ring = mma_ring();
-  __syncthreads();  // the op before (attention's tiles) is done with dynamic shared memory
+  // (no barrier first: the instruction before, attention's tiles in dynamic shared memory,
+  // ended with the block's barrier in run_step; mma_rms' staged rows lie beside the ring)
   for (int tb0 = 0; tb0 < ntok; tb0 += 8 * NT) {
     const int nt = min(NT, (ntok - tb0 + 7) / 8);  // the pass's token tiles (warp-uniform)
     for (int qb = 0; qb < groups; qb += NWARPS) {
@@ -655,7 +656,7 @@ __device__ void block_mma(MmaShared& sm, int groups, int ntok, RowPtr rowptr, Lo
   constexpr int C = (K + MMA_KC - 1) / MMA_KC, NT = MMA_NT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int c_begin = warp * C / NWARPS, c_end = (warp + 1) * C / NWARPS;
-  if (RING) __syncthreads();  // the op before (attention's tiles) is done with the ring
+  // (the ring: no barrier first, as in block_mma_rows)
   for (int tb0 = 0; tb0 < ntok; tb0 += 8 * NT) {
     const int nt = min(NT, (ntok - tb0 + 7) / 8);  // the pass's token tiles (warp-uniform)
     for (int q0 = 0; q0 < groups; q0 += MMA_RG) {
@@ -2719,10 +2720,11 @@ __device__ void slice_mma(const Params& P, OpShared& s, const int* ins, const in
   static_assert(K % (16 * SLICES) == 0, "input_slices.check: whole 16-column chunks");
   // the row group's counter: the op's signal + 1 + the group (the words read where used, not
   // held through the mat-mul)
-#define SLICE_COUNTER(ins) \
-  ((ins)[W_SIGNAL_COUNTER] + 1 + blockIdx.x / (MK_GROUP_MEMBERS((ins)[W_GROUP]) * SLICES))
+  const auto counter_of = [&] {
+    return ins[W_SIGNAL_COUNTER] + 1 + blockIdx.x / (MK_GROUP_MEMBERS(ins[W_GROUP]) * SLICES);
+  };
   if (last_layer_idle(st, ins[W_LAYER])) {  // its row group's counter counts every step
-    signal_counter(P, SLICE_COUNTER(ins));
+    signal_counter(P, counter_of());
     return;
   }
   const int ntok = step_tokens(st);
@@ -2754,8 +2756,7 @@ __device__ void slice_mma(const Params& P, OpShared& s, const int* ins, const in
     }
   }
   const int members = MK_GROUP_MEMBERS(ins[W_GROUP]) * SLICES;
-  const int counter = SLICE_COUNTER(ins);
-#undef SLICE_COUNTER
+  const int counter = counter_of();
   signal_counter(P, counter);  // (its barrier: every thread's partials are issued)
   if (!wait_counter(P, counter, members * (st[S_STEP] + 1), instr, ins[W_OP],
                     st[S_WATCHDOG_MS]))

@@ -888,7 +888,7 @@ SKIP_MUTANTS = [
          "    if (last_layer_idle(st, layer)) {} else if (pairs <= NWARPS)  // (one key a warp"),
      "O_PROJ's key caching", AssertionError, r"^\(0, 12\)"),  # (_same_after's: slot, pos)
     # an idle slice signals no group counter: the next step's last-layer slices wait for it
-    (1, ("    signal_counter(P, SLICE_COUNTER(ins));\n    return;", "    return;"),
+    (1, ("    signal_counter(P, counter_of());\n    return;", "    return;"),
      "the idle slice's group signal", KernelError,
      r"watchdog: .*O_PROJ_RESIDUAL\(layer 1, .* waited 1000 ms for counter")]
 
