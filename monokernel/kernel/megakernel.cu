@@ -3135,14 +3135,25 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
 #endif
 
 // The best of n partials (score, token id as float bits) by one warp, in one round trip:
-// every lane ends with it.
+// every lane ends with it. A lane's pairs (lane, lane + 32, ..) are loaded, BEST_LOADS at a
+// time, before its first compare: with each load beside its compare (best_of's branches), the
+// compiled loop waited out one L2 round a pair (5 a row on 132 blocks: benchmarks/NOTES.md
+// "The LM head's reducer, a round a row"). The same pairs in the same order: the same best.
+#define BEST_LOADS 8
 __device__ __forceinline__ void warp_best_of(const float* part, int n, float& best,
                                              int& best_id) {
   const int lane = threadIdx.x & 31;
   best = NEG_INF;
   best_id = -1;
-  for (int i = lane; i < n; i += 32)
-    best_of(best, best_id, part[i * 2], __float_as_int(part[i * 2 + 1]));
+  for (int i0 = lane; i0 < n; i0 += 32 * BEST_LOADS) {
+    float2 v[BEST_LOADS];
+#pragma unroll
+    for (int k = 0; k < BEST_LOADS; ++k)  // (past n: no token, which best_of skips)
+      v[k] = i0 + 32 * k < n ? reinterpret_cast<const float2*>(part)[i0 + 32 * k]
+                             : make_float2(NEG_INF, __int_as_float(-1));
+#pragma unroll
+    for (int k = 0; k < BEST_LOADS; ++k) best_of(best, best_id, v[k].x, __float_as_int(v[k].y));
+  }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(FULL_MASK, best, o);

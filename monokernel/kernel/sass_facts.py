@@ -129,6 +129,22 @@ def load_runs(sass: str) -> list[int]:
     return runs
 
 
+def pair_load_runs(sass: str) -> list[int]:
+    """The LM head's reducer (megakernel.cu warp_best_of): lengths of the runs of 8-byte
+    global loads (a partial's score and token) before the compare or branch after them, i.e.
+    a lane's partials in flight in one L2 round (one a round where each load sits beside its
+    compare)."""
+    runs, cur = [], 0
+    for line in sass.splitlines():
+        if re.search(r"\bLDG\.E\.64\b", line):
+            cur += 1
+        elif re.search(r"\b(FSETP|BRA)\b", line):
+            if cur:
+                runs.append(cur)
+            cur = 0
+    return runs
+
+
 _PLAIN_LDG128 = re.compile(r"^(?:@!?P\d\s+)?LDG\.E\.128 (R\d+), ")
 # the first use of a K/V load: a bf16 unpack of its words (bf_lo: << 16, bf_hi: & 0xffff0000)
 _BF16_UNPACK = re.compile(r"\b(LOP3\.LUT .*0xffff0000|IMAD\.U32 .*0x10000|SHF\.L\.U32 .*0x10\b|PRMT)")

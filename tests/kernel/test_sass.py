@@ -175,6 +175,25 @@ def test_copy_detector_sees_a_strided_copy():
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+def test_the_lm_heads_reducer_loads_a_lanes_partials_in_one_round(tmp_path, shape):
+    """warp_best_of (the LM head's last drawer, every step): a lane's BEST_LOADS (8) partials
+    loaded before its first compare, so 132 blocks' partials take one L2 round a row (the
+    loop as it was compiled to a load and its compare's branches per partial: 5 rounds)."""
+    runs = sf.pair_load_runs(megakernel_sass(tmp_path, shape))
+    assert max(runs, default=0) >= 8, sorted(runs, reverse=True)
+
+
+def test_pair_load_run_detector_sees_a_load_beside_its_compare():
+    """The negative control: the reducer as it was (a partial's 8-byte load, then its compare
+    and branch) is runs of one, not 8."""
+    sass = _snippet(["LDG.E.64 R18, desc[UR6][R10.64]", "FSETP.GEU.AND P0, PT, R9, R18, PT",
+                     "@!P0 BRA 0x370", "LDG.E.64 R18, desc[UR6][R10.64+0x100]",
+                     "LDG.E.64 R20, desc[UR6][R10.64+0x200]",
+                     "FSETP.GEU.AND P0, PT, R9, R18, PT"])
+    assert sf.pair_load_runs(sass) == [1, 2]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 def test_step_end_has_no_system_fence_and_matvecs_are_row_shape(tmp_path, shape):
     """No MEMBAR.*.SYS (v5 ended every step with __threadfence_system after the token's store);
     the mat-vecs' loads per chunk are isa.row_shape's (R rows x K loads), and the issue slots
