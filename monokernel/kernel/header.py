@@ -38,6 +38,7 @@ def model_constants(cfg: ModelConfig, max_seq_len: int) -> dict[str, int | str]:
         "MK_SEG_TILE": segment_tile(cfg),
         "MK_SEG_KEYS": SEG_KEYS,
         "MK_KEY_CACHE_KEYS": isa.KEY_CACHE_KEYS,
+        "MK_BEST_LOADS": isa.BEST_LOADS,
         "MK_EMBED_STAGE_BYTES": isa.EMBED_STAGE_BYTES,
         "MK_SEG_QUERIES": SEG_QUERIES,
         "MK_MATVEC_LOADS": MATVEC_LOADS,

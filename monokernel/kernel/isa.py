@@ -343,6 +343,9 @@ SEG_KEYS = 4
 # Late q/k keys of a step a warp of O_PROJ's owner block norms, ropes and caches at once
 # (megakernel.cu op_o_proj_residual: the step's (token, head) pairs over the block's warps).
 KEY_CACHE_KEYS = 8
+# The LM head's partials a reducer lane loads before its first compare (megakernel.cu
+# warp_best_of): one L2 round a row up to 32 x this many blocks.
+BEST_LOADS = 8
 # EMBED in a step of many rows (megakernel.cu op_embed): the rows' 16-byte chunks of the
 # block's tile copied by cp.async into this many bytes of shared memory a pass (s.embed, in a
 # union with s.vec), every copy of a pass issued before the wait: a pass one HBM round.

@@ -3139,7 +3139,7 @@ __device__ __forceinline__ void finish_step(const Params& P, const int* st, int 
 // time, before its first compare: with each load beside its compare (best_of's branches), the
 // compiled loop waited out one L2 round a pair (5 a row on 132 blocks: benchmarks/NOTES.md
 // "The LM head's reducer, a round a row"). The same pairs in the same order: the same best.
-#define BEST_LOADS 8
+#define BEST_LOADS MK_BEST_LOADS  // isa.BEST_LOADS
 __device__ __forceinline__ void warp_best_of(const float* part, int n, float& best,
                                              int& best_id) {
   const int lane = threadIdx.x & 31;

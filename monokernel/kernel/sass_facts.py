@@ -118,11 +118,16 @@ def load_runs(sass: str) -> list[int]:
     weights) between floating-point ops, i.e. loads per lane in flight per chunk. (Plain
     16-byte loads - K/V rows, the copies into shared memory - are not weights: a copy's loads
     before a mat-vec would join its run.)"""
+    return _runs(sass, r"\bLDG\.E\.128\.CONSTANT\b", r"\b(FFMA|FMUL|FADD)\b")
+
+
+def _runs(sass: str, load: str, stop: str) -> list[int]:
+    """Lengths of the runs of lines matching ``load`` ended by a line matching ``stop``."""
     runs, cur = [], 0
     for line in sass.splitlines():
-        if re.search(r"\bLDG\.E\.128\.CONSTANT\b", line):
+        if re.search(load, line):
             cur += 1
-        elif re.search(r"\b(FFMA|FMUL|FADD)\b", line):
+        elif re.search(stop, line):
             if cur:
                 runs.append(cur)
             cur = 0
@@ -134,15 +139,7 @@ def pair_load_runs(sass: str) -> list[int]:
     global loads (a partial's score and token) before the compare or branch after them, i.e.
     a lane's partials in flight in one L2 round (one a round where each load sits beside its
     compare)."""
-    runs, cur = [], 0
-    for line in sass.splitlines():
-        if re.search(r"\bLDG\.E\.64\b", line):
-            cur += 1
-        elif re.search(r"\b(FSETP|BRA)\b", line):
-            if cur:
-                runs.append(cur)
-            cur = 0
-    return runs
+    return _runs(sass, r"\bLDG\.E\.64\b", r"\b(FSETP|BRA)\b")
 
 
 _PLAIN_LDG128 = re.compile(r"^(?:@!?P\d\s+)?LDG\.E\.128 (R\d+), ")
